@@ -1,0 +1,391 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
+    CREATED: _ClassVar[Outcome]
+    REUSED: _ClassVar[Outcome]
+    ALREADY_ALLOCATED: _ClassVar[Outcome]
+
+class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INSTANCE_STATE_UNSPECIFIED: _ClassVar[InstanceState]
+    CREATING: _ClassVar[InstanceState]
+    ACTIVE: _ClassVar[InstanceState]
+    IDLE: _ClassVar[InstanceState]
+    DELETING: _ClassVar[InstanceState]
+    ERROR: _ClassVar[InstanceState]
+OUTCOME_UNSPECIFIED: Outcome
+CREATED: Outcome
+REUSED: Outcome
+ALREADY_ALLOCATED: Outcome
+INSTANCE_STATE_UNSPECIFIED: InstanceState
+CREATING: InstanceState
+ACTIVE: InstanceState
+IDLE: InstanceState
+DELETING: InstanceState
+ERROR: InstanceState
+
+class Placement(_message.Message):
+    __slots__ = ("start", "size")
+    START_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    size: int
+    def __init__(self, start: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class PodRef(_message.Message):
+    __slots__ = ("uid", "namespace", "name")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    namespace: str
+    name: str
+    def __init__(self, uid: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class DeviceRequest(_message.Message):
+    __slots__ = ("device_index", "gpu_uuid", "profile", "placement")
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    device_index: int
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    def __init__(self, device_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("pod", "container_name", "container_index", "devices")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    pod: PodRef
+    container_name: str
+    container_index: int
+    devices: _containers.RepeatedCompositeFieldContainer[DeviceRequest]
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceRequest, _Mapping]]] = ...) -> None: ...
+
+class AllocatedDevice(_message.Message):
+    __slots__ = ("device_index", "gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "cdi_device", "outcome")
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    CDI_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    device_index: int
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    mig_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    cdi_device: str
+    outcome: Outcome
+    def __init__(self, device_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., cdi_device: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, str]] = ...) -> None: ...
+
+class InstanceRef(_message.Message):
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    mig_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("devices", "reclaimed")
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    devices: _containers.RepeatedCompositeFieldContainer[AllocatedDevice]
+    reclaimed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("pod_uid",)
+    POD_UID_FIELD_NUMBER: _ClassVar[int]
+    pod_uid: str
+    def __init__(self, pod_uid: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, released: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+
+class ActiveAllocation(_message.Message):
+    __slots__ = ("pod", "container_name", "container_index", "device_index", "gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    pod: PodRef
+    container_name: str
+    container_index: int
+    device_index: int
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    mig_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ...) -> None: ...
+
+class SyncActiveRequest(_message.Message):
+    __slots__ = ("generation", "active")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    active: _containers.RepeatedCompositeFieldContainer[ActiveAllocation]
+    def __init__(self, generation: _Optional[int] = ..., active: _Optional[_Iterable[_Union[ActiveAllocation, _Mapping]]] = ...) -> None: ...
+
+class SyncActiveResponse(_message.Message):
+    __slots__ = ("idled", "reactivated")
+    IDLED_FIELD_NUMBER: _ClassVar[int]
+    REACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    idled: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    reactivated: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, idled: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., reactivated: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+
+class RecoverRequest(_message.Message):
+    __slots__ = ("active",)
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    active: _containers.RepeatedCompositeFieldContainer[ActiveAllocation]
+    def __init__(self, active: _Optional[_Iterable[_Union[ActiveAllocation, _Mapping]]] = ...) -> None: ...
+
+class RecoverResponse(_message.Message):
+    __slots__ = ("adopted_active", "restored_idle", "preserved_foreign", "adopted_foreign", "removed_orphan_gis", "dropped_stale_records", "errors")
+    ADOPTED_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_IDLE_FIELD_NUMBER: _ClassVar[int]
+    PRESERVED_FOREIGN_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FOREIGN_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_ORPHAN_GIS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_STALE_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    adopted_active: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    restored_idle: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    preserved_foreign: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    adopted_foreign: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    removed_orphan_gis: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    dropped_stale_records: _containers.RepeatedScalarFieldContainer[str]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adopted_active: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., restored_idle: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., preserved_foreign: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., adopted_foreign: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., removed_orphan_gis: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., dropped_stale_records: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("api_version", "sidecar_version", "backend", "boot_id", "recovered", "cdi_enabled", "adopt_existing", "generation", "started_at")
+    API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    RECOVERED_FIELD_NUMBER: _ClassVar[int]
+    CDI_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    api_version: str
+    sidecar_version: str
+    backend: str
+    boot_id: str
+    recovered: bool
+    cdi_enabled: bool
+    adopt_existing: bool
+    generation: int
+    started_at: _timestamp_pb2.Timestamp
+    def __init__(self, api_version: _Optional[str] = ..., sidecar_version: _Optional[str] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., recovered: _Optional[bool] = ..., cdi_enabled: _Optional[bool] = ..., adopt_existing: _Optional[bool] = ..., generation: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class MigMode(_message.Message):
+    __slots__ = ("current", "pending")
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    current: bool
+    pending: bool
+    def __init__(self, current: _Optional[bool] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("index", "uuid", "minor", "model", "memory_mb", "mig_mode", "busy")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    MIG_MODE_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    minor: int
+    model: str
+    memory_mb: int
+    mig_mode: MigMode
+    busy: bool
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., minor: _Optional[int] = ..., model: _Optional[str] = ..., memory_mb: _Optional[int] = ..., mig_mode: _Optional[_Union[MigMode, _Mapping]] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class ListGpusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListGpusResponse(_message.Message):
+    __slots__ = ("gpus",)
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
+
+class DiscoverProfilesRequest(_message.Message):
+    __slots__ = ("gpu_uuid", "allowed_profiles")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_PROFILES_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    allowed_profiles: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpu_uuid: _Optional[str] = ..., allowed_profiles: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Profile(_message.Message):
+    __slots__ = ("name", "gi_profile_id", "ci_profile_id", "slice_count", "memory_mb", "core_percent", "instance_count", "placements")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GI_PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    CI_PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLICE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    CORE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    gi_profile_id: int
+    ci_profile_id: int
+    slice_count: int
+    memory_mb: int
+    core_percent: int
+    instance_count: int
+    placements: _containers.RepeatedCompositeFieldContainer[Placement]
+    def __init__(self, name: _Optional[str] = ..., gi_profile_id: _Optional[int] = ..., ci_profile_id: _Optional[int] = ..., slice_count: _Optional[int] = ..., memory_mb: _Optional[int] = ..., core_percent: _Optional[int] = ..., instance_count: _Optional[int] = ..., placements: _Optional[_Iterable[_Union[Placement, _Mapping]]] = ...) -> None: ...
+
+class DiscoverProfilesResponse(_message.Message):
+    __slots__ = ("profiles",)
+    PROFILES_FIELD_NUMBER: _ClassVar[int]
+    profiles: _containers.RepeatedCompositeFieldContainer[Profile]
+    def __init__(self, profiles: _Optional[_Iterable[_Union[Profile, _Mapping]]] = ...) -> None: ...
+
+class Owner(_message.Message):
+    __slots__ = ("pod", "container_name", "container_index", "device_index")
+    POD_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    pod: PodRef
+    container_name: str
+    container_index: int
+    device_index: int
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
+
+class Instance(_message.Message):
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CDI_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    mig_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    state: InstanceState
+    owner: Owner
+    cdi_device: str
+    last_error: str
+    since: _timestamp_pb2.Timestamp
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ForeignInstance(_message.Message):
+    __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid")
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_COMPUTE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    profile: str
+    placement: Placement
+    gpu_instance_id: int
+    has_compute_instance: bool
+    compute_instance_id: int
+    mig_uuid: str
+    def __init__(self, profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., gpu_instance_id: _Optional[int] = ..., has_compute_instance: _Optional[bool] = ..., compute_instance_id: _Optional[int] = ..., mig_uuid: _Optional[str] = ...) -> None: ...
+
+class GpuState(_message.Message):
+    __slots__ = ("gpu", "instances", "foreign")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    FOREIGN_FIELD_NUMBER: _ClassVar[int]
+    gpu: Gpu
+    instances: _containers.RepeatedCompositeFieldContainer[Instance]
+    foreign: _containers.RepeatedCompositeFieldContainer[ForeignInstance]
+    def __init__(self, gpu: _Optional[_Union[Gpu, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[ForeignInstance, _Mapping]]] = ...) -> None: ...
+
+class GetStateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStateResponse(_message.Message):
+    __slots__ = ("generation", "gpus", "pending_cdi_removals")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_CDI_REMOVALS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    gpus: _containers.RepeatedCompositeFieldContainer[GpuState]
+    pending_cdi_removals: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, generation: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuState, _Mapping]]] = ..., pending_cdi_removals: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetMigModeRequest(_message.Message):
+    __slots__ = ("gpu_uuid", "enabled")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    enabled: bool
+    def __init__(self, gpu_uuid: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
+
+class SetMigModeResponse(_message.Message):
+    __slots__ = ("mig_mode", "needs_reset")
+    MIG_MODE_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_RESET_FIELD_NUMBER: _ClassVar[int]
+    mig_mode: MigMode
+    needs_reset: bool
+    def __init__(self, mig_mode: _Optional[_Union[MigMode, _Mapping]] = ..., needs_reset: _Optional[bool] = ...) -> None: ...

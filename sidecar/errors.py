@@ -1,0 +1,103 @@
+"""The domain errors, one small hierarchy, each carrying the contract's ``reason``.
+
+``server`` maps every one of them to a gRPC status plus ``google.rpc.ErrorInfo`` (domain
+``migsidecar.hami.io``); nothing else in the code base knows about gRPC.
+
+    SidecarError                      (reason, code, metadata)
+    ├── InvalidRequest                INVALID_ARGUMENT  INVALID_REQUEST
+    │   ├── UnknownProfile            INVALID_ARGUMENT  UNKNOWN_PROFILE
+    │   └── IllegalPlacement          INVALID_ARGUMENT  ILLEGAL_PLACEMENT
+    ├── UnknownGpu                    NOT_FOUND         UNKNOWN_GPU
+    ├── NotRecovered                  FAILED_PRECONDITION NOT_RECOVERED
+    ├── PlacementBusy                 FAILED_PRECONDITION PLACEMENT_BUSY   (metadata names the blocker)
+    ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
+    ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
+    ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
+    ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
+    ├── NvmlFailure                   UNAVAILABLE       NVML_ERROR        (wraps nvml.port.NvmlError)
+    └── StateWriteFailed              UNAVAILABLE       STATE_WRITE_FAILED
+
+UNAVAILABLE means "the same call may succeed later, with the same key"; the client retries nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class Code(enum.Enum):
+    """The gRPC status codes the contract uses, named as gRPC names them (kept gRPC-free here)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class SidecarError(Exception):
+    reason: str = "INTERNAL"
+    code: Code = Code.UNAVAILABLE
+
+    def __init__(self, message: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+
+class InvalidRequest(SidecarError):
+    reason = "INVALID_REQUEST"
+    code = Code.INVALID_ARGUMENT
+
+
+class UnknownProfile(InvalidRequest):
+    reason = "UNKNOWN_PROFILE"
+
+
+class IllegalPlacement(InvalidRequest):
+    reason = "ILLEGAL_PLACEMENT"
+
+
+class UnknownGpu(SidecarError):
+    reason = "UNKNOWN_GPU"
+    code = Code.NOT_FOUND
+
+
+class NotRecovered(SidecarError):
+    reason = "NOT_RECOVERED"
+    code = Code.FAILED_PRECONDITION
+
+
+class PlacementBusy(SidecarError):
+    reason = "PLACEMENT_BUSY"
+    code = Code.FAILED_PRECONDITION
+
+
+class KeyConflict(SidecarError):
+    reason = "KEY_CONFLICT"
+    code = Code.FAILED_PRECONDITION
+
+
+class MigDisabled(SidecarError):
+    reason = "MIG_DISABLED"
+    code = Code.FAILED_PRECONDITION
+
+
+class UnverifiableState(SidecarError):
+    reason = "UNVERIFIABLE_STATE"
+    code = Code.FAILED_PRECONDITION
+
+
+class InstanceInUse(SidecarError):
+    reason = "INSTANCE_IN_USE"
+    code = Code.UNAVAILABLE
+
+
+class NvmlFailure(SidecarError):
+    reason = "NVML_ERROR"
+    code = Code.UNAVAILABLE
+
+
+class StateWriteFailed(SidecarError):
+    reason = "STATE_WRITE_FAILED"
+    code = Code.UNAVAILABLE

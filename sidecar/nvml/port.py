@@ -1,0 +1,153 @@
+"""The hardware port: what the domain needs from NVML, in NVML's own words, typed.
+
+The domain (``lifecycle``, ``recovery``, ``reconciler``, ``server``) depends on this module only.
+Two things implement it side by side:
+
+* ``pynvml_backend.PynvmlBackend`` — the adapter over ``pynvml`` (the only module importing it). On a
+  real node it talks to ``libnvidia-ml.so.1``; with ``--backend simulated`` the very same adapter runs
+  over ``simulated.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
+
+The port is stateless and addressed by IDs (GPU UUID, GI ID, CI ID), never by NVML handles: handles go
+stale after a destroy and the driver reuses IDs, so every call looks its objects up afresh and the MIG
+UUID is what proves identity.
+
+Errors: every NVML failure surfaces as ``NvmlError`` (``code`` is the ``nvmlReturn_t`` value, the
+pynvml exception is kept as ``__cause__``). Bounded retries of transient codes happen inside the
+adapter; what reaches the domain is final.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from sidecar.domain import Placement
+
+# nvmlReturn_t values the domain reasons about (nvml.h).
+NVML_SUCCESS = 0
+NVML_ERROR_UNINITIALIZED = 1
+NVML_ERROR_INVALID_ARGUMENT = 2
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_RESET_REQUIRED = 16
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
+NVML_ERROR_NOT_READY = 27
+NVML_ERROR_UNKNOWN = 999
+
+
+class NvmlError(Exception):
+    """An NVML call failed. ``operation`` names the port method and its target, ``code`` the nvmlReturn_t."""
+
+    def __init__(self, operation: str, code: int, message: str) -> None:
+        super().__init__(f"{operation}: {message} (nvml code {code})")
+        self.operation = operation
+        self.code = code
+        self.message = message
+
+    @property
+    def not_found(self) -> bool:
+        return self.code == NVML_ERROR_NOT_FOUND
+
+    @property
+    def in_use(self) -> bool:
+        return self.code == NVML_ERROR_IN_USE
+
+
+class GpuInfo(msgspec.Struct, frozen=True):
+    index: int
+    uuid: str
+    minor: int
+    model: str  # nvmlDeviceGetName, e.g. "NVIDIA H100 80GB HBM3"
+    memory_mb: int  # total memory in MiB
+    mig_current: bool
+    mig_pending: bool
+
+
+class GpuInstanceProfile(msgspec.Struct, frozen=True):
+    """One GPU instance profile of a GPU, with the full-size CI profile that goes with it."""
+
+    index: int  # the NVML_GPU_INSTANCE_PROFILE_* constant passed to GetGpuInstanceProfileInfo
+    id: int  # the GI profile ID (nvidia-smi "ID"), what create/list/placements take
+    name: str  # without the "MIG " prefix: "1g.10gb", "1g.10gb+me"
+    slice_count: int  # compute slices
+    instance_count: int
+    memory_mb: int
+    multiprocessor_count: int
+    placements: tuple[Placement, ...]  # GetGpuInstancePossiblePlacements (static, occupancy-independent)
+    ci_profile_id: int  # ID of the full-size compute instance profile (shared engines) inside such a GI
+
+
+class GpuInstanceInfo(msgspec.Struct, frozen=True):
+    gpu_uuid: str
+    id: int
+    profile_id: int
+    placement: Placement
+
+
+class ComputeInstanceInfo(msgspec.Struct, frozen=True):
+    gpu_uuid: str
+    gpu_instance_id: int
+    id: int
+    profile_id: int
+    mig_uuid: str  # nvmlDeviceGetUUID of nvmlComputeInstanceInfo_t.device (the MIG device handle)
+
+
+class NvmlPort(Protocol):
+    """What the lifecycle needs from NVML. Every method raises ``NvmlError`` on failure."""
+
+    def gpus(self) -> list[GpuInfo]:
+        """All physical GPUs (nvmlDeviceGetCount / GetHandleByIndex), in index order."""
+        ...
+
+    def gpu(self, gpu_uuid: str) -> GpuInfo:
+        """One GPU by UUID; unknown UUID -> NvmlError (NOT_FOUND or INVALID_ARGUMENT as NVML says)."""
+        ...
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
+        """nvmlDeviceSetMigMode; returns the activation status (an nvmlReturn_t, 0 = applied)."""
+        ...
+
+    def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        """Every GI profile the GPU supports (indices that answer NOT_SUPPORTED/INVALID_ARGUMENT are skipped)."""
+        ...
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        """Every GI on the GPU, across all profiles, sorted by GI ID. MIG disabled -> NvmlError NOT_SUPPORTED."""
+        ...
+
+    def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
+        """Every CI inside one GI, across all CI profiles, sorted by CI ID."""
+        ...
+
+    def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
+        """nvmlDeviceCreateGpuInstanceWithPlacement; never lets the driver choose the placement."""
+        ...
+
+    def create_compute_instance(
+        self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
+    ) -> ComputeInstanceInfo:
+        """nvmlGpuInstanceCreateComputeInstance in the given GI; the result carries the fresh MIG UUID."""
+        ...
+
+    def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
+        """nvmlComputeInstanceDestroy; IN_USE while processes run on it."""
+        ...
+
+    def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        """nvmlGpuInstanceDestroy; IN_USE while it has compute instances or processes."""
+        ...
+
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        """How many compute processes run on a MIG device (nvmlDeviceGetComputeRunningProcesses)."""
+        ...
+
+    def gpu_processes(self, gpu_uuid: str) -> int:
+        """How many compute processes run anywhere on a physical GPU."""
+        ...
