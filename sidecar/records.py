@@ -1,28 +1,68 @@
 """Durable ownership records: one JSON file per owned instance under the state directory.
 
-STUB — the interface below is fixed (other modules are written against it); the bodies are filled in
-by the records/CDI work. See architecture section 7 and style habits 6-8.
-
-On-disk format (a public API; version 1):
+Architecture section 7, style habits 6-8. The file format is a public API (version 1)::
 
     {"version":1,"checksum":"sha256:<hex of the exact record bytes>","record":{...OwnershipRecord...}}
 
 The record is encoded once to bytes R; the envelope is written around R verbatim and the checksum is
-over R, so verification never depends on re-encoding. Decoding is strict (unknown fields rejected).
-Missing and corrupt are different outcomes: ``RecordNotFound`` vs ``CorruptRecord``; a corrupt file is
-never deleted or overwritten automatically.
+over R, so verification never depends on re-encoding (a re-encoding that orders or spaces fields
+differently would otherwise make a good file look corrupt, or a bad one look good). Reading is
+read -> decode the envelope (``record`` kept as ``msgspec.Raw``) -> verify the checksum over those raw
+bytes -> strict-decode R (unknown fields rejected) -> check the file name against the record's own
+name, so a renamed file can never claim another instance.
+
+Missing and corrupt are different outcomes: ``RecordNotFound`` (start empty) vs ``CorruptRecord``
+(stop and surface). A corrupt file is never deleted or overwritten automatically: ``put`` and
+``delete`` refuse to touch one, and only an operator removes it.
+
+Versioning: a file whose ``version`` is not ``RECORD_VERSION`` is corrupt for this build. A future
+version 2 would keep today's ``OwnershipRecord`` as a frozen ``OwnershipRecordV1`` type, add a
+converter ``v1 -> v2``, decode by the envelope's version and always write the newest version. New
+fields of a version always get defaults and existing field types never change (style habit 12).
+
+Files in the directory:
+
+- ``<name>.json``: a record; ``<name>`` comes from ``record_name`` (validated values, never request
+  strings).
+- ``.lock``: the process-wide ``flock`` that keeps a second sidecar out; never unlinked (another
+  process could otherwise lock a fresh inode).
+- ``.<name>.tmp-<random>``: a write in progress; never ends in ``.json``, ignored by readers and
+  swept by ``open()`` (a crash between write and rename leaves one behind and the old record intact).
+
+Permissions: directory 0750, files 0600 (records name pods; nothing outside the node agent needs them).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import secrets
+import threading
+import types
 from pathlib import Path
 
 import msgspec
 
-from sidecar.domain import Identity, Owner, Placement, Reservation, State
+from sidecar.domain import GPU_UUID_RE, Identity, Owner, Placement, Reservation, State
 from sidecar.errors import StateWriteFailed
 
 RECORD_VERSION = 1
+
+DIR_MODE = 0o750
+FILE_MODE = 0o600
+LOCK_NAME = ".lock"
+SUFFIX = ".json"
+TEMP_MARKER = ".tmp-"
+CHECKSUM_PREFIX = "sha256:"
+
+# The stem ``record_name`` produces; ``path`` accepts nothing else, so no name can escape the directory.
+NAME_RE = re.compile(
+    r"^mig-GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}-(0|[1-9][0-9]*)-[1-9][0-9]*$"
+)
 
 
 class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -66,18 +106,24 @@ def record_name(gpu_uuid: str, placement: Placement) -> str:
     Two live instances on one GPU never overlap, so (GPU, placement) names one instance at a time.
     Raises ``ValueError`` for a GPU UUID that is not ``GPU-<uuid>`` or a negative/zero-size placement.
     """
-    raise NotImplementedError
+    if not isinstance(gpu_uuid, str) or not GPU_UUID_RE.match(gpu_uuid):
+        raise ValueError(f"not a GPU UUID: {gpu_uuid!r}")
+    start, size = placement.start, placement.size
+    # bool is an int subclass; True/False as a slice number is a bug upstream, not a placement.
+    if type(start) is not int or type(size) is not int or start < 0 or size <= 0:
+        raise ValueError(f"not a placement: start={start!r} size={size!r}")
+    return f"mig-{gpu_uuid}-{start}-{size}"
 
 
 class RecordError(Exception):
     """Base of record read errors."""
 
 
-class RecordNotFound(RecordError):
-    pass
+class RecordNotFound(RecordError):  # noqa: N818 - the contract's name; "not found" reads better than "Error"
+    """No file for that record name: start empty, this is not a failure."""
 
 
-class CorruptRecord(RecordError):
+class CorruptRecord(RecordError):  # noqa: N818 - the contract's name
     """A record file exists but cannot be trusted: truncated, bad checksum, unknown field, wrong version."""
 
     def __init__(self, name: str, path: Path, why: str) -> None:
@@ -87,47 +133,333 @@ class CorruptRecord(RecordError):
         self.why = why
 
 
-class StateDirLocked(Exception):
+class StateDirLocked(Exception):  # noqa: N818 - the contract's name
     """Another process holds the state directory's lock (a second sidecar)."""
 
 
+class _Header(msgspec.Struct):
+    """Only the version, decoded leniently first, so a newer format reports "unsupported version"
+    rather than whatever its other fields happen to trip over."""
+
+    version: int
+
+
+class _EnvelopeV1(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    checksum: str
+    record: msgspec.Raw  # the exact stored bytes of the record: what the checksum covers
+
+
+_HEADER_DECODER = msgspec.json.Decoder(_Header)
+_ENVELOPE_DECODER = msgspec.json.Decoder(_EnvelopeV1)
+_RECORD_DECODER = msgspec.json.Decoder(OwnershipRecord)  # strict: no int<->str coercion
+_ENCODER = msgspec.json.Encoder()
+
+
+def _checksum(data: bytes) -> str:
+    return CHECKSUM_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def encode_record(record: OwnershipRecord) -> bytes:
+    """The exact file content for ``record``: the envelope around the record bytes, newline-terminated.
+
+    Constructing a Struct does not check field types, so the encoded record is decoded again here;
+    a record that would not read back (a str where an int belongs, a bad GPU UUID) raises ValueError
+    instead of reaching the disk."""
+    raw = _ENCODER.encode(record)
+    try:
+        _RECORD_DECODER.decode(raw)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"ownership record would not read back: {exc}") from exc
+    record_name(record.gpu_uuid, record.placement)
+    return (
+        b'{"version":'
+        + str(RECORD_VERSION).encode()
+        + b',"checksum":"'
+        + _checksum(raw).encode()
+        + b'","record":'
+        + raw
+        + b"}\n"
+    )
+
+
+def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
+    """Decode and verify the bytes of the file ``path`` named ``name``; CorruptRecord on any doubt."""
+    try:
+        header = _HEADER_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CorruptRecord(name, path, f"not a record envelope: {exc}") from exc
+    if header.version != RECORD_VERSION:
+        raise CorruptRecord(
+            name, path, f"unsupported version {header.version} (this build reads {RECORD_VERSION})"
+        )
+    try:
+        envelope = _ENVELOPE_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise CorruptRecord(name, path, f"not a version {RECORD_VERSION} envelope: {exc}") from exc
+    raw = bytes(envelope.record)
+    actual = _checksum(raw)
+    if envelope.checksum != actual:
+        raise CorruptRecord(name, path, f"checksum mismatch: stored {envelope.checksum}, computed {actual}")
+    try:
+        record = _RECORD_DECODER.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise CorruptRecord(name, path, f"record does not decode: {exc}") from exc
+    try:
+        own_name = record.name
+    except ValueError as exc:
+        raise CorruptRecord(name, path, f"record names no valid instance: {exc}") from exc
+    if own_name != name:
+        raise CorruptRecord(name, path, f"file name does not match the record (it names {own_name})")
+    return record
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Replace ``path`` with ``data``: temp file in the same directory -> fsync -> rename -> fsync dir.
+
+    The temp name ``.<name>.tmp-<random>`` starts with a dot and does not end in ``.json``, so neither
+    this module nor a CDI scanner ever reads a half-written file. ``fchmod`` sets ``mode`` exactly,
+    whatever the umask. Raises OSError; the temp file is removed on failure."""
+    tmp = path.with_name(f".{path.stem}{TEMP_MARKER}{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def _is_temp(filename: str) -> bool:
+    return filename.startswith(".") and TEMP_MARKER in filename
+
+
+def _scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
+    """Read every ``*.json`` in ``directory`` (dotfiles ignored). Opens nothing for writing.
+
+    Raises FileNotFoundError/NotADirectoryError when ``directory`` is not there."""
+    valid: dict[str, OwnershipRecord] = {}
+    corrupt: dict[str, CorruptRecord] = {}
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
+            continue
+        path = Path(entry.path)
+        name = entry.name[: -len(SUFFIX)]
+        try:
+            if not NAME_RE.match(name):
+                raise CorruptRecord(name, path, "file name is not a record name")
+            valid[name] = _read(name, path)
+        except CorruptRecord as exc:
+            corrupt[name] = exc
+        except RecordNotFound:
+            continue  # removed between the listing and the read
+    return valid, corrupt
+
+
+def _read(name: str, path: Path) -> OwnershipRecord:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError as exc:
+        raise RecordNotFound(f"no ownership record {path}") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptRecord(name, path, "is a symbolic link, not a record file") from exc
+        raise StateWriteFailed(f"reading ownership record {path} failed: {exc}") from exc
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+    except IsADirectoryError as exc:
+        raise CorruptRecord(name, path, "is a directory, not a record file") from exc
+    except OSError as exc:
+        raise StateWriteFailed(f"reading ownership record {path} failed: {exc}") from exc
+    return decode_record(name, path, data)
+
+
 class RecordStore:
-    """The records of one state directory. ``open()`` takes the directory's flock for the process life."""
+    """The records of one state directory. ``open()`` takes the directory's flock for the process life.
+
+    Every mutation goes through ``_mutate``: one ``threading.Lock`` inside the process-wide flock,
+    read the current file (refuse if corrupt), then write or unlink atomically. Reads need neither."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self._lock = threading.Lock()
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> RecordStore:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self._lock_fd is not None
 
     def open(self) -> None:
         """Create the directory (0750) if needed and take an exclusive non-blocking flock on ``.lock``.
 
-        Raises ``StateDirLocked`` if another process holds it. Called before the socket is bound."""
-        raise NotImplementedError
+        Raises ``StateDirLocked`` if another process holds it. Called before the socket is bound.
+        Once locked, leftover temp files of writes that a crash interrupted are removed (no other
+        writer can exist now). OSError -> StateWriteFailed. Opening an open store is a no-op."""
+        with self._lock:
+            if self._lock_fd is not None:
+                return
+            try:
+                self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+                # mkdir's mode passes through the umask, and an existing hostPath may be wider.
+                self.directory.chmod(DIR_MODE)
+                fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+            except OSError as exc:
+                raise StateWriteFailed(f"opening state directory {self.directory} failed: {exc}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                os.close(fd)
+                raise StateDirLocked(
+                    f"state directory {self.directory} is locked by another process (a second sidecar?)"
+                ) from exc
+            except OSError as exc:
+                os.close(fd)
+                raise StateWriteFailed(f"locking {self.directory / LOCK_NAME} failed: {exc}") from exc
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())  # informational only
+                for entry in os.scandir(self.directory):
+                    if _is_temp(entry.name) and entry.is_file(follow_symlinks=False):
+                        Path(entry.path).unlink(missing_ok=True)
+            except OSError as exc:
+                os.close(fd)
+                raise StateWriteFailed(f"preparing state directory {self.directory} failed: {exc}") from exc
+            self._lock_fd = fd
 
     def close(self) -> None:
-        raise NotImplementedError
+        """Release the flock (the lock file stays: unlinking it would let two processes lock two inodes)."""
+        with self._lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def path(self, name: str) -> Path:
-        raise NotImplementedError
+        """The file of record ``name``; ValueError for anything ``record_name`` could not have produced."""
+        if not NAME_RE.match(name):
+            raise ValueError(f"not an ownership record name: {name!r}")
+        return self.directory / f"{name}{SUFFIX}"
 
     def load(self, name: str) -> OwnershipRecord:
         """Read -> decode envelope -> verify checksum -> decode record. RecordNotFound / CorruptRecord."""
-        raise NotImplementedError
+        return _read(name, self.path(name))
 
     def load_all(self) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
-        """Every record file: (valid by name, corrupt by name). Temp files and the lock are ignored."""
-        raise NotImplementedError
+        """Every record file: (valid by name, corrupt by name). Temp files and the lock are ignored.
+
+        Any other ``*.json`` that is not a valid record (bad name, or a name that differs from the
+        record inside) is reported as corrupt under its file stem. A missing directory holds nothing."""
+        try:
+            return _scan(self.directory)
+        except FileNotFoundError:
+            return {}, {}
+        except OSError as exc:
+            raise StateWriteFailed(f"listing state directory {self.directory} failed: {exc}") from exc
 
     def put(self, record: OwnershipRecord) -> None:
         """Atomically write (temp in same dir, fsync, rename, fsync dir; mode 0600).
 
-        Refuses (CorruptRecord) to overwrite a file that exists and is corrupt. OSError -> StateWriteFailed."""
-        raise NotImplementedError
+        Refuses (CorruptRecord) to overwrite a file that exists and is corrupt.
+        OSError -> StateWriteFailed."""
+        self._mutate(record.name, encode_record(record))
 
     def delete(self, name: str) -> None:
         """Remove a record; a missing one is a no-op; a corrupt one is refused (CorruptRecord).
 
         OSError -> StateWriteFailed."""
-        raise NotImplementedError
+        self._mutate(name, None)
+
+    def _mutate(self, name: str, data: bytes | None) -> None:
+        """The one function that changes the directory: write ``data`` as record ``name``, or delete it.
+
+        A store that was not opened is opened here, so no mutation ever happens outside the flock."""
+        path = self.path(name)
+        if self._lock_fd is None:
+            self.open()
+        with self._lock:
+            try:
+                _read(name, path)
+            except RecordNotFound:
+                if data is None:
+                    return
+            # CorruptRecord propagates: a corrupt file is the operator's to inspect.
+            try:
+                if data is None:
+                    path.unlink(missing_ok=True)
+                    _fsync_dir(self.directory)
+                else:
+                    atomic_write(path, data, FILE_MODE)
+            except OSError as exc:
+                action = "deleting" if data is None else "writing"
+                raise StateWriteFailed(f"{action} ownership record {path} failed: {exc}") from exc
+
+
+class VerifyReport(msgspec.Struct, frozen=True):
+    """What ``verify`` found: valid record names, corrupt ones with the reason, and stale ones.
+
+    ``stale`` is a subset of ``valid``: records written in another boot (GI/CI do not survive a reboot,
+    so their instances are gone; startup recovery drops them)."""
+
+    directory: str
+    valid: tuple[str, ...] = ()
+    corrupt: dict[str, str] = msgspec.field(default_factory=dict)
+    stale: tuple[str, ...] = ()
+
+
+def verify(directory: Path, boot_id: str | None) -> VerifyReport:
+    """Offline check of a state directory for ``records verify``: opens nothing for writing, takes no lock.
+
+    ``boot_id`` is the current boot id; None skips the staleness check. Raises OSError (for example
+    FileNotFoundError) when the directory cannot be listed, so a mistyped path is not reported as
+    "no records, all fine"."""
+    valid, corrupt = _scan(directory)
+    stale = tuple(name for name, rec in valid.items() if boot_id is not None and rec.boot_id != boot_id)
+    return VerifyReport(
+        directory=str(directory),
+        valid=tuple(valid),
+        corrupt={name: exc.why for name, exc in corrupt.items()},
+        stale=stale,
+    )
+
+
+def format_report(report: VerifyReport) -> str:
+    """A human-readable summary of ``report``, one line per record, ending with the counts."""
+    lines = [f"ownership records in {report.directory}:"]
+    stale = set(report.stale)
+    lines.extend(f"  stale    {name}" if name in stale else f"  valid    {name}" for name in report.valid)
+    lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
+    lines.append(f"{len(report.valid)} valid ({len(stale)} stale), {len(report.corrupt)} corrupt")
+    return "\n".join(lines) + "\n"
 
 
 __all__ = [
@@ -139,5 +471,11 @@ __all__ = [
     "RecordStore",
     "StateDirLocked",
     "StateWriteFailed",
+    "VerifyReport",
+    "atomic_write",
+    "decode_record",
+    "encode_record",
+    "format_report",
     "record_name",
+    "verify",
 ]
