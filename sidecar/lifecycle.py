@@ -1,32 +1,110 @@
 """Allocate / Release / SyncActive transactions over owned MIG instances (architecture section 5).
 
-STUB — the interface below is fixed (server, recovery and reconciler are written against it); the
-bodies are filled in by the lifecycle work.
-
 ``Lifecycle`` owns the in-memory table of owned instances (record name -> OwnershipRecord, mirroring
 the record files exactly), one lock per GPU (GPUs proceed in parallel), the activation ``generation``
 and the ``recovered`` gate. Every record change goes through the RecordStore *before* the in-memory
 table changes; intent is recorded before each NVML mutation and completion after it.
 Foreign instances are never cached: every allocation reads the live GI layout of its GPU, so anything
 created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once.
+
+Locking, in the only order it is ever taken (so nothing deadlocks):
+
+1. the allocation keys of a request are *claimed* (a second request with one of the same keys waits
+   until the first is done, then sees ALREADY_ALLOCATED instead of racing it);
+2. the GPU locks of every GPU the operation touches, in sorted UUID order (re-entrant, so public
+   helpers that take a GPU lock may be called from inside a transaction);
+3. the short table lock that guards the dict and the generation counter (never held across I/O).
+
+One deliberate deviation from "the table mirrors the files": when an instance must go to ERROR and the
+record write fails too, the in-memory table still says ERROR. Failing closed matters more than the
+mirror: the instance keeps blocking its placement and the reconciler rewrites the record on its next
+attempt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 
 import msgspec
 
+from sidecar import crashpoints, placement
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import (
+    POD_UID_RE,
     ActiveAllocation,
+    AllocatedDevice,
     AllocateRequest,
     AllocateResult,
+    AllocationKey,
+    DeviceRequest,
     ForeignInstance,
+    Identity,
     InstanceRef,
+    Outcome,
+    Owner,
+    Reservation,
+    State,
 )
-from sidecar.nvml.port import GpuInfo, GpuInstanceProfile, NvmlPort
-from sidecar.records import OwnershipRecord, RecordStore
+from sidecar.errors import IllegalPlacement as IllegalPlacementError
+from sidecar.errors import (
+    InstanceInUse,
+    InvalidRequest,
+    KeyConflict,
+    MigDisabled,
+    NotRecovered,
+    NvmlFailure,
+    PlacementBusy,
+    SidecarError,
+    StateWriteFailed,
+    UnknownGpu,
+    UnknownProfile,
+    UnverifiableState,
+)
+from sidecar.nvml.port import (
+    GpuInfo,
+    GpuInstanceInfo,
+    GpuInstanceProfile,
+    NvmlError,
+    NvmlPort,
+)
+from sidecar.records import CorruptRecord, OwnershipRecord, RecordStore, record_name
+
+_log = logging.getLogger(__name__)
+
+EventSink = Callable[[str, Mapping[str, str]], None]
+"""Observer of lifecycle events (``created``, ``reused``, ``reclaimed``, ``destroyed``, ``error``,
+``nvml_error``), with labels such as ``gpu_uuid`` and ``profile``. Metrics plug in here so this module
+never imports Prometheus."""
+
+
+def _no_events(event: str, labels: Mapping[str, str]) -> None:
+    """The default observer: events are optional."""
+
+
+def now_rfc3339() -> str:
+    """The ``since`` timestamp of a record: RFC 3339, UTC, microseconds."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def instance_ref(record: OwnershipRecord) -> InstanceRef:
+    """The contract's InstanceRef for an owned instance (identity None while incomplete)."""
+    return InstanceRef(record.reservation, record.identity)
+
+
+@contextlib.contextmanager
+def nvml_errors(operation: str) -> Iterator[None]:
+    """The one boundary where ``NvmlError`` becomes the domain's ``NvmlFailure`` (cause kept)."""
+    try:
+        yield
+    except NvmlError as exc:
+        raise NvmlFailure(
+            f"{operation}: {exc.message} (nvml code {exc.code})",
+            {"nvml_code": str(exc.code), "operation": exc.operation},
+        ) from exc
 
 
 class GpuSnapshot(msgspec.Struct, frozen=True):
@@ -42,53 +120,751 @@ class StateSnapshot(msgspec.Struct, frozen=True):
     pending_cdi_removals: tuple[str, ...]
 
 
+class _Validated(msgspec.Struct, frozen=True):
+    """One device of a request after validation: everything later steps need, read once."""
+
+    device: DeviceRequest
+    key: AllocationKey
+    owner: Owner
+    gpu: GpuInfo
+    profile: GpuInstanceProfile
+
+
+class _Done(msgspec.Struct, frozen=True):
+    """What one device of an allocation did, so a later failure can roll it back."""
+
+    allocated: AllocatedDevice
+    record_name: str
+
+
 class Lifecycle:
-    def __init__(self, port: NvmlPort, records: RecordStore, cdi: CdiSpecs, boot_id: str) -> None:
+    def __init__(
+        self,
+        port: NvmlPort,
+        records: RecordStore,
+        cdi: CdiSpecs,
+        boot_id: str,
+        events: EventSink | None = None,
+    ) -> None:
         self.port = port
         self.records = records
         self.cdi = cdi
         self.boot_id = boot_id
         self.recovered = False
         self.generation = 0
+        self._events: EventSink = events or _no_events
+        self._table: dict[str, OwnershipRecord] = {}
+        self._table_lock = threading.Lock()
+        self._keys = threading.Condition(threading.Lock())
+        self._claimed: set[AllocationKey] = set()
+        self._gpu_locks: dict[str, threading.RLock] = {}
+        self._gpu_locks_guard = threading.Lock()
+        self._profile_cache: dict[str, tuple[GpuInstanceProfile, ...]] = {}
+        self._gpu_cache: dict[str, GpuInfo] = {}
+        self._referenced_mig_uuids: frozenset[str] = frozenset()
 
     # -- queries -------------------------------------------------------------------------------------
+    def gpu_info(self, gpu_uuid: str) -> GpuInfo:
+        """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
+
+        The MIG mode in the cached value is stale by design; callers that need it use ``port.gpu``."""
+        info = self._gpu_cache.get(gpu_uuid)
+        if info is None:
+            with nvml_errors("list GPUs"):
+                gpus = self.port.gpus()
+            self._gpu_cache = {g.uuid: g for g in gpus}
+            info = self._gpu_cache.get(gpu_uuid)
+        if info is None:
+            raise UnknownGpu(f"no GPU with UUID {gpu_uuid!r} on this node", {"gpu_uuid": gpu_uuid})
+        return info
+
     def profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
         """The GPU's GI profiles (cached per GPU after the first successful read). UnknownGpu if absent."""
-        raise NotImplementedError
+        cached = self._profile_cache.get(gpu_uuid)
+        if cached is None:
+            self.gpu_info(gpu_uuid)
+            with nvml_errors(f"read GPU instance profiles of {gpu_uuid}"):
+                read = tuple(self.port.gpu_instance_profiles(gpu_uuid))
+            if read:  # an empty answer (driver not ready) is not worth remembering
+                self._profile_cache[gpu_uuid] = read
+            cached = read
+        return list(cached)
 
     def resolve_profile(self, gpu_uuid: str, name: str) -> GpuInstanceProfile:
         """Full profile name -> profile; UnknownProfile if the GPU has no such profile."""
-        raise NotImplementedError
+        for profile in self.profiles(gpu_uuid):
+            if profile.name == name:
+                return profile
+        raise UnknownProfile(
+            f"GPU {gpu_uuid} has no MIG profile {name!r}", {"gpu_uuid": gpu_uuid, "profile": name}
+        )
+
+    def profile_by_id(self, gpu_uuid: str, profile_id: int) -> GpuInstanceProfile | None:
+        for profile in self.profiles(gpu_uuid):
+            if profile.id == profile_id:
+                return profile
+        return None
 
     def gpu_busy(self, gpu_uuid: str) -> bool:
         """An ACTIVE instance or a running process on the GPU; an NVML error counts as busy."""
-        raise NotImplementedError
+        if any(r.gpu_uuid == gpu_uuid and r.state is State.ACTIVE for r in self.instances()):
+            return True
+        try:
+            return self.port.gpu_processes(gpu_uuid) > 0
+        except NvmlError:
+            return True
 
     def instances(self) -> list[OwnershipRecord]:
         """A copy of the owned-instance table."""
-        raise NotImplementedError
+        with self._table_lock:
+            return list(self._table.values())
+
+    def record(self, name: str) -> OwnershipRecord | None:
+        with self._table_lock:
+            return self._table.get(name)
 
     def snapshot(self) -> StateSnapshot:
-        raise NotImplementedError
+        """Everything GetState shows. Each GPU is read under its lock so no half-done create shows up
+        as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged)."""
+        with nvml_errors("list GPUs"):
+            gpus = self.port.gpus()
+        out: list[GpuSnapshot] = []
+        for gpu in gpus:
+            with self._gpu_lock(gpu.uuid):
+                owned = tuple(
+                    sorted(
+                        (r for r in self.instances() if r.gpu_uuid == gpu.uuid),
+                        key=lambda r: (r.placement.start, r.placement.size),
+                    )
+                )
+                foreign: list[ForeignInstance] = []
+                if gpu.mig_current:
+                    try:
+                        foreign = self._foreign(gpu.uuid, owned)
+                    except (NvmlError, SidecarError) as exc:
+                        _log.warning("cannot list foreign instances of %s: %s", gpu.uuid, exc)
+                busy = self.gpu_busy(gpu.uuid)
+            out.append(GpuSnapshot(gpu=gpu, busy=busy, instances=owned, foreign=tuple(foreign)))
+        return StateSnapshot(
+            generation=self.generation,
+            gpus=tuple(out),
+            pending_cdi_removals=tuple(self.cdi.pending_removals()),
+        )
+
+    def _foreign(self, gpu_uuid: str, owned: Sequence[OwnershipRecord]) -> list[ForeignInstance]:
+        out: list[ForeignInstance] = []
+        for gi in placement.foreign_instances(self.port.gpu_instances(gpu_uuid), owned):
+            profile = self.profile_by_id(gpu_uuid, gi.profile_id)
+            cis = self.port.compute_instances(gpu_uuid, gi.id)
+            out.append(
+                ForeignInstance(
+                    gpu_uuid=gpu_uuid,
+                    profile=profile.name if profile else f"profile-id-{gi.profile_id}",
+                    placement=gi.placement,
+                    gpu_instance_id=gi.id,
+                    compute_instance_id=cis[0].id if cis else None,
+                    mig_uuid=cis[0].mig_uuid if cis else None,
+                )
+            )
+        return out
 
     # -- transactions (each raises errors.NotRecovered until ``recovered``) -----------------------------
     def allocate(self, request: AllocateRequest) -> AllocateResult:
-        raise NotImplementedError
+        """All or nothing across the devices of the request (architecture section 5)."""
+        self._require_recovered()
+        validated = self._validate(request)
+        with self._claim([v.key for v in validated]), self._gpu_locks_for(v.gpu.uuid for v in validated):
+            self._check_key_conflicts(validated)
+            done: list[_Done] = []
+            reclaimed: list[InstanceRef] = []
+            try:
+                for v in validated:
+                    done.append(self._allocate_one(v, reclaimed))
+            except Exception:
+                self._roll_back(done)
+                raise
+            return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
     def release(self, pod_uid: str) -> list[InstanceRef]:
-        raise NotImplementedError
+        """A confirmed pod release: its ACTIVE instances become IDLE. Never destroys; unknown pod = []."""
+        self._require_recovered()
+        if not POD_UID_RE.match(pod_uid):
+            raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
+        targets = [
+            r
+            for r in self.instances()
+            if r.state is State.ACTIVE and r.owner is not None and r.owner.pod.uid == pod_uid
+        ]
+        released: list[InstanceRef] = []
+        with self._gpu_locks_for(r.gpu_uuid for r in targets):
+            for r in targets:
+                current = self.record(r.name)
+                if current is None or current.state is not State.ACTIVE or current.owner != r.owner:
+                    continue  # changed while we waited for the lock
+                self._put(self._idle(current))
+                released.append(instance_ref(current))
+        return released
 
     def sync_active(
         self, generation: int, active: Sequence[ActiveAllocation]
     ) -> tuple[list[InstanceRef], list[InstanceRef]]:
-        """Returns (idled, reactivated)."""
-        raise NotImplementedError
+        """Returns (idled, reactivated).
+
+        Level-triggered release from a fresh pod list: an ACTIVE instance whose key is not listed and
+        that was activated at or before ``generation`` becomes IDLE (one activated later raced the pod
+        list and is left alone). An IDLE instance whose reservation and MIG UUID are listed is held by
+        a live pod after all and becomes ACTIVE again with that owner. Listed entries that match
+        nothing are ignored. Never destroys anything.
+        """
+        self._require_recovered()
+        listed_keys = {a.key for a in active}
+        by_identity: dict[tuple[Reservation, str], ActiveAllocation] = {
+            (a.reservation, a.identity.mig_uuid): a for a in active if a.identity is not None
+        }
+        self._referenced_mig_uuids = frozenset(mig for _, mig in by_identity)
+        table = self.instances()
+        to_idle = [
+            r
+            for r in table
+            if r.state is State.ACTIVE
+            and r.owner is not None
+            and r.owner.key not in listed_keys
+            and r.activated_generation <= generation
+        ]
+        to_activate = [
+            (r, by_identity[(r.reservation, r.mig_uuid)])
+            for r in table
+            if r.state is State.IDLE and r.mig_uuid is not None and (r.reservation, r.mig_uuid) in by_identity
+        ]
+        idled: list[InstanceRef] = []
+        reactivated: list[InstanceRef] = []
+        gpus = [r.gpu_uuid for r in to_idle] + [r.gpu_uuid for r, _ in to_activate]
+        with self._gpu_locks_for(gpus):
+            for r in to_idle:
+                current = self.record(r.name)
+                if (
+                    current is None
+                    or current.state is not State.ACTIVE
+                    or current.owner != r.owner
+                    or current.activated_generation > generation
+                ):
+                    continue
+                self._put(self._idle(current))
+                idled.append(instance_ref(current))
+            for r, alloc in to_activate:
+                current = self.record(r.name)
+                if current is None or current.state is not State.IDLE or current.mig_uuid != r.mig_uuid:
+                    continue
+                if self._active_for_key(alloc.key) is not None:
+                    continue  # that key already holds another instance; never give it two
+                self._put(self._activate(current, alloc.owner))
+                reactivated.append(instance_ref(current))
+        return idled, reactivated
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> tuple[bool, bool, bool]:
-        """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists."""
-        raise NotImplementedError
+        """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists.
+
+        PLACEMENT_BUSY (FAILED_PRECONDITION) rather than INVALID_REQUEST because the request is well
+        formed and becomes valid once the instances are gone; the metadata names ``blocker`` =
+        ``gpu_instances`` and how many there are.
+        """
+        self._require_recovered()
+        self.gpu_info(gpu_uuid)
+        with self._gpu_lock(gpu_uuid):
+            if not enabled:
+                owned = [r for r in self.instances() if r.gpu_uuid == gpu_uuid]
+                live: list[GpuInstanceInfo] = []
+                with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+                    current = self.port.gpu(gpu_uuid)
+                if current.mig_current:
+                    with nvml_errors(f"list GPU instances of {gpu_uuid}"):
+                        live = self.port.gpu_instances(gpu_uuid)
+                if live or owned:
+                    raise PlacementBusy(
+                        f"cannot disable MIG on {gpu_uuid}: {len(live)} GPU instances exist"
+                        f" and {len(owned)} are owned",
+                        {
+                            "blocker": "gpu_instances",
+                            "gpu_uuid": gpu_uuid,
+                            "count": str(max(len(live), len(owned))),
+                        },
+                    )
+            with nvml_errors(f"set MIG mode of {gpu_uuid} to {'enabled' if enabled else 'disabled'}"):
+                self.port.set_mig_mode(gpu_uuid, enabled)
+                after = self.port.gpu(gpu_uuid)
+        return after.mig_current, after.mig_pending, after.mig_current != after.mig_pending
 
     # -- used by recovery and the reconciler ---------------------------------------------------------
     def install(self, records: Sequence[OwnershipRecord], generation: int) -> None:
-        """Replace the table with recovered records (under every GPU lock) and mark recovered."""
-        raise NotImplementedError
+        """Replace the table with recovered records (under every GPU lock) and mark recovered.
+
+        The generation becomes the largest of the given one, the current one and every record's
+        ``activated_generation``, so it never goes backwards across restarts (a SyncActive fenced with
+        an old generation must not idle an instance activated since).
+        """
+        with self._gpu_locks_guard:
+            known = list(self._gpu_locks)
+        with self._gpu_locks_for([*known, *(r.gpu_uuid for r in records)]):
+            with self._table_lock:
+                self._table = {r.name: r for r in records}
+                self.generation = max(
+                    [generation, self.generation, *(r.activated_generation for r in records)]
+                )
+            self.recovered = True
+
+    def destroy_owned(self, record: OwnershipRecord, *, mark_deleting: bool = True) -> InstanceRef:
+        """Permanently destroy an owned instance, records first (takes the GPU lock).
+
+        DELETING is recorded before the hardware is touched (skipped for ERROR records and with
+        ``mark_deleting=False``), then CI and GI are destroyed (already gone counts as done), then the
+        CDI file is removed (queued on failure, never fails the call), then the record is deleted.
+        A destroy that fails puts the record in ERROR with ``last_error`` and raises ``NvmlFailure``
+        (or ``UnverifiableState`` when the live instance at the recorded IDs is not this one). The
+        record need not be in the table (recovery calls this before ``install``).
+        """
+        with self._gpu_lock(record.gpu_uuid):
+            return self._destroy_owned(record, mark_deleting=mark_deleting)
+
+    def undo_creating(self, record: OwnershipRecord) -> InstanceRef:
+        """Finish undoing a create that stopped part way (a CREATING record left by a crash).
+
+        Knowns are destroyed as ``destroy_owned`` does. When the record has no GI ID yet (a crash
+        between the create and recording it) the GI is found by exact placement and GI profile: it must
+        have no CI and no other record may claim it, otherwise it is left alone as foreign. The record
+        stays CREATING until the hardware is gone, then it and any CDI file are removed.
+        """
+        with self._gpu_lock(record.gpu_uuid):
+            if record.gpu_instance_id is None:
+                with nvml_errors(f"list GPU instances of {record.gpu_uuid}"):
+                    live = self.port.gpu_instances(record.gpu_uuid)
+                others = [
+                    r for r in self.instances() if r.gpu_uuid == record.gpu_uuid and r.name != record.name
+                ]
+                for gi in live:
+                    if (
+                        gi.placement == record.placement
+                        and gi.profile_id == record.gi_profile_id
+                        and placement.owner_of(gi, others) is None
+                    ):
+                        with nvml_errors(f"list compute instances of GI {gi.id} on {record.gpu_uuid}"):
+                            cis = self.port.compute_instances(record.gpu_uuid, gi.id)
+                        if not cis:
+                            record = msgspec.structs.replace(record, gpu_instance_id=gi.id)
+                        break
+            return self._destroy_owned(record, mark_deleting=False)
+
+    def retry_error(self, name: str) -> InstanceRef | None:
+        """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
+
+        Skipped: the record is gone or no longer ERROR, or the plugin's last SyncActive still lists its
+        MIG UUID as held by a pod. A failure keeps it ERROR with the new ``last_error`` and raises.
+        """
+        current = self.record(name)
+        if current is None:
+            return None
+        with self._gpu_lock(current.gpu_uuid):
+            current = self.record(name)
+            if current is None or current.state is not State.ERROR:
+                return None
+            if current.mig_uuid is not None and current.mig_uuid in self._referenced_mig_uuids:
+                return None
+            return self._destroy_owned(current, mark_deleting=False)
+
+    @property
+    def referenced_mig_uuids(self) -> frozenset[str]:
+        """MIG UUIDs the last SyncActive listed as held by live pods."""
+        return self._referenced_mig_uuids
+
+    # -- internals: validation -------------------------------------------------------------------------
+    def _require_recovered(self) -> None:
+        if not self.recovered:
+            raise NotRecovered("startup recovery has not succeeded yet; call Recover first")
+
+    def _validate(self, request: AllocateRequest) -> list[_Validated]:
+        """Everything that can be checked without changing anything, for every device, first."""
+        pod = request.pod
+        if not POD_UID_RE.match(pod.uid):
+            raise InvalidRequest(f"pod uid {pod.uid!r} is not a valid UID", {"pod_uid": pod.uid})
+        if request.container_index < 0:
+            raise InvalidRequest(f"container index {request.container_index} is negative")
+        if not request.devices:
+            raise InvalidRequest("the request names no devices")
+        indices = [d.device_index for d in request.devices]
+        if len(set(indices)) != len(indices) or any(i < 0 for i in indices):
+            raise InvalidRequest(f"device indices {indices} must be distinct and non-negative")
+        out: list[_Validated] = []
+        for d in request.devices:
+            res = d.reservation
+            gpu = self.gpu_info(res.gpu_uuid)
+            with nvml_errors(f"read MIG mode of {res.gpu_uuid}"):
+                live = self.port.gpu(res.gpu_uuid)
+            if not (live.mig_current and live.mig_pending):
+                raise MigDisabled(
+                    f"MIG is not enabled on {res.gpu_uuid}"
+                    f" (current={live.mig_current}, pending={live.mig_pending})",
+                    {
+                        "gpu_uuid": res.gpu_uuid,
+                        "current": str(live.mig_current),
+                        "pending": str(live.mig_pending),
+                    },
+                )
+            profile = self.resolve_profile(res.gpu_uuid, res.profile)
+            if not placement.is_legal(profile, res.placement):
+                legal = ",".join(str(p) for p in profile.placements)
+                raise IllegalPlacementError(
+                    f"placement {res.placement} is not legal for {res.profile} on {res.gpu_uuid}"
+                    f" (legal: {legal})",
+                    {
+                        "gpu_uuid": res.gpu_uuid,
+                        "profile": res.profile,
+                        "placement": str(res.placement),
+                        "legal": legal,
+                    },
+                )
+            owner = Owner(pod, request.container_name, request.container_index, d.device_index)
+            out.append(_Validated(device=d, key=owner.key, owner=owner, gpu=gpu, profile=profile))
+        clash = placement.first_overlap([(v.gpu.uuid, v.device.reservation.placement) for v in out])
+        if clash is not None:
+            a, b = (out[i].device for i in clash)
+            raise InvalidRequest(
+                f"devices {a.device_index} and {b.device_index} overlap on {a.reservation.gpu_uuid}"
+                f" ({a.reservation.placement} and {b.reservation.placement})"
+            )
+        return out
+
+    def _check_key_conflicts(self, validated: Sequence[_Validated]) -> None:
+        for v in validated:
+            held = self._active_for_key(v.key)
+            if held is not None and held.reservation != v.device.reservation:
+                raise KeyConflict(
+                    f"allocation {v.key} already holds {held.reservation}, not {v.device.reservation}",
+                    {
+                        "key": str(v.key),
+                        "held": str(held.reservation),
+                        "requested": str(v.device.reservation),
+                    },
+                )
+
+    def _active_for_key(self, key: AllocationKey) -> OwnershipRecord | None:
+        for r in self.instances():
+            if r.state in (State.ACTIVE, State.CREATING) and r.owner is not None and r.owner.key == key:
+                return r
+        return None
+
+    # -- internals: one device -------------------------------------------------------------------------
+    def _allocate_one(self, v: _Validated, reclaimed: list[InstanceRef]) -> _Done:
+        res = v.device.reservation
+        held = self._active_for_key(v.key)
+        if held is not None and held.state is State.ACTIVE and held.identity is not None:
+            return _Done(self._allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
+        same_spot = self.record(_record_name(res))
+        if same_spot is not None and same_spot.state is State.IDLE and same_spot.reservation == res:
+            return _Done(self._allocated(v, self._reuse(v, same_spot), Outcome.REUSED), same_spot.name)
+        self._make_room(v, reclaimed)
+        created = self._create(v)
+        return _Done(self._allocated(v, created, Outcome.CREATED), created.name)
+
+    def _allocated(self, v: _Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:
+        identity = record.identity
+        assert identity is not None  # ACTIVE records are complete by construction
+        return AllocatedDevice(
+            device_index=v.device.device_index,
+            reservation=record.reservation,
+            identity=identity,
+            cdi_device=record.cdi_device,
+            outcome=outcome,
+        )
+
+    def _reuse(self, v: _Validated, record: OwnershipRecord) -> OwnershipRecord:
+        """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner."""
+        try:
+            with nvml_errors(f"verify idle instance {record.name}"):
+                self._verify_live(record)
+        except SidecarError as exc:
+            self._fail(record, f"reuse verification failed: {exc}")
+            raise
+        identity = record.identity
+        assert identity is not None
+        cdi_device = self.cdi.ensure(v.gpu.minor, identity)
+        active = self._activate(msgspec.structs.replace(record, cdi_device=cdi_device), v.owner)
+        self._put(active)
+        self._emit("reused", active)
+        return active
+
+    def _verify_live(self, record: OwnershipRecord) -> None:
+        """GI with the recorded ID, profile and placement; exactly one CI, the recorded one, same MIG UUID."""
+        gpu = record.gpu_uuid
+        gi = next((g for g in self.port.gpu_instances(gpu) if g.id == record.gpu_instance_id), None)
+        if gi is None or not placement.owns(record, gi):
+            raise UnverifiableState(
+                f"GPU instance {record.gpu_instance_id} of {record.name} is gone or changed"
+                f" (live: {gi.placement if gi else 'none'})",
+                {"record": record.name},
+            )
+        cis = self.port.compute_instances(gpu, gi.id)
+        if len(cis) != 1 or cis[0].id != record.compute_instance_id or cis[0].mig_uuid != record.mig_uuid:
+            live = ", ".join(f"CI {c.id} {c.mig_uuid}" for c in cis) or "none"
+            raise UnverifiableState(
+                f"compute instance of {record.name} does not match its record"
+                f" (recorded CI {record.compute_instance_id} {record.mig_uuid}; live: {live})",
+                {"record": record.name, "mig_uuid": record.mig_uuid or ""},
+            )
+
+    def _make_room(self, v: _Validated, reclaimed: list[InstanceRef]) -> None:
+        """Reclaim the IDLE instances overlapping the placement, or refuse without touching anything."""
+        gpu = v.gpu.uuid
+        res = v.device.reservation
+        with nvml_errors(f"list GPU instances of {gpu}"):
+            live = self.port.gpu_instances(gpu)
+        owned = [r for r in self.instances() if r.gpu_uuid == gpu]
+        plan = placement.plan_placement(res.placement, live, owned)
+        if plan.busy:
+            first = plan.blockers[0]
+            raise PlacementBusy(
+                f"placement {res.placement} on {gpu} is held by {first.describe()}",
+                {**first.metadata(), "gpu_uuid": gpu, "blockers": str(len(plan.blockers))},
+            )
+        for r in plan.reclaim:  # every one is checked before any is destroyed
+            if r.mig_uuid is None:
+                continue
+            with nvml_errors(f"count processes on {r.mig_uuid}"):
+                running = self.port.mig_device_processes(r.mig_uuid)
+            if running > 0:
+                raise InstanceInUse(
+                    f"idle instance {r.mig_uuid} at {r.placement} still runs {running} processes",
+                    {"mig_uuid": r.mig_uuid, "processes": str(running), "gpu_uuid": gpu},
+                )
+        for r in plan.reclaim:
+            reclaimed.append(self._destroy_owned(r, mark_deleting=True))
+            self._emit("reclaimed", r)
+
+    def _create(self, v: _Validated) -> OwnershipRecord:
+        """Record CREATING -> GI -> record -> CI -> record -> CDI -> ACTIVE; undo on any failure."""
+        res = v.device.reservation
+        gpu = v.gpu.uuid
+        rec = OwnershipRecord(
+            gpu_uuid=gpu,
+            profile=res.profile,
+            gi_profile_id=v.profile.id,
+            ci_profile_id=v.profile.ci_profile_id,
+            placement=res.placement,
+            state=State.CREATING,
+            owner=v.owner,
+            boot_id=self.boot_id,
+            since=now_rfc3339(),
+        )
+        self._put(rec)
+        crashpoints.crashpoint("after-record-creating")
+        known = rec
+        cdi_written = False
+        try:
+            with nvml_errors(f"create GPU instance {res.profile} at {res.placement} on {gpu}"):
+                gi = self.port.create_gpu_instance(gpu, v.profile.id, res.placement)
+            crashpoints.crashpoint("after-create-gi")
+            known = msgspec.structs.replace(known, gpu_instance_id=gi.id)
+            self._put(known)
+            crashpoints.crashpoint("after-record-gi")
+            with nvml_errors(f"create compute instance {v.profile.ci_profile_id} in GI {gi.id} on {gpu}"):
+                ci = self.port.create_compute_instance(gpu, gi.id, v.profile.ci_profile_id)
+            crashpoints.crashpoint("after-create-ci")
+            known = msgspec.structs.replace(known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid)
+            self._put(known)
+            crashpoints.crashpoint("after-record-ci")
+            identity = Identity(gi.id, ci.id, ci.mig_uuid)
+            cdi_device = self.cdi.ensure(v.gpu.minor, identity)
+            cdi_written = self.cdi.enabled
+            crashpoints.crashpoint("after-write-cdi")
+            active = self._activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner)
+            self._put(active)
+        except Exception as exc:
+            self._undo_create(known, cdi_written, exc)
+            raise
+        self._emit("created", active)
+        return active
+
+    def _undo_create(self, known: OwnershipRecord, cdi_written: bool, cause: Exception) -> None:
+        """Undo what one create made, newest first. An undo that fails leaves ERROR with what is known."""
+        _log.warning("create of %s failed (%s); undoing", known.name, cause)
+        if isinstance(cause, NvmlFailure):
+            self._emit("nvml_error", known)
+        try:
+            with nvml_errors(f"undo create of {known.name}"):
+                self._destroy_hardware(known)
+        except SidecarError as exc:
+            self._fail(known, f"create failed ({cause}) and its undo failed too: {exc}")
+            return
+        if cdi_written and known.mig_uuid is not None:
+            self.cdi.remove(known.mig_uuid)
+        try:
+            self._delete(known.name)
+        except SidecarError as exc:
+            # The hardware is gone; a CREATING record left on disk is finished by recovery.
+            _log.error("cannot delete record %s after undoing its create: %s", known.name, exc)
+            with self._table_lock:
+                self._table.pop(known.name, None)
+
+    def _roll_back(self, done: Sequence[_Done]) -> None:
+        """Undo the devices an allocation already finished: created ones destroyed, reused ones IDLE."""
+        for d in reversed(done):
+            outcome = d.allocated.outcome
+            record = self.record(d.record_name)
+            if record is None or outcome is Outcome.ALREADY_ALLOCATED:
+                continue
+            try:
+                if outcome is Outcome.CREATED:
+                    self._destroy_owned(record, mark_deleting=True)
+                else:
+                    self._put(self._idle(record))
+            except SidecarError as exc:
+                _log.error("rollback of %s (%s) failed: %s", record.name, outcome, exc)
+
+    # -- internals: destruction ------------------------------------------------------------------------
+    def _destroy_owned(self, record: OwnershipRecord, *, mark_deleting: bool) -> InstanceRef:
+        rec = record
+        if mark_deleting and rec.state is not State.ERROR:
+            rec = msgspec.structs.replace(rec, state=State.DELETING, since=now_rfc3339())
+            self._put(rec)
+            crashpoints.crashpoint("after-record-deleting")
+        try:
+            with nvml_errors(f"destroy instance {rec.profile}@{rec.placement} on {rec.gpu_uuid}"):
+                self._destroy_hardware(rec)
+        except SidecarError as exc:
+            self._fail(rec, str(exc))
+            raise
+        if rec.mig_uuid is not None and not self.cdi.remove(rec.mig_uuid):
+            _log.warning("CDI removal for %s failed; queued for the reconciler", rec.mig_uuid)
+        crashpoints.crashpoint("after-remove-cdi")
+        self._delete(rec.name)
+        self._emit("destroyed", rec)
+        return instance_ref(record)
+
+    def _destroy_hardware(self, rec: OwnershipRecord) -> None:
+        """Destroy the CI then the GI of an owned instance; what is already gone counts as done.
+
+        The live GI must match the record (ID, profile, placement) — the driver reuses IDs, so a GI
+        with our ID elsewhere is someone else's and ours is gone. A CI with our ID but another MIG UUID
+        means the instance was re-created behind our back: refuse (UnverifiableState) rather than
+        destroy what might be foreign. Without a recorded CI ID (a create stopped between making the
+        CI and recording it) every CI in our GI is ours. Raises NvmlError for NVML failures.
+        """
+        if rec.gpu_instance_id is None:
+            return
+        gpu = rec.gpu_uuid
+        gi = next((g for g in self.port.gpu_instances(gpu) if g.id == rec.gpu_instance_id), None)
+        if gi is None or not placement.owns(rec, gi):
+            return
+        cis = self.port.compute_instances(gpu, gi.id)
+        if rec.compute_instance_id is None:
+            targets = cis
+        else:
+            targets = [c for c in cis if c.id == rec.compute_instance_id]
+            if any(c.mig_uuid != rec.mig_uuid for c in targets):
+                raise UnverifiableState(
+                    f"compute instance {rec.compute_instance_id} in GI {gi.id} on {gpu} has MIG UUID"
+                    f" {targets[0].mig_uuid}, not the recorded {rec.mig_uuid}; not destroying it",
+                    {"record": rec.name, "mig_uuid": rec.mig_uuid or ""},
+                )
+        for ci in targets:
+            _tolerate_missing(self.port.destroy_compute_instance, gpu, gi.id, ci.id)
+        crashpoints.crashpoint("after-destroy-ci")
+        _tolerate_missing(self.port.destroy_gpu_instance, gpu, gi.id)
+        crashpoints.crashpoint("after-destroy-gi")
+
+    # -- internals: records and table -----------------------------------------------------------------
+    def _put(self, record: OwnershipRecord) -> None:
+        """Disk first, then the table. A corrupt file in the way is a write failure, never overwritten."""
+        try:
+            self.records.put(record)
+        except CorruptRecord as exc:
+            raise StateWriteFailed(str(exc), {"record": record.name}) from exc
+        with self._table_lock:
+            self._table[record.name] = record
+
+    def _delete(self, name: str) -> None:
+        try:
+            self.records.delete(name)
+        except CorruptRecord as exc:
+            raise StateWriteFailed(str(exc), {"record": name}) from exc
+        with self._table_lock:
+            self._table.pop(name, None)
+
+    def _fail(self, record: OwnershipRecord, message: str) -> None:
+        """Put an instance in ERROR: kept, never reused, blocking its placement, retried later."""
+        failed = msgspec.structs.replace(record, state=State.ERROR, last_error=message, since=now_rfc3339())
+        _log.error("instance %s is now ERROR: %s", record.name, message)
+        try:
+            self.records.put(failed)
+        except (StateWriteFailed, CorruptRecord) as exc:
+            _log.error("cannot record ERROR for %s: %s (kept in memory)", record.name, exc)
+        with self._table_lock:
+            self._table[record.name] = failed
+        self._emit("error", failed)
+
+    def _activate(self, record: OwnershipRecord, owner: Owner) -> OwnershipRecord:
+        with self._table_lock:
+            self.generation += 1
+            generation = self.generation
+        return msgspec.structs.replace(
+            record,
+            state=State.ACTIVE,
+            owner=owner,
+            activated_generation=generation,
+            last_error="",
+            since=now_rfc3339(),
+        )
+
+    @staticmethod
+    def _idle(record: OwnershipRecord) -> OwnershipRecord:
+        return msgspec.structs.replace(record, state=State.IDLE, owner=None, since=now_rfc3339())
+
+    def _emit(self, event: str, record: OwnershipRecord) -> None:
+        try:
+            self._events(
+                event, {"gpu_uuid": record.gpu_uuid, "profile": record.profile, "state": str(record.state)}
+            )
+        except Exception:  # noqa: BLE001 - an observer (metrics) must never break a transaction
+            _log.exception("event observer failed on %s", event)
+
+    # -- internals: locks ------------------------------------------------------------------------------
+    def _gpu_lock(self, gpu_uuid: str) -> threading.RLock:
+        with self._gpu_locks_guard:
+            lock = self._gpu_locks.get(gpu_uuid)
+            if lock is None:
+                lock = self._gpu_locks[gpu_uuid] = threading.RLock()
+            return lock
+
+    @contextlib.contextmanager
+    def _gpu_locks_for(self, gpu_uuids: Iterable[str]) -> Iterator[None]:
+        """Take the locks of several GPUs in sorted UUID order, the one global order (no deadlock)."""
+        with contextlib.ExitStack() as stack:
+            for uuid in sorted(set(gpu_uuids)):
+                stack.enter_context(self._gpu_lock(uuid))
+            yield
+
+    @contextlib.contextmanager
+    def _claim(self, keys: Sequence[AllocationKey]) -> Iterator[None]:
+        """Claim allocation keys for one request; waits while another request holds any of them."""
+        wanted = set(keys)
+        with self._keys:
+            while wanted & self._claimed:
+                self._keys.wait()
+            self._claimed |= wanted
+        try:
+            yield
+        finally:
+            with self._keys:
+                self._claimed -= wanted
+                self._keys.notify_all()
+
+
+def _record_name(res: Reservation) -> str:
+    return record_name(res.gpu_uuid, res.placement)
+
+
+def _tolerate_missing(call: Callable[..., None], *args: object) -> None:
+    """Run a destroy; NOT_FOUND means it is already gone (the port looks objects up by ID afresh)."""
+    try:
+        call(*args)
+    except NvmlError as exc:
+        if not exc.not_found:
+            raise
