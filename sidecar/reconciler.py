@@ -1,17 +1,28 @@
 """Background retries (architecture section 5 and the spec's CDI lifecycle).
 
-STUB — the interface below is fixed; the bodies are filled in by the lifecycle work.
-
 Retries the destruction of ERROR instances that no active allocation references (the CDI file and the
 record go only after the hardware is gone) and retries queued CDI removals.
+
+Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
+races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
+listed its MIG UUID as held by a live pod: it is left alone then, because destroying a device under a
+running container is worse than keeping a broken one. A destroy that still fails leaves the instance
+ERROR with the new ``last_error``; the next round tries again. ``run_once`` is the whole algorithm; the
+thread only repeats it, so tests call ``run_once`` directly.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import msgspec
 
-from sidecar.domain import InstanceRef
+from sidecar.domain import InstanceRef, State
+from sidecar.errors import SidecarError
 from sidecar.lifecycle import Lifecycle
+
+_log = logging.getLogger(__name__)
 
 
 class ReconcileReport(msgspec.Struct, frozen=True):
@@ -24,13 +35,61 @@ class Reconciler:
     def __init__(self, lifecycle: Lifecycle, interval_s: float = 10.0) -> None:
         self.lifecycle = lifecycle
         self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_report = ReconcileReport()
+
+    @property
+    def last_report(self) -> ReconcileReport:
+        """What the most recent round did (for metrics: the backlog is ``still_failing``)."""
+        return self._last_report
 
     def run_once(self) -> ReconcileReport:
-        raise NotImplementedError
+        """One round: every unreferenced ERROR instance, then the queued CDI removals.
+
+        Returns nothing to do before recovery has succeeded: until then the table is not trusted.
+        """
+        if not self.lifecycle.recovered:
+            return ReconcileReport()
+        destroyed: list[InstanceRef] = []
+        failing: list[str] = []
+        for record in self.lifecycle.instances():
+            if record.state is not State.ERROR:
+                continue
+            try:
+                ref = self.lifecycle.retry_error(record.name)
+            except SidecarError as exc:
+                _log.warning("ERROR instance %s still cannot be destroyed: %s", record.name, exc)
+                failing.append(record.name)
+                continue
+            if ref is not None:
+                _log.info("destroyed ERROR instance %s", record.name)
+                destroyed.append(ref)
+        cdi_removed = self.lifecycle.cdi.retry_removals()
+        report = ReconcileReport(
+            destroyed=tuple(destroyed), still_failing=tuple(failing), cdi_removed=tuple(cdi_removed)
+        )
+        self._last_report = report
+        return report
 
     def start(self) -> None:
         """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
-        raise NotImplementedError
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
-        raise NotImplementedError
+        """Ask the loop to end and wait for it; prompt because the loop sleeps on an Event."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - one bad round must not end background retries for good
+                _log.exception("reconciler round failed")
