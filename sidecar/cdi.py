@@ -1,33 +1,169 @@
-"""Per-instance CDI spec files (architecture section 7).
+"""Per-instance CDI spec files (architecture section 7; the spec's "CDI lifecycle").
 
-STUB — the interface below is fixed; the bodies are filled in by the records/CDI work.
+One spec file per MIG instance in the CDI directory, named ``<vendor>-<class>_<MIG UUID>.json`` (the
+CDI library's ``GenerateTransientSpecName``), of a kind of its own (default ``k8s.hami.io/mig``): HAMi
+already publishes MIG UUIDs under ``k8s.device-plugin.nvidia.com/gpu``, and the same qualified name in
+two files of one directory is a conflict that makes the CDI cache drop the device. Each file holds one
+device named by the MIG UUID, which is new on every creation, so a runtime's spec cache never serves a
+stale entry for a re-created instance.
 
-One spec file per MIG instance in the CDI directory, named ``<vendor>-<class>_<MIG UUID>.json``, kind of
-its own (default ``k8s.hami.io/mig``), one device named by the MIG UUID (unique per creation, so a
-runtime cache never serves a stale entry), minimal ``cdiVersion``. Device edits: the parent
-``/dev/nvidia<minor>`` and the GI and CI access nodes ``/dev/nvidia-caps/nvidia-cap<N>`` with type,
-major, minor and file mode read from ``<proc>/driver/nvidia/capabilities/gpu<minor>/mig/gi<G>/access``,
-``.../ci<C>/access`` and ``<proc>/devices``. Written atomically (temp name not ending in .json, fsync,
-rename, fsync dir), mode 0644. With CDI disabled nothing is ever written.
+The spec is the smallest one that works::
+
+    {"cdiVersion": "0.3.0", "kind": "k8s.hami.io/mig",
+     "devices": [{"name": "MIG-...", "containerEdits": {"deviceNodes": [
+        {"path": "/dev/nvidia<minor>", "type": "c", "major": <nvidia>, "minor": <gpu minor>},
+        {"path": "/dev/nvidiactl", "type": "c", "major": <nvidia>, "minor": 255},
+        {"path": "/dev/nvidia-caps/nvidia-cap<gi>", "type": "c", "major": <caps>, "minor": <gi>,
+         "fileMode": <mode>},
+        {"path": "/dev/nvidia-caps/nvidia-cap<ci>", "type": "c", "major": <caps>, "minor": <ci>,
+         "fileMode": <mode>}]}}]}
+
+``cdiVersion`` is the minimum the content needs (older runtimes reject versions they do not know):
+nothing here needs more than 0.3.0 (no ``hostPath``, no annotations, device names start with a
+letter), except a dot in the class part of the kind, which needs 0.6.0.
+
+Every node carries ``type`` and ``major`` because a runtime ``stat``s the host path of a node that
+lacks them, and ``/dev/nvidia-caps/nvidia-cap<N>`` usually does not exist on the host (only
+``nvidia-modprobe`` creates those nodes, and only when something asks); the runtime creates the nodes
+inside the container from these numbers. Majors come from ``<proc>/devices``; the cap minors and modes
+from the GI and CI ``access`` files. ``DeviceFileMode`` there is decimal (256 = 0o400) and goes into
+``fileMode`` as the same number, which is how the CDI JSON encodes a Go ``os.FileMode``.
+
+Files are written atomically (temp name not ending in .json, fsync, rename, fsync dir) with mode 0644,
+as bytes that depend only on the inputs, so "identical" is a byte comparison. A removal that fails is
+queued in memory for ``retry_removals`` (run by the reconciler). With CDI disabled nothing is ever
+written and every method is a no-op.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import threading
 from pathlib import Path
 
-from sidecar.domain import Identity
+import msgspec
+
+from sidecar.domain import MIG_UUID_RE, Identity
+from sidecar.errors import StateWriteFailed
+from sidecar.records import atomic_write
 
 DEFAULT_KIND = "k8s.hami.io/mig"
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+NVIDIACTL_MINOR = 255
+
+# pkg/parser ValidateVendorName / ValidateClassName: a letter first, a letter or digit last,
+# [A-Za-z0-9_.-] between. The spec limits the class to 63 characters and the vendor (a DNS
+# subdomain) to 253.
+_KIND_PART_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+
+
+class _DeviceNode(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
+    path: str
+    type: str
+    major: int
+    minor: int
+    file_mode: int | None = None
+
+
+class _ContainerEdits(msgspec.Struct, frozen=True, rename="camel"):
+    device_nodes: tuple[_DeviceNode, ...]
+
+
+class _Device(msgspec.Struct, frozen=True, rename="camel"):
+    name: str
+    container_edits: _ContainerEdits
+
+
+class _Spec(msgspec.Struct, frozen=True, rename="camel"):
+    cdi_version: str
+    kind: str
+    devices: tuple[_Device, ...]
+
+
+class _SpecHeader(msgspec.Struct):
+    """What ``list_mig_uuids`` needs from any spec file; other fields are ignored, not rejected."""
+
+    kind: str = ""
+    devices: list[_DeviceName] = msgspec.field(default_factory=list)
+
+
+class _DeviceName(msgspec.Struct):
+    name: str = ""
+
+
+_ENCODER = msgspec.json.Encoder()
+_HEADER_DECODER = msgspec.json.Decoder(_SpecHeader)
+
+
+def parse_kind(kind: str) -> tuple[str, str]:
+    """``vendor/class`` -> (vendor, class), checked by the CDI name rules; ValueError otherwise."""
+    vendor, sep, cls = kind.partition("/")
+    if (
+        not sep
+        or not _KIND_PART_RE.match(vendor)
+        or not _KIND_PART_RE.match(cls)
+        or len(vendor) > 253
+        or len(cls) > 63
+    ):
+        raise ValueError(f"not a CDI kind (vendor/class): {kind!r}")
+    return vendor, cls
+
+
+def minimum_cdi_version(kind: str) -> str:
+    """The lowest ``cdiVersion`` that covers what this module writes for ``kind``."""
+    _, cls = parse_kind(kind)
+    return "0.6.0" if "." in cls else "0.3.0"
+
+
+def read_char_majors(proc_root: Path) -> dict[str, int]:
+    """Driver name -> major from the "Character devices:" section of ``<proc>/devices``.
+
+    The block section reuses numbers for other drivers, so it is cut off."""
+    majors: dict[str, int] = {}
+    in_char = False
+    for line in (proc_root / "devices").read_text().splitlines():
+        stripped = line.strip()
+        if stripped.endswith(":"):
+            in_char = stripped == "Character devices:"
+            continue
+        fields = stripped.split()
+        if in_char and len(fields) == 2 and fields[0].isdigit():
+            majors.setdefault(fields[1], int(fields[0]))
+    return majors
+
+
+def read_access_file(path: Path) -> tuple[int, int]:
+    """(DeviceFileMinor, DeviceFileMode) of a MIG capability ``access`` file; both decimal."""
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            values[key.strip()] = value.strip()
+    try:
+        return int(values["DeviceFileMinor"]), int(values["DeviceFileMode"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{path} has no DeviceFileMinor/DeviceFileMode: {exc}") from exc
 
 
 class CdiSpecs:
     """The CDI files of this sidecar's kind in one directory, plus the queue of failed removals."""
 
-    def __init__(self, directory: Path | None, kind: str = DEFAULT_KIND, proc_root: Path = Path("/proc")) -> None:
-        """``directory`` None = CDI disabled (legacy mode). ``proc_root`` is ``/proc`` or the simulator's tree."""
+    def __init__(
+        self, directory: Path | None, kind: str = DEFAULT_KIND, proc_root: Path = Path("/proc")
+    ) -> None:
+        """``directory`` None = CDI disabled (legacy mode).
+
+        ``proc_root`` is ``/proc`` or the simulator's tree. ValueError for a kind that breaks the CDI
+        vendor/class rules. Does no I/O."""
         self.directory = directory
         self.kind = kind
         self.proc_root = proc_root
+        self.vendor, self.cls = parse_kind(kind)
+        self.cdi_version = minimum_cdi_version(kind)
+        self._lock = threading.Lock()
+        self._pending: dict[Path, None] = {}  # an ordered set: retried in the order they failed
 
     @property
     def enabled(self) -> bool:
@@ -35,33 +171,163 @@ class CdiSpecs:
 
     def device_name(self, mig_uuid: str) -> str:
         """Qualified name ``vendor/class=MIG-...``; "" when disabled."""
-        raise NotImplementedError
+        _check_mig_uuid(mig_uuid)
+        return f"{self.kind}={mig_uuid}" if self.enabled else ""
 
     def spec_path(self, mig_uuid: str) -> Path:
-        raise NotImplementedError
+        """``<dir>/<vendor>-<class>_<MIG UUID>.json``. ValueError when disabled (there is no path)."""
+        _check_mig_uuid(mig_uuid)
+        if self.directory is None:
+            raise ValueError("CDI is disabled: there are no spec files")
+        return self.directory / f"{self.vendor}-{self.cls}_{mig_uuid}.json"
+
+    def render(self, gpu_minor: int, identity: Identity) -> bytes:
+        """The exact bytes ``ensure`` writes for this instance, read from ``<proc>`` now.
+
+        Raises StateWriteFailed when ``<proc>`` lacks the majors or the access files (the instance's
+        capability files vanish with the GI/CI, so this also catches an instance that is gone)."""
+        _check_mig_uuid(identity.mig_uuid)
+        caps = self.proc_root / "driver" / "nvidia" / "capabilities" / f"gpu{gpu_minor}" / "mig"
+        gi_access = caps / f"gi{identity.gpu_instance_id}" / "access"
+        ci_access = caps / f"gi{identity.gpu_instance_id}" / f"ci{identity.compute_instance_id}" / "access"
+        try:
+            majors = read_char_majors(self.proc_root)
+            nvidia = majors.get("nvidia-frontend", majors.get("nvidia"))
+            caps_major = majors.get("nvidia-caps")
+            if nvidia is None or caps_major is None:
+                raise ValueError(
+                    f"{self.proc_root / 'devices'} lists no nvidia-frontend/nvidia or nvidia-caps"
+                )
+            gi_minor, gi_mode = read_access_file(gi_access)
+            ci_minor, ci_mode = read_access_file(ci_access)
+        except (OSError, ValueError) as exc:
+            raise StateWriteFailed(
+                f"reading device numbers for the CDI spec of {identity.mig_uuid} failed: {exc}"
+            ) from exc
+        nodes = (
+            _DeviceNode(f"/dev/nvidia{gpu_minor}", "c", nvidia, gpu_minor),
+            _DeviceNode("/dev/nvidiactl", "c", nvidia, NVIDIACTL_MINOR),
+            _DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "c", caps_major, gi_minor, gi_mode),
+            _DeviceNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "c", caps_major, ci_minor, ci_mode),
+        )
+        spec = _Spec(self.cdi_version, self.kind, (_Device(identity.mig_uuid, _ContainerEdits(nodes)),))
+        # Struct fields encode in declaration order, so equal inputs give equal bytes.
+        return msgspec.json.format(_ENCODER.encode(spec), indent=2) + b"\n"
 
     def ensure(self, gpu_minor: int, identity: Identity) -> str:
         """Write the spec unless an identical valid one exists; return the qualified device name.
 
         "" when disabled. Raises errors.StateWriteFailed when /proc cannot be read or the write fails."""
-        raise NotImplementedError
+        if self.directory is None:
+            return ""
+        path = self.spec_path(identity.mig_uuid)
+        data = self.render(gpu_minor, identity)
+        with self._lock:
+            # The file is wanted again: a queued removal must not take it away later.
+            self._pending.pop(path, None)
+            if _read_bytes(path) == data:
+                return self.device_name(identity.mig_uuid)
+            try:
+                self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+                atomic_write(path, data, FILE_MODE)
+            except OSError as exc:
+                raise StateWriteFailed(f"writing CDI spec {path} failed: {exc}") from exc
+        return self.device_name(identity.mig_uuid)
 
     def is_current(self, gpu_minor: int, identity: Identity) -> bool:
         """True when the file exists and equals what ``ensure`` would write (disabled: True)."""
-        raise NotImplementedError
+        if self.directory is None:
+            return True
+        return _read_bytes(self.spec_path(identity.mig_uuid)) == self.render(gpu_minor, identity)
 
     def remove(self, mig_uuid: str) -> bool:
         """Remove the spec of an instance; missing = done. On failure queue it and return False."""
-        raise NotImplementedError
+        if self.directory is None:
+            return True
+        path = self.spec_path(mig_uuid)
+        with self._lock:
+            if _unlink(path):
+                self._pending.pop(path, None)
+                return True
+            self._pending[path] = None
+            return False
 
     def pending_removals(self) -> list[str]:
         """Paths whose removal failed and waits for ``retry_removals``."""
-        raise NotImplementedError
+        with self._lock:
+            return [str(p) for p in self._pending]
 
     def retry_removals(self) -> list[str]:
         """Retry the queued removals; return the paths removed now."""
-        raise NotImplementedError
+        removed: list[str] = []
+        with self._lock:
+            for path in list(self._pending):
+                if _unlink(path):
+                    del self._pending[path]
+                    removed.append(str(path))
+        return removed
 
     def list_mig_uuids(self) -> dict[str, Path]:
-        """MIG UUID -> path of every spec file of this sidecar's kind in the directory (disabled: {})."""
-        raise NotImplementedError
+        """MIG UUID -> path of every spec file of this sidecar's kind in the directory (disabled: {}).
+
+        Files of other kinds (HAMi's own ``k8s.device-plugin.nvidia.com-gpu.json``, other vendors) and
+        files that do not parse are ignored: they are not ours to judge. A missing directory is empty."""
+        if self.directory is None:
+            return {}
+        found: dict[str, Path] = {}
+        try:
+            entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise StateWriteFailed(f"listing CDI directory {self.directory} failed: {exc}") from exc
+        for entry in entries:
+            if entry.name.startswith(".") or not entry.name.endswith(".json"):
+                continue
+            data = _read_bytes(Path(entry.path))
+            if data is None:
+                continue
+            try:
+                header = _HEADER_DECODER.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if header.kind != self.kind:
+                continue
+            for device in header.devices:
+                if MIG_UUID_RE.match(device.name):
+                    found[device.name] = Path(entry.path)
+        return found
+
+
+def _check_mig_uuid(mig_uuid: str) -> None:
+    # A MIG UUID becomes a file name and a CDI device name; the legacy "MIG-GPU-<uuid>/<gi>/<ci>" form
+    # of R450/R460 drivers contains "/" and is valid as neither.
+    if not MIG_UUID_RE.match(mig_uuid):
+        raise ValueError(f"not a MIG UUID: {mig_uuid!r}")
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or None when it is missing or unreadable (then it is rewritten or skipped)."""
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _unlink(path: Path) -> bool:
+    """Remove ``path`` durably; True when it is gone (or was never there)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        return False
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # The name is gone for every reader already; a lost fsync can at worst bring the file back
+        # after a power cut, when recovery removes it again as a spec with no live instance.
+        pass
+    return True
