@@ -1,0 +1,289 @@
+"""The composition root: the one place that builds and wires the sidecar's objects (style habit 11).
+
+Order matters and is the point of this module (architecture section 10):
+
+1. open the hardware backend (NVML or the simulated node) — without a driver ``--backend nvml`` fails
+   here with a clear message; the simulator is never substituted;
+2. ``RecordStore.open()`` takes the state directory's flock *before* the socket is touched: a second
+   sidecar on the same directory exits here, and cannot unlink the first one's live socket (a Python
+   gRPC server silently takes over an existing socket path);
+3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
+4. only while holding the lock: remove a stale socket file, bind, chmod 0660;
+5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
+   which also starts the reconciler (before recovery the table does not describe the hardware).
+
+SIGTERM/SIGINT: stop accepting, let in-flight calls finish for the grace period, stop the reconciler,
+close the backend, remove the socket, release the lock, exit 0.
+
+Nothing here does I/O at import time; ``serve`` takes the backend opener as an argument so tests and
+tools can wire a different one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import signal
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Protocol
+
+from sidecar.cdi import CdiSpecs
+from sidecar.config import ServeConfig
+from sidecar.lifecycle import Lifecycle
+from sidecar.logs import event
+from sidecar.metrics import MeteredPort, Metrics
+from sidecar.nvml.port import NvmlError, NvmlPort
+from sidecar.reconciler import Reconciler
+from sidecar.records import RecordStore, StateDirLocked
+from sidecar.recovery import Recovery
+from sidecar.server import MigSidecarServicer, ServerInfo, SidecarServer
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_STARTUP_FAILED = 1
+
+BOOT_ID_PATH = Path("sys/kernel/random/boot_id")
+
+
+class Backend(Protocol):
+    """What ``sidecar.nvml.open_backend`` returns: the port, where its /proc lives, and a close."""
+
+    @property
+    def port(self) -> NvmlPort: ...
+
+    @property
+    def proc_root(self) -> Path: ...
+
+    @property
+    def kind(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+BackendOpener = Callable[[ServeConfig], Backend]
+
+
+class StartupError(Exception):
+    """The sidecar cannot start; the message says why and what to do. Nothing was served."""
+
+
+def read_boot_id(proc_root: Path) -> str:
+    """``<proc>/sys/kernel/random/boot_id``: changes on every boot, which is when GI/CI vanish.
+
+    The simulated backend writes one into its fake /proc, so the same code path serves both."""
+    path = proc_root / BOOT_ID_PATH
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise StartupError(f"cannot read the boot id from {path}: {exc.strerror}") from exc
+
+
+def open_default_backend(config: ServeConfig) -> Backend:
+    """Open the backend ``config`` names through ``sidecar.nvml.open_backend``."""
+    from sidecar import nvml  # noqa: PLC0415 - the NVML package loads pynvml; keep it out of import time
+
+    backend: Backend = nvml.open_backend(config.backend, config.sim_state, config.sim_gpus_text)
+    return backend
+
+
+class Application:
+    """The wired sidecar. Built by ``build``; ``start`` binds, ``shutdown`` undoes everything in order."""
+
+    def __init__(
+        self,
+        *,
+        config: ServeConfig,
+        backend: Backend,
+        records: RecordStore,
+        cdi: CdiSpecs,
+        lifecycle: Lifecycle,
+        recovery: Recovery,
+        reconciler: Reconciler,
+        metrics: Metrics,
+        server: SidecarServer,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.records = records
+        self.cdi = cdi
+        self.lifecycle = lifecycle
+        self.recovery = recovery
+        self.reconciler = reconciler
+        self.metrics = metrics
+        self.server = server
+        self._recovered_lock = threading.Lock()
+        self._reconciler_started = False
+        self._socket_bound = False
+
+    def on_recovered(self) -> None:
+        """Called after every successful Recover: health turns SERVING, the reconciler starts once."""
+        with self._recovered_lock:
+            self.server.mark_recovered()
+            if not self._reconciler_started:
+                self.reconciler.start()
+                self._reconciler_started = True
+
+    def start(self) -> None:
+        """Bind the socket (the state lock is already held) and the optional metrics endpoint."""
+        socket = self.config.socket
+        if not socket.parent.exists():
+            socket.parent.mkdir(parents=True, mode=0o750)
+            socket.parent.chmod(0o750)  # mkdir's mode is filtered by the umask
+        try:
+            mode = socket.lstat().st_mode
+        except FileNotFoundError:
+            pass
+        else:
+            if not stat.S_ISSOCK(mode):
+                raise StartupError(f"{socket} exists and is not a socket; refusing to replace it")
+            # We hold the state directory lock, so no live sidecar of this state directory owns it.
+            socket.unlink()
+            event(log, logging.INFO, "removed stale socket", socket=str(socket))
+        previous = os.umask(0o117)  # the socket is born 0660; the chmod below makes it explicit
+        try:
+            self.server.start(str(socket))
+        except RuntimeError as exc:
+            raise StartupError(f"cannot bind the gRPC socket {socket}: {exc}") from exc
+        finally:
+            os.umask(previous)
+        self._socket_bound = True
+        socket.chmod(0o660)
+        if self.config.metrics_address is not None:
+            address = self.config.metrics_address
+            try:
+                self.metrics.serve(address.host, address.port)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from exc
+
+    def shutdown(self) -> None:
+        """Stop serving, then release resources in the reverse order of acquisition. Idempotent."""
+        if self._socket_bound:
+            self.server.stop(self.config.shutdown_grace_s)
+        if self._reconciler_started:
+            self.reconciler.stop()
+            self._reconciler_started = False
+        self.metrics.close()
+        if self._socket_bound:
+            with contextlib.suppress(FileNotFoundError):
+                self.config.socket.unlink()
+            self._socket_bound = False
+        self.backend.close()
+        self.records.close()
+
+
+def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: str) -> Application:
+    """Wire everything from an open backend and a locked record store. No socket is touched here."""
+    metrics = Metrics()
+    port = MeteredPort(backend.port, metrics)
+    cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
+    lifecycle = Lifecycle(port, records, cdi, boot_id)
+    recovery = Recovery(lifecycle, port, records, cdi, boot_id, adopt_existing=config.adopt_existing)
+    reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s)
+    metrics.watch(lifecycle.instances, cdi.pending_removals)
+    info = ServerInfo(
+        backend=backend.kind,
+        boot_id=boot_id,
+        cdi_enabled=cdi.enabled,
+        adopt_existing=config.adopt_existing,
+        started_at=dt.datetime.now(dt.UTC),
+    )
+    servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
+    server = SidecarServer(servicer)
+    app = Application(
+        config=config,
+        backend=backend,
+        records=records,
+        cdi=cdi,
+        lifecycle=lifecycle,
+        recovery=recovery,
+        reconciler=reconciler,
+        metrics=metrics,
+        server=server,
+    )
+    servicer.on_recovered = app.on_recovered
+    return app
+
+
+def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_backend) -> Application:
+    """Steps 1-3 of the startup order; raises ``StartupError`` (releasing what it took) on failure."""
+    try:
+        backend = open_backend(config)
+    except (NvmlError, OSError, ValueError) as exc:
+        hint = ""
+        if config.backend == "nvml":
+            hint = (
+                " (is the NVIDIA driver installed and the GPU visible to this container? "
+                "For a demo without a GPU use --backend simulated --sim-state FILE)"
+            )
+        raise StartupError(f"cannot open the {config.backend} backend: {exc}{hint}") from exc
+    records = RecordStore(config.state_dir)
+    try:
+        records.open()
+    except StateDirLocked as exc:
+        backend.close()
+        raise StartupError(
+            f"state directory {config.state_dir} is locked by another running sidecar ({exc}); "
+            "only one sidecar may own a node's MIG instances"
+        ) from exc
+    except OSError as exc:
+        backend.close()
+        raise StartupError(f"cannot open the state directory {config.state_dir}: {exc}") from exc
+    try:
+        boot_id = read_boot_id(backend.proc_root)
+        return build(config, backend, records, boot_id)
+    except BaseException:
+        records.close()
+        backend.close()
+        raise
+
+
+def serve(
+    config: ServeConfig,
+    open_backend: BackendOpener = open_default_backend,
+    stop: threading.Event | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (or ``stop`` is set). Returns the process exit code."""
+    stop = stop if stop is not None else threading.Event()
+    if threading.current_thread() is threading.main_thread():
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            event(log, logging.INFO, "stopping", signal=signal.Signals(signum).name)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+    try:
+        app = open_app(config, open_backend)
+    except StartupError as exc:
+        event(log, logging.ERROR, "startup failed", error=str(exc))
+        return EXIT_STARTUP_FAILED
+    try:
+        app.start()
+    except StartupError as exc:
+        event(log, logging.ERROR, "startup failed", error=str(exc))
+        app.shutdown()
+        return EXIT_STARTUP_FAILED
+    event(
+        log,
+        logging.INFO,
+        "serving",
+        socket=str(config.socket),
+        backend=app.backend.kind,
+        state_dir=str(config.state_dir),
+        cdi_dir=str(config.cdi_dir) if config.cdi_dir is not None else "",
+        boot_id=app.server.servicer.info.boot_id,
+        metrics=app.metrics.bound_port or "",
+    )
+    try:
+        stop.wait()
+    finally:
+        app.shutdown()
+        event(log, logging.INFO, "stopped", socket=str(config.socket))
+    return EXIT_OK

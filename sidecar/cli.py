@@ -1,0 +1,289 @@
+"""The ``hami-mig-sidecar`` console script (architecture section 10).
+
+Subcommands:
+
+* ``serve`` — run the sidecar (flags and their ``HAMI_MIG_SIDECAR_*`` variables: ``sidecar.config``);
+* ``status [--json]`` — ask a running sidecar (GetInfo + GetState) and print GPUs, owned instances and
+  foreign instances as a table, or the responses as JSON for machines;
+* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
+  exits 1 when any record is corrupt, so it can gate a maintenance script;
+* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.simcli``).
+
+Exit codes: 0 success, 1 failure (startup failed, sidecar unreachable, corrupt records), 2 bad usage
+or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sidecar import __version__
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+_STATE_NAMES = {1: "CREATING", 2: "ACTIVE", 3: "IDLE", 4: "DELETING", 5: "ERROR"}
+
+
+def _env_default(flag: str, fallback: str) -> str:
+    from sidecar.config import env_name  # noqa: PLC0415 - keep `--help` of unrelated commands light
+
+    return os.environ.get(env_name(flag), fallback)
+
+
+# -- serve ------------------------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from sidecar import app, config, logs  # noqa: PLC0415 - gRPC and NVML load only when serving
+
+    try:
+        settings = config.load(args, os.environ)
+    except config.ConfigError as exc:
+        print(f"hami-mig-sidecar serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logs.configure(settings.log_level)
+    return app.serve(settings)
+
+
+# -- status -----------------------------------------------------------------------------------------------
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns separated by two spaces; the header row first."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        for line in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _placement(message: Any) -> str:
+    return f"{message.start}:{message.size}"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_status(info: Any, state: Any) -> str:
+    """The human view of GetInfo + GetState: a header line and three tables."""
+    started = (
+        info.started_at.ToDatetime(tzinfo=dt.UTC).isoformat(timespec="seconds") if info.started_at else ""
+    )
+    out = [
+        f"hami-mig-sidecar {info.sidecar_version} (api {info.api_version}), backend {info.backend}, "
+        f"recovered {_yes(info.recovered)}, generation {state.generation}, "
+        f"cdi {'on' if info.cdi_enabled else 'off'}, adopt-existing {_yes(info.adopt_existing)}",
+        f"boot {info.boot_id}, started {started}",
+        "",
+        "GPUS",
+    ]
+    gpu_rows = [
+        [
+            str(g.gpu.index),
+            g.gpu.uuid,
+            g.gpu.model,
+            f"{g.gpu.memory_mb}MiB",
+            ("on" if g.gpu.mig_mode.current else "off")
+            + ("" if g.gpu.mig_mode.pending == g.gpu.mig_mode.current else " (pending change)"),
+            _yes(g.gpu.busy),
+        ]
+        for g in state.gpus
+    ]
+    out.append(_table(["INDEX", "UUID", "MODEL", "MEMORY", "MIG", "BUSY"], gpu_rows))
+    instance_rows = []
+    foreign_rows = []
+    for g in state.gpus:
+        for i in g.instances:
+            owner = ""
+            if i.HasField("owner") and i.owner.pod.uid:
+                pod = i.owner.pod
+                who = f"{pod.namespace}/{pod.name}" if pod.name else pod.uid
+                owner = f"{who}[{i.owner.container_index}/{i.owner.device_index}]"
+            instance_rows.append(
+                [
+                    str(g.gpu.index),
+                    _STATE_NAMES.get(i.state, str(i.state)),
+                    i.profile,
+                    _placement(i.placement),
+                    str(i.gpu_instance_id),
+                    str(i.compute_instance_id),
+                    i.mig_uuid or "-",
+                    owner or "-",
+                    i.last_error or "",
+                ]
+            )
+        for f in g.foreign:
+            foreign_rows.append(
+                [
+                    str(g.gpu.index),
+                    f.profile,
+                    _placement(f.placement),
+                    str(f.gpu_instance_id),
+                    str(f.compute_instance_id) if f.has_compute_instance else "-",
+                    f.mig_uuid or "-",
+                ]
+            )
+    out += ["", "INSTANCES"]
+    headers = ["GPU", "STATE", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID", "OWNER", "ERROR"]
+    out.append(_table(headers, instance_rows) if instance_rows else "(none)")
+    out += ["", "FOREIGN (not owned; never touched)"]
+    foreign_headers = ["GPU", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID"]
+    out.append(_table(foreign_headers, foreign_rows) if foreign_rows else "(none)")
+    if state.pending_cdi_removals:
+        out += ["", "PENDING CDI REMOVALS", *state.pending_cdi_removals]
+    return "\n".join(out) + "\n"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from google.protobuf import json_format  # noqa: PLC0415
+    from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
+    from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    socket = Path(args.socket)
+    if not socket.exists():
+        print(
+            f"hami-mig-sidecar status: no sidecar socket at {socket} (is the sidecar running?)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = pb_grpc.MigSidecarStub(channel)
+        try:
+            info = stub.GetInfo(pb.GetInfoRequest(), timeout=args.timeout)
+            state = stub.GetState(pb.GetStateRequest(), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            print(f"hami-mig-sidecar status: {socket}: {code}: {details}", file=sys.stderr)
+            return EXIT_FAILED
+    if args.json:
+        document = {
+            "info": json_format.MessageToDict(
+                info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            ),
+            "state": json_format.MessageToDict(
+                state, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+            ),
+        }
+        sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(format_status(info, state))
+    return EXIT_OK
+
+
+# -- records ----------------------------------------------------------------------------------------------
+
+
+def _current_boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _cmd_records_verify(args: argparse.Namespace) -> int:
+    from sidecar import records  # noqa: PLC0415
+
+    boot_id = args.boot_id if args.boot_id is not None else _current_boot_id()
+    try:
+        report = records.verify(Path(args.state_dir), boot_id or None)
+    except OSError as exc:
+        print(
+            f"hami-mig-sidecar records verify: cannot read {args.state_dir}: {exc.strerror}", file=sys.stderr
+        )
+        return EXIT_FAILED
+    sys.stdout.write(records.format_report(report))
+    return EXIT_FAILED if report.corrupt else EXIT_OK
+
+
+# -- parser -----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sidecar import config  # noqa: PLC0415
+    from sidecar.nvml import simcli  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(
+        prog="hami-mig-sidecar",
+        description="Owns the lifecycle of NVIDIA MIG instances on a GPU node for HAMi's device plugin, "
+        "over a Unix-socket gRPC API. Every flag can also be set with HAMI_MIG_SIDECAR_<FLAG>.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the sidecar on its Unix socket",
+        description="Run the sidecar: take the state directory lock, open the backend, serve gRPC on the "
+        "socket until SIGTERM. Each flag also reads the environment variable named in its help.",
+    )
+    config.add_serve_flags(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    status = commands.add_parser(
+        "status",
+        help="print what a running sidecar owns",
+        description="Connect to a running sidecar and print GPUs, owned instances and foreign instances.",
+    )
+    status.add_argument(
+        "--socket",
+        default=_env_default("--socket", str(config.DEFAULT_SOCKET)),
+        metavar="PATH",
+        help=f"the sidecar's socket [env {config.env_name('--socket')}; default: {config.DEFAULT_SOCKET}]",
+    )
+    status.add_argument("--json", action="store_true", help="print GetInfo and GetState as one JSON document")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
+    status.set_defaults(func=_cmd_status)
+
+    records_parser = commands.add_parser("records", help="inspect ownership records offline")
+    records_commands = records_parser.add_subparsers(dest="records_command", metavar="ACTION", required=True)
+    verify = records_commands.add_parser(
+        "verify",
+        help="report valid, corrupt and stale records (exit 1 if any is corrupt)",
+        description="Read every ownership record of a state directory without locking or changing it and "
+        "report which are valid, corrupt (never deleted automatically) and stale (from another boot).",
+    )
+    verify.add_argument(
+        "--state-dir",
+        default=_env_default("--state-dir", str(config.DEFAULT_STATE_DIR)),
+        metavar="DIR",
+        help=f"the state directory [env {config.env_name('--state-dir')}; "
+        f"default: {config.DEFAULT_STATE_DIR}]",
+    )
+    verify.add_argument(
+        "--boot-id",
+        default=None,
+        metavar="ID",
+        help="boot id that counts as current (default: this machine's /proc/sys/kernel/random/boot_id)",
+    )
+    verify.set_defaults(func=_cmd_records_verify)
+
+    simcli.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.func
+    return handler(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

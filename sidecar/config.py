@@ -1,0 +1,355 @@
+"""Settings of ``hami-mig-sidecar serve``: from flags, then environment, then defaults; validated once.
+
+Every flag ``--some-flag`` can also come from the environment variable ``HAMI_MIG_SIDECAR_SOME_FLAG``
+(a DaemonSet sets env more easily than it rewrites ``args``). A flag given on the command line wins over
+the environment. The result is one frozen ``ServeConfig``; nothing downstream re-reads flags or env.
+
+Why a table (``SERVE_FLAGS``) instead of plain argparse defaults: the same table drives ``--help`` (each
+entry names its env variable and default), the README's configuration table and the validation
+messages, which say whether a bad value came from a flag or from the environment.
+
+The simulator is never chosen silently: ``--backend`` defaults to ``nvml`` and the simulated hardware
+is only used when asked for by name. ``--sim-*`` flags together with ``--backend nvml`` are refused
+rather than ignored, because they betray a misconfiguration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from sidecar.cdi import DEFAULT_KIND
+
+ENV_PREFIX = "HAMI_MIG_SIDECAR_"
+
+DEFAULT_SOCKET = Path("/var/lib/hami/mig-sidecar/sidecar.sock")
+DEFAULT_STATE_DIR = Path("/var/run/hami/dynamic-mig-state")
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+DEFAULT_RECONCILE_INTERVAL_S = 10.0
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+
+# sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
+MAX_SOCKET_PATH_BYTES = 107
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+BACKENDS = ("nvml", "simulated")
+
+_CDI_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*[a-z0-9]/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
+_SIM_GPU_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?::([0-9]+))?$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or contradicts another; the message names flag and env variable."""
+
+
+class FlagSpec(msgspec.Struct, frozen=True):
+    """One ``serve`` setting: its flag, its destination, whether it is a switch, default and meaning."""
+
+    flag: str
+    dest: str
+    help: str
+    default: str | None = None  # as text, the way the environment would spell it; None = unset
+    switch: bool = False  # a store_true flag; env accepts 1/0, true/false, yes/no, on/off
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return env_name(self.flag)
+
+
+def env_name(flag: str) -> str:
+    """``--cdi-kind`` -> ``HAMI_MIG_SIDECAR_CDI_KIND``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+SERVE_FLAGS: tuple[FlagSpec, ...] = (
+    FlagSpec(
+        "--socket",
+        "socket",
+        "Unix socket to serve the gRPC API on (mode 0660, directory created 0750). Put it in a directory "
+        "shared with the device plugin container, never under /var/lib/kubelet/device-plugins.",
+        default=str(DEFAULT_SOCKET),
+        metavar="PATH",
+    ),
+    FlagSpec(
+        "--state-dir",
+        "state_dir",
+        "Directory of the durable ownership records; its lock keeps a second sidecar out.",
+        default=str(DEFAULT_STATE_DIR),
+        metavar="DIR",
+    ),
+    FlagSpec(
+        "--cdi-dir",
+        "cdi_dir",
+        "Directory to write one CDI spec file per MIG instance into.",
+        default=str(DEFAULT_CDI_DIR),
+        metavar="DIR",
+    ),
+    FlagSpec(
+        "--no-cdi",
+        "no_cdi",
+        "Legacy mode: write no CDI spec files (cdi_device is empty in responses).",
+        switch=True,
+    ),
+    FlagSpec(
+        "--cdi-kind",
+        "cdi_kind",
+        "CDI kind (vendor/class) of the spec files; a kind of its own so no other tool writes its names.",
+        default=DEFAULT_KIND,
+        metavar="VENDOR/CLASS",
+    ),
+    FlagSpec(
+        "--backend",
+        "backend",
+        "Hardware backend: nvml (the real driver) or simulated (a simulated GPU node for demos and "
+        "tests). Never chosen silently: without a driver, nvml fails at startup.",
+        default="nvml",
+        metavar="{nvml,simulated}",
+    ),
+    FlagSpec(
+        "--sim-state",
+        "sim_state",
+        "With --backend simulated: the file holding the simulated hardware (created if missing).",
+        metavar="FILE",
+    ),
+    FlagSpec(
+        "--sim-gpus",
+        "sim_gpus",
+        "With --backend simulated: GPUs of a new --sim-state file, MODEL[:COUNT],... e.g. "
+        "h100-80gb:2,a100-40gb:1 (ignored when the file exists).",
+        metavar="MODEL[:COUNT],...",
+    ),
+    FlagSpec(
+        "--adopt-existing-mig-instances",
+        "adopt_existing",
+        "At recovery, claim MIG instances without an ownership record (only when this sidecar "
+        "exclusively owns the node's MIG layout).",
+        switch=True,
+    ),
+    FlagSpec(
+        "--metrics-address",
+        "metrics_address",
+        "Serve Prometheus metrics over HTTP on HOST:PORT (off when unset).",
+        metavar="HOST:PORT",
+    ),
+    FlagSpec(
+        "--log-level",
+        "log_level",
+        "Lowest level logged (JSON lines on stderr): " + ", ".join(LOG_LEVELS) + ".",
+        default="INFO",
+        metavar="LEVEL",
+    ),
+    FlagSpec(
+        "--reconcile-interval",
+        "reconcile_interval",
+        "Seconds between background retries of failed destroys and CDI removals.",
+        default=str(DEFAULT_RECONCILE_INTERVAL_S),
+        metavar="SECONDS",
+    ),
+    FlagSpec(
+        "--shutdown-grace",
+        "shutdown_grace",
+        "Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled.",
+        default=str(DEFAULT_SHUTDOWN_GRACE_S),
+        metavar="SECONDS",
+    ),
+)
+
+
+class SimGpu(msgspec.Struct, frozen=True):
+    model: str
+    count: int = 1
+
+
+class MetricsAddress(msgspec.Struct, frozen=True):
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything ``serve`` needs, validated. ``cdi_dir`` None = CDI disabled (``--no-cdi``)."""
+
+    socket: Path = DEFAULT_SOCKET
+    state_dir: Path = DEFAULT_STATE_DIR
+    cdi_dir: Path | None = DEFAULT_CDI_DIR
+    cdi_kind: str = DEFAULT_KIND
+    backend: Literal["nvml", "simulated"] = "nvml"
+    sim_state: Path | None = None
+    sim_gpus: tuple[SimGpu, ...] = ()
+    adopt_existing: bool = False
+    metrics_address: MetricsAddress | None = None
+    log_level: str = "INFO"
+    reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+
+    @property
+    def sim_gpus_text(self) -> str:
+        """The ``MODEL:COUNT,...`` spelling the simulated backend takes."""
+        return ",".join(f"{g.model}:{g.count}" for g in self.sim_gpus)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """Declare the ``serve`` flags. Defaults stay None so ``load`` can tell "not given" from "given"."""
+    for spec in SERVE_FLAGS:
+        default = "unset" if spec.default is None else spec.default
+        if spec.switch:
+            default = "off"
+        text = f"{spec.help} [env {spec.env}; default: {default}]"
+        if spec.switch:
+            parser.add_argument(spec.flag, dest=spec.dest, action="store_true", default=None, help=text)
+        else:
+            parser.add_argument(spec.flag, dest=spec.dest, default=None, metavar=spec.metavar, help=text)
+
+
+def load(args: argparse.Namespace | Mapping[str, object], environ: Mapping[str, str]) -> ServeConfig:
+    """Resolve flag > env > default for every setting, then validate; raises ``ConfigError``."""
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    raw: dict[str, str | None] = {}
+    origin: dict[str, str] = {}
+    for spec in SERVE_FLAGS:
+        value = given.get(spec.dest)
+        if value is not None and value is not False:
+            raw[spec.dest] = "true" if value is True else str(value)
+            origin[spec.dest] = spec.flag
+        elif spec.env in environ:
+            raw[spec.dest] = environ[spec.env]
+            origin[spec.dest] = f"environment variable {spec.env}"
+        else:
+            raw[spec.dest] = spec.default
+            origin[spec.dest] = f"default of {spec.flag}"
+    return _validate(raw, origin)
+
+
+def _switch(raw: str | None, where: str) -> bool:
+    text = (raw or "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{where}: {raw!r} is not a boolean (use true or false)")
+
+
+def _seconds(raw: str | None, where: str) -> float:
+    try:
+        value = float(raw or "")
+    except ValueError:
+        raise ConfigError(f"{where}: {raw!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{where}: {raw!r} must be a positive number of seconds")
+    return value
+
+
+def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
+    """``h100-80gb:2,a100-40gb`` -> (SimGpu("h100-80gb", 2), SimGpu("a100-40gb", 1)).
+
+    Only the syntax is checked here; whether a model exists is the simulated backend's to say, and it
+    says so when it opens."""
+    gpus: list[SimGpu] = []
+    for part in text.split(","):
+        match = _SIM_GPU_RE.match(part.strip())
+        if match is None:
+            raise ConfigError(f"{where}: {part.strip()!r} is not MODEL[:COUNT] (e.g. h100-80gb:2)")
+        count = int(match.group(2) or "1")
+        if count < 1:
+            raise ConfigError(f"{where}: the count of {match.group(1)!r} must be at least 1")
+        gpus.append(SimGpu(match.group(1).lower(), count))
+    return tuple(gpus)
+
+
+def parse_metrics_address(text: str, where: str = "--metrics-address") -> MetricsAddress:
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ConfigError(f"{where}: {text!r} is not HOST:PORT (e.g. 0.0.0.0:9400 or :9400)")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ConfigError(f"{where}: port {port} is outside 1..65535")
+    host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means all interfaces, as for Prometheus
+    return MetricsAddress(host, port)
+
+
+def _path(raw: str | None, where: str) -> Path:
+    if not raw:
+        raise ConfigError(f"{where}: a path is required")
+    return Path(raw).expanduser()
+
+
+def _rank(where: str) -> int:
+    """How explicit a setting's origin is: a flag (2) beats the environment (1) beats a default (0)."""
+    if where.startswith("--"):
+        return 2
+    return 1 if where.startswith("environment") else 0
+
+
+def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> ServeConfig:
+    backend = (raw["backend"] or "").strip().lower()
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"{origin['backend']}: backend {raw['backend']!r} is not one of {', '.join(BACKENDS)}"
+        )
+
+    socket = _path(raw["socket"], origin["socket"])
+    if len(str(socket).encode()) > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(
+            f"{origin['socket']}: socket path {socket} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
+            "the limit of a Unix socket address"
+        )
+
+    no_cdi = _switch(raw["no_cdi"], origin["no_cdi"])
+    if no_cdi and _rank(origin["cdi_dir"]) == _rank(origin["no_cdi"]):
+        raise ConfigError(f"{origin['cdi_dir']} and {origin['no_cdi']} contradict each other: choose one")
+    if no_cdi and _rank(origin["cdi_dir"]) > _rank(origin["no_cdi"]):
+        no_cdi = False  # an explicit --cdi-dir flag beats HAMI_MIG_SIDECAR_NO_CDI from the environment
+    cdi_dir = None if no_cdi else _path(raw["cdi_dir"], origin["cdi_dir"])
+
+    cdi_kind = (raw["cdi_kind"] or "").strip()
+    if not _CDI_KIND_RE.match(cdi_kind):
+        raise ConfigError(
+            f"{origin['cdi_kind']}: {cdi_kind!r} is not a CDI kind vendor/class (e.g. {DEFAULT_KIND})"
+        )
+
+    sim_state = Path(raw["sim_state"]).expanduser() if raw["sim_state"] else None
+    sim_gpus = parse_sim_gpus(raw["sim_gpus"], origin["sim_gpus"]) if raw["sim_gpus"] else ()
+    if backend == "simulated" and sim_state is None:
+        raise ConfigError("--backend simulated needs --sim-state FILE (the simulated hardware)")
+    if backend == "nvml" and (sim_state is not None or sim_gpus):
+        raise ConfigError(
+            "--sim-state/--sim-gpus are only meaningful with --backend simulated; "
+            "the simulator is never chosen implicitly"
+        )
+
+    metrics = (
+        parse_metrics_address(raw["metrics_address"], origin["metrics_address"])
+        if raw["metrics_address"]
+        else None
+    )
+
+    log_level = (raw["log_level"] or "").strip().upper()
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(
+            f"{origin['log_level']}: {raw['log_level']!r} is not one of {', '.join(LOG_LEVELS)}"
+        )
+
+    return ServeConfig(
+        socket=socket,
+        state_dir=_path(raw["state_dir"], origin["state_dir"]),
+        cdi_dir=cdi_dir,
+        cdi_kind=cdi_kind,
+        backend="simulated" if backend == "simulated" else "nvml",
+        sim_state=sim_state,
+        sim_gpus=sim_gpus,
+        adopt_existing=_switch(raw["adopt_existing"], origin["adopt_existing"]),
+        metrics_address=metrics,
+        log_level=log_level,
+        reconcile_interval_s=_seconds(raw["reconcile_interval"], origin["reconcile_interval"]),
+        shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
+    )
