@@ -1,0 +1,144 @@
+"""``serve`` settings: flag beats environment beats default, and every bad value is refused with a
+message that names where it came from."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from sidecar import config
+from sidecar.config import ConfigError, MetricsAddress, ServeConfig, SimGpu
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
+    parser = argparse.ArgumentParser()
+    config.add_serve_flags(parser)
+    return config.load(parser.parse_args(argv), environ or {})
+
+
+class TestDefaults:
+    def test_without_flags_or_environment_the_architecture_defaults_apply(self) -> None:
+        settings = parse([])
+        assert settings.socket == Path("/var/lib/hami/mig-sidecar/sidecar.sock")
+        assert settings.state_dir == Path("/var/run/hami/dynamic-mig-state")
+        assert settings.cdi_dir == Path("/var/run/cdi")
+        assert settings.cdi_kind == "k8s.hami.io/mig"
+        assert settings.backend == "nvml"
+        assert settings.adopt_existing is False
+        assert settings.metrics_address is None
+        assert settings.log_level == "INFO"
+        assert settings.reconcile_interval_s == 10.0
+
+    def test_the_simulator_is_never_the_default_backend(self) -> None:
+        assert parse([]).backend == "nvml"
+
+
+class TestEnvironment:
+    def test_every_flag_has_an_environment_variable_named_after_it(self) -> None:
+        names = {spec.flag: spec.env for spec in config.SERVE_FLAGS}
+        assert names["--socket"] == "HAMI_MIG_SIDECAR_SOCKET"
+        assert names["--adopt-existing-mig-instances"] == "HAMI_MIG_SIDECAR_ADOPT_EXISTING_MIG_INSTANCES"
+        assert names["--reconcile-interval"] == "HAMI_MIG_SIDECAR_RECONCILE_INTERVAL"
+
+    def test_environment_values_are_used_when_no_flag_is_given(self) -> None:
+        settings = parse(
+            [],
+            {
+                "HAMI_MIG_SIDECAR_SOCKET": "/run/x/s.sock",
+                "HAMI_MIG_SIDECAR_BACKEND": "simulated",
+                "HAMI_MIG_SIDECAR_SIM_STATE": "/tmp/hw.json",
+                "HAMI_MIG_SIDECAR_SIM_GPUS": "h100-80gb:2,a100-40gb",
+                "HAMI_MIG_SIDECAR_ADOPT_EXISTING_MIG_INSTANCES": "true",
+                "HAMI_MIG_SIDECAR_METRICS_ADDRESS": ":9400",
+                "HAMI_MIG_SIDECAR_LOG_LEVEL": "debug",
+            },
+        )
+        assert settings.socket == Path("/run/x/s.sock")
+        assert settings.backend == "simulated"
+        assert settings.sim_state == Path("/tmp/hw.json")
+        assert settings.sim_gpus == (SimGpu("h100-80gb", 2), SimGpu("a100-40gb", 1))
+        assert settings.sim_gpus_text == "h100-80gb:2,a100-40gb:1"
+        assert settings.adopt_existing is True
+        assert settings.metrics_address == MetricsAddress("0.0.0.0", 9400)  # noqa: S104 - the default host
+        assert settings.log_level == "DEBUG"
+
+    def test_a_flag_wins_over_the_environment(self) -> None:
+        settings = parse(["--state-dir", "/from/flag"], {"HAMI_MIG_SIDECAR_STATE_DIR": "/from/env"})
+        assert settings.state_dir == Path("/from/flag")
+
+    def test_no_cdi_from_the_environment_disables_cdi(self) -> None:
+        assert parse([], {"HAMI_MIG_SIDECAR_NO_CDI": "1"}).cdi_dir is None
+
+    def test_an_explicit_cdi_dir_flag_beats_no_cdi_from_the_environment(self) -> None:
+        settings = parse(["--cdi-dir", "/x/cdi"], {"HAMI_MIG_SIDECAR_NO_CDI": "yes"})
+        assert settings.cdi_dir == Path("/x/cdi")
+
+    def test_an_unreadable_boolean_in_the_environment_is_refused_naming_the_variable(self) -> None:
+        with pytest.raises(ConfigError, match="HAMI_MIG_SIDECAR_ADOPT_EXISTING_MIG_INSTANCES"):
+            parse([], {"HAMI_MIG_SIDECAR_ADOPT_EXISTING_MIG_INSTANCES": "maybe"})
+
+
+class TestValidation:
+    def test_cdi_dir_and_no_cdi_together_contradict(self) -> None:
+        with pytest.raises(ConfigError, match="contradict"):
+            parse(["--cdi-dir", "/x", "--no-cdi"])
+
+    def test_no_cdi_flag_disables_cdi(self) -> None:
+        assert parse(["--no-cdi"]).cdi_dir is None
+
+    def test_an_unknown_backend_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match="not one of nvml, simulated"):
+            parse(["--backend", "mock"])
+
+    def test_the_simulated_backend_needs_a_state_file(self) -> None:
+        with pytest.raises(ConfigError, match="--sim-state"):
+            parse(["--backend", "simulated"])
+
+    def test_simulator_flags_with_the_nvml_backend_are_refused_not_ignored(self) -> None:
+        with pytest.raises(ConfigError, match="only meaningful with --backend simulated"):
+            parse(["--sim-state", "/tmp/hw.json"])
+
+    @pytest.mark.parametrize("text", ["h100-80gb:0", "h100-80gb:x", ":2", "h100 80gb"])
+    def test_malformed_simulated_gpu_lists_are_refused(self, text: str) -> None:
+        with pytest.raises(ConfigError, match="--sim-gpus"):
+            parse(["--backend", "simulated", "--sim-state", "/tmp/hw.json", "--sim-gpus", text])
+
+    def test_a_socket_path_longer_than_a_unix_address_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match="longer than 107 bytes"):
+            parse(["--socket", "/" + "s" * 120])
+
+    @pytest.mark.parametrize("kind", ["nvidia.com", "k8s.hami.io/", "/mig", "Bad_Vendor/mig"])
+    def test_a_cdi_kind_must_be_vendor_slash_class(self, kind: str) -> None:
+        with pytest.raises(ConfigError, match="CDI kind"):
+            parse(["--cdi-kind", kind])
+
+    @pytest.mark.parametrize("address", ["9400", "host:", "host:99999", "host:0"])
+    def test_a_metrics_address_must_be_host_and_port(self, address: str) -> None:
+        with pytest.raises(ConfigError, match="--metrics-address"):
+            parse(["--metrics-address", address])
+
+    def test_a_metrics_address_with_a_host_keeps_it(self) -> None:
+        assert parse(["--metrics-address", "127.0.0.1:9400"]).metrics_address == MetricsAddress(
+            "127.0.0.1", 9400
+        )
+
+    @pytest.mark.parametrize("seconds", ["0", "-1", "soon", "inf", "nan"])
+    def test_the_reconcile_interval_must_be_a_positive_number(self, seconds: str) -> None:
+        with pytest.raises(ConfigError, match="--reconcile-interval"):
+            parse(["--reconcile-interval", seconds])
+
+    def test_an_unknown_log_level_is_refused(self) -> None:
+        with pytest.raises(ConfigError, match="--log-level"):
+            parse(["--log-level", "chatty"])
+
+
+class TestHelp:
+    def test_help_names_the_environment_variable_and_default_of_every_flag(self) -> None:
+        parser = argparse.ArgumentParser()
+        config.add_serve_flags(parser)
+        text = " ".join(parser.format_help().split())
+        for spec in config.SERVE_FLAGS:
+            assert spec.flag in text
+            assert spec.env in text
