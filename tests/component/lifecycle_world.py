@@ -1,0 +1,133 @@
+"""A lifecycle over simulated hardware, in process: the real pynvml adapter, records and CDI code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import (
+    AllocateRequest,
+    AllocateResult,
+    DeviceRequest,
+    Placement,
+    PodRef,
+    Reservation,
+    State,
+)
+from sidecar.lifecycle import Lifecycle
+from sidecar.nvml.port import GpuInfo
+from sidecar.nvml.pynvml_backend import PynvmlBackend
+from sidecar.nvml.simulated import SimulatedHardware, install
+from sidecar.records import OwnershipRecord, RecordStore
+
+BOOT_ID = "0b5b8e4a-7a57-4a3b-9a57-6f2f0c1a0b1c"
+
+# (gpu index, profile, start, size)
+Dev = tuple[int, str, int, int]
+# What the hardware shows: (gpu index, GI ID, GI profile ID, placement, ((CI ID, MIG UUID), ...))
+LiveGi = tuple[int, int, int, str, tuple[tuple[int, str], ...]]
+
+
+@dataclass
+class World:
+    hw: SimulatedHardware
+    port: PynvmlBackend
+    records: RecordStore
+    cdi: CdiSpecs
+    cdi_dir: Path
+    lifecycle: Lifecycle
+    gpus: list[GpuInfo]
+
+    def uuid(self, index: int) -> str:
+        return self.gpus[index].uuid
+
+    def request(
+        self, pod: str, *devices: Dev, container_index: int = 0, first_index: int = 0
+    ) -> AllocateRequest:
+        return AllocateRequest(
+            pod=PodRef(pod, "default", f"name-{pod}"),
+            container_name="main",
+            container_index=container_index,
+            devices=tuple(
+                DeviceRequest(first_index + i, Reservation(self.uuid(g), profile, Placement(start, size)))
+                for i, (g, profile, start, size) in enumerate(devices)
+            ),
+        )
+
+    def allocate(self, pod: str, *devices: Dev, container_index: int = 0) -> AllocateResult:
+        return self.lifecycle.allocate(self.request(pod, *devices, container_index=container_index))
+
+    def layout(self) -> set[LiveGi]:
+        """Every GI and its CIs as the (simulated) driver reports them through NVML."""
+        out: set[LiveGi] = set()
+        for gpu in self.gpus:
+            if not self.port.gpu(gpu.uuid).mig_current:
+                continue
+            for gi in self.port.gpu_instances(gpu.uuid):
+                cis = tuple((c.id, c.mig_uuid) for c in self.port.compute_instances(gpu.uuid, gi.id))
+                out.add((gpu.index, gi.id, gi.profile_id, str(gi.placement), cis))
+        return out
+
+    def live_mig_uuids(self) -> set[str]:
+        return {mig for *_, cis in self.layout() for _, mig in cis}
+
+    def record_files(self) -> dict[str, OwnershipRecord]:
+        valid, corrupt = self.records.load_all()
+        assert corrupt == {}
+        return valid
+
+    def states(self) -> dict[str, State]:
+        return {name: r.state for name, r in self.record_files().items()}
+
+    def cdi_files(self) -> set[str]:
+        if not self.cdi_dir.exists():
+            return set()
+        return {p.name for p in self.cdi_dir.iterdir()}
+
+    def everything(self) -> tuple[set[LiveGi], dict[str, OwnershipRecord], set[str]]:
+        """Hardware, records on disk and CDI files: what "nothing changed" compares."""
+        return self.layout(), self.record_files(), self.cdi_files()
+
+    def assert_consistent(self) -> None:
+        """No GI/CI without a record, no record without its GI/CI, table == files, CDI files == owned.
+
+        ``foreign`` GIs made by a test through the simulator are excluded by the caller's setup: every
+        GI here must be owned. ERROR records may have lost their CI (a GI destroy failed after it).
+        """
+        files = self.record_files()
+        assert {r.name: r for r in self.lifecycle.instances()} == files
+        live = {(g, gi_id): (placement, cis) for g, gi_id, _, placement, cis in self.layout()}
+        claimed: set[tuple[int, int]] = set()
+        for r in files.values():
+            g = next(gpu.index for gpu in self.gpus if gpu.uuid == r.gpu_uuid)
+            assert r.gpu_instance_id is not None, f"{r.name} has no GI"
+            assert (g, r.gpu_instance_id) in live, f"{r.name} names GI {r.gpu_instance_id}, which is gone"
+            placement, cis = live[(g, r.gpu_instance_id)]
+            assert placement == str(r.placement)
+            if r.state is not State.ERROR:
+                assert cis == ((r.compute_instance_id, r.mig_uuid),)
+            claimed.add((g, r.gpu_instance_id))
+        assert set(live) == claimed, f"GIs without a record: {set(live) - claimed}"
+        if self.cdi.enabled:
+            wanted = {
+                self.cdi.spec_path(r.mig_uuid).name
+                for r in files.values()
+                if r.mig_uuid is not None and r.state in (State.ACTIVE, State.IDLE)
+            }
+            assert wanted <= self.cdi_files()
+        else:
+            assert self.cdi_files() == set()
+
+
+def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
+    hw = SimulatedHardware.create([("h100-80gb", 2), ("a100-40gb", 1)], proc_root=tmp_path / "proc")
+    install(hw)
+    port = PynvmlBackend(retry_wait=False)
+    records = RecordStore(tmp_path / "state")
+    records.open()
+    cdi_dir = tmp_path / "cdi"
+    cdi = CdiSpecs(cdi_dir if cdi_enabled else None, proc_root=tmp_path / "proc")
+    lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
+    lifecycle.install([], 0)
+    return World(hw, port, records, cdi, cdi_dir, lifecycle, port.gpus())

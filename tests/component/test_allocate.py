@@ -1,0 +1,260 @@
+"""Allocate over simulated hardware: create, exact reuse, reclaim of idle cache, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import World
+
+from sidecar import errors
+from sidecar.domain import Outcome, State
+from sidecar.lifecycle import Lifecycle
+
+H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
+
+
+class TestCreate:
+    def test_a_new_placement_is_created_with_its_record_and_cdi_file(self, world: World) -> None:
+        result = world.allocate("pod-a", (0, "1g.10gb", 3, 1))
+
+        [dev] = result.devices
+        assert dev.outcome is Outcome.CREATED
+        assert result.reclaimed == ()
+        assert world.layout() == {
+            (
+                0,
+                dev.identity.gpu_instance_id,
+                H100_1G,
+                "3:1",
+                ((dev.identity.compute_instance_id, dev.identity.mig_uuid),),
+            )
+        }
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        assert record.mig_uuid == dev.identity.mig_uuid
+        assert record.owner is not None
+        assert record.owner.pod.uid == "pod-a"
+        if world.cdi.enabled:
+            assert dev.cdi_device == f"k8s.hami.io/mig={dev.identity.mig_uuid}"
+            assert world.cdi_files() == {world.cdi.spec_path(dev.identity.mig_uuid).name}
+        else:
+            assert dev.cdi_device == ""
+        world.assert_consistent()
+
+    def test_every_activation_bumps_the_generation_and_is_recorded(self, world: World) -> None:
+        before = world.lifecycle.generation
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (1, "1g.10gb", 0, 1))
+        assert world.lifecycle.generation == before + 2
+        assert sorted(r.activated_generation for r in world.record_files().values()) == [
+            before + 1,
+            before + 2,
+        ]
+
+
+class TestExactReuse:
+    def test_a_released_instance_is_reused_with_the_same_mig_uuid_and_no_new_instance(
+        self, world: World
+    ) -> None:
+        first = world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0]
+        world.lifecycle.release("pod-a")
+        before = world.everything()
+
+        again = world.allocate("pod-b", (0, "3g.40gb", 4, 4)).devices[0]
+
+        assert again.outcome is Outcome.REUSED
+        assert again.identity == first.identity
+        assert world.layout() == before[0]  # no GI/CI was created or destroyed: same IDs, same UUID
+        assert world.cdi_files() == before[2]
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        assert record.owner is not None
+        assert record.owner.pod.uid == "pod-b"
+
+    def test_a_missing_cdi_file_is_rewritten_on_reuse(self, cdi_world: World) -> None:
+        first = cdi_world.allocate("pod-a", (0, "1g.10gb", 2, 1)).devices[0]
+        cdi_world.lifecycle.release("pod-a")
+        cdi_world.cdi.spec_path(first.identity.mig_uuid).unlink()
+
+        again = cdi_world.allocate("pod-b", (0, "1g.10gb", 2, 1)).devices[0]
+
+        assert again.outcome is Outcome.REUSED
+        assert cdi_world.cdi.is_current(cdi_world.gpus[0].minor, again.identity)
+
+    def test_an_idle_instance_that_vanished_from_the_hardware_goes_to_error_and_is_not_reused(
+        self, world: World
+    ) -> None:
+        first = world.allocate("pod-a", (0, "1g.10gb", 2, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        world.port.destroy_compute_instance(
+            world.uuid(0), first.identity.gpu_instance_id, first.identity.compute_instance_id
+        )
+
+        with pytest.raises(errors.UnverifiableState):
+            world.allocate("pod-b", (0, "1g.10gb", 2, 1))
+
+        [record] = world.record_files().values()
+        assert record.state is State.ERROR
+        assert "reuse verification failed" in record.last_error
+
+    def test_repeating_an_allocation_returns_the_same_instance(self, world: World) -> None:
+        first = world.allocate("pod-a", (0, "1g.10gb", 1, 1)).devices[0]
+        before = world.everything()
+
+        again = world.allocate("pod-a", (0, "1g.10gb", 1, 1)).devices[0]
+
+        assert again.outcome is Outcome.ALREADY_ALLOCATED
+        assert again.identity == first.identity
+        assert world.everything() == before
+
+    def test_the_same_key_with_another_reservation_is_a_key_conflict(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 1, 1))
+        before = world.everything()
+
+        with pytest.raises(errors.KeyConflict):
+            world.allocate("pod-a", (0, "1g.10gb", 2, 1))
+
+        assert world.everything() == before
+
+
+class TestReclaim:
+    def test_only_the_overlapping_idle_instance_is_destroyed(self, world: World) -> None:
+        in_way = world.allocate("pod-a", (0, "1g.10gb", 5, 1)).devices[0]
+        elsewhere = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        world.lifecycle.release("pod-b")
+
+        result = world.allocate("pod-c", (0, "3g.40gb", 4, 4))
+
+        assert [r.identity for r in result.reclaimed] == [in_way.identity]
+        live = world.live_mig_uuids()
+        assert in_way.identity.mig_uuid not in live
+        assert elsewhere.identity.mig_uuid in live
+        assert result.devices[0].identity.mig_uuid in live
+        states = {r.mig_uuid: r.state for r in world.record_files().values()}
+        assert states == {
+            elsewhere.identity.mig_uuid: State.IDLE,
+            result.devices[0].identity.mig_uuid: State.ACTIVE,
+        }
+        if world.cdi.enabled:
+            assert world.cdi.spec_path(in_way.identity.mig_uuid).name not in world.cdi_files()
+            assert world.cdi.spec_path(elsewhere.identity.mig_uuid).name in world.cdi_files()
+        world.assert_consistent()
+
+    def test_an_idle_instance_with_a_running_process_is_in_use_and_nothing_is_destroyed(
+        self, world: World
+    ) -> None:
+        busy = world.allocate("pod-a", (0, "1g.10gb", 5, 1)).devices[0]
+        world.allocate("pod-b", (0, "1g.10gb", 4, 1))
+        world.lifecycle.release("pod-a")
+        world.lifecycle.release("pod-b")
+        world.hw.set_busy(busy.identity.mig_uuid, True)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse) as caught:
+            world.allocate("pod-c", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["mig_uuid"] == busy.identity.mig_uuid
+        assert world.everything() == before  # the idle one without processes was not destroyed either
+
+
+class TestBlockers:
+    def test_an_active_instance_blocks_an_overlapping_request(self, world: World) -> None:
+        active = world.allocate("pod-a", (0, "1g.10gb", 6, 1)).devices[0]
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "ACTIVE"
+        assert caught.value.metadata["mig_uuid"] == active.identity.mig_uuid
+        assert caught.value.metadata["owner"] == "pod-a/0/0"
+        assert world.everything() == before
+
+    def test_an_error_instance_blocks_an_overlapping_request(self, world: World) -> None:
+        stuck = world.allocate("pod-a", (0, "1g.10gb", 6, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        world.hw.inject_fault("destroy-ci", 999, times=1000)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-c", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "ERROR"
+        assert caught.value.metadata["mig_uuid"] == stuck.identity.mig_uuid
+        assert world.everything() == before
+
+    def test_a_foreign_instance_blocks_an_overlapping_request(self, world: World) -> None:
+        world.hw.create_instance(0, "1g.10gb", 5, 1)
+        world.allocate("pod-a", (0, "1g.10gb", 4, 1))
+        world.lifecycle.release("pod-a")
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "foreign"
+        assert caught.value.metadata["placement"] == "5:1"
+        assert world.everything() == before  # the overlapping idle one was not reclaimed either
+
+    def test_a_foreign_instance_is_listed_in_the_snapshot(self, world: World) -> None:
+        world.hw.create_instance(1, "2g.20gb", 2, 2)
+        snapshot = world.lifecycle.snapshot()
+        [foreign] = snapshot.gpus[1].foreign
+        assert (foreign.profile, str(foreign.placement)) == ("2g.20gb", "2:2")
+        assert foreign.mig_uuid is not None
+
+
+class TestValidation:
+    def test_an_unknown_gpu_is_refused(self, world: World) -> None:
+        request = world.request("pod-a", (0, "1g.10gb", 0, 1))
+        bad = request.devices[0].reservation.__class__(
+            "GPU-00000000-0000-0000-0000-000000000000", "1g.10gb", request.devices[0].reservation.placement
+        )
+        with pytest.raises(errors.UnknownGpu):
+            world.lifecycle.allocate(
+                request.__class__(request.pod, "main", 0, (request.devices[0].__class__(0, bad),))
+            )
+
+    @pytest.mark.parametrize(
+        ("device", "error"),
+        [
+            ((0, "1g.11gb", 0, 1), errors.UnknownProfile),
+            ((0, "3g.40gb", 2, 4), errors.IllegalPlacement),
+            ((0, "1g.10gb", 7, 1), errors.IllegalPlacement),
+            ((2, "1g.20gb", 0, 2), errors.UnknownProfile),  # an A100-40GB has no 1g.20gb
+        ],
+    )
+    def test_an_invalid_second_device_touches_nothing(
+        self, world: World, device: tuple[int, str, int, int], error: type[Exception]
+    ) -> None:
+        before = world.everything()
+        with pytest.raises(error):
+            world.allocate("pod-a", (1, "1g.10gb", 0, 1), device)
+        assert world.everything() == before
+
+    def test_two_overlapping_devices_in_one_request_are_invalid(self, world: World) -> None:
+        with pytest.raises(errors.InvalidRequest):
+            world.allocate("pod-a", (0, "3g.40gb", 0, 4), (0, "1g.10gb", 3, 1))
+        assert world.everything() == (set(), {}, set())
+
+    def test_mig_disabled_on_the_gpu_is_refused(self, world: World) -> None:
+        _, pending, _ = world.lifecycle.set_mig_mode(world.uuid(2), False)
+        assert pending is False
+        with pytest.raises(errors.MigDisabled):
+            world.allocate("pod-a", (2, "1g.5gb", 0, 1))
+
+    def test_mig_cannot_be_disabled_while_instances_exist(self, world: World) -> None:
+        world.allocate("pod-a", (1, "1g.10gb", 0, 1))
+        with pytest.raises(errors.PlacementBusy):
+            world.lifecycle.set_mig_mode(world.uuid(1), False)
+        assert world.port.gpu(world.uuid(1)).mig_pending
+
+    def test_nothing_is_allocated_before_recovery(self, world: World) -> None:
+        fresh = Lifecycle(world.port, world.records, world.cdi, "boot")
+        with pytest.raises(errors.NotRecovered):
+            fresh.allocate(world.request("pod-a", (0, "1g.10gb", 0, 1)))
+        with pytest.raises(errors.NotRecovered):
+            fresh.release("pod-a")
+        assert world.everything() == (set(), {}, set())

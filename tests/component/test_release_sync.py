@@ -1,0 +1,95 @@
+"""Release and SyncActive: ACTIVE <-> IDLE, fenced by the generation, never a destruction."""
+
+from __future__ import annotations
+
+from lifecycle_world import World
+
+from sidecar.domain import ActiveAllocation, Owner, PodRef, State
+
+
+class TestRelease:
+    def test_a_released_pod_leaves_its_instances_idle_and_live(self, world: World) -> None:
+        dev = world.allocate("pod-a", (0, "1g.10gb", 0, 1), (1, "2g.20gb", 2, 2)).devices
+        before = world.layout(), world.cdi_files()
+
+        released = world.lifecycle.release("pod-a")
+
+        assert {r.identity for r in released} == {d.identity for d in dev}
+        assert set(world.states().values()) == {State.IDLE}
+        assert all(r.owner is None for r in world.record_files().values())
+        assert (world.layout(), world.cdi_files()) == before
+
+    def test_releasing_an_unknown_pod_succeeds_with_nothing(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        before = world.everything()
+        assert world.lifecycle.release("pod-nobody") == []
+        assert world.everything() == before
+
+    def test_releasing_one_pod_leaves_the_others_active(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        kept = world.allocate("pod-b", (0, "1g.10gb", 1, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        states = {r.mig_uuid: r.state for r in world.record_files().values()}
+        assert states[kept.identity.mig_uuid] is State.ACTIVE
+        assert sorted(states.values()) == [State.ACTIVE, State.IDLE]
+
+
+class TestSyncActive:
+    def test_active_instances_missing_from_the_pod_list_become_idle(self, world: World) -> None:
+        gone = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        alive = world.allocate("pod-b", (0, "1g.10gb", 1, 1)).devices[0]
+        generation = world.lifecycle.generation
+        still = ActiveAllocation(Owner(PodRef("pod-b"), "main", 0, 0), alive.reservation, alive.identity)
+
+        idled, reactivated = world.lifecycle.sync_active(generation, [still])
+
+        assert [r.identity for r in idled] == [gone.identity]
+        assert reactivated == []
+        states = {r.mig_uuid: r.state for r in world.record_files().values()}
+        assert states == {gone.identity.mig_uuid: State.IDLE, alive.identity.mig_uuid: State.ACTIVE}
+        assert len(world.live_mig_uuids()) == 2  # nothing destroyed
+
+    def test_an_allocation_newer_than_the_pod_list_is_not_idled(self, world: World) -> None:
+        generation = world.lifecycle.generation  # the client read this before listing pods
+        racing = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+
+        idled, _ = world.lifecycle.sync_active(generation, [])
+
+        assert idled == []
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        assert record.mig_uuid == racing.identity.mig_uuid
+
+    def test_an_idle_instance_listed_as_active_becomes_active_again(self, world: World) -> None:
+        dev = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        before = world.lifecycle.generation
+        listed_again = ActiveAllocation(Owner(PodRef("pod-a"), "main", 0, 0), dev.reservation, dev.identity)
+
+        idled, reactivated = world.lifecycle.sync_active(before, [listed_again])
+
+        assert idled == []
+        assert [r.identity for r in reactivated] == [dev.identity]
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        assert record.owner is not None
+        assert record.owner.pod.uid == "pod-a"
+        assert world.lifecycle.generation == before + 1
+        assert record.activated_generation == before + 1
+
+    def test_listed_allocations_that_match_nothing_are_ignored(self, world: World) -> None:
+        dev = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        before = world.everything()
+        other_uuid = ActiveAllocation(
+            Owner(PodRef("pod-x"), "main", 0, 0),
+            dev.reservation,
+            dev.identity.__class__(
+                dev.identity.gpu_instance_id,
+                dev.identity.compute_instance_id,
+                "MIG-00000000-0000-0000-0000-000000000001",
+            ),
+        )
+
+        assert world.lifecycle.sync_active(world.lifecycle.generation, [other_uuid]) == ([], [])
+        assert world.everything() == before
