@@ -1,0 +1,336 @@
+"""The ``NvmlPort`` adapter over pynvml (nvidia-ml-py): the only domain-facing code that speaks pynvml.
+
+It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``simulated.SimulatedLibrary``. What it
+takes care of, so that the domain never has to:
+
+* profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is
+  addressed by the ID the profile info returns;
+* caller-allocated arrays: possible placements are fetched with a count query (NULL array) and then a
+  sized array; GI/CI lists use arrays sized by the profile's ``instanceCount``;
+* placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
+  argument through untouched;
+* ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
+* handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
+  handles are cached by UUID (they stay valid, and an uncached by-UUID lookup can take seconds on a
+  loaded node).
+
+Errors are mapped at one boundary (``_mapped``): every ``pynvml.NVMLError`` becomes
+``port.NvmlError(operation, code, message)`` raised ``from`` the original.
+
+Retries are bounded (``attempts``) and only for transient codes:
+
+* TIMEOUT and NOT_READY, for every call: the driver was busy and said so;
+* IN_USE, for destroys only: right after a container exits the driver can still hold the instance for
+  a moment. For a create, IN_USE is not transient and fails at once.
+
+Everything else fails closed on the first error. ``retry_wait=False`` turns the waits off (tests)
+without touching ``time.sleep``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from ctypes import byref, c_uint
+from typing import Any, TypeVar
+
+import pynvml
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
+
+from sidecar.domain import Placement
+from sidecar.nvml.port import (
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_NOT_READY,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_TIMEOUT,
+    ComputeInstanceInfo,
+    GpuInfo,
+    GpuInstanceInfo,
+    GpuInstanceProfile,
+    NvmlError,
+)
+from sidecar.nvml.profiles import FULL_CI_PROFILE_BY_SLICES
+
+T = TypeVar("T")
+
+TRANSIENT_CODES = frozenset({NVML_ERROR_TIMEOUT, NVML_ERROR_NOT_READY})
+TRANSIENT_DESTROY_CODES = TRANSIENT_CODES | {NVML_ERROR_IN_USE}
+# Codes that mean "this index does not exist on this GPU" while enumerating profiles.
+_SKIP_PROFILE = (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT)
+_MIB = 1024 * 1024
+
+
+@contextlib.contextmanager
+def _mapped(operation: str) -> Iterator[None]:
+    """The one place a pynvml exception becomes the port's ``NvmlError``."""
+    try:
+        yield
+    except pynvml.NVMLError as exc:
+        raise NvmlError(operation, int(exc.value), str(exc)) from exc
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class PynvmlBackend:
+    """``NvmlPort`` over pynvml. ``nvmlInit`` runs once, here; a missing library raises ``NvmlError``
+    (LIBRARY_NOT_FOUND or DRIVER_NOT_LOADED) and is never papered over."""
+
+    def __init__(self, retry_wait: bool = True, attempts: int = 3) -> None:
+        self._wait = wait_exponential(multiplier=0.5, max=4) if retry_wait else wait_none()
+        self._attempts = max(1, attempts)
+        self._lock = threading.Lock()
+        self._handles: dict[str, Any] = {}
+        self._profile_ids: dict[str, list[tuple[int, int]]] = {}
+        with _mapped("nvmlInit"):
+            pynvml.nvmlInit()
+        self._open = True
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+        with _mapped("nvmlShutdown"):
+            pynvml.nvmlShutdown()
+
+    # -- plumbing ------------------------------------------------------------------------------------
+
+    def _run(self, operation: str, fn: Callable[[], T], transient: frozenset[int] = TRANSIENT_CODES) -> T:
+        """Run ``fn`` with errors mapped, retrying only ``transient`` codes, at most ``attempts`` times."""
+
+        def retryable(exc: BaseException) -> bool:
+            return isinstance(exc, NvmlError) and exc.code in transient
+
+        for attempt in Retrying(
+            stop=stop_after_attempt(self._attempts),
+            wait=self._wait,
+            retry=retry_if_exception(retryable),
+            reraise=True,
+        ):
+            with attempt, _mapped(operation):
+                return fn()
+        raise AssertionError("unreachable: tenacity reraises the last error")  # pragma: no cover
+
+    def _device(self, gpu_uuid: str) -> Any:
+        with self._lock:
+            handle = self._handles.get(gpu_uuid)
+        if handle is None:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+            with self._lock:
+                self._handles[gpu_uuid] = handle
+        return handle
+
+    def _gpu_info(self, handle: Any, index: int) -> GpuInfo:
+        try:
+            current, pending = pynvml.nvmlDeviceGetMigMode(handle)
+        except pynvml.NVMLError_NotSupported:  # a GPU without MIG hardware
+            current, pending = 0, 0
+        return GpuInfo(
+            index=index,
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
+            model=_text(pynvml.nvmlDeviceGetName(handle)),
+            memory_mb=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+            mig_current=bool(current),
+            mig_pending=bool(pending),
+        )
+
+    def _profile_table(self, gpu_uuid: str, handle: Any) -> list[tuple[int, int]]:
+        """(profile ID, instance count) of every supported GI profile; static, so cached per GPU."""
+        with self._lock:
+            cached = self._profile_ids.get(gpu_uuid)
+        if cached is not None:
+            return cached
+        table = [(int(info.id), int(info.instanceCount)) for _, info in self._profile_infos(handle)]
+        with self._lock:
+            self._profile_ids[gpu_uuid] = table
+        return table
+
+    @staticmethod
+    def _profile_infos(handle: Any) -> list[tuple[int, Any]]:
+        """Enumerate GI profiles by *index*; missing indices answer NOT_SUPPORTED or INVALID_ARGUMENT."""
+        infos = []
+        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            try:
+                infos.append((index, pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index)))
+            except pynvml.NVMLError as exc:
+                if exc.value in _SKIP_PROFILE:
+                    continue
+                raise
+        return infos
+
+    @staticmethod
+    def _gi_info(gpu_uuid: str, gi: Any) -> GpuInstanceInfo:
+        info = pynvml.nvmlGpuInstanceGetInfo(gi)
+        return GpuInstanceInfo(
+            gpu_uuid=gpu_uuid,
+            id=int(info.id),
+            profile_id=int(info.profileId),
+            placement=Placement(int(info.placement.start), int(info.placement.size)),
+        )
+
+    @staticmethod
+    def _ci_info(gpu_uuid: str, gi_id: int, ci: Any) -> ComputeInstanceInfo:
+        info = pynvml.nvmlComputeInstanceGetInfo(ci)
+        # ``device`` is the MIG device handle; its UUID is the MIG UUID that proves identity.
+        return ComputeInstanceInfo(
+            gpu_uuid=gpu_uuid,
+            gpu_instance_id=gi_id,
+            id=int(info.id),
+            profile_id=int(info.profileId),
+            mig_uuid=_text(pynvml.nvmlDeviceGetUUID(info.device)),
+        )
+
+    # -- NvmlPort ------------------------------------------------------------------------------------
+
+    def gpus(self) -> list[GpuInfo]:
+        def read() -> list[GpuInfo]:
+            result = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                result.append(self._gpu_info(pynvml.nvmlDeviceGetHandleByIndex(index), index))
+            with self._lock:
+                for g in result:
+                    self._handles.setdefault(g.uuid, pynvml.nvmlDeviceGetHandleByIndex(g.index))
+            return result
+
+        return self._run("list GPUs", read)
+
+    def gpu(self, gpu_uuid: str) -> GpuInfo:
+        def read() -> GpuInfo:
+            handle = self._device(gpu_uuid)
+            return self._gpu_info(handle, int(pynvml.nvmlDeviceGetIndex(handle)))
+
+        return self._run(f"read GPU {gpu_uuid}", read)
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
+        mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+
+        def apply() -> int:
+            # Only the call's own return code raises; a refused activation comes back as the status.
+            return int(pynvml.nvmlDeviceSetMigMode(self._device(gpu_uuid), mode))
+
+        return self._run(f"set MIG mode {'on' if enabled else 'off'} on {gpu_uuid}", apply)
+
+    def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        def read() -> list[GpuInstanceProfile]:
+            handle = self._device(gpu_uuid)
+            result = []
+            for index, info in self._profile_infos(handle):
+                count = c_uint(0)
+                pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, None, byref(count))
+                array = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
+                pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, array, byref(count))
+                placements = tuple(
+                    Placement(int(array[i].start), int(array[i].size)) for i in range(count.value)
+                )
+                result.append(
+                    GpuInstanceProfile(
+                        index=index,
+                        id=int(info.id),
+                        name=_text(info.name).removeprefix("MIG "),
+                        slice_count=int(info.sliceCount),
+                        instance_count=int(info.instanceCount),
+                        memory_mb=int(info.memorySizeMB),
+                        multiprocessor_count=int(info.multiprocessorCount),
+                        placements=placements,
+                        # CI profile index = CI profile ID; the full-size CI is not index 0.
+                        ci_profile_id=FULL_CI_PROFILE_BY_SLICES.get(int(info.sliceCount), 0),
+                    )
+                )
+            return result
+
+        return self._run(f"read GPU instance profiles of {gpu_uuid}", read)
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        def read() -> list[GpuInstanceInfo]:
+            handle = self._device(gpu_uuid)
+            result: list[GpuInstanceInfo] = []
+            for profile_id, instance_count in self._profile_table(gpu_uuid, handle):
+                array = (pynvml.c_nvmlGpuInstance_t * max(1, instance_count))()
+                count = c_uint(len(array))
+                pynvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, byref(count))
+                result.extend(self._gi_info(gpu_uuid, array[i]) for i in range(count.value))
+            return sorted(result, key=lambda g: g.id)
+
+        return self._run(f"list GPU instances of {gpu_uuid}", read)
+
+    def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
+        def read() -> list[ComputeInstanceInfo]:
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            result: list[ComputeInstanceInfo] = []
+            for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+                try:
+                    info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                        gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                    )
+                except pynvml.NVMLError as exc:
+                    if exc.value in _SKIP_PROFILE:
+                        continue
+                    raise
+                array = (pynvml.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
+                count = c_uint(len(array))
+                pynvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, array, byref(count))
+                result.extend(self._ci_info(gpu_uuid, gpu_instance_id, array[i]) for i in range(count.value))
+            return sorted(result, key=lambda c: c.id)
+
+        return self._run(f"list compute instances of GI {gpu_instance_id} on {gpu_uuid}", read)
+
+    def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
+        def create() -> GpuInstanceInfo:
+            where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
+            device = self._device(gpu_uuid)
+            gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
+            return self._gi_info(gpu_uuid, gi)
+
+        return self._run(f"create GPU instance profile {profile_id} at {placement} on {gpu_uuid}", create)
+
+    def create_compute_instance(
+        self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
+    ) -> ComputeInstanceInfo:
+        def create() -> ComputeInstanceInfo:
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            ci = pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
+            return self._ci_info(gpu_uuid, gpu_instance_id, ci)
+
+        return self._run(
+            f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}", create
+        )
+
+    def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
+        def destroy() -> None:
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            ci = pynvml.nvmlGpuInstanceGetComputeInstanceById(gi, compute_instance_id)
+            pynvml.nvmlComputeInstanceDestroy(ci)
+
+        self._run(
+            f"destroy compute instance {compute_instance_id} of GI {gpu_instance_id} on {gpu_uuid}",
+            destroy,
+            TRANSIENT_DESTROY_CODES,
+        )
+
+    def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        def destroy() -> None:
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            pynvml.nvmlGpuInstanceDestroy(gi)
+
+        self._run(f"destroy GPU instance {gpu_instance_id} on {gpu_uuid}", destroy, TRANSIENT_DESTROY_CODES)
+
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        def count() -> int:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(mig_uuid)
+            # Quirk: pynvml returns the c_uint itself, not its value (``== 1`` would always be False).
+            if not pynvml.nvmlDeviceIsMigDeviceHandle(handle).value:
+                raise pynvml.NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+            return len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+
+        return self._run(f"count processes on {mig_uuid}", count)
+
+    def gpu_processes(self, gpu_uuid: str) -> int:
+        return self._run(
+            f"count processes on {gpu_uuid}",
+            lambda: len(pynvml.nvmlDeviceGetComputeRunningProcesses(self._device(gpu_uuid))),
+        )
