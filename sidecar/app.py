@@ -33,6 +33,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
+from sidecar import nvml
 from sidecar.cdi import CdiSpecs
 from sidecar.config import ServeConfig
 from sidecar.lifecycle import Lifecycle
@@ -87,10 +88,7 @@ def read_boot_id(proc_root: Path) -> str:
 
 def open_default_backend(config: ServeConfig) -> Backend:
     """Open the backend ``config`` names through ``sidecar.nvml.open_backend``."""
-    from sidecar import nvml  # noqa: PLC0415 - the NVML package loads pynvml; keep it out of import time
-
-    backend: Backend = nvml.open_backend(config.backend, config.sim_state, config.sim_gpus_text)
-    return backend
+    return nvml.open_backend(config.backend, config.sim_state, config.sim_gpus_text or None)
 
 
 class Application:
@@ -215,13 +213,11 @@ def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_bac
     """Steps 1-3 of the startup order; raises ``StartupError`` (releasing what it took) on failure."""
     try:
         backend = open_backend(config)
-    except (NvmlError, OSError, ValueError) as exc:
+    # nvml.BackendUnavailableError is a RuntimeError: no driver, bad simulator state, unknown model.
+    except (RuntimeError, NvmlError, OSError, ValueError) as exc:
         hint = ""
-        if config.backend == "nvml":
-            hint = (
-                " (is the NVIDIA driver installed and the GPU visible to this container? "
-                "For a demo without a GPU use --backend simulated --sim-state FILE)"
-            )
+        if config.backend == "nvml" and "--backend simulated" not in str(exc):
+            hint = " (for a node without a GPU, ask for --backend simulated --sim-state FILE explicitly)"
         raise StartupError(f"cannot open the {config.backend} backend: {exc}{hint}") from exc
     records = RecordStore(config.state_dir)
     try:

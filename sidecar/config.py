@@ -136,7 +136,8 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "--metrics-address",
         "metrics_address",
-        "Serve Prometheus metrics over HTTP on HOST:PORT (off when unset).",
+        "Serve Prometheus metrics over HTTP on HOST:PORT (off when unset; port 0 picks a free one and "
+        "the 'serving' log line names it).",
         metavar="HOST:PORT",
     ),
     FlagSpec(
@@ -271,8 +272,8 @@ def parse_metrics_address(text: str, where: str = "--metrics-address") -> Metric
     if not sep or not port_text.isdigit():
         raise ConfigError(f"{where}: {text!r} is not HOST:PORT (e.g. 0.0.0.0:9400 or :9400)")
     port = int(port_text)
-    if not 0 < port < 65536:
-        raise ConfigError(f"{where}: port {port} is outside 1..65535")
+    if port > 65535:
+        raise ConfigError(f"{where}: port {port} is outside 0..65535 (0 picks a free port)")
     host = host.strip("[]") or "0.0.0.0"  # noqa: S104 - an empty host means all interfaces, as for Prometheus
     return MetricsAddress(host, port)
 

@@ -114,7 +114,7 @@ class TestValidation:
         with pytest.raises(ConfigError, match="CDI kind"):
             parse(["--cdi-kind", kind])
 
-    @pytest.mark.parametrize("address", ["9400", "host:", "host:99999", "host:0"])
+    @pytest.mark.parametrize("address", ["9400", "host:", "host:99999", "host:-1"])
     def test_a_metrics_address_must_be_host_and_port(self, address: str) -> None:
         with pytest.raises(ConfigError, match="--metrics-address"):
             parse(["--metrics-address", address])
