@@ -636,9 +636,7 @@ class SimulatedLibrary:
 
     # -- compute instances ---------------------------------------------------------------------------
 
-    def _ci_profile_info(
-        self, state: SimState, h: Any, index: Any, eng: Any, info: Any, *, v2: bool
-    ) -> int:
+    def _ci_profile_info(self, state: SimState, h: Any, index: Any, eng: Any, info: Any, *, v2: bool) -> int:
         gpu, gi = self._gi(state, h)
         out = _out(info)
         if v2:
@@ -827,8 +825,16 @@ def _layout(state: SimState, gpu: SimGpu) -> GpuLayout:
         )
         gis.append(GiLayout(gi.id, gi.profile_id, p.name, Placement(gi.start, gi.size), cis))
     return GpuLayout(
-        gpu.index, gpu.uuid, m.key, m.name, gpu.minor, gpu.mig_current, gpu.mig_pending, gpu.lost,
-        gpu.uuid in state.busy, tuple(gis),
+        gpu.index,
+        gpu.uuid,
+        m.key,
+        m.name,
+        gpu.minor,
+        gpu.mig_current,
+        gpu.mig_pending,
+        gpu.lost,
+        gpu.uuid in state.busy,
+        tuple(gis),
     )
 
 
@@ -978,6 +984,16 @@ class SimulatedHardware:
             if not enabled and gpu.gis:
                 raise SimError(NVML_ERROR_IN_USE, f"GPU {gpu_index} still has GPU instances")
             gpu.mig_current = gpu.mig_pending = enabled
+
+    def reset_gpu(self, gpu_index: int) -> None:
+        """A GPU reset: its instances vanish, a lost GPU is back, its pending MIG mode applies."""
+        with self.store.transaction() as state:
+            gpu = self._gpu(state, gpu_index)
+            gone = {ci.mig_uuid for _, ci in rules.mig_devices(gpu)} | {gpu.uuid}
+            state.busy[:] = [u for u in state.busy if u not in gone]
+            gpu.gis.clear()
+            gpu.lost = False
+            gpu.mig_current = gpu.mig_pending
 
     def reboot(self) -> None:
         """Clears every GI/CI and busy marker, applies pending MIG modes, new boot_id."""
