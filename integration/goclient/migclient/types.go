@@ -258,3 +258,6 @@ func recoverReportFromPB(r *pb.RecoverResponse) RecoverReport {
 func migModeFromPB(m *pb.MigMode) MigMode {
 	return MigMode{Current: m.GetCurrent(), Pending: m.GetPending()}
 }
+
+// MarshalText writes the contract's name (CREATED, REUSED, ...), for logs and JSON output.
+func (o Outcome) MarshalText() ([]byte, error) { return []byte(o.String()), nil }
