@@ -298,7 +298,8 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
             f"{origin['backend']}: backend {raw['backend']!r} is not one of {', '.join(BACKENDS)}"
         )
 
-    socket = _path(raw["socket"], origin["socket"])
+    # gRPC needs unix:///absolute/path; a relative --socket is taken relative to the working directory.
+    socket = _path(raw["socket"], origin["socket"]).absolute()
     if len(str(socket).encode()) > MAX_SOCKET_PATH_BYTES:
         raise ConfigError(
             f"{origin['socket']}: socket path {socket} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "

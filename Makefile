@@ -1,0 +1,64 @@
+# The two commands of the README:
+#   make run-sim   run the sidecar on a simulated GPU node (state under ./.run/)
+#   make test      lint, type-check and run every test (Python and Go)
+# Both work from a fresh clone: they create .venv (Python 3.11) and install what they need.
+
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+GO     ?= go
+GOBIN  := $(shell $(GO) env GOPATH 2>/dev/null)/bin
+GO_MODULES := api $(wildcard integration/goclient)
+
+RUN_DIR  := $(CURDIR)/.run
+SIM_GPUS ?= h100-80gb:2,a100-40gb:1
+
+.PHONY: run-sim test venv lint typecheck pytest go-plugins go-test proto clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+run-sim: venv
+	mkdir -p $(RUN_DIR)
+	$(BIN)/hami-mig-sidecar serve --backend simulated \
+	  --sim-state $(RUN_DIR)/hw.json --sim-gpus $(SIM_GPUS) \
+	  --state-dir $(RUN_DIR)/state --cdi-dir $(RUN_DIR)/cdi \
+	  --socket $(RUN_DIR)/sidecar.sock --metrics-address 127.0.0.1:9400
+
+test: lint typecheck go-plugins pytest go-test
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+# pytest exits 5 when it collects nothing; make treats that as the failure it is.
+pytest: venv
+	$(BIN)/pytest -q
+
+go-plugins:
+	@while read -r plugin; do \
+	  case "$$plugin" in ""|\#*) continue ;; esac; \
+	  name=$$(basename "$${plugin%@*}"); version=$${plugin##*@}; \
+	  if [ -x "$(GOBIN)/$$name" ] && $(GOBIN)/$$name --version 2>/dev/null | grep -q "$${version#v}"; then continue; fi; \
+	  echo "go install $$plugin"; $(GO) install "$$plugin" || exit 1; \
+	done < scripts/go-plugins.txt
+
+go-test:
+	@for module in $(GO_MODULES); do \
+	  echo "go vet + go test in $$module"; \
+	  (cd $$module && $(GO) vet ./... && $(GO) test ./...) || exit 1; \
+	done
+
+proto: venv go-plugins
+	PYTHON=$(BIN)/python scripts/gen-proto
+
+clean:
+	rm -rf $(RUN_DIR) .pytest_cache .mypy_cache .ruff_cache
