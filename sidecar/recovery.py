@@ -471,6 +471,8 @@ class _Planner:
             # ours can only be ours (the ownership requirement: nobody else creates CIs here).
             if ci.profile_id != record.ci_profile_id:
                 return f"the live compute instance {ci.id} has another compute profile"
+            if record.mig_uuid and ci.mig_uuid != record.mig_uuid:
+                return f"the live compute instance is {ci.mig_uuid}, the record says {record.mig_uuid}"
             return None
         if ci.id != record.compute_instance_id or (record.mig_uuid and ci.mig_uuid != record.mig_uuid):
             return (
