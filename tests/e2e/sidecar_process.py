@@ -90,13 +90,14 @@ class Sidecar:
 
     # -- process control ---------------------------------------------------------------------------------
     def command(self) -> list[str]:
+        """The serve command line; ``--no-cdi`` in ``extra_args`` drops ``--cdi-dir`` (mutually exclusive)."""
         return [
             sys.executable, "-m", "sidecar", "serve",
             "--backend", "simulated",
             "--sim-state", str(self.sim_state),
             "--sim-gpus", self.sim_gpus,
             "--state-dir", str(self.state_dir),
-            "--cdi-dir", str(self.cdi_dir),
+            *([] if "--no-cdi" in self.extra_args else ["--cdi-dir", str(self.cdi_dir)]),
             "--socket", str(self.socket),
             "--reconcile-interval", "0.2",
             "--shutdown-grace", "2",
