@@ -1,0 +1,157 @@
+"""The Go client against a real sidecar: HAMi's side of the socket, end to end.
+
+Each test starts a fresh sidecar on simulated GPUs, drives it with the Go mock device plugin or
+the Go e2e test binary, and then checks what the Go side was told and what the "hardware"
+(the simulated NVML state), the ownership records and the CDI files say afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import GOCLIENT, GoBinaries, GoRunner
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from sidecar_process import Sidecar
+
+pytestmark = [pytest.mark.e2e, pytest.mark.go]
+
+SCENARIOS = GOCLIENT / "scenarios"
+
+
+def play(
+    go: GoBinaries, runner: GoRunner, scenario: str, *extra: str, during: dict[float, str] | None = None
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the mock plugin on a scenario; returns (exit code, one report per step, raw output)."""
+    args = [
+        str(go.mockplugin), "--socket", str(runner.car.socket), "--scenario", str(SCENARIOS / scenario),
+        "--json", "--restart-cmd", runner.restart_command, *extra,
+    ]  # fmt: skip
+    result = runner.run(args, during=during)
+    steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    return result.returncode, steps, result.stdout
+
+
+def instances(car: Sidecar) -> dict[str, str]:
+    """MIG UUID -> state name, as the sidecar reports it."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
+    return {i.mig_uuid: pb.InstanceState.Name(i.state) for g in state.gpus for i in g.instances}
+
+
+def hardware_mig_uuids(car: Sidecar) -> set[str]:
+    """The MIG UUIDs the simulated NVML state holds (what `nvidia-smi -L` would list)."""
+    listing = car.sim("list").stdout
+    return {word.strip("(),;") for word in listing.split() if word.strip("(),;").startswith("MIG-")}
+
+
+def cdi_names(car: Sidecar) -> set[str]:
+    """The device names in the sidecar's CDI spec files."""
+    names: set[str] = set()
+    for path in Path(car.cdi_dir).glob("*.json"):
+        spec = json.loads(path.read_text())
+        names.update(f"{spec['kind']}={d['name']}" for d in spec["devices"])
+    return names
+
+
+def records(car: Sidecar) -> list[Path]:
+    return sorted(p for p in Path(car.state_dir).glob("*.json"))
+
+
+class TestTheMockPluginReplaysTheReadmeScenario:
+    def test_reuse_protection_and_reclaim_return_what_the_plugin_expects(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        code, steps, raw = play(go_binaries, go_runner, "example.yaml")
+        assert code == 0, raw
+        by_step = {s["step"]: s for s in steps}
+        created, reused = by_step[2]["devices"][0], by_step[5]["devices"][0]
+        assert created["Outcome"] == "CREATED"
+        assert reused["Outcome"] == "REUSED"
+        assert reused["MigUUID"] == created["MigUUID"]
+        assert by_step[7]["error"]["reason"] == "PLACEMENT_BUSY"
+        assert by_step[7]["error"]["metadata"]["mig_uuid"] == created["MigUUID"]
+        final = by_step[11]
+        assert [r["MigUUID"] for r in final["reclaimed"]] == [created["MigUUID"]]
+        survivor = final["devices"][0]
+
+        car = go_runner.car
+        assert instances(car) == {survivor["MigUUID"]: "ACTIVE"}
+        assert hardware_mig_uuids(car) == {survivor["MigUUID"]}
+        assert cdi_names(car) == {survivor["CDIDevice"]}
+        assert len(records(car)) == 1
+
+
+class TestAllOrNothing:
+    def test_a_failed_second_device_destroys_the_instance_the_request_created(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        car = go_runner.car
+        car.sim("fault", "create-ci", "UNKNOWN", "--after", "1", "--times", "100")
+        code, steps, raw = play(go_binaries, go_runner, "rollback.yaml")
+        assert code == 0, raw
+        failed = next(s for s in steps if s["event"] == "allocate")
+        assert failed["error"] is not None, raw
+        assert "devices" not in failed
+        assert instances(car) == {}
+        assert hardware_mig_uuids(car) == set()
+        assert cdi_names(car) == set()
+        assert records(car) == []
+
+
+class TestRestartRecovery:
+    def test_after_kill_9_the_next_call_recovers_the_sidecar_and_keeps_the_active_pod(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        code, steps, raw = play(go_binaries, go_runner, "restart.yaml")
+        assert code == 0, raw
+        assert go_runner.restarts == 1
+        by_step = {s["step"]: s for s in steps}
+        before = {d["MigUUID"] for d in by_step[2]["devices"]}
+        after = by_step[5]["devices"][0]["MigUUID"]
+        assert {i["MigUUID"] for i in by_step[7]["idled"]} == before
+        car = go_runner.car
+        assert instances(car) == {**dict.fromkeys(before, "IDLE"), after: "ACTIVE"}
+        assert hardware_mig_uuids(car) == {*before, after}
+        assert len(cdi_names(car)) == 3
+        assert len(records(car)) == 3
+
+
+class TestSidecarDownWhenACallStarts:
+    def test_the_client_waits_for_a_sidecar_that_comes_back_within_the_deadline(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        go_runner.car.kill9()
+        code, steps, raw = play(
+            go_binaries, go_runner, "example.yaml", "--call-timeout", "60s", during={1.0: "start"}
+        )
+        assert code == 0, raw
+        assert steps[0]["event"] == "start"
+        assert "error" not in steps[0]
+
+    def test_the_client_fails_closed_with_a_clear_error_when_it_stays_down(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        go_runner.car.kill9()
+        code, steps, raw = play(go_binaries, go_runner, "example.yaml", "--call-timeout", "1s")
+        assert code != 0
+        assert steps[0]["error"]["reason"] == "SIDECAR_UNREACHABLE", raw
+        assert str(go_runner.car.socket) in steps[0]["error"]["message"]
+
+
+GO_E2E_TESTS = [
+    "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
+    "TestAKilledSidecarIsRecoveredByTheNextCall",
+    "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",
+]
+
+
+class TestGoEndToEndSuite:
+    @pytest.mark.parametrize("name", GO_E2E_TESTS)
+    def test_the_go_e2e_test_passes_against_a_real_sidecar(
+        self, go_binaries: GoBinaries, go_runner: GoRunner, name: str
+    ) -> None:
+        result = go_runner.run([str(go_binaries.e2e), "-test.run", f"^{name}$", "-test.v", "-test.count=1"])
+        assert result.returncode == 0, result.stdout
+        assert f"--- PASS: {name}" in result.stdout, result.stdout
