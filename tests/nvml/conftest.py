@@ -28,6 +28,12 @@ def _real_driver_present() -> bool:
 
 
 @pytest.fixture
+def real_driver() -> bool:
+    """Whether a real NVIDIA driver answers on this machine."""
+    return _real_driver_present()
+
+
+@pytest.fixture
 def make_hw(tmp_path: Path) -> Iterator[Callable[..., SimulatedHardware]]:
     """Build in-memory hardware and install it under pynvml; uninstalled after the test."""
 

@@ -1,0 +1,169 @@
+"""The pynvml adapter: the same read-only tests run against the simulated library and, when a real
+driver is present, against real NVML; mutating and fault tests run on the simulated library only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pynvml
+import pytest
+
+from sidecar.domain import Placement
+from sidecar.nvml import BackendUnavailableError, open_backend
+from sidecar.nvml.port import (
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
+    NVML_ERROR_NOT_SUPPORTED,
+    NVML_ERROR_TIMEOUT,
+    NvmlError,
+)
+from sidecar.nvml.pynvml_backend import PynvmlBackend
+from sidecar.nvml.simulated import SimulatedHardware
+
+
+class TestReadingTheNode:
+    def test_gpus_are_listed_in_index_order_with_their_identity(self, backend: PynvmlBackend) -> None:
+        gpus = backend.gpus()
+        assert [g.index for g in gpus] == list(range(len(gpus)))
+        for g in gpus:
+            assert g.uuid.startswith("GPU-")
+            assert backend.gpu(g.uuid) == g
+            assert g.memory_mb > 0
+
+    def test_profiles_carry_ids_names_and_placements_not_indices(self, backend: PynvmlBackend) -> None:
+        for g in backend.gpus():
+            for p in backend.gpu_instance_profiles(g.uuid):
+                assert not p.name.startswith("MIG ")
+                assert p.placements, p.name
+                assert all(pl.size == p.placements[0].size for pl in p.placements)
+
+    def test_an_unknown_gpu_uuid_is_an_nvml_error(self, backend: PynvmlBackend) -> None:
+        with pytest.raises(NvmlError) as exc:
+            backend.gpu("GPU-00000000-0000-0000-0000-000000000000")
+        assert isinstance(exc.value.__cause__, pynvml.NVMLError)
+        assert "GPU-00000000" in str(exc.value)
+
+
+class TestSimulatedProfiles:
+    def test_the_a100_profiles_map_index_to_id_and_name_to_the_full_size_ci(
+        self, backend: PynvmlBackend
+    ) -> None:
+        a100 = backend.gpus()[0]
+        if a100.model != "NVIDIA A100-SXM4-40GB":
+            pytest.skip("not the simulated A100")
+        got = {
+            p.name: (p.index, p.id, p.slice_count, p.ci_profile_id)
+            for p in backend.gpu_instance_profiles(a100.uuid)
+        }
+        assert got == {
+            "1g.5gb": (0, 19, 1, 0),
+            "1g.5gb+me": (7, 20, 1, 0),
+            "1g.10gb": (9, 15, 1, 0),
+            "2g.10gb": (1, 14, 2, 1),
+            "3g.20gb": (2, 9, 3, 2),
+            "4g.20gb": (3, 5, 4, 3),
+            "7g.40gb": (4, 0, 7, 4),
+        }
+
+
+class TestInstances:
+    def test_create_list_and_destroy_an_instance(self, h100: SimulatedHardware, port: PynvmlBackend) -> None:
+        gpu = port.gpus()[0].uuid
+        gi = port.create_gpu_instance(gpu, 9, Placement(4, 4))
+        ci = port.create_compute_instance(gpu, gi.id, 2)
+        assert (gi.id, gi.profile_id, gi.placement) == (2, 9, Placement(4, 4))
+        assert port.gpu_instances(gpu) == [gi]
+        assert port.compute_instances(gpu, gi.id) == [ci]
+        assert h100.layout(0).gis[0].mig_uuid == ci.mig_uuid
+        assert port.mig_device_processes(ci.mig_uuid) == 0
+        h100.set_busy(ci.mig_uuid)
+        assert (port.mig_device_processes(ci.mig_uuid), port.gpu_processes(gpu)) == (1, 1)
+        h100.set_busy(ci.mig_uuid, False)
+        port.destroy_compute_instance(gpu, gi.id, ci.id)
+        port.destroy_gpu_instance(gpu, gi.id)
+        assert h100.layout(0).gis == ()
+
+    def test_a_gpu_instance_without_a_compute_instance_is_listed_with_no_cis(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        h100.create_instance(0, "2g.20gb", 2, 2, with_ci=False)
+        gpu = port.gpus()[0].uuid
+        assert [g.id for g in port.gpu_instances(gpu)] == [4]
+        assert port.compute_instances(gpu, 4) == []
+
+    def test_mig_disabled_surfaces_as_not_supported(self, make_hw: object) -> None:
+        make_hw(("h100-80gb", 1), mig_enabled=False)  # type: ignore[operator]
+        port = PynvmlBackend(retry_wait=False)
+        gpu = port.gpus()[0]
+        assert (gpu.mig_current, gpu.mig_pending) == (False, False)
+        with pytest.raises(NvmlError) as exc:
+            port.gpu_instances(gpu.uuid)
+        assert exc.value.code == NVML_ERROR_NOT_SUPPORTED
+        assert port.set_mig_mode(gpu.uuid, True) == 0
+        assert port.gpu(gpu.uuid).mig_current
+        port.close()
+
+
+class TestRetries:
+    def test_in_use_on_a_destroy_is_retried_until_it_clears(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gi = h100.create_instance(0, "3g.40gb", 0, 4, with_ci=False)
+        h100.inject_fault("destroy-gi", NVML_ERROR_IN_USE, times=2)
+        port.destroy_gpu_instance(h100.gpu_uuid(0), gi.id)
+        assert h100.layout(0).gis == ()
+
+    def test_in_use_that_outlasts_the_attempts_reaches_the_caller(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gi = h100.create_instance(0, "3g.40gb", 0, 4, with_ci=False)
+        h100.inject_fault("destroy-gi", NVML_ERROR_IN_USE, times=5)
+        with pytest.raises(NvmlError) as exc:
+            port.destroy_gpu_instance(h100.gpu_uuid(0), gi.id)
+        assert exc.value.in_use
+        assert h100.faults()[0].times == 2  # three attempts, no more
+        assert [g.id for g in h100.layout(0).gis] == [gi.id]
+
+    def test_a_create_is_not_retried_on_insufficient_resources(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        h100.inject_fault("create-gi", NVML_ERROR_INSUFFICIENT_RESOURCES, times=2)
+        with pytest.raises(NvmlError) as exc:
+            port.create_gpu_instance(h100.gpu_uuid(0), 9, Placement(0, 4))
+        assert exc.value.code == NVML_ERROR_INSUFFICIENT_RESOURCES
+        assert h100.faults()[0].times == 1
+
+    def test_a_timeout_on_create_is_retried(self, h100: SimulatedHardware, port: PynvmlBackend) -> None:
+        h100.inject_fault("create-gi", NVML_ERROR_TIMEOUT)
+        gi = port.create_gpu_instance(h100.gpu_uuid(0), 9, Placement(0, 4))
+        assert [g.id for g in h100.layout(0).gis] == [gi.id]
+
+
+class TestOpeningABackend:
+    def test_the_simulated_backend_creates_its_state_file_and_proc_tree(self, tmp_path: Path) -> None:
+        state = tmp_path / "hw.json"
+        backend = open_backend("simulated", sim_state=state, sim_gpus="a30:2", retry_wait=False)
+        try:
+            assert backend.kind == "simulated"
+            assert [g.model for g in backend.port.gpus()] == ["NVIDIA A30", "NVIDIA A30"]
+            assert backend.proc_root == tmp_path / "hw.json.proc"
+            assert (backend.proc_root / "sys/kernel/random/boot_id").read_text().strip()
+            assert state.exists()
+        finally:
+            backend.close()
+        assert pynvml.nvmlLib is None
+
+    def test_a_missing_state_file_without_gpus_is_refused(self, tmp_path: Path) -> None:
+        with pytest.raises(BackendUnavailableError, match="sim-gpus"):
+            open_backend("simulated", sim_state=tmp_path / "missing.json")
+
+    def test_the_nvml_backend_never_falls_back_to_the_simulator(self, real_driver: bool) -> None:
+        if real_driver:
+            pytest.skip("a real NVIDIA driver is present")
+        with pytest.raises(BackendUnavailableError, match="--backend simulated"):
+            open_backend("nvml", retry_wait=False)
+        assert pynvml.nvmlLib is None
+
+    def test_an_unknown_backend_kind_is_refused(self) -> None:
+        with pytest.raises(BackendUnavailableError, match="unknown"):
+            open_backend("mock")
