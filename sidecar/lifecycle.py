@@ -412,6 +412,17 @@ class Lifecycle:
                 )
             self.recovered = True
 
+    @contextlib.contextmanager
+    def exclusive(self, gpu_uuids: Iterable[str] = ()) -> Iterator[None]:
+        """Hold the lock of every known GPU and of ``gpu_uuids``: no transaction runs meanwhile.
+
+        Recovery holds this from gather to install, so a Recover repeated while the sidecar serves
+        never plans over a half-finished Allocate (its CREATING record would look like a crash)."""
+        with self._gpu_locks_guard:
+            known = list(self._gpu_locks)
+        with self._gpu_locks_for([*known, *gpu_uuids]):
+            yield
+
     def destroy_owned(self, record: OwnershipRecord, *, mark_deleting: bool = True) -> InstanceRef:
         """Permanently destroy an owned instance, records first (takes the GPU lock).
 

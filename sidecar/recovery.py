@@ -742,9 +742,14 @@ class Recovery:
     def recover(self, active: Sequence[ActiveAllocation]) -> RecoveryReport:
         """Idempotent. Raises errors.UnverifiableState / errors.NvmlFailure and then modifies nothing."""
         with self._lock:
-            inputs = self.gather(active)
-            decided = plan(inputs)
-            report = self.apply(decided)
+            try:
+                gpu_uuids = [gpu.uuid for gpu in self.port.gpus()]
+            except NvmlError as exc:
+                raise self._gather_failed(exc) from exc
+            with self.lifecycle.exclusive(gpu_uuids):
+                inputs = self.gather(active)
+                decided = plan(inputs)
+                report = self.apply(decided)
             log.info(
                 "recovery done",
                 extra={
@@ -766,10 +771,7 @@ class Recovery:
         try:
             gpus = tuple(self._read_gpu(info) for info in self.port.gpus())
         except NvmlError as exc:
-            raise errors.NvmlFailure(
-                f"startup recovery could not read the MIG layout; nothing was modified: {exc}",
-                {"operation": exc.operation, "nvml_code": str(exc.code)},
-            ) from exc
+            raise self._gather_failed(exc) from exc
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
         return Inputs(
             active=tuple(active),
@@ -782,6 +784,13 @@ class Recovery:
             adopt_existing=self.adopt_existing,
             generation=self.lifecycle.generation,
             now=_now(),
+        )
+
+    @staticmethod
+    def _gather_failed(exc: NvmlError) -> errors.NvmlFailure:
+        return errors.NvmlFailure(
+            f"startup recovery could not read the MIG layout; nothing was modified: {exc}",
+            {"operation": exc.operation, "nvml_code": str(exc.code)},
         )
 
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:

@@ -1,0 +1,331 @@
+"""Restart recovery over simulated hardware, in process: real adapter, records, CDI and lifecycle.
+
+A "restart" here is what a killed sidecar leaves behind: the hardware (the simulator) and the files
+(records, CDI specs) stay, the in-memory lifecycle is gone. ``restart`` builds a fresh lifecycle on the
+same hardware and directories, exactly as the composition root does at startup, and returns its
+``Recovery``. Outcomes are asserted on the hardware layout, the files and later transactions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import pytest
+from lifecycle_world import BOOT_ID, World
+
+from sidecar import errors
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import (
+    ActiveAllocation,
+    AllocateResult,
+    Identity,
+    Outcome,
+    Owner,
+    Placement,
+    PodRef,
+    State,
+)
+from sidecar.lifecycle import Lifecycle
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.records import OwnershipRecord, RecordStore, record_name
+from sidecar.recovery import Recovery
+
+FOREVER = 1000
+OTHER_MIG_UUID = "MIG-00000000-0000-5000-8000-000000000000"
+
+
+def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recovery:
+    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
+    world.records.close()
+    records = RecordStore(world.records.directory)
+    records.open()
+    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
+    world.records, world.cdi = records, cdi
+    world.lifecycle = Lifecycle(world.port, records, cdi, boot_id)
+    return Recovery(world.lifecycle, world.port, records, cdi, boot_id, adopt_existing=adopt)
+
+
+def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:
+    """What the plugin reads back from the pod annotation after a successful Allocate."""
+    return [
+        ActiveAllocation(
+            owner=Owner(PodRef(pod, "default", f"name-{pod}"), "main", 0, device.device_index),
+            reservation=device.reservation,
+            identity=device.identity,
+        )
+        for device in result.devices
+    ]
+
+
+def states(world: World) -> dict[tuple[int, str], State]:
+    """(GPU index, placement) -> state of every record on disk."""
+    index = {g.uuid: g.index for g in world.gpus}
+    return {(index[r.gpu_uuid], str(r.placement)): r.state for r in world.record_files().values()}
+
+
+def gis(world: World, gpu: int) -> set[tuple[str, int]]:
+    """(placement, number of CIs) of every GI on one GPU."""
+    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
+
+
+def refs(items: Iterable[object]) -> set[str]:
+    return {str(getattr(r, "reservation", "")) for r in items}
+
+
+class TestOwnedInstancesSurviveARestart:
+    def test_active_allocations_come_back_active_and_released_ones_idle_and_reusable(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        b = world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+        c = world.allocate("pod-c", (1, "2g.20gb", 0, 2))
+        world.lifecycle.release("pod-c")
+        before = world.everything()
+
+        report = restart(world).recover([*active_of("pod-a", a), *active_of("pod-b", b)])
+
+        assert world.everything() == before
+        assert states(world) == {(0, "0:1"): State.ACTIVE, (0, "4:4"): State.ACTIVE, (1, "0:2"): State.IDLE}
+        assert {r.identity for r in report.adopted_active} == {a.devices[0].identity, b.devices[0].identity}
+        assert [r.identity for r in report.restored_idle] == [c.devices[0].identity]
+        assert report.errors == report.preserved_foreign == report.dropped_stale_records == ()
+        world.assert_consistent()
+        again = world.allocate("pod-d", (1, "2g.20gb", 0, 2))
+        assert again.devices[0].outcome is Outcome.REUSED
+        assert again.devices[0].identity == c.devices[0].identity
+
+    def test_the_gate_opens_only_with_a_successful_recovery(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        recovery = restart(world)
+        with pytest.raises(errors.NotRecovered):
+            world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        recovery.recover([])
+        assert world.allocate("pod-b", (0, "1g.10gb", 1, 1)).devices[0].outcome is Outcome.CREATED
+
+    def test_the_generation_never_goes_backwards_across_a_restart(self, world: World) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        generation = world.lifecycle.generation
+        restart(world).recover(active_of("pod-a", a))
+        assert world.lifecycle.generation >= generation
+
+    def test_recovering_twice_gives_the_same_table_and_destroys_nothing_the_second_time(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        recovery = restart(world, adopt=True)
+        first = recovery.recover(active_of("pod-a", a))
+        table = world.lifecycle.instances()
+        hardware = world.layout()
+        second = recovery.recover(active_of("pod-a", a))
+        assert world.lifecycle.instances() == table
+        assert world.layout() == hardware
+        assert len(first.removed_orphan_gis) == 1
+        assert second.removed_orphan_gis == second.dropped_stale_records == ()
+        assert second.adopted_active == first.adopted_active
+
+
+class TestRecoveryModifiesNothingItCannotVerify:
+    def test_an_allocation_with_a_foreign_mig_uuid_fails_and_leaves_every_byte_alone(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        world.lifecycle.release("pod-b")
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)  # an orphan adoption would remove
+        (lying,) = active_of("pod-a", a)
+        assert lying.identity is not None
+        lying = ActiveAllocation(
+            lying.owner,
+            lying.reservation,
+            Identity(lying.identity.gpu_instance_id, lying.identity.compute_instance_id, OTHER_MIG_UUID),
+        )
+        before = world.everything()
+        recovery = restart(world, adopt=True)
+
+        with pytest.raises(errors.UnverifiableState, match="pod-a"):
+            recovery.recover([lying])
+
+        assert world.everything() == before
+        assert not world.lifecycle.recovered
+        with pytest.raises(errors.NotRecovered):
+            world.lifecycle.release("pod-a")
+
+    def test_nvml_failing_during_gather_fails_modifies_nothing_and_a_later_recovery_succeeds(
+        self, world: World
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.reboot()  # every record is now stale: a recovery that ran would drop them
+        before = world.everything()
+        recovery = restart(world, boot_id="after-reboot")
+        world.hw.inject_fault("get-compute-instances", NVML_ERROR_UNKNOWN, times=FOREVER)
+        world.hw.inject_fault("get-gpu-instances", NVML_ERROR_UNKNOWN, times=FOREVER)
+
+        with pytest.raises(errors.NvmlFailure):
+            recovery.recover([])
+
+        world.hw.clear_faults()  # before looking: the comparison reads NVML too
+        assert world.everything() == before
+        assert not world.lifecycle.recovered
+        report = recovery.recover([])
+        assert len(report.dropped_stale_records) == 1
+        assert world.record_files() == {}
+        assert world.cdi_files() == set()
+
+
+class TestForeignInstancesArePreservedUnlessAdopted:
+    def test_a_foreign_instance_is_preserved_and_blocks_an_overlapping_request(self, world: World) -> None:
+        foreign = world.hw.create_instance(0, "3g.40gb", 0, 4)
+        report = restart(world).recover([])
+        assert [r.identity for r in report.preserved_foreign] == [
+            Identity(foreign.id, 0, foreign.cis[0].mig_uuid)
+        ]
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-a", (0, "1g.10gb", 1, 1))
+        assert (str(foreign.placement), 1) in gis(world, 0)
+        assert world.record_files() == {}
+
+    def test_with_adoption_a_foreign_pair_becomes_idle_and_is_reused(self, world: World) -> None:
+        foreign = world.hw.create_instance(0, "3g.40gb", 0, 4)
+        report = restart(world, adopt=True).recover([])
+        assert [r.identity for r in report.adopted_foreign] == [
+            Identity(foreign.id, 0, foreign.cis[0].mig_uuid)
+        ]
+        assert states(world) == {(0, "0:4"): State.IDLE}
+        world.assert_consistent()
+        reused = world.allocate("pod-a", (0, "3g.40gb", 0, 4)).devices[0]
+        assert (reused.outcome, reused.identity.mig_uuid) == (Outcome.REUSED, foreign.cis[0].mig_uuid)
+
+
+class TestOrphanGisAreRemovedOnlyWhereNothingRuns:
+    def test_with_adoption_an_orphan_on_an_idle_gpu_is_destroyed(self, world: World) -> None:
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        report = restart(world, adopt=True).recover([])
+        assert len(report.removed_orphan_gis) == 1
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+
+    def test_with_adoption_an_orphan_on_a_gpu_with_an_active_allocation_is_preserved(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.create_instance(0, "3g.40gb", 4, 4, with_ci=False)
+        report = restart(world, adopt=True).recover(active_of("pod-a", a))
+        assert ("4:4", 0) in gis(world, 0)
+        assert report.removed_orphan_gis == ()
+        assert refs(report.preserved_foreign) == {f"{world.uuid(0)}/3g.40gb@4:4"}
+
+    def test_with_adoption_an_orphan_on_a_gpu_running_a_process_is_preserved(self, world: World) -> None:
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        world.hw.set_busy(world.uuid(1), True)
+        restart(world, adopt=True).recover([])
+        assert gis(world, 1) == {("4:4", 0)}
+
+    def test_without_adoption_an_orphan_is_preserved(self, world: World) -> None:
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        restart(world).recover([])
+        assert gis(world, 1) == {("4:4", 0)}
+
+
+class TestStaleAndBrokenRecords:
+    def test_after_a_reboot_every_record_and_cdi_file_is_dropped(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1), (1, "7g.80gb", 0, 8))
+        world.hw.reboot()
+        report = restart(world, boot_id=world.hw.boot_id).recover([])
+        assert len(report.dropped_stale_records) == 2
+        assert world.record_files() == {}
+        assert world.cdi_files() == set()
+
+    def test_a_corrupt_record_is_never_deleted_and_its_instance_is_foreign(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        path = world.records.path(record_name(world.uuid(0), Placement(0, 1)))
+        broken = path.read_bytes()[:-7]
+        path.write_bytes(broken)
+        report = restart(world, adopt=True).recover([])
+        assert path.read_bytes() == broken
+        assert refs(report.preserved_foreign) == {f"{world.uuid(0)}/1g.10gb@0:1"}
+        assert report.adopted_foreign == ()
+        assert any(path.stem in e for e in report.errors)
+        assert world.lifecycle.instances() == []
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+
+    def test_a_record_contradicting_the_hardware_is_kept_and_the_instance_never_reused(
+        self, world: World
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        (record,) = world.record_files().values()
+        assert record.gpu_instance_id is not None
+        # Someone else re-created the instance behind our back: same place, same IDs, new MIG UUID.
+        world.hw.destroy_instance(0, record.gpu_instance_id)
+        world.hw.create_instance(0, "1g.10gb", 0, 1)
+        report = restart(world).recover([])
+        assert world.record_files() == {record.name: record}
+        assert world.lifecycle.instances() == []
+        assert any("kept for the operator" in e for e in report.errors)
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+
+
+class TestInterruptedTransactionsAreFinished:
+    def test_a_creating_record_with_a_bare_gi_is_undone(self, world: World) -> None:
+        gi = world.hw.create_instance(0, "3g.40gb", 0, 4, with_ci=False)
+        creating = OwnershipRecord(
+            gpu_uuid=world.uuid(0),
+            profile="3g.40gb",
+            gi_profile_id=gi.profile_id,
+            ci_profile_id=2,
+            placement=Placement(0, 4),
+            state=State.CREATING,
+            gpu_instance_id=gi.id,
+            boot_id=BOOT_ID,
+        )
+        world.records.put(creating)
+        report = restart(world).recover([])
+        assert report.dropped_stale_records == (creating.name,)
+        assert gis(world, 0) == set()
+        assert world.record_files() == {}
+
+    def test_a_deleting_record_whose_destroy_keeps_failing_goes_to_error_and_recovery_succeeds(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        (record,) = world.record_files().values()
+        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.DELETING}))
+        world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN, times=FOREVER)
+        report = restart(world).recover([])
+        assert world.lifecycle.recovered
+        assert states(world) == {(0, "0:1"): State.ERROR}
+        assert [r.state for r in world.lifecycle.instances()] == [State.ERROR]
+        assert any("finish deleting" in e for e in report.errors)
+        assert a.devices[0].identity.mig_uuid in world.live_mig_uuids()
+
+
+class TestCdiSpecsAreRepairedAtStartup:
+    def test_a_missing_spec_of_an_idle_instance_is_rewritten_and_a_stray_one_removed(
+        self, cdi_world: World
+    ) -> None:
+        world = cdi_world
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        mig_uuid = a.devices[0].identity.mig_uuid
+        spec = world.cdi.spec_path(mig_uuid)
+        spec.unlink()
+        gone = "MIG-" + "1" * 8 + "-1111-1111-1111-" + "1" * 12
+        stray = world.cdi.spec_path(gone)
+        stray.write_text(
+            json.dumps({"cdiVersion": "0.5.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
+        )
+        restart(world).recover([])
+        assert world.cdi_files() == {spec.name}
+        assert world.cdi.is_current(world.gpus[0].minor, a.devices[0].identity)
+
+
+def _fields(record: OwnershipRecord) -> dict[str, object]:
+    return {f: getattr(record, f) for f in record.__struct_fields__}
