@@ -36,7 +36,9 @@ class State(enum.StrEnum):
 
 
 class Placement(msgspec.Struct, frozen=True):
-    """A range ``[start, start + size)`` of memory slices. ``size`` counts memory slices, not compute slices."""
+    """A range ``[start, start + size)`` of memory slices.
+
+    ``size`` counts memory slices, not compute slices."""
 
     start: int
     size: int

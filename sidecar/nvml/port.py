@@ -115,11 +115,15 @@ class NvmlPort(Protocol):
         ...
 
     def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
-        """Every GI profile the GPU supports (indices that answer NOT_SUPPORTED/INVALID_ARGUMENT are skipped)."""
+        """Every GI profile the GPU supports.
+
+        Profile indices that answer NOT_SUPPORTED or INVALID_ARGUMENT are skipped."""
         ...
 
     def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
-        """Every GI on the GPU, across all profiles, sorted by GI ID. MIG disabled -> NvmlError NOT_SUPPORTED."""
+        """Every GI on the GPU, across all profiles, sorted by GI ID.
+
+        MIG disabled -> NvmlError NOT_SUPPORTED."""
         ...
 
     def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
