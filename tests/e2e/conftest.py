@@ -11,21 +11,9 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 import pytest
-from sidecar_process import DEFAULT_SIM_GPUS, Sidecar
-
-
-class SidecarFactory(Protocol):
-    def __call__(
-        self,
-        extra_args: Sequence[str] = (),
-        env: Mapping[str, str] | None = None,
-        sim_gpus: str = DEFAULT_SIM_GPUS,
-        start: bool = True,
-        root: Path | None = None,
-    ) -> Sidecar: ...
+from sidecar_process import DEFAULT_SIM_GPUS, Sidecar, SidecarFactory
 
 
 @pytest.fixture

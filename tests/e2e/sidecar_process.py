@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import pytest
@@ -237,3 +237,14 @@ class Sidecar:
         if self.running:
             self.kill9()
         self._disconnect()
+
+
+class SidecarFactory(Protocol):
+    def __call__(
+        self,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        sim_gpus: str = DEFAULT_SIM_GPUS,
+        start: bool = True,
+        root: Path | None = None,
+    ) -> Sidecar: ...

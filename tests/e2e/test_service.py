@@ -11,10 +11,9 @@ import sys
 
 import grpc
 import pytest
-from conftest import SidecarFactory
 from grpc_health.v1 import health_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from sidecar_process import Sidecar, error_info
+from sidecar_process import Sidecar, SidecarFactory, error_info
 
 from sidecar import __version__
 
