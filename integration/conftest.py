@@ -27,6 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 GOCLIENT = REPO / "integration" / "goclient"
+CDISCHEMA = REPO / "integration" / "cdischema"
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 from sidecar_process import Sidecar  # noqa: E402
@@ -39,6 +40,7 @@ RUN_TIMEOUT_S = 180.0
 class GoBinaries:
     mockplugin: Path
     e2e: Path
+    cdischema: Path
 
 
 @pytest.fixture(scope="session")
@@ -49,16 +51,17 @@ def go_binaries() -> Iterator[GoBinaries]:
         pytest.skip("the Go toolchain is not installed")
     out = Path(tempfile.mkdtemp(prefix="hmsgo"))
     env = {**os.environ, "GOFLAGS": "-mod=readonly"}
-    for args in (
-        [go, "build", "-o", str(out / "mockplugin"), "./cmd/mockplugin"],
-        [go, "test", "-c", "-o", str(out / "e2e.test"), "./e2e"],
+    for module, args in (
+        (GOCLIENT, [go, "build", "-o", str(out / "mockplugin"), "./cmd/mockplugin"]),
+        (GOCLIENT, [go, "test", "-c", "-o", str(out / "e2e.test"), "./e2e"]),
+        (CDISCHEMA, [go, "build", "-o", str(out / "cdischema"), "."]),
     ):
         result = subprocess.run(
-            args, cwd=GOCLIENT, env=env, capture_output=True, text=True, check=False, timeout=GO_TIMEOUT_S
+            args, cwd=module, env=env, capture_output=True, text=True, check=False, timeout=GO_TIMEOUT_S
         )
         if result.returncode != 0:
             pytest.fail(f"{' '.join(args[1:])} failed:\n{result.stdout}\n{result.stderr}")
-    yield GoBinaries(mockplugin=out / "mockplugin", e2e=out / "e2e.test")
+    yield GoBinaries(mockplugin=out / "mockplugin", e2e=out / "e2e.test", cdischema=out / "cdischema")
     shutil.rmtree(out, ignore_errors=True)
 
 
@@ -73,9 +76,7 @@ class GoRunner:
 
     @property
     def restart_command(self) -> str:
-        return (
-            f"touch {self.request} && while [ ! -e {self.done} ]; do sleep 0.05; done && rm -f {self.done}"
-        )
+        return f"touch {self.request} && while [ ! -e {self.done} ]; do sleep 0.05; done && rm -f {self.done}"
 
     def env(self) -> dict[str, str]:
         return {

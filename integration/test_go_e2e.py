@@ -155,3 +155,16 @@ class TestGoEndToEndSuite:
         result = go_runner.run([str(go_binaries.e2e), "-test.run", f"^{name}$", "-test.v", "-test.count=1"])
         assert result.returncode == 0, result.stdout
         assert f"--- PASS: {name}" in result.stdout, result.stdout
+
+
+class TestCdiSpecsPassTheReferenceSchema:
+    def test_every_spec_file_validates_against_the_builtin_cdi_schema(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        code, _, raw = play(go_binaries, go_runner, "restart.yaml")
+        assert code == 0, raw
+        files = sorted(str(p) for p in Path(go_runner.car.cdi_dir).glob("*.json"))
+        assert len(files) == 3
+        result = go_runner.run([str(go_binaries.cdischema), *files])
+        assert result.returncode == 0, result.stdout
+        assert result.stdout.count("ok ") == 3, result.stdout
