@@ -88,5 +88,3 @@ def open_backend(
         _closers=(port.close, simulated.uninstall, *closers),
     )
 
-
-__all__ = ["KINDS", "Backend", "BackendUnavailableError", "open_backend"]
