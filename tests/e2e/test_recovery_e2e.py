@@ -1,0 +1,327 @@
+"""Restart recovery over the socket: a real sidecar killed with SIGKILL and started again.
+
+The simulated hardware lives in a state file that outlives the process, records and CDI specs live in
+their directories: exactly what a crashed sidecar leaves on a node. Each test then calls ``Recover``
+with what the Go plugin would read from pod annotations and checks the hardware (the state file), the
+files and what later calls do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import msgspec
+import pytest
+from conftest import SidecarFactory
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from sidecar_process import Sidecar, error_info
+
+from sidecar import crashpoints
+from sidecar.nvml.simulated import SimulatedHardware
+
+pytestmark = pytest.mark.e2e
+
+NVML_ERROR_UNKNOWN = 999
+FOREVER = 1000
+ADOPT = "--adopt-existing-mig-instances"
+SERVICE = "hami.migsidecar.v1.MigSidecar"
+SERVING = 1
+
+
+def gpu_uuid(car: Sidecar, index: int) -> str:
+    return next(g.uuid for g in car.gpus() if g.index == index)
+
+
+def allocate(  # noqa: PLR0917 - reads like the reservation it requests
+    car: Sidecar, pod: str, gpu: int, profile: str, start: int, size: int
+) -> Any:
+    request = pb.AllocateRequest(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        container_index=0,
+        devices=[
+            pb.DeviceRequest(
+                device_index=0,
+                gpu_uuid=gpu_uuid(car, gpu),
+                profile=profile,
+                placement=pb.Placement(start=start, size=size),
+            )
+        ],
+    )
+    return car.stub.Allocate(request, timeout=30).devices[0]
+
+
+def annotation(pod: str, device: Any) -> Any:
+    """The ActiveAllocation the plugin reads back from ``hami.io/vgpu-mig-allocations``."""
+    return pb.ActiveAllocation(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        container_index=0,
+        device_index=device.device_index,
+        gpu_uuid=device.gpu_uuid,
+        profile=device.profile,
+        placement=device.placement,
+        mig_uuid=device.mig_uuid,
+        gpu_instance_id=device.gpu_instance_id,
+        compute_instance_id=device.compute_instance_id,
+    )
+
+
+def hardware(car: Sidecar) -> list[Any]:
+    return SimulatedHardware.open(car.sim_state).layouts()
+
+
+def gis(car: Sidecar, gpu: int) -> set[tuple[str, int]]:
+    """(placement, number of CIs) of every GI on one GPU, read from the simulated hardware."""
+    return {(str(gi.placement), len(gi.cis)) for gi in hardware(car)[gpu].gis}
+
+
+def files(car: Sidecar) -> dict[str, bytes]:
+    """Every record and CDI file with its bytes (the lock file and temp files included)."""
+    found = {}
+    for directory in (car.state_dir, car.cdi_dir):
+        if directory.exists():
+            found.update({f"{directory.name}/{p.name}": p.read_bytes() for p in directory.iterdir()})
+    return found
+
+
+def instances(car: Sidecar) -> dict[str, Any]:
+    """MIG UUID -> owned instance as GetState reports it."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
+    return {i.mig_uuid: i for g in state.gpus for i in g.instances}
+
+
+def failure(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return error_info(caught.value)
+
+
+class TestOwnedInstancesSurviveKill9:
+    def test_two_active_come_back_active_and_the_released_one_idle_with_its_mig_uuid(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        b = allocate(sidecar, "pod-b", 0, "3g.40gb", 4, 4)
+        c = allocate(sidecar, "pod-c", 1, "2g.20gb", 2, 2)
+        sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-c"), timeout=30)
+        cdi_before = {k: v for k, v in files(sidecar).items() if k.startswith("cdi/")}
+        assert len(cdi_before) == 3
+
+        sidecar.kill9()
+        sidecar.start()
+        assert sidecar.health_status(SERVICE) != SERVING
+        report = sidecar.recover([annotation("pod-a", a), annotation("pod-b", b)])
+
+        assert sidecar.health_status(SERVICE) == SERVING
+        assert {r.mig_uuid for r in report.adopted_active} == {a.mig_uuid, b.mig_uuid}
+        assert [r.mig_uuid for r in report.restored_idle] == [c.mig_uuid]
+        states = {uuid: i.state for uuid, i in instances(sidecar).items()}
+        assert states == {a.mig_uuid: pb.ACTIVE, b.mig_uuid: pb.ACTIVE, c.mig_uuid: pb.IDLE}
+        assert {k: v for k, v in files(sidecar).items() if k.startswith("cdi/")} == cdi_before
+        again = allocate(sidecar, "pod-d", 1, "2g.20gb", 2, 2)
+        assert (again.outcome, again.mig_uuid) == (pb.REUSED, c.mig_uuid)
+
+    def test_recover_can_be_called_again_and_reports_the_same(self, sidecar: Sidecar) -> None:
+        sidecar.recover()
+        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        first = sidecar.recover([annotation("pod-a", a)])
+        second = sidecar.recover([annotation("pod-a", a)])
+        assert second == first
+        assert instances(sidecar)[a.mig_uuid].state == pb.ACTIVE
+
+
+class TestForeignInstances:
+    def test_a_sim_created_instance_is_preserved_never_reused_and_adopted_only_when_enabled(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.sim("create", "--gpu", "0", "--profile", "3g.40gb", "--placement", "0:4")
+        (foreign,) = hardware(sidecar)[0].gis
+        report = sidecar.recover()
+        assert [r.mig_uuid for r in report.preserved_foreign] == [foreign.mig_uuid]
+
+        code, reason, _ = failure(lambda: allocate(sidecar, "pod-a", 0, "1g.10gb", 1, 1))
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "PLACEMENT_BUSY")
+        code, reason, _ = failure(lambda: allocate(sidecar, "pod-a", 0, "3g.40gb", 0, 4))
+        assert reason == "PLACEMENT_BUSY"
+        assert sidecar.recover().preserved_foreign == report.preserved_foreign
+        assert {gi.mig_uuid for gi in hardware(sidecar)[0].gis} == {foreign.mig_uuid}
+
+        sidecar.kill9()
+        sidecar.restart(extra_args=[ADOPT])
+        adopted = sidecar.recover()
+        assert [r.mig_uuid for r in adopted.adopted_foreign] == [foreign.mig_uuid]
+        reused = allocate(sidecar, "pod-b", 0, "3g.40gb", 0, 4)
+        assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, foreign.mig_uuid)
+
+    def test_orphan_gis_are_removed_only_with_adoption_and_only_on_idle_gpus(self, sidecar: Sidecar) -> None:
+        sidecar.sim("create", "--gpu", "0", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
+        sidecar.sim("create", "--gpu", "1", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
+        sidecar.recover()
+        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        assert gis(sidecar, 0) == {("0:1", 1), ("4:4", 0)}
+        assert gis(sidecar, 1) == {("4:4", 0)}, "without adoption an orphan is preserved"
+
+        sidecar.kill9()
+        sidecar.restart(extra_args=[ADOPT])
+        report = sidecar.recover([annotation("pod-a", a)])
+
+        assert [r.gpu_uuid for r in report.removed_orphan_gis] == [gpu_uuid(sidecar, 1)]
+        assert gis(sidecar, 1) == set()
+        assert gis(sidecar, 0) == {("0:1", 1), ("4:4", 0)}, "a GPU with an active allocation keeps it"
+
+
+class TestRecoveryRefusesWhatItCannotVerify:
+    def test_a_mig_uuid_that_does_not_match_the_hardware_is_unverifiable_and_changes_no_byte(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=[ADOPT])
+        car.recover()
+        a = allocate(car, "pod-a", 0, "1g.10gb", 0, 1)
+        allocate(car, "pod-b", 0, "1g.10gb", 1, 1)
+        car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=30)
+        car.sim("create", "--gpu", "1", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
+        car.kill9()
+        car.start()
+        hw_before, files_before = car.sim_state.read_bytes(), files(car)
+        lying = annotation("pod-a", a)
+        lying.mig_uuid = "MIG-00000000-0000-5000-8000-000000000000"
+
+        code, reason, metadata = failure(lambda: car.recover([lying]))
+
+        assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "UNVERIFIABLE_STATE")
+        assert "pod-a" in metadata.get("allocations", "")
+        assert car.sim_state.read_bytes() == hw_before
+        assert files(car) == files_before
+        assert car.health_status(SERVICE) != SERVING
+        code, reason, _ = failure(lambda: car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=30))
+        assert reason == "NOT_RECOVERED"
+
+    def test_nvml_failing_during_gather_fails_modifies_nothing_and_a_later_recover_succeeds(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        sidecar.kill9()
+        sidecar.sim("reboot")  # every record is stale now: a recovery that ran would drop it
+        sidecar.start()
+        sidecar.sim("fault", "get-gpu-instances", str(NVML_ERROR_UNKNOWN), "--times", str(FOREVER))
+        files_before = files(sidecar)
+
+        code, reason, _ = failure(sidecar.recover)
+
+        assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
+        assert files(sidecar) == files_before
+        SimulatedHardware.open(sidecar.sim_state).clear_faults()
+        report = sidecar.recover()
+        assert len(report.dropped_stale_records) == 1
+        assert not any(k.endswith(".json") for k in files(sidecar))
+
+
+def _corrupt(kind: str, data: bytes) -> bytes:
+    envelope = msgspec.json.decode(data)
+    if kind == "truncated":
+        return data[: len(data) // 2]
+    if kind == "bad checksum":
+        envelope["checksum"] = "sha256:" + "0" * 64
+    elif kind == "unknown field":
+        envelope["record"]["surprise"] = 1
+    elif kind == "wrong version":
+        envelope["version"] = 99
+    return msgspec.json.encode(envelope)
+
+
+class TestCorruptRecords:
+    def test_corrupt_records_are_never_deleted_their_instances_stay_foreign_and_verify_names_them(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=[ADOPT])
+        car.recover()
+        kinds = ["truncated", "bad checksum", "unknown field", "wrong version"]
+        made = [allocate(car, f"pod-{n}", 0, "1g.10gb", n, 1) for n in range(len(kinds))]
+        car.kill9()
+        records = sorted(car.state_dir.glob("mig-*.json"))
+        assert len(records) == len(kinds)
+        broken = {}
+        for kind, path in zip(kinds, records, strict=True):
+            broken[path] = _corrupt(kind, path.read_bytes())
+            path.write_bytes(broken[path])
+
+        car.start()
+        report = car.recover()
+
+        assert {p: p.read_bytes() for p in broken} == broken
+        assert {r.mig_uuid for r in report.preserved_foreign} == {d.mig_uuid for d in made}
+        assert (len(report.adopted_foreign), len(report.removed_orphan_gis)) == (0, 0)
+        assert list(report.dropped_stale_records) == []
+        assert instances(car) == {}
+        _, reason, _ = failure(lambda: allocate(car, "pod-x", 0, "1g.10gb", 0, 1))
+        assert reason == "PLACEMENT_BUSY"
+        verify = car.cli("records", "verify", "--state-dir", str(car.state_dir))
+        assert verify.returncode == 1
+        for path in broken:
+            assert path.stem in verify.stdout
+
+
+CREATE_POINTS = crashpoints.POINTS[: crashpoints.POINTS.index("after-write-cdi") + 1]
+DELETE_POINTS = crashpoints.POINTS[crashpoints.POINTS.index("after-record-deleting") :]
+
+
+def assert_consistent(car: Sidecar) -> None:
+    """No GI/CI without a record, no record without its GI/CI, nothing owned that is not verified."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
+    assert all(not g.foreign for g in state.gpus), "recovery left an instance it could not vouch for"
+    owned = {(i.gpu_uuid, i.gpu_instance_id): i for g in state.gpus for i in g.instances}
+    live = {(g.uuid, gi.id): gi for g in hardware(car) for gi in g.gis}
+    assert set(owned) == set(live)
+    for key, instance in owned.items():
+        assert instance.state in (pb.ACTIVE, pb.IDLE)
+        assert [c.mig_uuid for c in live[key].cis] == [instance.mig_uuid]
+    assert len(list(car.state_dir.glob("mig-*.json"))) == len(owned)
+    assert sorted(p.name for p in car.cdi_dir.glob("*.json")) == sorted(
+        p.name for p in car.cdi_dir.glob("*.json") if any(i.mig_uuid in p.name for i in owned.values())
+    )
+
+
+class TestCrashPoints:
+    @pytest.mark.parametrize("point", CREATE_POINTS)
+    def test_a_crash_inside_a_create_leaves_nothing_unowned_after_recovery(
+        self, sidecar_factory: SidecarFactory, point: str
+    ) -> None:
+        car = sidecar_factory(env={crashpoints.ENV: point})
+        car.recover()
+        with pytest.raises(grpc.RpcError):
+            allocate(car, "pod-a", 0, "3g.40gb", 4, 4)
+        assert car.proc is not None
+        assert car.proc.wait(timeout=30) == 137
+
+        car.restart(env={})
+        report = car.recover()
+
+        assert list(report.errors) == []
+        assert_consistent(car)
+        assert gis(car, 0) == set()
+        created = allocate(car, "pod-a", 0, "3g.40gb", 4, 4)
+        assert created.outcome == pb.CREATED
+
+    @pytest.mark.parametrize("point", DELETE_POINTS)
+    def test_a_crash_inside_a_reclaim_leaves_nothing_unowned_after_recovery(
+        self, sidecar_factory: SidecarFactory, point: str
+    ) -> None:
+        car = sidecar_factory(env={crashpoints.ENV: point})
+        car.recover()
+        idle = allocate(car, "pod-a", 0, "1g.10gb", 4, 1)
+        car.stub.Release(pb.ReleaseRequest(pod_uid="pod-a"), timeout=30)
+        with pytest.raises(grpc.RpcError):
+            allocate(car, "pod-b", 0, "3g.40gb", 4, 4)  # overlaps the idle one: reclaim it first
+        assert car.proc is not None
+        assert car.proc.wait(timeout=30) == 137
+
+        car.restart(env={})
+        car.recover()
+
+        assert_consistent(car)
+        assert idle.mig_uuid not in {gi.mig_uuid for gi in hardware(car)[0].gis}
+        assert allocate(car, "pod-b", 0, "3g.40gb", 4, 4).outcome == pb.CREATED
