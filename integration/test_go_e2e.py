@@ -11,14 +11,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import go_harness
 import pytest
-from conftest import GOCLIENT, GoBinaries, GoRunner
+from go_harness import GOCLIENT, GoBinaries, GoRunner
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from sidecar_process import Sidecar
 
 pytestmark = [pytest.mark.e2e, pytest.mark.go]
 
 SCENARIOS = GOCLIENT / "scenarios"
+
+# The fixtures live in go_harness (see its docstring for why not in a conftest.py).
+go_binaries_fixture = go_harness.go_binaries_fixture
+go_sidecar_fixture = go_harness.go_sidecar_fixture
+go_runner_fixture = go_harness.go_runner_fixture
 
 
 def play(
