@@ -87,4 +87,3 @@ def open_backend(
         kind="simulated",
         _closers=(port.close, simulated.uninstall, *closers),
     )
-
