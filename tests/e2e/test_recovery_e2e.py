@@ -13,9 +13,8 @@ from typing import Any
 import grpc
 import msgspec
 import pytest
-from conftest import SidecarFactory
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from sidecar_process import Sidecar, error_info
+from sidecar_process import Sidecar, SidecarFactory, error_info
 
 from sidecar import crashpoints
 from sidecar.nvml.simulated import SimulatedHardware
