@@ -30,7 +30,7 @@ run-sim: venv
 	  --state-dir $(RUN_DIR)/state --cdi-dir $(RUN_DIR)/cdi \
 	  --socket $(RUN_DIR)/sidecar.sock --metrics-address 127.0.0.1:9400
 
-test: lint typecheck go-plugins pytest go-test
+test: lint typecheck go-plugins go-test pytest
 
 lint: venv
 	$(BIN)/ruff check .
