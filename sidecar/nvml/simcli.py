@@ -3,7 +3,8 @@
 They work on the same state file a running sidecar uses (``--sim-state``, or the environment variable
 ``HAMI_MIG_SIDECAR_SIM_STATE``) and take the same lock, so the sidecar sees a change at its next NVML
 call: an instance no sidecar owns, a process on a MIG device, a fault in the next calls of an
-operation, a GPU falling off the bus, a reboot.
+operation, a GPU falling off the bus, a reboot. ``sim stats`` shows how many NVML calls of each C
+function every process made against this hardware, the noise-free cost of what the sidecar did.
 
 Every command prints one line on success and exits 0; a refusal by the simulated driver (an
 overlapping placement, a GI in use …) prints the reason on stderr and exits 1, bad usage exits 2.
@@ -157,6 +158,26 @@ def _faults(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _stats(args: argparse.Namespace) -> int:
+    """NVML calls per C function, most called first; ``--reset`` prints them, then starts from zero."""
+    hw = _hardware(args)
+    counts = hw.call_counts()
+    if args.reset:
+        hw.reset_call_counts()
+    ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    if args.json:
+        doc = {"total": sum(counts.values()), "calls": dict(ordered), "reset": bool(args.reset)}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return EXIT_OK
+    width = max((len(name) for name in counts), default=0)
+    out = [f"{name:<{width}}  {n:>8}" for name, n in ordered]
+    out.append(f"{'total':<{width}}  {sum(counts.values()):>8}")
+    if args.reset:
+        out.append("counts reset")
+    sys.stdout.write("\n".join(out) + "\n")
+    return EXIT_OK
+
+
 def _lose(args: argparse.Namespace) -> int:
     _hardware(args).lose_gpu(args.gpu)
     sys.stdout.write(f"GPU {args.gpu} is lost until `sim reboot`\n")
@@ -234,6 +255,10 @@ def register(subparsers: Any) -> None:
 
     p = add("faults", _faults, "list pending faults, or clear them")
     p.add_argument("--clear", action="store_true")
+
+    p = add("stats", _stats, "NVML calls per C function since init or the last --reset (all processes)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--reset", action="store_true", help="print the counts, then start again from zero")
 
     p = add("lose", _lose, "the GPU falls off the bus: every call on it fails with GPU_IS_LOST")
     p.add_argument("--gpu", type=int, required=True, metavar="INDEX")

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import shutil
+import struct
 import threading
 import uuid
 from collections.abc import Iterator
@@ -311,11 +313,18 @@ def reboot(state: SimState) -> None:
 
 
 class StateStore(Protocol):
-    """Access to the state under a lock. ``transaction`` writes back only if the state changed."""
+    """Access to the state under a lock. ``transaction`` writes back only if the state changed.
+
+    ``transaction(call=NAME)`` also counts one call of the C function ``NAME``, under the same lock, so
+    a count is never lost to a concurrent caller and always sits beside the state change it caused."""
 
     proc_root: Path | None
 
-    def transaction(self) -> contextlib.AbstractContextManager[SimState]: ...
+    def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]: ...
+
+    def call_counts(self) -> dict[str, int]: ...
+
+    def reset_call_counts(self) -> None: ...
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -333,6 +342,7 @@ class MemoryStore:
     def __init__(self, state: SimState, proc_root: Path | None) -> None:
         self._state = state
         self._lock = threading.RLock()
+        self._calls: dict[str, int] = {}
         self.proc_root = proc_root
         self._written = b""
         if proc_root is not None:
@@ -340,10 +350,20 @@ class MemoryStore:
             self._sync(state)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[SimState]:
+    def transaction(self, call: str | None = None) -> Iterator[SimState]:
         with self._lock:
+            if call is not None:
+                self._calls[call] = self._calls.get(call, 0) + 1
             yield self._state
             self._sync(self._state)
+
+    def call_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._calls)
+
+    def reset_call_counts(self) -> None:
+        with self._lock:
+            self._calls.clear()
 
     def _sync(self, state: SimState) -> None:
         if self.proc_root is None:
@@ -352,6 +372,84 @@ class MemoryStore:
         if encoded != self._written:
             sync_proc(self.proc_root, state)
             self._written = encoded
+
+
+class CallCounters:
+    """Calls per C function name in ``<state file>.calls``, shared by every process using that state.
+
+    Every simulated call is counted, so a count must not cost a rewrite of the state file: this file
+    is a fixed table mapped (``MAP_SHARED``) into each process once, and a count is one 8-byte store
+    into the mapping. Callers hold the state's flock, which serialises counting across processes.
+
+    Layout: the 8-byte magic, then ``SLOTS`` slots of 64 bytes, each a NUL-padded C function name
+    (56 bytes) and a little-endian uint64 count. A name takes the first empty slot the first time it is
+    counted; a reset zeroes the table. A file of the wrong size or magic is re-initialised (zeroed),
+    never shrunk, so a process that mapped it earlier is never cut short."""
+
+    MAGIC = b"HMSCALL1"
+    NAME = 56
+    SLOT = 64
+    SLOTS = 256
+    SIZE = len(MAGIC) + SLOT * SLOTS
+    _COUNT = struct.Struct("<Q")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._map: mmap.mmap | None = None
+        self._slots: dict[str, int] = {}  # name -> offset, re-checked against the file on every use
+
+    def _mapping(self) -> mmap.mmap:
+        if self._map is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if os.fstat(fd).st_size != self.SIZE or os.pread(fd, len(self.MAGIC), 0) != self.MAGIC:
+                    os.pwrite(fd, self.MAGIC + bytes(self.SIZE - len(self.MAGIC)), 0)
+                    os.ftruncate(fd, self.SIZE)
+                self._map = mmap.mmap(fd, self.SIZE)
+            finally:
+                os.close(fd)  # the mapping keeps the file open
+        return self._map
+
+    def _offsets(self) -> Iterator[int]:
+        return iter(range(len(self.MAGIC), self.SIZE, self.SLOT))
+
+    def add(self, name: str) -> None:
+        key = name.encode()
+        if not 0 < len(key) <= self.NAME or b"\0" in key:
+            raise ValueError(f"cannot count a call of {name!r}: not a C function name")
+        key = key.ljust(self.NAME, b"\0")
+        m = self._mapping()
+        offset = self._slots.get(name)
+        if offset is None or m[offset : offset + self.NAME] != key:  # first use, or a reset moved it
+            offset = self._slot(m, key)
+            self._slots[name] = offset
+        (count,) = self._COUNT.unpack_from(m, offset + self.NAME)
+        self._COUNT.pack_into(m, offset + self.NAME, count + 1)
+
+    def _slot(self, m: mmap.mmap, key: bytes) -> int:
+        for offset in self._offsets():
+            name = m[offset : offset + self.NAME]
+            if name == key:
+                return offset
+            if name[0] == 0:
+                m[offset : offset + self.NAME] = key
+                self._COUNT.pack_into(m, offset + self.NAME, 0)
+                return offset
+        raise RuntimeError(f"{self.path}: more than {self.SLOTS} distinct functions counted")
+
+    def counts(self) -> dict[str, int]:
+        m = self._mapping()
+        result: dict[str, int] = {}
+        for offset in self._offsets():
+            name = m[offset : offset + self.NAME]
+            if name[0] == 0:
+                break
+            result[name.rstrip(b"\0").decode()] = self._COUNT.unpack_from(m, offset + self.NAME)[0]
+        return result
+
+    def reset(self) -> None:
+        m = self._mapping()
+        m[len(self.MAGIC) :] = bytes(self.SIZE - len(self.MAGIC))
 
 
 class FileStore:
@@ -365,6 +463,7 @@ class FileStore:
         self.lock_path = path.with_name(path.name + ".lock")
         self.proc_root: Path | None = path.with_name(path.name + ".proc")
         self._thread_lock = threading.RLock()
+        self._counters = CallCounters(path.with_name(path.name + ".calls"))
 
     @staticmethod
     def create(path: Path, state: SimState, overwrite: bool = False) -> FileStore:
@@ -374,6 +473,7 @@ class FileStore:
                 raise FileExistsError(f"simulated hardware state {path} already exists")
             path.parent.mkdir(parents=True, exist_ok=True)
             store._write(_ENCODER.encode(state))
+            store._counters.reset()  # new hardware, new counts
             assert store.proc_root is not None
             if store.proc_root.exists():
                 shutil.rmtree(store.proc_root)
@@ -397,9 +497,19 @@ class FileStore:
         tmp.write_bytes(data)
         tmp.replace(self.path)
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[SimState]:
+    def call_counts(self) -> dict[str, int]:
         with self._locked():
+            return self._counters.counts()
+
+    def reset_call_counts(self) -> None:
+        with self._locked():
+            self._counters.reset()
+
+    @contextlib.contextmanager
+    def transaction(self, call: str | None = None) -> Iterator[SimState]:
+        with self._locked():
+            if call is not None:
+                self._counters.add(call)
             try:
                 raw = self.path.read_bytes()
             except FileNotFoundError:

@@ -224,9 +224,11 @@ class SimulatedLibrary:
 
     def call(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         if name in _UNFAULTABLE:
+            with self.store.transaction(call=name):
+                pass  # counted like every other call, but never faulted or delayed
             return impl(None, *args)
         delay = 0.0
-        with self.store.transaction() as state:
+        with self.store.transaction(call=name) as state:
             delay = sum(s for op, s in state.latency.items() if _op_matches(op, name))
             code = self._consume_fault(state, name)
             if code is None:
@@ -883,6 +885,18 @@ class SimulatedHardware:
         """A detached copy of the whole state."""
         with self.store.transaction() as state:
             return msgspec.json.decode(msgspec.json.encode(state), type=SimState)
+
+    def call_counts(self) -> dict[str, int]:
+        """Calls of each simulated C function since the hardware was created or the counts were reset,
+        by C symbol (``nvmlDeviceCreateGpuInstanceWithPlacement`` …), summed over every process that
+        uses this hardware. Faulted calls count too: the caller made them. Only functions called at
+        least once appear. The numbers are exact and noise-free, which makes them the honest measure
+        of what a decision costs in NVML round trips (each one a driver ioctl on a real node)."""
+        return self.store.call_counts()
+
+    def reset_call_counts(self) -> None:
+        """Start counting from zero (the layout, faults and knobs are untouched)."""
+        self.store.reset_call_counts()
 
     @property
     def boot_id(self) -> str:
