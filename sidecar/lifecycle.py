@@ -445,24 +445,33 @@ class Lifecycle:
         stays CREATING until the hardware is gone, then it and any CDI file are removed.
         """
         with self._gpu_lock(record.gpu_uuid):
-            if record.gpu_instance_id is None:
-                with nvml_errors(f"list GPU instances of {record.gpu_uuid}"):
-                    live = self.port.gpu_instances(record.gpu_uuid)
-                others = [
-                    r for r in self.instances() if r.gpu_uuid == record.gpu_uuid and r.name != record.name
-                ]
-                for gi in live:
-                    if (
-                        gi.placement == record.placement
-                        and gi.profile_id == record.gi_profile_id
-                        and placement.owner_of(gi, others) is None
-                    ):
-                        with nvml_errors(f"list compute instances of GI {gi.id} on {record.gpu_uuid}"):
-                            cis = self.port.compute_instances(record.gpu_uuid, gi.id)
-                        if not cis:
-                            record = msgspec.structs.replace(record, gpu_instance_id=gi.id)
-                        break
+            with nvml_errors(f"look for the GPU instance of {record.name}"):
+                record = self._with_created_gi(record)
             return self._destroy_owned(record, mark_deleting=False)
+
+    def _with_created_gi(self, record: OwnershipRecord) -> OwnershipRecord:
+        """``record`` with the GI ID of the bare GI its create made but never reported, if there is one.
+
+        A create can make the GI and still fail: reading the new GI's info fails after
+        ``nvmlDeviceCreateGpuInstanceWithPlacement`` succeeded, or a TIMEOUT retry of the whole create
+        meets the GI the first attempt made (INSUFFICIENT_RESOURCES). The placement was proven free
+        under the GPU lock before the create, so a GI at exactly this placement with this GI profile,
+        without a CI and claimed by no other record, is the one this record made. Anything else is left
+        alone. Raises NvmlError. Call with the GPU lock held.
+        """
+        if record.gpu_instance_id is not None:
+            return record
+        others = [r for r in self.instances() if r.gpu_uuid == record.gpu_uuid and r.name != record.name]
+        for gi in self.port.gpu_instances(record.gpu_uuid):
+            if (
+                gi.placement == record.placement
+                and gi.profile_id == record.gi_profile_id
+                and placement.owner_of(gi, others) is None
+            ):
+                if not self.port.compute_instances(record.gpu_uuid, gi.id):
+                    return msgspec.structs.replace(record, gpu_instance_id=gi.id)
+                break
+        return record
 
     def retry_error(self, name: str) -> InstanceRef | None:
         """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
@@ -700,6 +709,7 @@ class Lifecycle:
             self._emit("nvml_error", known)
         try:
             with nvml_errors(f"undo create of {known.name}"):
+                known = self._with_created_gi(known)
                 self._destroy_hardware(known)
         except SidecarError as exc:
             self._fail(known, f"create failed ({cause}) and its undo failed too: {exc}")
