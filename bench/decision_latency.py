@@ -1,14 +1,31 @@
 #!/usr/bin/env python3
-"""Decision latency of the sidecar over its Unix socket (not part of the tests).
+"""Decision cost of the sidecar over its Unix socket: wall-clock ratios and NVML calls (not a test).
 
-Starts one sidecar on the simulated backend, then measures on the same socket:
+Starts one sidecar on simulated hardware (one H100-80GB), then drives the same cycle every round on
+the same socket and measures, for each decision:
 
-* GetInfo — the floor: gRPC over a Unix socket plus the servicer, no hardware, no disk;
-* Allocate that REUSES an idle instance (after a Release) — records and CDI checked, no NVML create;
-* Allocate that CREATES an instance — reclaim of an idle blocker, GI and CI creation, records written
-  with fsync, a CDI file.
+* wall clock, as p50/p99 and as the ratio of its p50 to the p50 of ``GetInfo`` in the same run —
+  ``GetInfo`` is the floor (gRPC over a Unix socket plus the servicer, no hardware, no disk), and a
+  ratio taken in one run is what survives a shared, noisy machine; absolute milliseconds do not;
+* NVML calls, read from the simulated hardware's call counters (reset before, read after each
+  decision): exact and noise-free, the same on every run and every machine. On a real node each is a
+  driver round trip (an ioctl), and a create or destroy costs far more than a read.
 
-Prints p50/p99 of each and the ratios to GetInfo. Usage: ``bench/decision_latency.py [--rounds N]``.
+The cycle (every round is identical, so every round makes the same calls; a decision whose count
+differs between rounds is flagged):
+
+1. Allocate CREATED + reclaim — 1g.10gb at 0:1 while an idle 7g.80gb covers the GPU: one reclaim;
+2. Allocate CREATED — 1g.10gb at 1:1, a free placement;
+3. ALREADY_ALLOCATED — the same request again (a kubelet retry);
+4. Release — the pod of (2): its instance goes IDLE;
+5. Allocate REUSED — another pod asks for 1g.10gb at 1:1 and gets the idle instance;
+6. SyncActive — the plugin's periodic level-triggered sync, with both live allocations listed;
+7. GetState — what ``status`` shows an operator;
+8. (not measured) release everything, allocate and release a 7g.80gb to leave the idle blocker of (1).
+
+Usage: ``bench/decision_latency.py [--rounds N] [--calls] [--profile FILE]``. ``--calls`` prints the
+calls of each decision per C function; ``--profile FILE`` runs the sidecar under cProfile and writes
+its stats to FILE on exit (read them with ``python -m pstats FILE``).
 """
 
 from __future__ import annotations
@@ -28,35 +45,138 @@ import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
+from sidecar.nvml.simulated import SimulatedHardware
+
+DECISIONS = (
+    "GetInfo",
+    "Allocate CREATED+reclaim",
+    "Allocate CREATED",
+    "ALREADY_ALLOCATED",
+    "Release",
+    "Allocate REUSED",
+    "SyncActive",
+    "GetState",
+)
+_MUTATIONS = ("Create", "Destroy")
+
 
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def timed(call: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
-
-
-def request(gpu: str, pod: str) -> pb.AllocateRequest:
+def request(gpu: str, pod: str, profile: str, start: int, size: int) -> pb.AllocateRequest:
     return pb.AllocateRequest(
         pod=pb.PodRef(uid=pod, namespace="bench", name=pod),
         container_name="main",
-        devices=[pb.DeviceRequest(gpu_uuid=gpu, profile="1g.10gb", placement=pb.Placement(start=0, size=1))],
+        devices=[pb.DeviceRequest(gpu_uuid=gpu, profile=profile, placement=pb.Placement(start=start, size=size))],
     )
 
 
+def active(pod: str, device: pb.AllocatedDevice) -> pb.ActiveAllocation:
+    return pb.ActiveAllocation(
+        pod=pb.PodRef(uid=pod, namespace="bench", name=pod),
+        container_name="main",
+        gpu_uuid=device.gpu_uuid,
+        profile=device.profile,
+        placement=device.placement,
+        mig_uuid=device.mig_uuid,
+        gpu_instance_id=device.gpu_instance_id,
+        compute_instance_id=device.compute_instance_id,
+    )
+
+
+class Meter:
+    """Times one decision and counts the NVML calls the sidecar made for it."""
+
+    def __init__(self, hardware: SimulatedHardware) -> None:
+        self.hardware = hardware
+        self.seconds: dict[str, list[float]] = {name: [] for name in DECISIONS}
+        self.calls: dict[str, list[dict[str, int]]] = {name: [] for name in DECISIONS}
+
+    def __call__(self, name: str, call: Callable[[], object]) -> object:
+        self.hardware.reset_call_counts()
+        started = time.perf_counter()
+        result = call()
+        self.seconds[name].append(time.perf_counter() - started)
+        self.calls[name].append(self.hardware.call_counts())
+        return result
+
+
+def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) -> None:
+    def expect(response: object, outcome: int) -> pb.AllocatedDevice:
+        assert isinstance(response, pb.AllocateResponse)
+        device = response.devices[0]
+        if device.outcome != outcome:
+            raise SystemExit(f"round {i}: expected outcome {pb.Outcome.Name(outcome)}, got {device}")
+        return device
+
+    measure("GetInfo", lambda: stub.GetInfo(pb.GetInfoRequest()))
+    w, c, r = f"w{i}", f"c{i}", f"r{i}"
+    reclaim = measure("Allocate CREATED+reclaim", lambda: stub.Allocate(request(gpu, w, "1g.10gb", 0, 1)))
+    assert isinstance(reclaim, pb.AllocateResponse) and len(reclaim.reclaimed) == 1, reclaim
+    first = expect(reclaim, pb.CREATED)
+    expect(measure("Allocate CREATED", lambda: stub.Allocate(request(gpu, c, "1g.10gb", 1, 1))), pb.CREATED)
+    expect(
+        measure("ALREADY_ALLOCATED", lambda: stub.Allocate(request(gpu, c, "1g.10gb", 1, 1))),
+        pb.ALREADY_ALLOCATED,
+    )
+    measure("Release", lambda: stub.Release(pb.ReleaseRequest(pod_uid=c)))
+    second = expect(
+        measure("Allocate REUSED", lambda: stub.Allocate(request(gpu, r, "1g.10gb", 1, 1))), pb.REUSED
+    )
+    generation = stub.GetInfo(pb.GetInfoRequest()).generation
+    sync = pb.SyncActiveRequest(generation=generation, active=[active(w, first), active(r, second)])
+    synced = measure("SyncActive", lambda: stub.SyncActive(sync))
+    assert isinstance(synced, pb.SyncActiveResponse) and not synced.idled and not synced.reactivated, synced
+    measure("GetState", lambda: stub.GetState(pb.GetStateRequest()))
+    leave_idle_blocker(stub, gpu, [w, r], f"z{i}")
+
+
+def leave_idle_blocker(stub: pb_grpc.MigSidecarStub, gpu: str, pods: list[str], whole: str) -> None:
+    """Release ``pods``, then allocate and release a 7g.80gb over the whole GPU: one idle blocker."""
+    for pod in pods:
+        stub.Release(pb.ReleaseRequest(pod_uid=pod))
+    stub.Allocate(request(gpu, whole, "7g.80gb", 0, 8))
+    stub.Release(pb.ReleaseRequest(pod_uid=whole))
+
+
+def describe(calls: dict[str, int]) -> str:
+    return ", ".join(f"{name.removeprefix('nvml')} {n}" for name, n in sorted(calls.items()))
+
+
+def report(measure: Meter, show_calls: bool) -> None:
+    base = statistics.median(measure.seconds["GetInfo"])
+    header = f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'NVML calls':>12}{'mutating':>10}"
+    print(header)
+    print("-" * len(header))
+    for name in DECISIONS:
+        samples, counts = measure.seconds[name], measure.calls[name]
+        p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
+        last = counts[-1]
+        total = str(sum(last.values())) + ("" if all(c == last for c in counts) else " (varies)")
+        mutating = sum(n for fn, n in last.items() if any(m in fn for m in _MUTATIONS))
+        print(f"{name:<26}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{p50 / base:>13.1f}{total:>12}{mutating:>10}")
+    if show_calls:
+        print()
+        for name in DECISIONS:
+            print(f"{name}: {describe(measure.calls[name][-1]) or 'none'}")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=200)
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=100, help="rounds of the cycle (default 100)")
+    parser.add_argument("--calls", action="store_true", help="print each decision's calls per C function")
+    parser.add_argument("--profile", type=Path, metavar="FILE", help="cProfile the sidecar into FILE")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hmsb"))
-    socket = root / "s.sock"
+    socket, state = root / "s.sock", root / "hw.json"
+    python = [sys.executable, "-m", "cProfile", "-o", str(args.profile.resolve())] if args.profile else [
+        sys.executable
+    ]
     command = [
-        sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
-        "--sim-state", str(root / "hw.json"), "--sim-gpus", "h100-80gb:1",
+        *python, "-m", "sidecar", "serve", "--backend", "simulated",
+        "--sim-state", str(state), "--sim-gpus", "h100-80gb:1",
         "--state-dir", str(root / "state"), "--cdi-dir", str(root / "cdi"), "--socket", str(socket),
         "--log-level", "WARNING",
     ]  # fmt: skip
@@ -68,30 +188,13 @@ def main() -> int:
         stub = pb_grpc.MigSidecarStub(channel)
         stub.Recover(pb.RecoverRequest())
         gpu = stub.ListGpus(pb.ListGpusRequest()).gpus[0].uuid
-
-        info, reused, created = [], [], []
+        measure = Meter(SimulatedHardware.open(state))
+        leave_idle_blocker(stub, gpu, [], "z")
+        one_round(stub, gpu, -1, Meter(measure.hardware))  # warm-up: imports, first-use caches
         for i in range(args.rounds):
-            info.append(timed(lambda: stub.GetInfo(pb.GetInfoRequest())))
-            # CREATED: from round 1 on this also reclaims the idle 7g.80gb the previous round left behind,
-            # which is the realistic "placement pressure" path.
-            created.append(timed(lambda i=i: stub.Allocate(request(gpu, f"c{i}"))))
-            stub.Release(pb.ReleaseRequest(pod_uid=f"c{i}"))
-            reused.append(timed(lambda i=i: stub.Allocate(request(gpu, f"r{i}"))))
-            stub.Release(pb.ReleaseRequest(pod_uid=f"r{i}"))
-            # Reclaim the idle 1g by allocating the whole GPU, then release and reclaim that too.
-            whole = request(gpu, f"w{i}")
-            whole.devices[0].profile, whole.devices[0].placement.size = "7g.80gb", 8
-            stub.Allocate(whole)
-            stub.Release(pb.ReleaseRequest(pod_uid=f"w{i}"))
-        base = statistics.median(info)
-        print(f"{'call':<22}{'p50 ms':>10}{'p99 ms':>10}{'p50 / GetInfo':>16}")
-        for name, samples in (
-            ("GetInfo", info),
-            ("Allocate (REUSED)", reused),
-            ("Allocate (CREATED)", created),
-        ):
-            p50, p99 = percentile(samples, 0.5), percentile(samples, 0.99)
-            print(f"{name:<22}{p50 * 1e3:>10.2f}{p99 * 1e3:>10.2f}{p50 / base:>16.1f}")
+            one_round(stub, gpu, i, measure)
+        print(f"{args.rounds} rounds, one simulated H100-80GB, sidecar pid {proc.pid}")
+        report(measure, args.calls)
         channel.close()
     finally:
         proc.terminate()
