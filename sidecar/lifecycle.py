@@ -275,6 +275,14 @@ class Lifecycle:
         validated = self._validate(request)
         with self._claim([v.key for v in validated]), self._gpu_locks_for(v.gpu.uuid for v in validated):
             self._check_key_conflicts(validated)
+            # Every device's placement is judged before any device changes anything: a request that
+            # must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would otherwise have
+            # reclaimed idle instances for an earlier one already, and a rollback cannot bring those
+            # back. The devices of one request never overlap (validated), so what an earlier device
+            # creates or reclaims cannot change the verdict for a later one.
+            for v in validated:
+                if self._needs_room(v):
+                    self._room_for(v)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
@@ -572,13 +580,29 @@ class Lifecycle:
         return None
 
     # -- internals: one device -------------------------------------------------------------------------
-    def _allocate_one(self, v: _Validated, reclaimed: list[InstanceRef]) -> _Done:
-        res = v.device.reservation
+    def _already_held(self, v: _Validated) -> OwnershipRecord | None:
         held = self._active_for_key(v.key)
         if held is not None and held.state is State.ACTIVE and held.identity is not None:
-            return _Done(self._allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
+            return held
+        return None
+
+    def _reusable(self, v: _Validated) -> OwnershipRecord | None:
+        res = v.device.reservation
         same_spot = self.record(_record_name(res))
         if same_spot is not None and same_spot.state is State.IDLE and same_spot.reservation == res:
+            return same_spot
+        return None
+
+    def _needs_room(self, v: _Validated) -> bool:
+        """True when the device will be created (neither already held by its key nor reusable)."""
+        return self._already_held(v) is None and self._reusable(v) is None
+
+    def _allocate_one(self, v: _Validated, reclaimed: list[InstanceRef]) -> _Done:
+        held = self._already_held(v)
+        if held is not None:
+            return _Done(self._allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
+        same_spot = self._reusable(v)
+        if same_spot is not None:
             return _Done(self._allocated(v, self._reuse(v, same_spot), Outcome.REUSED), same_spot.name)
         self._make_room(v, reclaimed)
         created = self._create(v)
@@ -632,6 +656,14 @@ class Lifecycle:
 
     def _make_room(self, v: _Validated, reclaimed: list[InstanceRef]) -> None:
         """Reclaim the IDLE instances overlapping the placement, or refuse without touching anything."""
+        for r in self._room_for(v):
+            reclaimed.append(self._destroy_owned(r, mark_deleting=True))
+            self._emit("reclaimed", r)
+
+    def _room_for(self, v: _Validated) -> tuple[OwnershipRecord, ...]:
+        """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
+
+        Reads only: the live layout, the owned records and the process counts of the candidates."""
         gpu = v.gpu.uuid
         res = v.device.reservation
         with nvml_errors(f"list GPU instances of {gpu}"):
@@ -654,9 +686,7 @@ class Lifecycle:
                     f"idle instance {r.mig_uuid} at {r.placement} still runs {running} processes",
                     {"mig_uuid": r.mig_uuid, "processes": str(running), "gpu_uuid": gpu},
                 )
-        for r in plan.reclaim:
-            reclaimed.append(self._destroy_owned(r, mark_deleting=True))
-            self._emit("reclaimed", r)
+        return plan.reclaim
 
     def _create(self, v: _Validated) -> OwnershipRecord:
         """Record CREATING -> GI -> record -> CI -> record -> CDI -> ACTIVE; undo on any failure."""

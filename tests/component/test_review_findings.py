@@ -11,6 +11,7 @@ import pytest
 from lifecycle_world import World
 
 from sidecar import errors
+from sidecar.domain import Outcome
 
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_UNKNOWN = 999
@@ -32,3 +33,41 @@ class TestAFailedCreateLeavesNoUnrecordedInstance:
         assert world.everything() == (set(), {}, set())
         world.hw.clear_faults()
         assert world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0].identity.gpu_instance_id > 0
+
+
+class TestARequestThatCannotSucceedDestroysNoIdleInstance:
+    def test_a_busy_placement_of_a_later_device_is_refused_before_an_earlier_device_reclaims_idle_cache(
+        self, world: World
+    ) -> None:
+        """Placements are decided for every device before any is touched: the request fails with
+        PLACEMENT_BUSY for device 1, so device 0 must not have destroyed the idle instance in its way
+        (a rollback can remove what the request created, but not bring a destroyed instance back)."""
+        cached = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        world.allocate("pod-holder", (1, "1g.10gb", 0, 1))
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-a", (0, "2g.20gb", 0, 2), (1, "1g.10gb", 0, 1))
+
+        assert caught.value.metadata["pod_uid"] == "pod-holder"
+        assert world.everything() == before
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, cached.identity)
+
+    def test_a_process_on_an_idle_instance_a_later_device_must_reclaim_fails_the_request_first(
+        self, world: World
+    ) -> None:
+        """INSTANCE_IN_USE for device 1 is known before device 0 reclaims anything."""
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-old", (1, "1g.10gb", 0, 1), container_index=1)
+        world.lifecycle.release("pod-old")
+        busy = next(r for r in world.record_files().values() if r.gpu_uuid == world.uuid(1))
+        assert busy.mig_uuid is not None
+        world.hw.set_busy(busy.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse):
+            world.allocate("pod-a", (0, "2g.20gb", 0, 2), (1, "2g.20gb", 0, 2))
+
+        assert world.everything() == before
