@@ -28,6 +28,7 @@ them stable.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -227,6 +228,36 @@ class Sidecar:
         request = health_pb2.HealthCheckRequest(service=service)
         return int(self.health.Check(request, timeout=CALL_TIMEOUT_S).status)
 
+    # -- what is on the "hardware" and on disk (read directly, not through the sidecar) ---------------------
+    def sim_list(self) -> dict[str, Any]:
+        """``sim list --json``: ``boot_id``, ``gpus`` (each with ``gis`` and their ``cis``), ``faults``."""
+        doc: dict[str, Any] = json.loads(self.sim("list", "--json").stdout)
+        return doc
+
+    def hardware(self) -> list[dict[str, Any]]:
+        """The GPU layouts as the simulated driver reports them (``sim list --json``'s ``gpus``)."""
+        gpus: list[dict[str, Any]] = self.sim_list()["gpus"]
+        return gpus
+
+    def sim_stats(self) -> dict[str, Any] | None:
+        """``sim stats --json`` (NVML calls per operation), or None where this build's simulator has none."""
+        result = self.sim("stats", "--json", check=False)
+        if result.returncode != 0:
+            return None
+        doc: dict[str, Any] = json.loads(result.stdout)
+        return doc
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Record file stem -> the record inside its envelope, read from the state directory."""
+        return {
+            path.stem: json.loads(path.read_bytes())["record"]
+            for path in sorted(self.state_dir.glob("*.json"))
+        }
+
+    def cdi_files(self) -> list[str]:
+        """Names of the entries in the CDI directory ([] when it does not exist)."""
+        return sorted(p.name for p in self.cdi_dir.iterdir()) if self.cdi_dir.exists() else []
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -237,6 +268,18 @@ class Sidecar:
         if self.running:
             self.kill9()
         self._disconnect()
+
+
+def snapshot_dir(directory: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every regular file under ``directory`` ({} when it does not exist):
+    equal snapshots mean nothing was written, renamed or removed there."""
+    if not directory.exists():
+        return {}
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
 
 
 class SidecarFactory(Protocol):
