@@ -69,7 +69,9 @@ def request(gpu: str, pod: str, profile: str, start: int, size: int) -> pb.Alloc
     return pb.AllocateRequest(
         pod=pb.PodRef(uid=pod, namespace="bench", name=pod),
         container_name="main",
-        devices=[pb.DeviceRequest(gpu_uuid=gpu, profile=profile, placement=pb.Placement(start=start, size=size))],
+        devices=[
+            pb.DeviceRequest(gpu_uuid=gpu, profile=profile, placement=pb.Placement(start=start, size=size))
+        ],
     )
 
 
@@ -114,7 +116,8 @@ def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) ->
     measure("GetInfo", lambda: stub.GetInfo(pb.GetInfoRequest()))
     w, c, r = f"w{i}", f"c{i}", f"r{i}"
     reclaim = measure("Allocate CREATED+reclaim", lambda: stub.Allocate(request(gpu, w, "1g.10gb", 0, 1)))
-    assert isinstance(reclaim, pb.AllocateResponse) and len(reclaim.reclaimed) == 1, reclaim
+    if not isinstance(reclaim, pb.AllocateResponse) or len(reclaim.reclaimed) != 1:
+        raise SystemExit(f"round {i}: expected exactly one reclaimed instance, got {reclaim}")
     first = expect(reclaim, pb.CREATED)
     expect(measure("Allocate CREATED", lambda: stub.Allocate(request(gpu, c, "1g.10gb", 1, 1))), pb.CREATED)
     expect(
@@ -128,7 +131,10 @@ def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) ->
     generation = stub.GetInfo(pb.GetInfoRequest()).generation
     sync = pb.SyncActiveRequest(generation=generation, active=[active(w, first), active(r, second)])
     synced = measure("SyncActive", lambda: stub.SyncActive(sync))
-    assert isinstance(synced, pb.SyncActiveResponse) and not synced.idled and not synced.reactivated, synced
+    if not isinstance(synced, pb.SyncActiveResponse) or synced.idled or synced.reactivated:
+        raise SystemExit(
+            f"round {i}: SyncActive with every live allocation listed changed something: {synced}"
+        )
     measure("GetState", lambda: stub.GetState(pb.GetStateRequest()))
     leave_idle_blocker(stub, gpu, [w, r], f"z{i}")
 
@@ -147,7 +153,9 @@ def describe(calls: dict[str, int]) -> str:
 
 def report(measure: Meter, show_calls: bool) -> None:
     base = statistics.median(measure.seconds["GetInfo"])
-    header = f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'NVML calls':>12}{'mutating':>10}"
+    header = (
+        f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'NVML calls':>12}{'mutating':>10}"
+    )
     print(header)
     print("-" * len(header))
     for name in DECISIONS:
@@ -171,9 +179,11 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hmsb"))
     socket, state = root / "s.sock", root / "hw.json"
-    python = [sys.executable, "-m", "cProfile", "-o", str(args.profile.resolve())] if args.profile else [
-        sys.executable
-    ]
+    python = (
+        [sys.executable, "-m", "cProfile", "-o", str(args.profile.resolve())]
+        if args.profile
+        else [sys.executable]
+    )
     command = [
         *python, "-m", "sidecar", "serve", "--backend", "simulated",
         "--sim-state", str(state), "--sim-gpus", "h100-80gb:1",

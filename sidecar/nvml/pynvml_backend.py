@@ -14,6 +14,20 @@ takes care of, so that the domain never has to:
   handles are cached by UUID (they stay valid, and an uncached by-UUID lookup can take seconds on a
   loaded node).
 
+What is cached, and why that is safe (every NVML call is a driver round trip on the Allocate path of
+kubelet, and ``sim stats`` counts them): only facts that cannot change while the driver that answered
+them stays loaded, which is also the lifetime of the cached GPU handles they are read through.
+
+* per GPU: index, minor number, name, total memory — properties of the physical device;
+* per GPU: the GI profile table (ID and instance count of every profile index) — fixed for a GPU model
+  and driver, and independent of MIG mode and occupancy;
+* per GPU and GI profile: the CI profile table (ID and instance count of every CI profile index) —
+  fixed the same way.
+
+Everything that describes the *layout* is read live on every call: MIG mode (current and pending),
+the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
+or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
+
 Errors are mapped at one boundary (``_mapped``): every ``pynvml.NVMLError`` becomes
 ``port.NvmlError(operation, code, message)`` raised ``from`` the original.
 
@@ -84,7 +98,9 @@ class PynvmlBackend:
         self._attempts = max(1, attempts)
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}
+        self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
         self._profile_ids: dict[str, list[tuple[int, int]]] = {}
+        self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int]]] = {}
         with _mapped("nvmlInit"):
             pynvml.nvmlInit()
         self._open = True
@@ -124,17 +140,32 @@ class PynvmlBackend:
                 self._handles[gpu_uuid] = handle
         return handle
 
-    def _gpu_info(self, handle: Any, index: int) -> GpuInfo:
+    def _gpu_info(self, handle: Any, gpu_uuid: str, index: int | None = None) -> GpuInfo:
+        """MIG mode read live; the static facts read once per GPU (see the module docstring).
+
+        The MIG mode is read first, so a GPU that fell off the bus fails here with GPU_IS_LOST exactly
+        as it did before the static facts were cached."""
         try:
             current, pending = pynvml.nvmlDeviceGetMigMode(handle)
         except pynvml.NVMLError_NotSupported:  # a GPU without MIG hardware
             current, pending = 0, 0
+        with self._lock:
+            static = self._static.get(gpu_uuid)
+        if static is None:
+            static = (
+                int(pynvml.nvmlDeviceGetIndex(handle)) if index is None else index,
+                int(pynvml.nvmlDeviceGetMinorNumber(handle)),
+                _text(pynvml.nvmlDeviceGetName(handle)),
+                int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+            )
+            with self._lock:
+                self._static[gpu_uuid] = static
         return GpuInfo(
-            index=index,
-            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-            minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
-            model=_text(pynvml.nvmlDeviceGetName(handle)),
-            memory_mb=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // _MIB,
+            index=static[0],
+            uuid=gpu_uuid,
+            minor=static[1],
+            model=static[2],
+            memory_mb=static[3],
             mig_current=bool(current),
             mig_pending=bool(pending),
         )
@@ -191,20 +222,18 @@ class PynvmlBackend:
         def read() -> list[GpuInfo]:
             result = []
             for index in range(pynvml.nvmlDeviceGetCount()):
-                result.append(self._gpu_info(pynvml.nvmlDeviceGetHandleByIndex(index), index))
-            with self._lock:
-                for g in result:
-                    self._handles.setdefault(g.uuid, pynvml.nvmlDeviceGetHandleByIndex(g.index))
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                # The UUID is read every time: it says which GPU sits at this index now.
+                gpu_uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+                result.append(self._gpu_info(handle, gpu_uuid, index))
+                with self._lock:
+                    self._handles.setdefault(gpu_uuid, handle)
             return result
 
         return self._run("list GPUs", read)
 
     def gpu(self, gpu_uuid: str) -> GpuInfo:
-        def read() -> GpuInfo:
-            handle = self._device(gpu_uuid)
-            return self._gpu_info(handle, int(pynvml.nvmlDeviceGetIndex(handle)))
-
-        return self._run(f"read GPU {gpu_uuid}", read)
+        return self._run(f"read GPU {gpu_uuid}", lambda: self._gpu_info(self._device(gpu_uuid), gpu_uuid))
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
@@ -258,22 +287,40 @@ class PynvmlBackend:
 
         return self._run(f"list GPU instances of {gpu_uuid}", read)
 
+    def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> list[tuple[int, int]]:
+        """(CI profile ID, instance count) of every CI profile a GI of this GI's profile supports.
+
+        Cached per (GPU, GI profile ID), not per GI: GI IDs are reused by the driver for GIs of other
+        profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver. The GI's
+        profile ID is read live (one GetInfo) to pick the right table."""
+        gi_profile_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId)
+        with self._lock:
+            cached = self._ci_profile_ids.get((gpu_uuid, gi_profile_id))
+        if cached is not None:
+            return cached
+        table = []
+        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                )
+            except pynvml.NVMLError as exc:
+                if exc.value in _SKIP_PROFILE:
+                    continue
+                raise
+            table.append((int(info.id), int(info.instanceCount)))
+        with self._lock:
+            self._ci_profile_ids[(gpu_uuid, gi_profile_id)] = table
+        return table
+
     def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
         def read() -> list[ComputeInstanceInfo]:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             result: list[ComputeInstanceInfo] = []
-            for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-                try:
-                    info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                        gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                    )
-                except pynvml.NVMLError as exc:
-                    if exc.value in _SKIP_PROFILE:
-                        continue
-                    raise
-                array = (pynvml.c_nvmlComputeInstance_t * max(1, int(info.instanceCount)))()
+            for ci_profile_id, instance_count in self._ci_profile_table(gpu_uuid, gi):
+                array = (pynvml.c_nvmlComputeInstance_t * max(1, instance_count))()
                 count = c_uint(len(array))
-                pynvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, array, byref(count))
+                pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, array, byref(count))
                 result.extend(self._ci_info(gpu_uuid, gpu_instance_id, array[i]) for i in range(count.value))
             return sorted(result, key=lambda c: c.id)
 

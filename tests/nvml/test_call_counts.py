@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.domain import Placement
-from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
+from sidecar.nvml.port import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.simcli import register
 from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
@@ -171,3 +171,71 @@ class TestTheStatsCommand:
 
     def test_stats_of_missing_hardware_is_refused(self, tmp_path: Path) -> None:
         assert sim(tmp_path / "absent.json", "stats") == 1
+
+
+PROFILE_INFO = "nvmlDeviceGetGpuInstanceProfileInfo"
+CI_PROFILE_INFO = "nvmlGpuInstanceGetComputeInstanceProfileInfoV"
+
+
+class TestTheAdapterReadsStaticFactsOnceAndTheLayoutEveryTime:
+    def test_listing_gpu_instances_again_reads_no_profile_table_but_sees_a_new_instance(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = port.gpus()[0].uuid
+        assert port.gpu_instances(gpu) == []
+        h100.reset_call_counts()
+        h100.create_instance(0, "3g.40gb", 4, 4)  # behind the adapter's back
+        assert [(g.id, g.placement) for g in port.gpu_instances(gpu)] == [(2, Placement(4, 4))]
+        counts = h100.call_counts()
+        assert PROFILE_INFO not in counts
+        assert counts["nvmlDeviceGetGpuInstances"] == len(port.gpu_instance_profiles(gpu))
+
+    def test_listing_compute_instances_again_reads_no_ci_profile_table_but_sees_a_new_ci(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = port.gpus()[0].uuid
+        gi = h100.create_instance(0, "3g.40gb", 4, 4, with_ci=False)
+        assert port.compute_instances(gpu, gi.id) == []
+        h100.reset_call_counts()
+        ci = port.create_compute_instance(gpu, gi.id, 2)
+        assert [(c.id, c.mig_uuid) for c in port.compute_instances(gpu, gi.id)] == [(ci.id, ci.mig_uuid)]
+        assert CI_PROFILE_INFO not in h100.call_counts()
+
+    def test_a_gpu_instance_of_another_profile_uses_that_profile_s_ci_table(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = port.gpus()[0].uuid
+        small = h100.create_instance(0, "1g.10gb", 0, 1)
+        assert len(port.compute_instances(gpu, small.id)) == 1
+        big = h100.create_instance(0, "3g.40gb", 4, 4, with_ci=False)
+        made = [port.create_compute_instance(gpu, big.id, 0) for _ in range(3)]  # three 1-slice CIs
+        listed = port.compute_instances(gpu, big.id)
+        assert [c.mig_uuid for c in listed] == [c.mig_uuid for c in made]
+
+    def test_reading_a_gpu_again_costs_one_mig_mode_read_and_sees_a_mode_change(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        first = port.gpus()[0]
+        h100.set_mig_mode(0, False)
+        h100.reset_call_counts()
+        again = port.gpu(first.uuid)
+        assert (again.mig_current, again.mig_pending) == (False, False)
+        assert (again.index, again.uuid, again.minor, again.model, again.memory_mb) == (
+            first.index,
+            first.uuid,
+            first.minor,
+            first.model,
+            first.memory_mb,
+        )
+        assert h100.call_counts() == {"nvmlDeviceGetMigMode": 1}
+
+    def test_a_gpu_that_fell_off_the_bus_fails_although_its_facts_are_cached(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = port.gpus()[0].uuid
+        h100.lose_gpu(0)
+        with pytest.raises(NvmlError) as lost:
+            port.gpu(gpu)
+        assert lost.value.code == NVML_ERROR_GPU_IS_LOST
+        with pytest.raises(NvmlError):
+            port.gpus()
