@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -90,7 +90,8 @@ def cdi_on(car: Sidecar) -> bool:
 
 
 def h100(car: Sidecar, n: int = 0) -> str:
-    return [g.uuid for g in car.gpus() if "H100" in g.model][n]
+    uuids: list[str] = [g.uuid for g in car.gpus() if "H100" in g.model]
+    return uuids[n]
 
 
 def allocate(car: Sidecar, pod: str, *devices: Device) -> Any:
@@ -371,24 +372,32 @@ class TestAllOrNothing:
         assert (again.outcome, again.mig_uuid) == (pb.REUSED, cached.mig_uuid)
 
 
-# Each case: the faults to inject (op, --after), then the request, on a GPU that holds an ACTIVE instance
-# at 1g.10gb 0:1 (must survive) and, for the reclaim cases, an IDLE one at 1g.10gb 4:1 in the way.
+class FaultCase(NamedTuple):
+    """Faults to inject as (NVML operation, calls let through first), whether an IDLE instance sits in
+    the way (1g.10gb 4:1, so the request reclaims it first), how many devices the request has (the
+    first is 3g.40gb 4:4 on the first H100, the second 1g.10gb 0:1 on the other), and what must be
+    left besides the ACTIVE instance the GPU already holds: nothing, or an ERROR instance at a
+    placement start with or without its CI."""
+
+    faults: tuple[tuple[str, int], ...]
+    idle_in_way: bool
+    devices: int
+    error_at: int | None = None
+    error_keeps_ci: bool = False
+
+
 FAULT_CASES = {
-    "create-gi fails": ([("create-gi", 0)], False, "3g.40gb", 1),
-    "create-ci fails": ([("create-ci", 0)], False, "3g.40gb", 1),
-    "reclaim's destroy-ci fails": ([("destroy-ci", 0)], True, "3g.40gb", 1),
-    "reclaim's destroy-gi fails": ([("destroy-gi", 0)], True, "3g.40gb", 1),
-    "create-ci fails and its undo's destroy-gi fails": (
-        [("create-ci", 0), ("destroy-gi", 0)],
-        False,
-        "3g.40gb",
-        1,
+    "create-gi fails": FaultCase((("create-gi", 0),), idle_in_way=False, devices=1),
+    "create-ci fails": FaultCase((("create-ci", 0),), idle_in_way=False, devices=1),
+    "reclaim's destroy-ci fails": FaultCase(
+        (("destroy-ci", 0),), idle_in_way=True, devices=1, error_at=4, error_keeps_ci=True
     ),
-    "the second device fails and the first device's undo fails at destroy-ci": (
-        [("create-gi", 1), ("destroy-ci", 0)],
-        False,
-        "3g.40gb",
-        2,
+    "reclaim's destroy-gi fails": FaultCase((("destroy-gi", 0),), idle_in_way=True, devices=1, error_at=4),
+    "create-ci fails and its undo's destroy-gi fails": FaultCase(
+        (("create-ci", 0), ("destroy-gi", 0)), idle_in_way=False, devices=1, error_at=4
+    ),
+    "the second device fails and the first device's undo fails at destroy-ci": FaultCase(
+        (("create-gi", 1), ("destroy-ci", 0)), idle_in_way=False, devices=2, error_at=4, error_keeps_ci=True
     ),
 }
 
@@ -398,25 +407,32 @@ class TestNvmlFaultAtEveryMutatingCall:
     def test_no_gi_or_ci_without_a_record_and_no_record_without_its_gi_or_ci(
         self, car: Sidecar, case: str
     ) -> None:
-        faults, with_idle, profile, n_devices = FAULT_CASES[case]
+        spec = FAULT_CASES[case]
         gpu = h100(car)
         keep = allocate(car, "pod-keep", (gpu, "1g.10gb", 0, 1)).devices[0]
-        if with_idle:
+        if spec.idle_in_way:
             allocate(car, "pod-idle", (gpu, "1g.10gb", 4, 1))
             release(car, "pod-idle")
-        for op, after in faults:
+        for op, after in spec.faults:
             fault(car, op, after)
-        devices = [(gpu, profile, 4, 4), (h100(car, 1), "1g.10gb", 0, 1)][:n_devices]
+        devices = [(gpu, "3g.40gb", 4, 4), (h100(car, 1), "1g.10gb", 0, 1)][: spec.devices]
 
         code, reason, meta = refused(car, "pod-new", *devices)
 
         assert (code, reason, meta.get("nvml_code")) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR", "999")
         assert_consistent(car)
-        holder = record_of(car, keep.mig_uuid)
-        assert holder is not None
-        assert holder["state"] == "ACTIVE"
-        leftovers = [r for r in car.records().values() if r["mig_uuid"] != keep.mig_uuid]
-        assert all(r["state"] in ("IDLE", "ERROR") for r in leftovers)
+        others = {r["mig_uuid"]: r for r in car.records().values() if r["mig_uuid"] != keep.mig_uuid}
+        assert (record_of(car, keep.mig_uuid) or {}).get("state") == "ACTIVE"
+        if spec.error_at is None:
+            assert others == {}
+            assert set(gis(car)) == {(gpu, keep.gpu_instance_id)}
+        else:
+            [error] = others.values()
+            assert (error["state"], error["placement"]["start"]) == ("ERROR", spec.error_at)
+            live = live_mig_uuids(car)
+            assert (error["mig_uuid"] in live) is spec.error_keeps_ci
+            if spec.error_keeps_ci and cdi_on(car):
+                assert error["mig_uuid"] in cdi_uuids(car)  # its spec stays until the hardware is gone
 
         car.sim("faults", "--clear")
         wait_until(
@@ -424,6 +440,7 @@ class TestNvmlFaultAtEveryMutatingCall:
             lambda: not any(r["state"] == "ERROR" for r in car.records().values()),
         )
         assert_consistent(car)
+        assert set(gis(car)) == {(gpu, keep.gpu_instance_id)}
 
 
 class TestStuckDestroy:
@@ -529,6 +546,7 @@ RESERVATIONS = [
 ]
 PODS = 20  # 20 Allocates ...
 RELEASERS = 12  # ... and 12 Releases: 32 calls in flight together
+ATTEMPTS = 3  # per pod, while its Allocate is refused PLACEMENT_BUSY
 
 
 class TestConcurrency:
@@ -547,11 +565,15 @@ class TestConcurrency:
             pod = f"pod-{i:02d}"
             g, profile, start_, size = RESERVATIONS[i % len(RESERVATIONS)]
             barrier.wait()
-            try:
-                device = allocate(car, pod, (gpus[g], profile, start_, size)).devices[0]
-            except grpc.RpcError as exc:
-                with lock:
-                    failures.append(error_info(exc)[1])
+            device = None
+            for _ in range(ATTEMPTS):  # a refused request tries again: more hand-overs between keys
+                try:
+                    device = allocate(car, pod, (gpus[g], profile, start_, size)).devices[0]
+                    break
+                except grpc.RpcError as exc:
+                    with lock:
+                        failures.append(error_info(exc)[1])
+            if device is None:
                 return
             with lock:
                 if device.mig_uuid in holder:
