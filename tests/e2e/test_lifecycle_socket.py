@@ -72,6 +72,7 @@ def start(mode: str, sidecar_factory: SidecarFactory) -> Start:
         else:
             car.extra_args = list(extra)
         car.start()
+        assert car.info().cdi_enabled is (mode == "cdi")
         car.recover()
         return car
 
