@@ -375,23 +375,28 @@ class MemoryStore:
 
 
 class CallCounters:
-    """Calls per C function name in ``<state file>.calls``, shared by every process using that state.
+    """Calls per C function name in ``<state file>.calls``, shared by every process using that state,
+    and the state file's write generation.
 
     Every simulated call is counted, so a count must not cost a rewrite of the state file: this file
     is a fixed table mapped (``MAP_SHARED``) into each process once, and a count is one 8-byte store
     into the mapping. Callers hold the state's flock, which serialises counting across processes.
 
-    Layout: the 8-byte magic, then ``SLOTS`` slots of 64 bytes, each a NUL-padded C function name
-    (56 bytes) and a little-endian uint64 count. A name takes the first empty slot the first time it is
-    counted; a reset zeroes the table. A file of the wrong size or magic is re-initialised (zeroed),
-    never shrunk, so a process that mapped it earlier is never cut short."""
+    Layout: the 8-byte magic, the uint64 write generation, then ``SLOTS`` slots of 64 bytes, each a
+    NUL-padded C function name (56 bytes) and a count; integers little-endian. A name takes the first
+    empty slot the first time it is counted; a reset zeroes the slots. The generation only ever grows
+    (a reset leaves it alone): ``FileStore`` bumps it on every state write, and a process whose cached
+    state carries the current generation may skip reading and decoding the file. A file of the wrong
+    size or magic is re-initialised, never shrunk, so a process that mapped it earlier is never cut
+    short."""
 
-    MAGIC = b"HMSCALL1"
+    MAGIC = b"HMSCALL2"
     NAME = 56
     SLOT = 64
     SLOTS = 256
-    SIZE = len(MAGIC) + SLOT * SLOTS
-    _COUNT = struct.Struct("<Q")
+    HEADER = len(MAGIC) + 8
+    SIZE = HEADER + SLOT * SLOTS
+    _U64 = struct.Struct("<Q")
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -411,7 +416,7 @@ class CallCounters:
         return self._map
 
     def _offsets(self) -> Iterator[int]:
-        return iter(range(len(self.MAGIC), self.SIZE, self.SLOT))
+        return iter(range(self.HEADER, self.SIZE, self.SLOT))
 
     def add(self, name: str) -> None:
         key = name.encode()
@@ -423,8 +428,8 @@ class CallCounters:
         if offset is None or m[offset : offset + self.NAME] != key:  # first use, or a reset moved it
             offset = self._slot(m, key)
             self._slots[name] = offset
-        (count,) = self._COUNT.unpack_from(m, offset + self.NAME)
-        self._COUNT.pack_into(m, offset + self.NAME, count + 1)
+        (count,) = self._U64.unpack_from(m, offset + self.NAME)
+        self._U64.pack_into(m, offset + self.NAME, count + 1)
 
     def _slot(self, m: mmap.mmap, key: bytes) -> int:
         for offset in self._offsets():
@@ -433,7 +438,7 @@ class CallCounters:
                 return offset
             if name[0] == 0:
                 m[offset : offset + self.NAME] = key
-                self._COUNT.pack_into(m, offset + self.NAME, 0)
+                self._U64.pack_into(m, offset + self.NAME, 0)
                 return offset
         raise RuntimeError(f"{self.path}: more than {self.SLOTS} distinct functions counted")
 
@@ -444,26 +449,56 @@ class CallCounters:
             name = m[offset : offset + self.NAME]
             if name[0] == 0:
                 break
-            result[name.rstrip(b"\0").decode()] = self._COUNT.unpack_from(m, offset + self.NAME)[0]
+            result[name.rstrip(b"\0").decode()] = self._U64.unpack_from(m, offset + self.NAME)[0]
         return result
 
     def reset(self) -> None:
         m = self._mapping()
-        m[len(self.MAGIC) :] = bytes(self.SIZE - len(self.MAGIC))
+        m[self.HEADER :] = bytes(self.SIZE - self.HEADER)
+
+    def generation(self) -> int:
+        value: int = self._U64.unpack_from(self._mapping(), len(self.MAGIC))[0]
+        return value
+
+    def bump_generation(self) -> int:
+        value = self.generation() + 1
+        self._U64.pack_into(self._mapping(), len(self.MAGIC), value)
+        return value
+
+
+class _Cached(msgspec.Struct, frozen=True):
+    """The state as this process last read or wrote it, and how to tell that the file is unchanged."""
+
+    generation: int
+    file_id: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns of the state file
+    raw: bytes
+    state: SimState
+    layout: bytes
 
 
 class FileStore:
     """State in a JSON file shared by processes; ``<file>.lock`` is flocked around every access.
 
     Writes go to a temp file renamed over the state, so a reader never sees half a file. No fsync:
-    the simulated hardware does not need to survive a crash of the host it is simulated on."""
+    the simulated hardware does not need to survive a crash of the host it is simulated on.
+
+    Every simulated NVML call is one transaction, so a transaction is kept cheap without giving up
+    the sharing: the lock file stays open (one ``flock`` per transaction, no open/close), and the
+    decoded state is kept between transactions and reused only while both the write generation in
+    ``<file>.calls`` and the state file's identity (device, inode, size, mtime) are what this process
+    last saw, so a change by any other process, or an edit of the file by hand, is read at the next
+    call. A transaction that raises drops the kept state: it may have been changed half-way."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lock_path = path.with_name(path.name + ".lock")
         self.proc_root: Path | None = path.with_name(path.name + ".proc")
         self._thread_lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self._lock_pid = 0
+        self._depth = 0
         self._counters = CallCounters(path.with_name(path.name + ".calls"))
+        self._cached: _Cached | None = None
 
     @staticmethod
     def create(path: Path, state: SimState, overwrite: bool = False) -> FileStore:
@@ -481,21 +516,44 @@ class FileStore:
             sync_proc(store.proc_root, state)
         return store
 
+    def _lock_file(self) -> int:
+        """The lock file's descriptor, opened once per process. A forked child opens its own: an
+        inherited descriptor shares the parent's flock, which would lock nothing between the two."""
+        if self._lock_fd is None or self._lock_pid != os.getpid():
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd, self._lock_pid = fd, os.getpid()
+        return self._lock_fd
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """Thread lock, then the flock; re-entrant within a thread (the flock is taken once)."""
         with self._thread_lock:
-            self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            if self._depth == 0:
+                fcntl.flock(self._lock_file(), fcntl.LOCK_EX)
+            self._depth += 1
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 yield
             finally:
-                os.close(fd)  # closing the descriptor releases the flock
+                self._depth -= 1
+                if self._depth == 0:
+                    fcntl.flock(self._lock_file(), fcntl.LOCK_UN)
 
     def _write(self, data: bytes) -> None:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         tmp.replace(self.path)
+        self._counters.bump_generation()
+
+    def _file_id(self) -> tuple[int, int, int, int]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
     def call_counts(self) -> dict[str, int]:
         with self._locked():
@@ -510,19 +568,26 @@ class FileStore:
         with self._locked():
             if call is not None:
                 self._counters.add(call)
-            try:
-                raw = self.path.read_bytes()
-            except FileNotFoundError:
-                raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
-            state = _DECODER.decode(raw)
-            before = layout_key(state)
+            cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
+            generation, file_id = self._counters.generation(), self._file_id()
+            if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
+                try:
+                    raw = self.path.read_bytes()
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
+                state = _DECODER.decode(raw)
+                cached = _Cached(generation, file_id, raw, state, layout_key(state))
+            state = cached.state
             yield state
             encoded = _ENCODER.encode(state)
-            if encoded != raw:
+            if encoded != cached.raw:
                 self._write(encoded)
-                if layout_key(state) != before:
+                layout = layout_key(state)
+                if layout != cached.layout:
                     assert self.proc_root is not None
                     sync_proc(self.proc_root, state)
+                cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
+            self._cached = cached
 
 
 # -- the fake /proc tree ------------------------------------------------------------------------------
@@ -575,9 +640,21 @@ def write_proc_static(root: Path, state: SimState) -> None:
     _atomic_text(root / "driver" / "nvidia-caps" / "mig-minors", "\n".join(lines) + "\n")
 
 
+def _write_if_changed(path: Path, text: str) -> None:
+    try:
+        if path.read_text() == text:
+            return
+    except FileNotFoundError:
+        pass
+    _atomic_text(path, text)
+
+
 def sync_proc(root: Path, state: SimState) -> None:
-    """Make the per-instance access files and boot_id match the state (create, update, remove)."""
-    _atomic_text(root / "sys" / "kernel" / "random" / "boot_id", state.boot_id + "\n")
+    """Make the per-instance access files and boot_id match the state (create, update, remove).
+
+    Runs after every create or destroy, so it only writes what differs: an unchanged file is read,
+    not rewritten."""
+    _write_if_changed(root / "sys" / "kernel" / "random" / "boot_id", state.boot_id + "\n")
     caps = root / "driver" / "nvidia" / "capabilities"
     wanted: dict[Path, str] = {}
     for gpu in state.gpus:
@@ -598,9 +675,4 @@ def sync_proc(root: Path, state: SimState) -> None:
                 if ci_dir / "access" not in wanted:
                     shutil.rmtree(ci_dir, ignore_errors=True)
     for path, text in wanted.items():
-        try:
-            if path.read_text() == text:
-                continue
-        except FileNotFoundError:
-            pass
-        _atomic_text(path, text)
+        _write_if_changed(path, text)
