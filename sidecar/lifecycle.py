@@ -785,7 +785,14 @@ class Lifecycle:
         if rec.mig_uuid is not None and not self.cdi.remove(rec.mig_uuid):
             _log.warning("CDI removal for %s failed; queued for the reconciler", rec.mig_uuid)
         crashpoints.crashpoint("after-remove-cdi")
-        self._delete(rec.name)
+        try:
+            self._delete(rec.name)
+        except SidecarError as exc:
+            # The hardware is gone but the record is not. A DELETING entry would block its slices
+            # until a restart (the reconciler retries ERROR only), so it becomes ERROR: the reconciler
+            # finds the instance gone and deletes the record once the state directory works again.
+            self._fail(rec, f"destroyed, but deleting its record failed: {exc}")
+            raise
         self._emit("destroyed", rec)
         return instance_ref(record)
 

@@ -7,11 +7,15 @@ record files and the CDI files.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from lifecycle_world import World
 
 from sidecar import errors
 from sidecar.domain import Outcome
+from sidecar.reconciler import Reconciler
 
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_UNKNOWN = 999
@@ -71,3 +75,49 @@ class TestARequestThatCannotSucceedDestroysNoIdleInstance:
             world.allocate("pod-a", (0, "2g.20gb", 0, 2), (1, "2g.20gb", 0, 2))
 
         assert world.everything() == before
+
+
+class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
+    def test_an_instance_whose_record_could_not_be_deleted_after_its_destroy_is_finished_by_the_reconciler(
+        self, world: World
+    ) -> None:
+        """The reclaim destroyed the hardware, then deleting the record failed (the state directory
+        was unavailable for a moment). The instance must not stay DELETING in the table for the rest
+        of the process life, blocking its slices with PLACEMENT_BUSY, which the client never retries:
+        it goes to ERROR, and the reconciler finishes the delete once the directory is back."""
+        world.allocate("pod-old", (0, "1g.10gb", 4, 1))
+        world.lifecycle.release("pod-old")
+        [idle] = world.record_files().values()
+        state_dir = world.records.directory
+        away = state_dir.with_name("state-away")
+        record_file = state_dir / f"{idle.name}.json"
+        # The simulated driver sleeps after destroying the GI: the window between the DELETING record
+        # and the record delete, in which the directory goes away.
+        world.hw.set_latency("destroy-gi", 1.0)
+
+        def take_the_directory_away() -> None:
+            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+            while b'"DELETING"' not in record_file.read_bytes():
+                if time.monotonic() > give_up:
+                    return
+                time.sleep(0.005)
+            state_dir.rename(away)
+            state_dir.write_text("not a directory")
+
+        thief = threading.Thread(target=take_the_directory_away)
+        thief.start()
+        try:
+            with pytest.raises(errors.StateWriteFailed):
+                world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+        finally:
+            thief.join()
+            world.hw.set_latency("destroy-gi", 0)
+            state_dir.unlink()
+            away.rename(state_dir)
+
+        assert world.layout() == set()
+        report = Reconciler(world.lifecycle).run_once()
+        assert [ref.reservation for ref in report.destroyed] == [idle.reservation]
+        assert world.everything() == (set(), {}, set())
+        assert world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0].outcome is Outcome.CREATED
+        world.assert_consistent()
