@@ -403,8 +403,19 @@ class Lifecycle:
         return after.mig_current, after.mig_pending, after.mig_current != after.mig_pending
 
     # -- used by recovery and the reconciler ---------------------------------------------------------
-    def install(self, records: Sequence[OwnershipRecord], generation: int) -> None:
+    def install(
+        self,
+        records: Sequence[OwnershipRecord],
+        generation: int,
+        *,
+        referenced_mig_uuids: Iterable[str] = (),
+    ) -> None:
         """Replace the table with recovered records (under every GPU lock) and mark recovered.
+
+        ``referenced_mig_uuids`` are the MIG UUIDs the recovery's active allocations name. They stand
+        in for the last SyncActive until the first one arrives: without them the reconciler would
+        destroy an ERROR instance (say, one whose record could not be written during recovery) that a
+        live pod holds.
 
         The generation becomes the largest of the given one, the current one and every record's
         ``activated_generation``, so it never goes backwards across restarts (a SyncActive fenced with
@@ -415,6 +426,7 @@ class Lifecycle:
         with self._gpu_locks_for([*known, *(r.gpu_uuid for r in records)]):
             with self._table_lock:
                 self._table = {r.name: r for r in records}
+                self._referenced_mig_uuids = frozenset(referenced_mig_uuids)
                 self.generation = max(
                     [generation, self.generation, *(r.activated_generation for r in records)]
                 )
@@ -500,7 +512,7 @@ class Lifecycle:
 
     @property
     def referenced_mig_uuids(self) -> frozenset[str]:
-        """MIG UUIDs the last SyncActive listed as held by live pods."""
+        """MIG UUIDs held by live pods: the last SyncActive's list (before the first: the last Recover's)."""
         return self._referenced_mig_uuids
 
     # -- internals: validation -------------------------------------------------------------------------

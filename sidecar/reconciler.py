@@ -5,7 +5,8 @@ record go only after the hardware is gone) and retries queued CDI removals.
 
 Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
 races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
-listed its MIG UUID as held by a live pod: it is left alone then, because destroying a device under a
+(before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
+live pod: it is left alone then, because destroying a device under a
 running container is worse than keeping a broken one. A destroy that still fails leaves the instance
 ERROR with the new ``last_error``; the next round tries again. ``run_once`` is the whole algorithm; the
 thread only repeats it, so tests call ``run_once`` directly.

@@ -182,6 +182,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     table: tuple[OwnershipRecord, ...]  # the owned records once every step succeeded
     report: RecoveryReport
     generation: int
+    # MIG UUIDs the active allocations name: the plugin's view of what live pods hold, which guards
+    # ERROR instances from the reconciler until the first SyncActive brings a fresher view.
+    referenced_mig_uuids: frozenset[str] = frozenset()
 
     @property
     def actions(self) -> tuple[Action, ...]:
@@ -696,6 +699,9 @@ class _Planner:
             table=tuple(record for _, record in sorted(self.table.items())),
             report=report,
             generation=generation,
+            referenced_mig_uuids=frozenset(
+                a.identity.mig_uuid for a in self.inputs.active if a.identity is not None
+            ),
         )
 
 
@@ -832,7 +838,11 @@ class Recovery:
                     table[failed.name] = failed
                 elif step.record_name is not None:
                     table.pop(step.record_name, None)
-        self.lifecycle.install(sorted(table.values(), key=lambda r: r.name), decided.generation)
+        self.lifecycle.install(
+            sorted(table.values(), key=lambda r: r.name),
+            decided.generation,
+            referenced_mig_uuids=decided.referenced_mig_uuids,
+        )
         if not failures:
             return decided.report
         return msgspec.structs.replace(decided.report, errors=(*decided.report.errors, *failures))
