@@ -75,6 +75,10 @@ from sidecar.records import CorruptRecord, OwnershipRecord, RecordStore, record_
 
 _log = logging.getLogger(__name__)
 
+GENERATION_BLOCK = 1024
+"""How far the durable generation ceiling moves at a time: one small file write per this many
+activations, and at most this many numbers skipped per restart (they stay readable for humans)."""
+
 EventSink = Callable[[str, Mapping[str, str]], None]
 """Observer of lifecycle events (``created``, ``reused``, ``reclaimed``, ``destroyed``, ``error``,
 ``nvml_error``), with labels such as ``gpu_uuid`` and ``profile``. Metrics plug in here so this module
@@ -162,6 +166,10 @@ class Lifecycle:
         self._profile_cache: dict[str, tuple[GpuInstanceProfile, ...]] = {}
         self._gpu_cache: dict[str, GpuInfo] = {}
         self._referenced_mig_uuids: frozenset[str] = frozenset()
+        # The highest generation that may be handed out without raising the durable ceiling first,
+        # and the lock that serializes raising it (held across that one small write, nothing else).
+        self._generation_ceiling = 0
+        self._generation_lock = threading.Lock()
 
     # -- queries -------------------------------------------------------------------------------------
     def gpu_info(self, gpu_uuid: str) -> GpuInfo:
@@ -871,9 +879,7 @@ class Lifecycle:
         self._emit("error", failed)
 
     def _activate(self, record: OwnershipRecord, owner: Owner) -> OwnershipRecord:
-        with self._table_lock:
-            self.generation += 1
-            generation = self.generation
+        generation = self._next_generation()
         return msgspec.structs.replace(
             record,
             state=State.ACTIVE,
@@ -882,6 +888,36 @@ class Lifecycle:
             last_error="",
             since=now_rfc3339(),
         )
+
+    def _next_generation(self) -> int:
+        """The generation of a new activation, durably below the ceiling before anyone can see it.
+
+        StateWriteFailed when the ceiling must rise and cannot: the activation then fails (the caller
+        undoes its work) rather than hand out a number a restart could hand out again."""
+        with self._generation_lock:
+            value = self.generation + 1
+            if value > self._generation_ceiling:
+                self._raise_ceiling(value)
+            with self._table_lock:
+                self.generation = value
+            return value
+
+    def reserve_generations(self, through: int, stored_ceiling: int = 0) -> None:
+        """Make every generation up to ``through`` safe to hand out (recovery, before it activates).
+
+        ``stored_ceiling`` is what the ``generation`` file held when recovery read it."""
+        with self._generation_lock:
+            self._generation_ceiling = max(self._generation_ceiling, stored_ceiling)
+            if through > self._generation_ceiling:
+                self._raise_ceiling(through)
+
+    def _raise_ceiling(self, needed: int) -> None:
+        """Durably move the ceiling a block past ``needed``. Call with ``_generation_lock`` held."""
+        try:
+            stored = self.records.raise_generation_ceiling(needed + GENERATION_BLOCK)
+        except CorruptRecord as exc:
+            raise StateWriteFailed(str(exc), {"file": str(exc.path)}) from exc
+        self._generation_ceiling = stored
 
     @staticmethod
     def _idle(record: OwnershipRecord) -> OwnershipRecord:

@@ -24,6 +24,16 @@ Files in the directory:
 
 - ``<name>.json``: a record; ``<name>`` comes from ``record_name`` (validated values, never request
   strings).
+- ``generation``: the generation ceiling, ``{"version":1,"checksum":…,"record":{"ceiling":N}}`` in
+  the same envelope as a record (checksum over the exact ``record`` bytes). ``N`` is the highest
+  activation generation the sidecar may have handed out: the lifecycle hands out generations up to it
+  and, before it hands out a larger one, durably raises it by a block (hi/lo). A restarted sidecar
+  starts counting at ``N`` (or at the newest record, if larger), so the generation never goes back
+  across restarts even when the records of the instances activated last are gone - a SyncActive
+  fenced with a generation read before the restart can never idle an instance activated after it.
+  Missing = a first run (the records are all there is); corrupt = recovery refuses to guess
+  (UNVERIFIABLE_STATE) and the file is left for the operator. It does not end in ``.json``, so no
+  record reader sees it; ``verify`` reports it.
 - ``.lock``: the process-wide ``flock`` that keeps a second sidecar out; never unlinked (another
   process could otherwise lock a fresh inode).
 - ``.<name>.tmp-<random>``: a write in progress; never ends in ``.json``, ignored by readers and
@@ -43,6 +53,7 @@ import re
 import secrets
 import threading
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -56,6 +67,7 @@ DIR_MODE = 0o750
 FILE_MODE = 0o600
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
+GENERATION_FILE = "generation"
 TEMP_MARKER = ".tmp-"
 CHECKSUM_PREFIX = "sha256:"
 
@@ -150,9 +162,16 @@ class _EnvelopeV1(msgspec.Struct, forbid_unknown_fields=True):
     record: msgspec.Raw  # the exact stored bytes of the record: what the checksum covers
 
 
+class GenerationCeiling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The payload of the ``generation`` file: the highest generation that may have been handed out."""
+
+    ceiling: int
+
+
 _HEADER_DECODER = msgspec.json.Decoder(_Header)
 _ENVELOPE_DECODER = msgspec.json.Decoder(_EnvelopeV1)
 _RECORD_DECODER = msgspec.json.Decoder(OwnershipRecord)  # strict: no int<->str coercion
+_CEILING_DECODER = msgspec.json.Decoder(GenerationCeiling)
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -172,19 +191,43 @@ def encode_record(record: OwnershipRecord) -> bytes:
     except msgspec.ValidationError as exc:
         raise ValueError(f"ownership record would not read back: {exc}") from exc
     record_name(record.gpu_uuid, record.placement)
+    return _envelope(raw)
+
+
+def encode_generation(ceiling: int) -> bytes:
+    """The exact content of the ``generation`` file for ``ceiling`` (a non-negative int)."""
+    if type(ceiling) is not int or ceiling < 0:
+        raise ValueError(f"not a generation ceiling: {ceiling!r}")
+    return _envelope(_ENCODER.encode(GenerationCeiling(ceiling=ceiling)))
+
+
+def decode_generation(path: Path, data: bytes) -> int:
+    """The ceiling stored in the bytes of the ``generation`` file; CorruptRecord on any doubt."""
+    raw = _verified_payload(GENERATION_FILE, path, data)
+    try:
+        ceiling = _CEILING_DECODER.decode(raw).ceiling
+    except msgspec.DecodeError as exc:
+        raise CorruptRecord(GENERATION_FILE, path, f"generation ceiling does not decode: {exc}") from exc
+    if ceiling < 0:
+        raise CorruptRecord(GENERATION_FILE, path, f"negative generation ceiling {ceiling}")
+    return ceiling
+
+
+def _envelope(payload: bytes) -> bytes:
+    """The file content around the exact ``payload`` bytes: version, checksum over them, newline."""
     return (
         b'{"version":'
         + str(RECORD_VERSION).encode()
         + b',"checksum":"'
-        + _checksum(raw).encode()
+        + _checksum(payload).encode()
         + b'","record":'
-        + raw
+        + payload
         + b"}\n"
     )
 
 
-def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
-    """Decode and verify the bytes of the file ``path`` named ``name``; CorruptRecord on any doubt."""
+def _verified_payload(name: str, path: Path, data: bytes) -> bytes:
+    """Decode the envelope of a file and verify its checksum; the exact payload bytes or CorruptRecord."""
     try:
         header = _HEADER_DECODER.decode(data)
     except msgspec.DecodeError as exc:
@@ -201,6 +244,12 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
     actual = _checksum(raw)
     if envelope.checksum != actual:
         raise CorruptRecord(name, path, f"checksum mismatch: stored {envelope.checksum}, computed {actual}")
+    return raw
+
+
+def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
+    """Decode and verify the bytes of the file ``path`` named ``name``; CorruptRecord on any doubt."""
+    raw = _verified_payload(name, path, data)
     try:
         record = _RECORD_DECODER.decode(raw)
     except msgspec.DecodeError as exc:
@@ -275,6 +324,19 @@ def _scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, Corrup
 
 
 def _read(name: str, path: Path) -> OwnershipRecord:
+    return decode_record(name, path, _read_bytes(name, path))
+
+
+def _read_generation(directory: Path) -> int | None:
+    """The stored generation ceiling; None when there is no file (a first run); CorruptRecord."""
+    path = directory / GENERATION_FILE
+    try:
+        return decode_generation(path, _read_bytes(GENERATION_FILE, path))
+    except RecordNotFound:
+        return None
+
+
+def _read_bytes(name: str, path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError as exc:
@@ -290,7 +352,7 @@ def _read(name: str, path: Path) -> OwnershipRecord:
         raise CorruptRecord(name, path, "is a directory, not a record file") from exc
     except OSError as exc:
         raise StateWriteFailed(f"reading ownership record {path} failed: {exc}") from exc
-    return decode_record(name, path, data)
+    return data
 
 
 class RecordStore:
@@ -399,20 +461,53 @@ class RecordStore:
         OSError -> StateWriteFailed."""
         self._mutate(name, None)
 
-    def _mutate(self, name: str, data: bytes | None) -> None:
-        """The one function that changes the directory: write ``data`` as record ``name``, or delete it.
+    def load_generation_ceiling(self) -> int | None:
+        """The stored generation ceiling; None when there is no ``generation`` file; CorruptRecord."""
+        return _read_generation(self.directory)
 
-        A store that was not opened is opened here, so no mutation ever happens outside the flock."""
+    def raise_generation_ceiling(self, ceiling: int) -> int:
+        """Durably store ``ceiling`` unless the stored one is already at least that; returns the stored.
+
+        Never lowers the ceiling, and refuses (CorruptRecord) to overwrite a corrupt file.
+        OSError -> StateWriteFailed."""
+        data = encode_generation(ceiling)
+        stored: list[int] = []
+
+        def keep_higher() -> bool:
+            current = _read_generation(self.directory)
+            if current is not None and current >= ceiling:
+                stored.append(current)
+                return False
+            stored.append(ceiling)
+            return True
+
+        self._mutate_file(self.directory / GENERATION_FILE, keep_higher, data, "generation ceiling")
+        return stored[0]
+
+    def _mutate(self, name: str, data: bytes | None) -> None:
+        """Write ``data`` as record ``name``, or delete it (``data`` None), through ``_mutate_file``."""
         path = self.path(name)
-        if self._lock_fd is None:
-            self.open()
-        with self._lock:
+
+        def exists() -> bool:
             try:
                 _read(name, path)
             except RecordNotFound:
-                if data is None:
-                    return
-            # CorruptRecord propagates: a corrupt file is the operator's to inspect.
+                return data is not None
+            return True
+
+        self._mutate_file(path, exists, data, "ownership record")
+
+    def _mutate_file(self, path: Path, check: Callable[[], bool], data: bytes | None, what: str) -> None:
+        """The one function that changes the directory: under the lock, ``check`` reads the current file
+        (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says whether a
+        change is due; then ``data`` replaces the file atomically, or the file goes (``data`` None).
+
+        A store that was not opened is opened here, so no mutation ever happens outside the flock."""
+        if self._lock_fd is None:
+            self.open()
+        with self._lock:
+            if not check():
+                return
             try:
                 if data is None:
                     path.unlink(missing_ok=True)
@@ -421,7 +516,7 @@ class RecordStore:
                     atomic_write(path, data, FILE_MODE)
             except OSError as exc:
                 action = "deleting" if data is None else "writing"
-                raise StateWriteFailed(f"{action} ownership record {path} failed: {exc}") from exc
+                raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -434,6 +529,8 @@ class VerifyReport(msgspec.Struct, frozen=True):
     valid: tuple[str, ...] = ()
     corrupt: dict[str, str] = msgspec.field(default_factory=dict)
     stale: tuple[str, ...] = ()
+    # The ``generation`` file's ceiling; None when it is missing or corrupt (then it is in ``corrupt``).
+    generation_ceiling: int | None = None
 
 
 def verify(directory: Path, boot_id: str | None) -> VerifyReport:
@@ -443,12 +540,18 @@ def verify(directory: Path, boot_id: str | None) -> VerifyReport:
     FileNotFoundError) when the directory cannot be listed, so a mistyped path is not reported as
     "no records, all fine"."""
     valid, corrupt = _scan(directory)
+    ceiling: int | None = None
+    try:
+        ceiling = _read_generation(directory)
+    except CorruptRecord as exc:
+        corrupt[GENERATION_FILE] = exc
     stale = tuple(name for name, rec in valid.items() if boot_id is not None and rec.boot_id != boot_id)
     return VerifyReport(
         directory=str(directory),
         valid=tuple(valid),
         corrupt={name: exc.why for name, exc in corrupt.items()},
         stale=stale,
+        generation_ceiling=ceiling,
     )
 
 
@@ -458,13 +561,19 @@ def format_report(report: VerifyReport) -> str:
     stale = set(report.stale)
     lines.extend(f"  stale    {name}" if name in stale else f"  valid    {name}" for name in report.valid)
     lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
+    if report.generation_ceiling is not None:
+        lines.append(f"  valid    {GENERATION_FILE}: generation ceiling {report.generation_ceiling}")
+    elif GENERATION_FILE not in report.corrupt:
+        lines.append(f"  missing  {GENERATION_FILE}: no generation ceiling yet (a first run)")
     lines.append(f"{len(report.valid)} valid ({len(stale)} stale), {len(report.corrupt)} corrupt")
     return "\n".join(lines) + "\n"
 
 
 __all__ = [
+    "GENERATION_FILE",
     "RECORD_VERSION",
     "CorruptRecord",
+    "GenerationCeiling",
     "OwnershipRecord",
     "RecordError",
     "RecordNotFound",
@@ -473,7 +582,9 @@ __all__ = [
     "StateWriteFailed",
     "VerifyReport",
     "atomic_write",
+    "decode_generation",
     "decode_record",
+    "encode_generation",
     "encode_record",
     "format_report",
     "record_name",

@@ -124,7 +124,8 @@ class Inputs(msgspec.Struct, frozen=True, kw_only=True):
     cdi_devices: dict[str, str] = msgspec.field(default_factory=dict)
     boot_id: str = ""
     adopt_existing: bool = False
-    generation: int = 0  # the lifecycle's generation before recovery
+    generation: int = 0  # the lifecycle's generation before recovery (at least the stored ceiling)
+    generation_ceiling: int = 0  # what the ``generation`` file holds (0 when missing: a first run)
     now: str = ""  # RFC 3339 UTC, stamped into ``since`` of records whose state changes
 
 
@@ -182,6 +183,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     table: tuple[OwnershipRecord, ...]  # the owned records once every step succeeded
     report: RecoveryReport
     generation: int
+    generation_ceiling: int = 0  # carried from ``Inputs``: apply raises it before any activation
     # MIG UUIDs the active allocations name: the plugin's view of what live pods hold, which guards
     # ERROR instances from the reconciler until the first SyncActive brings a fresher view.
     referenced_mig_uuids: frozenset[str] = frozenset()
@@ -699,6 +701,7 @@ class _Planner:
             table=tuple(record for _, record in sorted(self.table.items())),
             report=report,
             generation=generation,
+            generation_ceiling=self.inputs.generation_ceiling,
             referenced_mig_uuids=frozenset(
                 a.identity.mig_uuid for a in self.inputs.active if a.identity is not None
             ),
@@ -775,6 +778,14 @@ class Recovery:
         """Read records, the live layout of every GPU and the CDI files. Modifies nothing."""
         valid, corrupt = self.records.load_all()
         try:
+            ceiling = self.records.load_generation_ceiling() or 0
+        except RecordError as exc:
+            raise errors.UnverifiableState(
+                "startup recovery cannot trust the generation file, so it cannot know which "
+                f"generations were handed out before; nothing was modified: {exc}",
+                {"file": str(getattr(exc, "path", ""))},
+            ) from exc
+        try:
             gpus = tuple(self._read_gpu(info) for info in self.port.gpus())
         except NvmlError as exc:
             raise self._gather_failed(exc) from exc
@@ -788,7 +799,8 @@ class Recovery:
             cdi_devices={uuid: self.cdi.device_name(uuid) for uuid in mig_uuids} if self.cdi.enabled else {},
             boot_id=self.boot_id,
             adopt_existing=self.adopt_existing,
-            generation=self.lifecycle.generation,
+            generation=max(self.lifecycle.generation, ceiling),
+            generation_ceiling=ceiling,
             now=_now(),
         )
 
@@ -814,6 +826,8 @@ class Recovery:
     # -- apply -------------------------------------------------------------------------------------
     def apply(self, decided: Plan) -> RecoveryReport:
         """Run the steps in order; a failing step puts its instance in ERROR; then install the table."""
+        # Activations of this plan use generations up to ``decided.generation``: durable first.
+        self.lifecycle.reserve_generations(decided.generation, decided.generation_ceiling)
         table = {record.name: record for record in decided.table}
         failures: list[str] = []
         now = _now()

@@ -11,13 +11,16 @@ import contextlib
 import resource
 from collections.abc import Iterator
 
+import pytest
 from lifecycle_world import BOOT_ID, World
 
+from sidecar import errors, records
 from sidecar.cdi import CdiSpecs
-from sidecar.domain import ActiveAllocation, AllocateResult, Owner, PodRef, State
-from sidecar.lifecycle import Lifecycle
+from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, Owner, PodRef, State
+from sidecar.lifecycle import GENERATION_BLOCK, Lifecycle
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
-from sidecar.records import RecordStore
+from sidecar.records import GENERATION_FILE, RecordStore
 from sidecar.recovery import Recovery
 
 
@@ -72,15 +75,16 @@ class TestAnInstanceAPodHoldsIsNeverDestroyedBeforeTheFirstSyncActive:
     def test_an_adopted_instance_whose_record_could_not_be_written_stays_on_the_gpu(
         self, world: World
     ) -> None:
-        """The pod's instance verifies live, but writing its record fails during Recover: it is ERROR
-        in the table. The pod still runs on it, so the reconciler must leave its hardware alone."""
+        """The pod's instance verifies live, but writing its record fails during Recover (the record is
+        larger than the files that still fit, such as the small generation file): it is ERROR in the
+        table. The pod still runs on it, so the reconciler must leave its hardware alone."""
         held = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         [record] = world.record_files().values()
         recovery = restart(world)
         (world.records.directory / f"{record.name}.json").unlink()  # Recover must write it again
         before = world.layout()
 
-        with files_cannot_grow_past(16):
+        with files_cannot_grow_past(256):
             report = recovery.recover(active_of("pod-a", held))
 
         assert report.errors
@@ -96,7 +100,7 @@ class TestAnInstanceAPodHoldsIsNeverDestroyedBeforeTheFirstSyncActive:
         [record] = world.record_files().values()
         recovery = restart(world)
         (world.records.directory / f"{record.name}.json").unlink()
-        with files_cannot_grow_past(16):
+        with files_cannot_grow_past(256):
             recovery.recover(active_of("pod-a", held))
 
         world.lifecycle.sync_active(world.lifecycle.generation, [])
@@ -104,3 +108,81 @@ class TestAnInstanceAPodHoldsIsNeverDestroyedBeforeTheFirstSyncActive:
 
         assert [ref.reservation for ref in report.destroyed] == [record.reservation]
         assert world.everything() == (set(), {}, set())
+
+
+class TestTheGenerationNeverGoesBackAcrossARestart:
+    """Finding B: the generation restarts from a durable ceiling, not from the surviving records."""
+
+    def test_a_sync_active_fenced_before_a_restart_does_not_idle_an_instance_activated_after_it(
+        self, world: World
+    ) -> None:
+        """The instance activated last was reclaimed (its record is gone), so the records alone would
+        restart the count below what the plugin already read; its fenced SyncActive would then take
+        the new pod's instance for a release."""
+        world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-b")
+        world.hw.inject_fault("nvmlDeviceCreateGpuInstanceWithPlacement", NVML_ERROR_UNKNOWN)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-c", (0, "2g.20gb", 0, 2))  # reclaims pod-b's instance, then fails
+        assert world.everything() == (set(), {}, set())
+        read_by_the_plugin = world.lifecycle.generation
+
+        restart(world).recover([])
+        world.allocate("pod-d", (0, "1g.10gb", 4, 1))
+        idled, _ = world.lifecycle.sync_active(read_by_the_plugin, [])  # a pod list from before pod-d
+
+        assert idled == []
+        assert set(world.states().values()) == {State.ACTIVE}
+        assert world.lifecycle.generation > read_by_the_plugin
+
+    def test_generations_stay_small_numbers(self, world: World) -> None:
+        """The ceiling moves in blocks; nothing seeds it from the clock."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        restart(world).recover([])
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+
+        assert 2 <= world.lifecycle.generation <= 2 * GENERATION_BLOCK + 2
+
+    def test_a_corrupt_generation_file_stops_recovery_and_modifies_nothing(self, world: World) -> None:
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        recovery = restart(world)
+        generation_file = world.records.directory / GENERATION_FILE
+        generation_file.write_bytes(b'{"version":1,"checksum":"sha256:00","record":{"ceiling":7}}\n')
+        before = world.everything()
+
+        with pytest.raises(errors.UnverifiableState) as caught:
+            recovery.recover(active_of("pod-a", held))
+
+        assert GENERATION_FILE in str(caught.value)
+        assert not world.lifecycle.recovered
+        assert world.everything() == before
+        assert generation_file.read_bytes().startswith(b'{"version":1,"checksum":"sha256:00"')
+
+    def test_without_a_generation_file_recovery_starts_from_the_records(self, world: World) -> None:
+        """A first run after an upgrade: the records are all there is, and they are enough."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        newest = max(r.activated_generation for r in world.record_files().values())
+        recovery = restart(world)
+        (world.records.directory / GENERATION_FILE).unlink()
+
+        recovery.recover([])
+
+        assert world.lifecycle.generation >= newest
+        world.lifecycle.release("pod-a")
+        assert world.allocate("pod-c", (0, "1g.10gb", 0, 1)).devices[0].outcome is Outcome.REUSED
+        assert world.lifecycle.generation > newest
+
+    def test_records_verify_reports_the_generation_file(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        good = records.verify(world.records.directory, BOOT_ID)
+        assert good.generation_ceiling is not None
+        assert good.generation_ceiling >= world.lifecycle.generation
+        assert "generation ceiling" in records.format_report(good)
+
+        (world.records.directory / GENERATION_FILE).write_bytes(b"{")
+        bad = records.verify(world.records.directory, BOOT_ID)
+        assert bad.generation_ceiling is None
+        assert bad.corrupt.keys() == {GENERATION_FILE}
+        assert "CORRUPT" in records.format_report(bad)
