@@ -23,8 +23,12 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    allocation as owner. Any mismatch, an allocation without runtime identity, two allocations naming one
    instance, or one key naming two reservations -> ``UnverifiableState``.
 2. A valid record is matched against the live GI at *exactly* its placement. ``IDLE``/``ACTIVE`` records
-   whose GI and CI verify are restored ``IDLE``. ``CREATING`` records are undone and ``DELETING`` ones
-   finished, destroying only what verifies as theirs. ``ERROR`` records stay ``ERROR``.
+   whose GI and CI verify are restored ``IDLE`` - except ``ACTIVE`` ones in a Recover repeated once
+   the sidecar has recovered: those stay ``ACTIVE``. A repeated Recover has no generation fence, and
+   its pod list may predate an Allocate since; releasing is SyncActive's job, which is fenced. A
+   repeated Recover still adopts listed allocations, restores, finishes and repairs all the rest.
+   ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
+   theirs. ``ERROR`` records stay ``ERROR``.
    A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record that
    contradicts the live GI at its placement is kept on disk for the operator and that GI is foreign -
    unless the record comes from an earlier boot, in which case it cannot describe anything live and
@@ -124,6 +128,9 @@ class Inputs(msgspec.Struct, frozen=True, kw_only=True):
     cdi_devices: dict[str, str] = msgspec.field(default_factory=dict)
     boot_id: str = ""
     adopt_existing: bool = False
+    # True for a Recover repeated while the sidecar serves: its pod list may be older than the
+    # activations since, and it carries no generation fence, so it never demotes ACTIVE to IDLE.
+    recovered: bool = False
     generation: int = 0  # the lifecycle's generation before recovery (at least the stored ceiling)
     generation_ceiling: int = 0  # what the ``generation`` file holds (0 when missing: a first run)
     now: str = ""  # RFC 3339 UTC, stamped into ``since`` of records whose state changes
@@ -431,7 +438,9 @@ class _Planner:
                 self.keep_aside(record, gi, why)
                 continue
             self.claimed.add((record.gpu_uuid, gi.info.id))
-            if record.state in _LIVE_STATES:
+            if record.state is State.ACTIVE and self.inputs.recovered:
+                self.keep_active(record)
+            elif record.state in _LIVE_STATES:
                 self.restore_idle(record, gi)
             elif record.state is State.ERROR:
                 self.keep_error(record)
@@ -527,6 +536,11 @@ class _Planner:
         )
         self.table[record.name] = restored
         self.restored_idle.append(_ref(record.gpu_uuid, record.profile, gi))
+
+    def keep_active(self, record: OwnershipRecord) -> None:
+        """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""
+        self.table[record.name] = record
+        self.steps.append(Step(subject=f"keep {record.name} ACTIVE", record_name=record.name))
 
     def keep_error(self, record: OwnershipRecord) -> None:
         """ERROR stays ERROR: the reconciler retries the destroy; its CDI file goes only after that."""
@@ -799,6 +813,7 @@ class Recovery:
             cdi_devices={uuid: self.cdi.device_name(uuid) for uuid in mig_uuids} if self.cdi.enabled else {},
             boot_id=self.boot_id,
             adopt_existing=self.adopt_existing,
+            recovered=self.lifecycle.recovered,
             generation=max(self.lifecycle.generation, ceiling),
             generation_ceiling=ceiling,
             now=_now(),

@@ -186,3 +186,51 @@ class TestTheGenerationNeverGoesBackAcrossARestart:
         assert bad.generation_ceiling is None
         assert bad.corrupt.keys() == {GENERATION_FILE}
         assert "CORRUPT" in records.format_report(bad)
+
+
+class TestARepeatedRecoverNeverReleases:
+    """Finding C: once recovered, Recover leaves ACTIVE instances ACTIVE; releases are SyncActive's job."""
+
+    def test_a_recover_with_a_pod_list_older_than_an_allocate_keeps_that_instance_active(
+        self, world: World
+    ) -> None:
+        old_pod_list: list[ActiveAllocation] = []
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        before = world.everything()
+
+        report = recovery_of(world).recover(old_pod_list)
+
+        assert report.restored_idle == ()
+        assert world.everything() == before
+        [record] = world.lifecycle.instances()
+        assert record.state is State.ACTIVE
+        assert record.owner is not None
+        assert record.owner.pod.uid == "pod-a"
+        again = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.ALREADY_ALLOCATED, held.devices[0].identity)
+
+    def test_a_repeated_recover_still_restores_idle_instances_and_repairs_their_cdi_files(
+        self, cdi_world: World
+    ) -> None:
+        world = cdi_world
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        world.lifecycle.release("pod-b")
+        before = world.everything()
+        for spec in world.cdi_dir.iterdir():
+            spec.unlink()
+
+        report = recovery_of(world).recover([])
+
+        assert len(report.restored_idle) == 1
+        assert world.everything() == before
+        assert sorted(r.state for r in world.lifecycle.instances()) == [State.ACTIVE, State.IDLE]
+
+    def test_the_first_recover_after_a_restart_still_restores_unlisted_instances_as_idle(
+        self, world: World
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+
+        restart(world).recover([])
+
+        assert set(world.states().values()) == {State.IDLE}
