@@ -288,9 +288,17 @@ class Lifecycle:
             # reclaimed idle instances for an earlier one already, and a rollback cannot bring those
             # back. The devices of one request never overlap (validated), so what an earlier device
             # creates or reclaims cannot change the verdict for a later one.
+            # The same holds for a reusable instance that still runs processes (INSTANCE_IN_USE), so it
+            # is checked here too when an earlier device may reclaim; ``_reuse`` checks it again after
+            # verifying the instance live.
+            reclaims = False
             for v in validated:
-                if self._needs_room(v):
-                    self._room_for(v)
+                if self._needs_room(v) and self._room_for(v):
+                    reclaims = True
+            for v in validated if reclaims else ():
+                reusable = self._reusable(v)
+                if reusable is not None and self._already_held(v) is None:
+                    self._require_no_processes(reusable)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
@@ -647,6 +655,7 @@ class Lifecycle:
         except SidecarError as exc:
             self._fail(record, f"reuse verification failed: {exc}")
             raise
+        self._require_no_processes(record)
         identity = record.identity
         assert identity is not None
         cdi_device = self.cdi.ensure(v.gpu.minor, identity)
@@ -654,6 +663,22 @@ class Lifecycle:
         self._put(active)
         self._emit("reused", active)
         return active
+
+    def _require_no_processes(self, record: OwnershipRecord) -> None:
+        """InstanceInUse while a process runs on an idle instance (a pod in its grace period).
+
+        Handing it to a new pod would make two pods share one device. Nothing changes: the instance
+        stays IDLE and the client retries the same key later. An NVML error fails closed the same way.
+        """
+        if record.mig_uuid is None:
+            return
+        with nvml_errors(f"count processes on {record.mig_uuid}"):
+            running = self.port.mig_device_processes(record.mig_uuid)
+        if running > 0:
+            raise InstanceInUse(
+                f"idle instance {record.mig_uuid} at {record.placement} still runs {running} processes",
+                {"mig_uuid": record.mig_uuid, "processes": str(running), "gpu_uuid": record.gpu_uuid},
+            )
 
     def _verify_live(self, record: OwnershipRecord) -> None:
         """GI with the recorded ID, profile and placement; exactly one CI, the recorded one, same MIG UUID."""

@@ -234,3 +234,56 @@ class TestARepeatedRecoverNeverReleases:
         restart(world).recover([])
 
         assert set(world.states().values()) == {State.IDLE}
+
+
+class TestReuseWaitsUntilNoProcessRunsOnTheIdleInstance:
+    """Finding D: a pod in its grace period may still run on an idle instance; it is not shared."""
+
+    def test_an_idle_instance_with_a_running_process_is_refused_as_in_use_and_stays_idle(
+        self, world: World
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        world.hw.set_busy(old.identity.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse) as caught:
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert caught.value.metadata["mig_uuid"] == old.identity.mig_uuid
+        assert world.everything() == before
+        assert set(world.states().values()) == {State.IDLE}
+        world.hw.set_busy(old.identity.mig_uuid, False)
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_an_nvml_error_while_counting_its_processes_fails_the_request_and_keeps_it_idle(
+        self, world: World
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        before = world.everything()
+        world.hw.inject_fault("processes", NVML_ERROR_UNKNOWN)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_a_busy_instance_a_later_device_would_reuse_fails_the_request_before_an_earlier_one_reclaims(
+        self, world: World
+    ) -> None:
+        """Device 0 must reclaim an idle instance, device 1 would reuse one that still runs a process:
+        the request fails INSTANCE_IN_USE and the idle instance in device 0's way is still there."""
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        busy = world.allocate("pod-old", (1, "1g.10gb", 0, 1), container_index=1).devices[0]
+        world.lifecycle.release("pod-old")
+        world.hw.set_busy(busy.identity.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse):
+            world.allocate("pod-new", (0, "2g.20gb", 0, 2), (1, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
