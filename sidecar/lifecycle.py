@@ -649,10 +649,13 @@ class Lifecycle:
 
     def _reuse(self, v: _Validated, record: OwnershipRecord) -> OwnershipRecord:
         """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner."""
+        # Only a real identity mismatch condemns the instance. An NVML error says nothing about it:
+        # ERROR would make the reconciler destroy a healthy instance, so it stays IDLE and the
+        # request fails with NVML_ERROR (the client retries the same key).
         try:
             with nvml_errors(f"verify idle instance {record.name}"):
                 self._verify_live(record)
-        except SidecarError as exc:
+        except UnverifiableState as exc:
             self._fail(record, f"reuse verification failed: {exc}")
             raise
         self._require_no_processes(record)

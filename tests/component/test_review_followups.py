@@ -287,3 +287,38 @@ class TestReuseWaitsUntilNoProcessRunsOnTheIdleInstance:
             world.allocate("pod-new", (0, "2g.20gb", 0, 2), (1, "1g.10gb", 0, 1))
 
         assert world.everything() == before
+
+
+class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
+    """Finding E: only a real identity mismatch sends an idle instance to ERROR."""
+
+    @pytest.mark.parametrize("op", ["get-gpu-instances", "get-compute-instances"])
+    def test_an_nvml_error_while_verifying_fails_the_request_and_the_instance_stays_reusable(
+        self, world: World, op: str
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        before = world.everything()
+        world.hw.inject_fault(op, NVML_ERROR_UNKNOWN)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
+        assert [r.state for r in world.lifecycle.instances()] == [State.IDLE]
+        Reconciler(world.lifecycle).run_once()
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_an_instance_recreated_behind_the_sidecars_back_still_goes_to_error(self, world: World) -> None:
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-old")
+        [idle] = world.record_files().values()
+        assert idle.gpu_instance_id is not None
+        world.hw.destroy_instance(0, idle.gpu_instance_id)
+        world.hw.create_instance(0, "1g.10gb", 0, 1)
+
+        with pytest.raises(errors.UnverifiableState):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.states() == {idle.name: State.ERROR}
