@@ -34,6 +34,7 @@ import msgspec
 from sidecar import crashpoints, placement
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import (
+    MIG_UUID_RE,
     POD_UID_RE,
     ActiveAllocation,
     AllocatedDevice,
@@ -768,6 +769,14 @@ class Lifecycle:
             known = msgspec.structs.replace(known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid)
             self._put(known)
             crashpoints.crashpoint("after-record-ci")
+            if not MIG_UUID_RE.match(ci.mig_uuid):
+                # R450/R460 drivers answer MIG-GPU-<uuid>/<gi>/<ci>: built from reused IDs, it cannot
+                # prove "same instance" later, and it is no valid CDI name. Fail closed; undo below.
+                raise UnverifiableState(
+                    f"the driver names the new compute instance {ci.id} in GPU instance {gi.id} on {gpu}"
+                    f" {ci.mig_uuid!r}, not MIG-<uuid> (a driver older than R470?)",
+                    {"gpu_uuid": gpu, "mig_uuid": ci.mig_uuid},
+                )
             identity = Identity(gi.id, ci.id, ci.mig_uuid)
             cdi_device = self.cdi.ensure(v.gpu.minor, identity)
             cdi_written = self.cdi.enabled

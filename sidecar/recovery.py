@@ -57,6 +57,7 @@ import msgspec
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import (
+    MIG_UUID_RE,
     ActiveAllocation,
     Identity,
     InstanceRef,
@@ -739,6 +740,30 @@ def plan(inputs: Inputs) -> Plan:
 # -- the imperative shell ---------------------------------------------------------------------------
 
 
+def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
+    """UnverifiableState for the first CI whose MIG UUID is not ``MIG-<uuid>``.
+
+    R450/R460 drivers name MIG devices ``MIG-GPU-<gpu uuid>/<gi>/<ci>``. That name is built from IDs
+    the driver reuses, so a re-created instance gets the same one: it cannot prove "same instance",
+    which every ownership decision rests on (and it is no valid CDI device or file name either).
+    Recovery refuses rather than guess, in legacy (non-CDI) mode too."""
+    for gpu in gpus:
+        for gi in gpu.gpu_instances:
+            for ci in gi.compute_instances:
+                if not MIG_UUID_RE.match(ci.mig_uuid):
+                    raise errors.UnverifiableState(
+                        f"compute instance {ci.id} of GPU instance {gi.info.id} at {gi.info.placement} "
+                        f"on {gpu.info.uuid} has the MIG UUID {ci.mig_uuid!r}, not of the form MIG-<uuid> "
+                        "(a driver older than R470?); instances cannot be verified; nothing was modified",
+                        {
+                            "gpu_uuid": gpu.info.uuid,
+                            "gpu_instance_id": str(gi.info.id),
+                            "compute_instance_id": str(ci.id),
+                            "mig_uuid": ci.mig_uuid,
+                        },
+                    )
+
+
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -804,6 +829,7 @@ class Recovery:
         except NvmlError as exc:
             raise self._gather_failed(exc) from exc
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
+        _refuse_legacy_mig_uuids(gpus)
         return Inputs(
             active=tuple(active),
             records=tuple(valid.values()),

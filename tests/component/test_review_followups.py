@@ -322,3 +322,40 @@ class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
             world.allocate("pod-new", (0, "1g.10gb", 0, 1))
 
         assert world.states() == {idle.name: State.ERROR}
+
+
+def rename_the_legacy_way(world: World, gpu_index: int, gi_id: int) -> str:
+    """What an R450/R460 driver reports for the CI of a GI: ``MIG-GPU-<uuid>/<gi>/<ci>``.
+
+    That form is built from IDs the driver reuses, so it stays the same across a re-creation and
+    cannot prove "same instance". The simulator only makes the modern form; its state is edited."""
+    with world.hw.store.transaction() as state:
+        gpu = state.gpus[gpu_index]
+        gi = next(g for g in gpu.gis if g.id == gi_id)
+        ci = gi.cis[0]
+        ci.mig_uuid = f"MIG-{gpu.uuid}/{gi.id}/{ci.id}"
+        return ci.mig_uuid
+
+
+class TestALegacyMigUuidIsUnverifiable:
+    """Finding G: legacy MIG UUIDs fail closed with a domain error, never INTERNAL."""
+
+    @pytest.mark.parametrize("adopt", [False, True], ids=["preserve", "adopt"])
+    def test_recover_answers_unverifiable_state_naming_the_instance_and_modifies_nothing(
+        self, world: World, adopt: bool
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        foreign = world.hw.create_instance(1, "1g.10gb", 4, 1)
+        legacy = rename_the_legacy_way(world, 1, foreign.id)
+        recovery = restart(world)
+        recovery.adopt_existing = adopt
+        before = world.everything()
+
+        with pytest.raises(errors.UnverifiableState) as caught:
+            recovery.recover([])
+
+        assert legacy in str(caught.value)
+        assert caught.value.metadata["mig_uuid"] == legacy
+        assert world.everything() == before
+        assert not world.lifecycle.recovered
