@@ -283,6 +283,11 @@ class Lifecycle:
         self._require_recovered()
         validated = self._validate(request)
         with self._claim([v.key for v in validated]), self._gpu_locks_for(v.gpu.uuid for v in validated):
+            # Validation ran before the locks: a SetMigMode(disable) may have finished in between, and
+            # then the first NVML call would fail NOT_SUPPORTED (NVML_ERROR, retried by the client)
+            # where MIG_DISABLED is the truth. One cheap mode read per GPU, under its lock.
+            for gpu_uuid in sorted({v.gpu.uuid for v in validated}):
+                self._require_mig_enabled(gpu_uuid)
             self._check_key_conflicts(validated)
             # Every device's placement is judged before any device changes anything: a request that
             # must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would otherwise have
@@ -553,18 +558,7 @@ class Lifecycle:
         for d in request.devices:
             res = d.reservation
             gpu = self.gpu_info(res.gpu_uuid)
-            with nvml_errors(f"read MIG mode of {res.gpu_uuid}"):
-                live = self.port.gpu(res.gpu_uuid)
-            if not (live.mig_current and live.mig_pending):
-                raise MigDisabled(
-                    f"MIG is not enabled on {res.gpu_uuid}"
-                    f" (current={live.mig_current}, pending={live.mig_pending})",
-                    {
-                        "gpu_uuid": res.gpu_uuid,
-                        "current": str(live.mig_current),
-                        "pending": str(live.mig_pending),
-                    },
-                )
+            self._require_mig_enabled(res.gpu_uuid)
             profile = self.resolve_profile(res.gpu_uuid, res.profile)
             if not placement.is_legal(profile, res.placement):
                 legal = ",".join(str(p) for p in profile.placements)
@@ -588,6 +582,20 @@ class Lifecycle:
                 f" ({a.reservation.placement} and {b.reservation.placement})"
             )
         return out
+
+    def _require_mig_enabled(self, gpu_uuid: str) -> None:
+        """MigDisabled unless MIG is enabled now and stays enabled after the next reset."""
+        with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+            live = self.port.gpu(gpu_uuid)
+        if not (live.mig_current and live.mig_pending):
+            raise MigDisabled(
+                f"MIG is not enabled on {gpu_uuid} (current={live.mig_current}, pending={live.mig_pending})",
+                {
+                    "gpu_uuid": gpu_uuid,
+                    "current": str(live.mig_current),
+                    "pending": str(live.mig_pending),
+                },
+            )
 
     def _check_key_conflicts(self, validated: Sequence[_Validated]) -> None:
         for v in validated:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -359,3 +361,36 @@ class TestALegacyMigUuidIsUnverifiable:
         assert caught.value.metadata["mig_uuid"] == legacy
         assert world.everything() == before
         assert not world.lifecycle.recovered
+
+
+class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
+    """Finding H: the MIG mode is checked again under the GPU lock, before the first change."""
+
+    def test_an_allocate_that_raced_a_mig_disable_answers_mig_disabled_and_changes_nothing(
+        self, world: World
+    ) -> None:
+        gpu = world.uuid(1)
+        world.lifecycle.gpu_info(gpu)  # the static GPU list is cached: the next mode read is validation's
+        outcome: list[BaseException | None] = []
+
+        def allocate() -> None:
+            try:
+                world.allocate("pod-a", (1, "1g.10gb", 0, 1))
+                outcome.append(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+
+        with world.lifecycle.exclusive([gpu]):  # what a SetMigMode holds while it disables MIG
+            reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
+            worker = threading.Thread(target=allocate)
+            worker.start()
+            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+            while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
+                assert time.monotonic() < give_up, "the allocate never validated"
+                time.sleep(0.005)
+            world.hw.set_mig_mode(1, False)  # validation has seen MIG enabled; the lock is still ours
+        worker.join()
+
+        [error] = outcome
+        assert isinstance(error, errors.MigDisabled)
+        assert world.everything() == (set(), {}, set())
