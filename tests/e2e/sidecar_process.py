@@ -264,6 +264,24 @@ class Sidecar:
         except FileNotFoundError:
             return ""
 
+    def log_event(self, msg: str) -> dict[str, Any]:
+        """The newest JSON log line with this ``msg``, waiting (bounded) for it to be written.
+
+        The socket answers as soon as the server starts, a moment before the "serving" line is
+        logged, so a test that reads the log right after ``start()`` must wait for the line."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            events = [
+                json.loads(line)
+                for line in self.log_text().splitlines()
+                if line.startswith("{") and json.loads(line).get("msg") == msg
+            ]
+            if events:
+                return events[-1]
+            if time.monotonic() > deadline:
+                pytest.fail(f"no {msg!r} log line within {START_TIMEOUT_S}s:\n{self.log_text()}")
+            time.sleep(0.02)
+
     def close(self) -> None:
         if self.running:
             self.kill9()

@@ -300,11 +300,7 @@ class TestMetrics:
         import urllib.request  # noqa: PLC0415
 
         car = sidecar_factory(extra_args=["--metrics-address", "127.0.0.1:0"])
-        port = next(
-            json.loads(line)["metrics"]
-            for line in car.log_text().splitlines()
-            if line.startswith("{") and json.loads(line).get("msg") == "serving"
-        )
+        port = car.log_event("serving")["metrics"]
         car.recover()
         gpu = h100(car)
         car.stub.Allocate(allocate_request(gpu.uuid, "1g.10gb", 0, 1))
