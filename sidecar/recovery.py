@@ -21,7 +21,10 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
 1. Each active allocation must match a live GI/CI exactly: GPU, profile (name -> the GI's profile ID),
    placement, GI ID, CI ID, MIG UUID, and a single full-size CI. The record becomes ``ACTIVE`` with the
    allocation as owner. Any mismatch, an allocation without runtime identity, two allocations naming one
-   instance, or one key naming two reservations -> ``UnverifiableState``.
+   instance, or one key naming two reservations -> ``UnverifiableState``. In a Recover repeated once
+   the sidecar has recovered, the table is newer than the pod list: an instance ACTIVE for another key
+   now (released and reused since the list was taken) stays with that key, and a key that holds
+   another instance now is not given a second one; both are reported in ``errors``.
 2. A valid record is matched against the live GI at *exactly* its placement. ``IDLE``/``ACTIVE`` records
    whose GI and CI verify are restored ``IDLE`` - except ``ACTIVE`` ones in a Recover repeated once
    the sidecar has recovered: those stay ``ACTIVE``. A repeated Recover has no generation fence, and
@@ -340,6 +343,8 @@ class _Planner:
             assert gi is not None
             ci = gi.compute_instances[0]
             name = record_name(gpu_uuid, alloc.reservation.placement)
+            if self.inputs.recovered and self.held_by_another_key(alloc, existing.get(name), name):
+                continue
             self.claimed.add((gpu_uuid, gi_id))
             if name in corrupt_names:
                 # The hardware matches the pod, but the record file is corrupt and must not be
@@ -387,6 +392,54 @@ class _Planner:
             )
             self.table[name] = record
             self.adopted_active.append(_record_ref(record))
+
+    def held_by_another_key(self, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str) -> bool:
+        """True (and an error line) when a repeated Recover must not hand this instance to ``alloc``.
+
+        Once the sidecar serves, the pod list of a repeated Recover may be older than a release and
+        a reuse since: the instance it names may be ACTIVE for a newer pod now (same GI, CI and MIG
+        UUID, since reuse keeps them), or the listed key may hold another instance now. The table is
+        newer than the list, so the instance stays as it is (ACTIVE with its current owner, or IDLE,
+        restored by rule 2) - the same rule SyncActive follows for an IDLE instance it reactivates.
+        Before the first Recover there is no newer truth than the pod list, and this never applies.
+        """
+        assert alloc.identity is not None
+        res = alloc.reservation
+        where = f"{alloc.identity.mig_uuid} at {res.placement} on {res.gpu_uuid}"
+        if (
+            old is not None
+            and old.state is State.ACTIVE
+            and old.owner is not None
+            and old.owner.key != alloc.key
+        ):
+            self.table[name] = old
+            self.claimed.add((old.gpu_uuid, alloc.identity.gpu_instance_id))
+            self.steps.append(Step(subject=f"keep {name} ACTIVE for {old.owner.key}", record_name=name))
+            self.errors.append(
+                f"allocation {alloc.key} names the instance {where}, which is ACTIVE for {old.owner.key} "
+                f"now (released and reused since the pod list was taken); it stays with {old.owner.key}"
+            )
+            return True
+        if old is not None and old.state is State.ACTIVE:
+            return False  # this key holds it already
+        other = next(
+            (
+                r
+                for r in self.inputs.records
+                if r.name != name
+                and r.state is State.ACTIVE
+                and r.owner is not None
+                and r.owner.key == alloc.key
+            ),
+            None,
+        )
+        if other is None:
+            return False
+        self.errors.append(
+            f"allocation {alloc.key} names the instance {where}, but {alloc.key} holds {other.mig_uuid} at "
+            f"{other.placement} now; one key never holds two instances, so it is not activated for it"
+        )
+        return True
 
     def verify_active(self, alloc: ActiveAllocation) -> str | None:
         """Why an allocation does not match the live hardware exactly, or None when it does."""

@@ -1,0 +1,139 @@
+"""An adversarial review of restart recovery: each class pins one finding, decided and fixed.
+
+Every test failed before the fix its class names. They run over the simulated hardware through the
+real pynvml adapter, records and CDI code, and assert the NVML layout, the record files, the CDI files,
+the recovery report and what later transactions see.
+"""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import BOOT_ID, World
+
+from sidecar import errors
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, Owner, PodRef, State
+from sidecar.lifecycle import Lifecycle
+from sidecar.records import RecordStore
+from sidecar.recovery import Recovery
+
+
+def restart(world: World, *, adopt: bool = False) -> Recovery:
+    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
+    world.records.close()
+    records = RecordStore(world.records.directory)
+    records.open()
+    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
+    world.records, world.cdi = records, cdi
+    world.lifecycle = Lifecycle(world.port, records, cdi, BOOT_ID)
+    return Recovery(world.lifecycle, world.port, records, cdi, BOOT_ID, adopt_existing=adopt)
+
+
+def recovery_of(world: World, *, adopt: bool = False) -> Recovery:
+    """A Recovery over the running lifecycle (a Recover RPC repeated while the sidecar serves)."""
+    return Recovery(world.lifecycle, world.port, world.records, world.cdi, BOOT_ID, adopt_existing=adopt)
+
+
+def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:
+    """What the plugin reads back from the pod annotation after a successful Allocate."""
+    return [
+        ActiveAllocation(
+            owner=Owner(PodRef(pod, "default", f"name-{pod}"), "main", 0, device.device_index),
+            reservation=device.reservation,
+            identity=device.identity,
+        )
+        for device in result.devices
+    ]
+
+
+def owners(world: World) -> dict[str, tuple[State, str | None]]:
+    """MIG UUID -> (state, owning pod UID) of every record on disk."""
+    return {
+        r.mig_uuid or r.name: (r.state, r.owner.pod.uid if r.owner is not None else None)
+        for r in world.record_files().values()
+    }
+
+
+class TestARepeatedRecoverNeverReownsAnInstanceAnotherPodHoldsNow:
+    """Decided: a repeated Recover's pod list may predate a release and a reuse by a newer pod.
+
+    Before the fix the listed (old) key was written over the newer owner: the newer pod's instance
+    changed hands, and the old pod's key answered ALREADY_ALLOCATED with a device another pod uses."""
+
+    def test_an_instance_reused_by_a_newer_pod_stays_with_that_pod_and_the_report_names_both_keys(
+        self, world: World
+    ) -> None:
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_pod_list = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert reused.outcome is Outcome.REUSED
+        before = world.everything()
+
+        report = recovery_of(world).recover(old_pod_list)
+
+        mig_uuid = first.devices[0].identity.mig_uuid
+        assert world.everything() == before
+        assert owners(world) == {mig_uuid: (State.ACTIVE, "pod-b")}
+        assert report.adopted_active == ()
+        assert report.restored_idle == ()
+        [line] = report.errors
+        assert str(old_pod_list[0].key) in line
+        assert "pod-b" in line
+        assert mig_uuid in line
+        again = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.ALREADY_ALLOCATED, reused.identity)
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+
+    def test_an_idle_instance_the_old_list_names_is_reactivated_for_the_listed_pod(
+        self, world: World
+    ) -> None:
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_pod_list = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        generation = world.lifecycle.generation
+
+        report = recovery_of(world).recover(old_pod_list)
+
+        mig_uuid = first.devices[0].identity.mig_uuid
+        assert owners(world) == {mig_uuid: (State.ACTIVE, "pod-a")}
+        assert [ref.identity for ref in report.adopted_active] == [first.devices[0].identity]
+        assert report.errors == ()
+        [record] = world.record_files().values()
+        assert record.activated_generation > generation
+        again = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        assert again.outcome is Outcome.ALREADY_ALLOCATED
+
+    def test_an_idle_instance_is_not_reactivated_for_a_key_that_holds_another_instance_now(
+        self, world: World
+    ) -> None:
+        """Like SyncActive: one key never holds two instances."""
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_pod_list = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        moved = world.allocate("pod-a", (0, "1g.10gb", 1, 1)).devices[0]
+        before = world.everything()
+
+        report = recovery_of(world).recover(old_pod_list)
+
+        assert world.everything() == before
+        assert owners(world) == {
+            first.devices[0].identity.mig_uuid: (State.IDLE, None),
+            moved.identity.mig_uuid: (State.ACTIVE, "pod-a"),
+        }
+        [line] = report.errors
+        assert str(old_pod_list[0].key) in line
+        assert [ref.identity for ref in report.restored_idle] == [first.devices[0].identity]
+
+    def test_before_the_first_recover_the_listed_key_is_adopted_as_before(self, world: World) -> None:
+        """The rule applies to a sidecar that serves; at startup the pod list is the only truth."""
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_pod_list = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+
+        report = restart(world).recover(old_pod_list)
+
+        assert owners(world) == {first.devices[0].identity.mig_uuid: (State.ACTIVE, "pod-a")}
+        assert report.errors == ()
