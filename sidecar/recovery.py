@@ -40,7 +40,7 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    foreign (never reused, never adopted, never destroyed).
 4. Live GIs nobody claims are foreign and preserved. With ``adopt_existing``: a GI with exactly one
    full-size CI gets an ``IDLE`` record; a GI without a CI is destroyed only on a GPU with no active
-   allocation and no running process.
+   allocation, no instance that stays ``ACTIVE`` and no running process.
 5. CDI: every live owned ``ACTIVE``/``IDLE`` instance gets its spec ensured (rewritten if missing or
    different); spec files of this sidecar's kind whose MIG UUID is no live owned instance are removed,
    except those of instances preserved because of a kept or corrupt record (the operator may restore
@@ -656,7 +656,11 @@ class _Planner:
 
     # -- rule 4: unowned live instances --------------------------------------------------------------
     def handle_unowned(self) -> None:
-        active_gpus = {alloc.reservation.gpu_uuid for alloc in self.inputs.active}
+        # Busy: a listed allocation, or an instance that stays ACTIVE (a repeated Recover keeps
+        # ACTIVE records its possibly older pod list does not name). Runs after rules 1-3 fill the table.
+        active_gpus = {alloc.reservation.gpu_uuid for alloc in self.inputs.active} | {
+            r.gpu_uuid for r in self.table.values() if r.state is State.ACTIVE
+        }
         for gpu in self.inputs.gpus:
             uuid = gpu.info.uuid
             for gi in gpu.gpu_instances:

@@ -12,9 +12,9 @@ from lifecycle_world import BOOT_ID, World
 
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
-from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, Owner, PodRef, State
+from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, Owner, Placement, PodRef, State
 from sidecar.lifecycle import Lifecycle
-from sidecar.records import RecordStore
+from sidecar.records import RecordStore, record_name
 from sidecar.recovery import Recovery
 
 
@@ -137,3 +137,39 @@ class TestARepeatedRecoverNeverReownsAnInstanceAnotherPodHoldsNow:
 
         assert owners(world) == {first.devices[0].identity.mig_uuid: (State.ACTIVE, "pod-a")}
         assert report.errors == ()
+
+
+def gis(world: World, gpu: int) -> set[tuple[str, int]]:
+    """(placement, number of CIs) of every GI on one GPU."""
+    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
+
+
+class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
+    """Finding: the orphan rule counted only the listed allocations and processes as "busy", not an
+    ACTIVE record. A repeated Recover (whose pod list may predate an Allocate) keeps such an instance
+    ACTIVE, and then destroyed an orphan GI beside it: the spec says orphan GIs on busy GPUs are
+    always preserved (architecture: ListGpus' busy = an ACTIVE instance or a running process)."""
+
+    def test_a_repeated_recover_with_adoption_and_an_old_pod_list_keeps_the_orphan(
+        self, world: World
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.create_instance(0, "3g.40gb", 4, 4, with_ci=False)
+        before = world.everything()
+
+        report = recovery_of(world, adopt=True).recover([])
+
+        assert world.everything() == before
+        assert ("4:4", 0) in gis(world, 0)
+        assert report.removed_orphan_gis == ()
+        assert {str(ref.reservation) for ref in report.preserved_foreign} == {f"{world.uuid(0)}/3g.40gb@4:4"}
+
+    def test_an_orphan_on_another_gpu_with_nothing_active_is_still_removed(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+
+        report = recovery_of(world, adopt=True).recover([])
+
+        assert gis(world, 1) == set()
+        assert len(report.removed_orphan_gis) == 1
+        assert world.states() == {record_name(world.uuid(0), Placement(0, 1)): State.ACTIVE}
