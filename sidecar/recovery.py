@@ -534,6 +534,14 @@ class _Planner:
         if not cis:
             return None
         ci = cis[0]
+        if record.compute_instance_id is None and record.state is State.DELETING:
+            # DELETING without a CI ID is written only for a GI that had no CI when its destroy was
+            # decided (an orphan GI being removed, a bare GI a create left). Nothing of ours creates a
+            # CI in a GI recorded DELETING, so this one was made since by someone else.
+            return (
+                f"the live GPU instance has compute instance {ci.id} {ci.mig_uuid}, made after its "
+                "destroy began"
+            )
         if record.compute_instance_id is None:
             # Crash between creating the CI and recording it: a full-size CI inside a GI verified as
             # ours can only be ours (the ownership requirement: nobody else creates CIs here).

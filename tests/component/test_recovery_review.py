@@ -14,7 +14,7 @@ from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, Owner, Placement, PodRef, State
 from sidecar.lifecycle import Lifecycle
-from sidecar.records import RecordStore, record_name
+from sidecar.records import OwnershipRecord, RecordStore, record_name
 from sidecar.recovery import Recovery
 
 
@@ -173,3 +173,61 @@ class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
         assert gis(world, 1) == set()
         assert len(report.removed_orphan_gis) == 1
         assert world.states() == {record_name(world.uuid(0), Placement(0, 1)): State.ACTIVE}
+
+
+class TestADeletingRecordOwnsOnlyWhatItsDecisionSaw:
+    """Finding: a DELETING record without a CI ID is written only for a GI that had no CI when the
+    destroy was decided (an orphan GI being removed with adoption, or a bare GI left by a create).
+    Recovery treated any full-size CI in that GI as the record's own, as it rightly does for CREATING
+    (a crash between creating the CI and recording it). No transaction of ours creates a CI in a GI
+    recorded DELETING, so a CI there now was made by someone else, and recovery destroyed it (and the
+    GI it lives in) without ever having verified it as ours."""
+
+    def test_a_ci_made_since_in_the_gi_of_an_interrupted_orphan_removal_is_preserved(
+        self, world: World
+    ) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        # What removing this orphan records before it destroys anything; then a kill -9.
+        interrupted = OwnershipRecord(
+            gpu_uuid=world.uuid(1),
+            profile="3g.40gb",
+            gi_profile_id=gi.profile_id,
+            ci_profile_id=2,
+            placement=Placement(4, 4),
+            state=State.DELETING,
+            gpu_instance_id=gi.id,
+            boot_id=BOOT_ID,
+        )
+        world.records.put(interrupted)
+        ci = world.port.create_compute_instance(world.uuid(1), gi.id, 2)  # an operator, meanwhile
+        layout = world.layout()
+
+        report = restart(world, adopt=True).recover([])
+
+        assert world.layout() == layout
+        assert world.record_files() == {interrupted.name: interrupted}
+        assert world.lifecycle.instances() == []
+        assert [ref.identity.mig_uuid for ref in report.preserved_foreign if ref.identity] == [ci.mig_uuid]
+        assert report.dropped_stale_records == ()
+        assert any(interrupted.name in line for line in report.errors)
+
+    def test_a_bare_gi_of_an_interrupted_orphan_removal_is_still_destroyed(self, world: World) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        world.records.put(
+            OwnershipRecord(
+                gpu_uuid=world.uuid(1),
+                profile="3g.40gb",
+                gi_profile_id=gi.profile_id,
+                ci_profile_id=2,
+                placement=Placement(4, 4),
+                state=State.DELETING,
+                gpu_instance_id=gi.id,
+                boot_id=BOOT_ID,
+            )
+        )
+
+        report = restart(world).recover([])
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert len(report.dropped_stale_records) == 1
