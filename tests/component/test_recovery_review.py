@@ -7,6 +7,8 @@ the recovery report and what later transactions see.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from lifecycle_world import BOOT_ID, World
 
@@ -231,3 +233,56 @@ class TestADeletingRecordOwnsOnlyWhatItsDecisionSaw:
         assert gis(world, 1) == set()
         assert world.record_files() == {}
         assert len(report.dropped_stale_records) == 1
+
+
+class TestRecoverIsIdempotent:
+    """Pinned: two Recovers in a row (the second one repeated while serving) give the same table and
+    files, report the same instances, and the second one drops and removes nothing."""
+
+    def test_a_mixed_node_recovered_twice_gives_the_same_table_and_files(self, world: World) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        world.lifecycle.release("pod-b")
+        world.hw.create_instance(1, "1g.10gb", 0, 1)  # foreign
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)  # orphan, adoption off
+        first = restart(world).recover(active_of("pod-a", a))
+        table, files = sorted(world.lifecycle.instances(), key=lambda r: r.name), world.everything()
+
+        second = recovery_of(world).recover(active_of("pod-a", a))
+
+        assert sorted(world.lifecycle.instances(), key=lambda r: r.name) == table
+        assert world.everything() == files
+        assert (second.adopted_active, second.restored_idle, second.preserved_foreign) == (
+            first.adopted_active,
+            first.restored_idle,
+            first.preserved_foreign,
+        )
+        assert (second.dropped_stale_records, second.removed_orphan_gis, second.errors) == ((), (), ())
+
+
+class TestTheCdiStepAtStartup:
+    """Pinned: live owned instances get their spec, stray specs of our kind go, other kinds stay."""
+
+    def test_specs_of_other_kinds_are_never_touched_and_strays_of_ours_are_removed(
+        self, cdi_world: World
+    ) -> None:
+        world = cdi_world
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        spec = world.cdi.spec_path(a.devices[0].identity.mig_uuid)
+        spec.unlink()
+        gone = "MIG-" + "2" * 8 + "-2222-2222-2222-" + "2" * 12
+        world.cdi.spec_path(gone).write_text(
+            json.dumps({"cdiVersion": "0.5.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
+        )
+        other = world.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
+        other_text = json.dumps(
+            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": gone}, {"name": "all"}]}
+        )
+        other.write_text(other_text)
+
+        report = restart(world).recover(active_of("pod-a", a))
+
+        assert world.cdi_files() == {spec.name, other.name}
+        assert other.read_text() == other_text
+        assert world.cdi.is_current(world.gpus[0].minor, a.devices[0].identity)
+        assert report.errors == ()
