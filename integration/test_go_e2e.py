@@ -28,13 +28,22 @@ go_runner_fixture = go_harness.go_runner_fixture
 
 
 def play(
-    go: GoBinaries, runner: GoRunner, scenario: str, *extra: str, during: dict[float, str] | None = None
+    go: GoBinaries,
+    runner: GoRunner,
+    scenario: str,
+    *extra: str,
+    during: dict[float, str] | None = None,
+    allow_simulated: bool = True,
 ) -> tuple[int, list[dict[str, Any]], str]:
-    """Run the mock plugin on a scenario; returns (exit code, one report per step, raw output)."""
+    """Run the mock plugin on a scenario; returns (exit code, one report per step, raw output).
+
+    The sidecar here runs on simulated GPUs, which the client refuses unless told otherwise."""
     args = [
         str(go.mockplugin), "--socket", str(runner.car.socket), "--scenario", str(SCENARIOS / scenario),
         "--json", "--restart-cmd", runner.restart_command, *extra,
     ]  # fmt: skip
+    if allow_simulated:
+        args.append("--allow-simulated-backend")
     result = runner.run(args, during=during)
     steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     return result.returncode, steps, result.stdout
@@ -122,6 +131,23 @@ class TestRestartRecovery:
         assert hardware_mig_uuids(car) == {*before, after}
         assert len(cdi_names(car)) == 3
         assert len(records(car)) == 3
+
+
+class TestASimulatedSidecarIsRefusedUnlessAllowed:
+    def test_without_the_opt_in_the_plugin_stops_at_startup_and_sends_nothing(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        code, steps, raw = play(go_binaries, go_runner, "example.yaml", allow_simulated=False)
+        assert code != 0, raw
+        assert [s["event"] for s in steps] == ["start"], raw
+        assert steps[0]["error"]["reason"] == "SIMULATED_BACKEND", raw
+        assert steps[0]["error"]["metadata"]["backend"] == "simulated"
+        car = go_runner.car
+        info = car.stub.GetInfo(pb.GetInfoRequest(), timeout=30)
+        assert not info.recovered  # not even Recover was sent
+        assert instances(car) == {}
+        assert hardware_mig_uuids(car) == set()
+        assert records(car) == []
 
 
 class TestSidecarDownWhenACallStarts:

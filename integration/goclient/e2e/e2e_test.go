@@ -76,6 +76,8 @@ func setup(t *testing.T) (context.Context, *migclient.Client, *plugin, []migclie
 	p := &plugin{active: map[string][]*pb.ActiveAllocation{}}
 	c, err := migclient.New(ctx, socket, migclient.Options{
 		CallTimeout: 30 * time.Second, AllocateTimeout: 60 * time.Second, ListActive: p.list,
+		// These tests run against the simulated hardware on purpose.
+		AllowSimulatedBackend: true,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"path/filepath"
 	"sync"
@@ -18,14 +19,23 @@ import (
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 )
 
-// Defaults used when an Options field is zero.
+// Defaults used when an Options field is zero. The package documentation explains the numbers.
 const (
 	DefaultCallTimeout     = 10 * time.Second
 	DefaultAllocateTimeout = 60 * time.Second
-	DefaultMaxAttempts     = 5
 	DefaultBackoffInitial  = 100 * time.Millisecond
 	DefaultBackoffMax      = 2 * time.Second
 )
+
+// Backends a sidecar reports in GetInfo.
+const (
+	BackendNVML      = "nvml"
+	BackendSimulated = "simulated"
+)
+
+// recoverTries bounds how often one recovery (or one release pass) starts over because the
+// sidecar restarted, or its generation moved, while the plugin's pod list was being taken.
+const recoverTries = 3
 
 // Backoff spaces the retries of a call that failed with UNAVAILABLE: the n-th retry waits a
 // random time in [d/2, d] where d = min(Max, Initial*2^(n-1)), so that a restarting sidecar is
@@ -48,6 +58,8 @@ type Options struct {
 	// so without this a wedged sidecar would hang container creation forever.
 	AllocateTimeout time.Duration
 	// MaxAttempts caps the calls per RPC (first call included); only UNAVAILABLE is retried.
+	// Zero means no cap: the call's deadline alone bounds the retries, which is what lets
+	// Allocate wait out an INSTANCE_IN_USE that lasts a pod's termination grace period.
 	MaxAttempts int
 	// Backoff spaces the retries.
 	Backoff Backoff
@@ -55,6 +67,12 @@ type Options struct {
 	// restarted) or GetInfo shows it has not recovered, the client calls Recover with this
 	// list and retries the call once. Nil disables recovery; such calls then fail closed.
 	ListActive ListActiveFunc
+	// AllowSimulatedBackend lets the client work with a sidecar whose GetInfo reports the
+	// "simulated" backend. Leave it false on a real node: a simulated sidecar creates no MIG
+	// instance, and a container given one of its MIG UUIDs would fail to start or, worse, see
+	// another device. Without it, every call to such a sidecar fails with SIMULATED_BACKEND.
+	// Tests, demos and the mock plugin set it.
+	AllowSimulatedBackend bool
 	// DialOptions are appended to the client's own (tests, interceptors).
 	DialOptions []grpc.DialOption
 }
@@ -66,8 +84,8 @@ func (o Options) withDefaults() Options {
 	if o.AllocateTimeout <= 0 {
 		o.AllocateTimeout = DefaultAllocateTimeout
 	}
-	if o.MaxAttempts <= 0 {
-		o.MaxAttempts = DefaultMaxAttempts
+	if o.MaxAttempts < 0 {
+		o.MaxAttempts = 0
 	}
 	if o.Backoff.Initial <= 0 {
 		o.Backoff.Initial = DefaultBackoffInitial
@@ -88,6 +106,11 @@ type Client struct {
 	mu       sync.Mutex
 	seen     *incarnation
 	restarts int
+	// backendOK: a GetInfo answer from the process now behind the socket showed a backend this
+	// client may use. Cleared whenever that process may have changed (the connection left
+	// READY, a connection-level UNAVAILABLE, a NOT_RECOVERED answer), so the next call checks
+	// again before it sends anything.
+	backendOK bool
 
 	// recoverMu makes concurrent calls that all hit NOT_RECOVERED share one Recover.
 	recoverMu sync.Mutex
@@ -131,7 +154,38 @@ func New(ctx context.Context, socketPath string, opts Options) (*Client, error) 
 		return nil, fmt.Errorf("migclient: dial %s: %w", target, err)
 	}
 	conn.Connect()
-	return &Client{conn: conn, rpc: pb.NewMigSidecarClient(conn), target: target, opts: opts}, nil
+	c := &Client{conn: conn, rpc: pb.NewMigSidecarClient(conn), target: target, opts: opts}
+	go c.watchConnection()
+	return c, nil
+}
+
+// watchConnection forgets the backend check whenever the connection leaves READY: the next
+// connection may reach another sidecar process (restarted with other flags, or replaced by
+// hand) that another client has already recovered, so no NOT_RECOVERED would reveal it. It
+// ends when the connection is closed.
+func (c *Client) watchConnection() {
+	state := c.conn.GetState()
+	for state != connectivity.Shutdown {
+		if !c.conn.WaitForStateChange(context.Background(), state) {
+			return
+		}
+		if state == connectivity.Ready {
+			c.forgetBackend()
+		}
+		state = c.conn.GetState()
+	}
+}
+
+func (c *Client) forgetBackend() {
+	c.mu.Lock()
+	c.backendOK = false
+	c.mu.Unlock()
+}
+
+func (c *Client) backendChecked() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.backendOK
 }
 
 // Close releases the connection.
@@ -148,48 +202,92 @@ func (c *Client) Restarts() int {
 	return c.restarts
 }
 
-// call runs fn under one deadline, retrying UNAVAILABLE with backoff. fn must send the same
-// request every time: that is what makes a retried Allocate converge on the same instance.
+// call runs fn under one deadline of its own, retrying UNAVAILABLE with backoff. fn must send
+// the same request every time: that is what makes a retried Allocate converge on the same
+// instance.
 func (c *Client) call(ctx context.Context, op string, timeout time.Duration, fn func(context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
+	return c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
+}
+
+// retry runs fn within ctx until it succeeds, fails with anything but UNAVAILABLE, reaches
+// maxAttempts (0: no cap) or runs out of time. Before each attempt it makes sure the backend
+// of the sidecar behind the socket has been checked (GetInfo itself excepted).
+func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, maxAttempts int, fn func(context.Context) error) error {
+	var last *Error // the last UNAVAILABLE answer that carried a reason (INSTANCE_IN_USE, ...)
 	attempt := 0
 	for {
 		attempt++
-		err := fn(ctx)
+		var err error
+		if op != opGetInfo {
+			err = c.checkBackend(ctx, op)
+		}
+		if err == nil {
+			err = fn(ctx)
+		}
 		if err == nil {
 			return nil
 		}
-		if CodeOf(err) != codes.Unavailable || attempt >= c.opts.MaxAttempts {
-			return c.finalError(ctx, op, timeout, err, attempt)
+		var stop *stopRetry
+		if errors.As(err, &stop) {
+			return err
+		}
+		e := fromRPC(op, err, attempt)
+		switch {
+		case e.Reason == ReasonNotRecovered || e.Code == codes.Unavailable && e.Reason == "":
+			// A restarted sidecar, or a lost connection: maybe another process from now on.
+			c.forgetBackend()
+		case e.Code == codes.Unavailable && e.Reason != ReasonSidecarUnreachable:
+			last = e
+		}
+		if e.Code != codes.Unavailable || maxAttempts > 0 && attempt >= maxAttempts {
+			return c.finalError(ctx, op, timeout, e, attempt, last)
 		}
 		t := time.NewTimer(c.delay(attempt))
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return c.finalError(ctx, op, timeout, err, attempt)
+			return c.finalError(ctx, op, timeout, e, attempt, last)
 		case <-t.C:
 		}
 	}
 }
 
-// finalError turns the last error of a call into an *Error. A call that ran out of time while
-// the connection was not ready is reported as SIDECAR_UNREACHABLE, so the plugin can tell "the
-// sidecar is down" from "the sidecar said no".
-func (c *Client) finalError(ctx context.Context, op string, timeout time.Duration, err error, attempts int) error {
-	e := fromRPC(op, err, attempts)
+// finalError turns the last error of a call into the error the caller sees.
+//
+// When time ran out (the call's deadline, or the caller cancelled), the sidecar's last reason
+// wins over a bare deadline: a plugin that logs "INSTANCE_IN_USE after 60s" knows that a pod in
+// its grace period still holds the instance, not that the sidecar hung. Failing that, a call
+// that ran out of time while the connection was not ready is SIDECAR_UNREACHABLE, so the plugin
+// can tell "the sidecar is down" from "the sidecar said no".
+func (c *Client) finalError(ctx context.Context, op string, timeout time.Duration, e *Error, attempts int, last *Error) error {
+	e.Attempts = attempts
 	if ctx.Err() == nil && e.Code != codes.DeadlineExceeded {
 		return e
 	}
-	if ctx.Err() != nil && e.Code == codes.Unavailable {
-		// The deadline fell during the backoff after a retryable answer: keep the sidecar's
-		// reason, but say that time ran out.
-		e.Message = fmt.Sprintf("%s (deadline %s reached while retrying)", e.Message, timeout)
+	if last != nil {
+		out := *last
+		out.Op, out.Attempts = op, attempts
+		out.Metadata = maps.Clone(last.Metadata)
+		out.Message = fmt.Sprintf("%s (still the answer when the deadline of %s ran out; the same request may succeed later)",
+			last.Message, timeout)
+		causes := []error{last.cause}
+		if e.cause != last.cause {
+			causes = append(causes, e.cause)
+		}
+		if cerr := ctx.Err(); cerr != nil {
+			causes = append(causes, cerr)
+		}
+		out.cause = errors.Join(causes...)
+		return &out
+	}
+	if e.Code == codes.Unavailable && e.Reason != "" {
 		return e
 	}
 	if state := c.conn.GetState(); state != connectivity.Ready {
 		return &Error{
-			Op: op, Code: codes.Unavailable, Reason: ReasonSidecarUnreachable, Attempts: attempts, cause: err,
+			Op: op, Code: codes.Unavailable, Reason: ReasonSidecarUnreachable, Attempts: attempts, cause: e.cause,
 			Message: fmt.Sprintf("no sidecar answered on %s within %s (connection %s); nothing was changed by this call",
 				c.target, timeout, state),
 		}
@@ -208,20 +306,29 @@ func (c *Client) delay(attempt int) time.Duration {
 }
 
 // withRecovery runs a mutating call; if the sidecar answers NOT_RECOVERED it recovers it (when
-// a ListActive callback is configured) and repeats the call exactly once.
+// a ListActive callback is configured) and repeats the call exactly once. One deadline covers
+// the call, the recovery and the repeat: kubelet waits on Allocate as a whole.
 func (c *Client) withRecovery(ctx context.Context, op string, timeout time.Duration, fn func(context.Context) error) error {
-	err := c.call(ctx, op, timeout, fn)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	err := c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
 	if !IsReason(err, ReasonNotRecovered) {
 		return err
 	}
 	if rerr := c.recoverFor(ctx, op, err); rerr != nil {
 		return rerr
 	}
-	return c.call(ctx, op, timeout, fn)
+	return c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
 }
 
 // recoverFor runs Recover on behalf of op. Only one Recover runs at a time; callers that waited
 // for it find the sidecar recovered and skip their own.
+//
+// The pod list is fenced like a release: GetInfo before it and again after it. If the sidecar
+// restarted or its generation moved in between, the list may miss allocations made meanwhile,
+// so it is thrown away and the recovery starts over; if someone else recovered the sidecar
+// meanwhile, nothing is sent. Recover itself is not repeated with the same list: an UNAVAILABLE
+// answer (a restart during Recover) also starts over with a fresh list.
 func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 	if c.opts.ListActive == nil {
 		return &Error{
@@ -231,34 +338,69 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 	}
 	c.recoverMu.Lock()
 	defer c.recoverMu.Unlock()
-	info, err := c.getInfo(ctx)
-	if err != nil {
-		return err
-	}
-	if info.Recovered {
-		return nil
-	}
-	active, err := c.opts.ListActive(ctx)
-	if err != nil {
-		return &Error{
-			Op: op, Code: codes.FailedPrecondition, Reason: ReasonPodListFailed, Attempts: 1, cause: err,
-			Message: fmt.Sprintf("listing active allocations to recover the sidecar: %v", err),
+	var lastErr error
+	for range recoverTries {
+		before, err := c.getInfo(ctx)
+		if err != nil {
+			return err
 		}
-	}
-	if _, err := c.Recover(ctx, active); err != nil {
-		var e *Error
-		if errors.As(err, &e) {
-			e.Op = "Recover (needed by " + op + ")"
+		if before.Recovered {
+			return nil
 		}
-		return err
+		active, err := c.opts.ListActive(ctx)
+		if err != nil {
+			// Never a partial list: the sidecar would take a missing allocation for a released one.
+			return &Error{
+				Op: op, Code: codes.FailedPrecondition, Reason: ReasonPodListFailed, Attempts: 1, cause: err,
+				Message: fmt.Sprintf("listing active allocations to recover the sidecar: %v; Recover not sent", err),
+			}
+		}
+		after, err := c.getInfo(ctx)
+		if err != nil {
+			return err
+		}
+		if after.Recovered {
+			return nil
+		}
+		if after.incarnation() != before.incarnation() || after.Generation != before.Generation {
+			lastErr = fmt.Errorf("the sidecar restarted or handed out generations while the pod list was taken "+
+				"(boot %s generation %d -> boot %s generation %d)", before.BootID, before.Generation, after.BootID, after.Generation)
+			continue
+		}
+		req := &pb.RecoverRequest{Active: active}
+		err = c.call(ctx, "Recover (needed by "+op+")", c.opts.CallTimeout, func(ctx context.Context) error {
+			_, err := c.rpc.Recover(ctx, req)
+			if CodeOf(err) == codes.Unavailable {
+				// Do not repeat this list on whatever answers next: start over instead.
+				return &stopRetry{err}
+			}
+			return err
+		})
+		var stop *stopRetry
+		if !errors.As(err, &stop) {
+			return err
+		}
+		lastErr = stop.err
 	}
-	return nil
+	return &Error{
+		Op: op, Code: codes.Unavailable, Reason: ReasonRecoveryFailed, Attempts: recoverTries, cause: lastErr,
+		Message: fmt.Sprintf("the sidecar could not be recovered in %d tries, nothing was sent with a stale pod list: %v",
+			recoverTries, lastErr),
+	}
 }
 
-// getInfo calls GetInfo and notes a restart, without triggering recovery.
+// stopRetry carries an UNAVAILABLE answer out of retry without repeating the call.
+type stopRetry struct{ err error }
+
+func (s *stopRetry) Error() string { return s.err.Error() }
+func (s *stopRetry) Unwrap() error { return s.err }
+
+const opGetInfo = "GetInfo"
+
+// getInfo calls GetInfo, notes a restart, and checks the backend, without triggering recovery.
 func (c *Client) getInfo(ctx context.Context) (Info, error) {
 	var resp *pb.GetInfoResponse
-	err := c.call(ctx, "GetInfo", c.opts.CallTimeout, func(ctx context.Context) error {
+	err := c.call(ctx, opGetInfo, c.opts.CallTimeout, func(ctx context.Context) error {
 		var err error
 		resp, err = c.rpc.GetInfo(ctx, &pb.GetInfoRequest{})
 		return err
@@ -268,13 +410,56 @@ func (c *Client) getInfo(ctx context.Context) (Info, error) {
 	}
 	info := infoFromPB(resp)
 	inc := info.incarnation()
+	berr := c.admitBackend(info)
 	c.mu.Lock()
 	if c.seen != nil && *c.seen != inc {
 		c.restarts++
 	}
 	c.seen = &inc
+	c.backendOK = berr == nil
 	c.mu.Unlock()
+	if berr != nil {
+		return Info{}, berr
+	}
 	return info, nil
+}
+
+// admitBackend fails closed on a sidecar this client must not use: a simulated one unless
+// Options.AllowSimulatedBackend, or one naming a backend this client does not know.
+func (c *Client) admitBackend(info Info) error {
+	md := map[string]string{"backend": info.Backend, "sidecar_version": info.SidecarVersion, "boot_id": info.BootID}
+	switch {
+	case info.Backend == BackendNVML:
+		return nil
+	case info.Backend == BackendSimulated && c.opts.AllowSimulatedBackend:
+		return nil
+	case info.Backend == BackendSimulated:
+		return &Error{
+			Op: opGetInfo, Code: codes.FailedPrecondition, Reason: ReasonSimulatedBackend, Metadata: md, Attempts: 1,
+			Message: fmt.Sprintf("the sidecar on %s runs the simulated NVML backend: it creates no real MIG instance, "+
+				"so nothing was sent; set Options.AllowSimulatedBackend only for tests and demos", c.target),
+		}
+	default:
+		return &Error{
+			Op: opGetInfo, Code: codes.FailedPrecondition, Reason: ReasonInvalidResponse, Metadata: md, Attempts: 1,
+			Message: fmt.Sprintf("the sidecar on %s reports backend %q, neither %q nor %q; nothing was sent",
+				c.target, info.Backend, BackendNVML, BackendSimulated),
+		}
+	}
+}
+
+// checkBackend makes sure the sidecar now behind the socket was checked by a GetInfo answer
+// before op sends anything to it. It costs one GetInfo after each (re)connection.
+func (c *Client) checkBackend(ctx context.Context, op string) error {
+	if c.backendChecked() {
+		return nil
+	}
+	_, err := c.getInfo(ctx)
+	var e *Error
+	if errors.As(err, &e) && e.Reason != ReasonSidecarUnreachable {
+		e.Op = opGetInfo + " (needed by " + op + ")"
+	}
+	return err
 }
 
 // GetInfo returns the sidecar's identity. When it shows a sidecar that has not recovered (a
@@ -429,9 +614,9 @@ func (c *Client) Release(ctx context.Context, podUID string) ([]InstanceRef, err
 	return instanceRefsFromPB(resp.GetReleased()), nil
 }
 
-// SyncActive sends a pod list taken after generation was read. It is not retried after a
-// recovery: a restarted sidecar numbers generations afresh, so the caller must read the
-// generation again (ReleaseByPodList does).
+// SyncActive sends a pod list taken after generation was read from the same sidecar process.
+// It is not retried after a recovery: a fence read from another run of the sidecar proves
+// nothing about this one, so the caller must read the generation again (ReleaseByPodList does).
 func (c *Client) SyncActive(ctx context.Context, generation uint64, active []*pb.ActiveAllocation) (SyncResult, error) {
 	req := &pb.SyncActiveRequest{Generation: generation, Active: active}
 	var resp *pb.SyncActiveResponse
@@ -454,32 +639,54 @@ func (c *Client) SyncActive(ctx context.Context, generation uint64, active []*pb
 // SyncActive with that generation. Reading the generation first is the fence: an Allocate that
 // completes while the list is being taken has a later generation, so the sidecar keeps it
 // ACTIVE even though the list does not show it yet. A failed list sends nothing.
+//
+// A generation belongs to one sidecar process. GetInfo is read again after the list: if the
+// sidecar restarted (or has not recovered) meanwhile, the pass starts over with a fresh
+// generation and a fresh list instead of sending a fence from another run; so does a
+// SyncActive answered NOT_RECOVERED (after recovering the sidecar). After recoverTries such
+// starts the pass fails with SIDECAR_RESTARTED and released nothing; the next pass retries.
 func (c *Client) ReleaseByPodList(ctx context.Context, listActive ListActiveFunc) (SyncResult, error) {
+	const op = "ReleaseByPodList"
 	if listActive == nil {
-		return SyncResult{}, newError("ReleaseByPodList", codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback", nil)
+		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback", nil)
 	}
-	for try := 0; ; try++ {
-		info, err := c.GetInfo(ctx)
+	var lastErr error
+	for range recoverTries {
+		before, err := c.GetInfo(ctx)
 		if err != nil {
 			return SyncResult{}, err
 		}
 		active, err := listActive(ctx)
 		if err != nil {
 			return SyncResult{}, &Error{
-				Op: "ReleaseByPodList", Code: codes.FailedPrecondition, Reason: ReasonPodListFailed, Attempts: 1, cause: err,
+				Op: op, Code: codes.FailedPrecondition, Reason: ReasonPodListFailed, Attempts: 1, cause: err,
 				Message: fmt.Sprintf("pod list failed, nothing released: %v", err),
 			}
 		}
-		res, err := c.SyncActive(ctx, info.Generation, active)
-		if try == 0 && IsReason(err, ReasonNotRecovered) && c.opts.ListActive != nil {
-			// The sidecar restarted between GetInfo and SyncActive: recover, then start over
-			// with a fresh generation and a fresh list.
-			if rerr := c.recoverFor(ctx, "ReleaseByPodList", err); rerr != nil {
+		after, err := c.getInfo(ctx)
+		if err != nil {
+			return SyncResult{}, err
+		}
+		if after.incarnation() != before.incarnation() || !after.Recovered {
+			lastErr = fmt.Errorf("the sidecar restarted while the pod list was taken (boot %s started %s -> boot %s started %s, recovered=%t)",
+				before.BootID, before.StartedAt.Format(time.RFC3339Nano), after.BootID, after.StartedAt.Format(time.RFC3339Nano), after.Recovered)
+			continue
+		}
+		res, err := c.SyncActive(ctx, before.Generation, active)
+		if IsReason(err, ReasonNotRecovered) && c.opts.ListActive != nil {
+			// The sidecar restarted between the second GetInfo and SyncActive: recover, then
+			// start over with a fresh generation and a fresh list.
+			if rerr := c.recoverFor(ctx, op, err); rerr != nil {
 				return SyncResult{}, rerr
 			}
+			lastErr = err
 			continue
 		}
 		return res, err
+	}
+	return SyncResult{}, &Error{
+		Op: op, Code: codes.Unavailable, Reason: ReasonSidecarRestarted, Attempts: recoverTries, cause: lastErr,
+		Message: fmt.Sprintf("nothing released: the sidecar kept restarting during %d passes: %v", recoverTries, lastErr),
 	}
 }
 

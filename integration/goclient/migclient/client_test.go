@@ -3,6 +3,7 @@ package migclient
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	"sync"
@@ -25,10 +26,19 @@ type remote struct {
 	pb.UnimplementedMigSidecarServer
 
 	mu         sync.Mutex
+	backend    string
 	bootID     string
+	boots      int
 	started    time.Time
 	recovered  bool
 	generation uint64
+	// restartGeneration is the generation a restart resumes from (the durable ceiling).
+	restartGeneration uint64
+	getInfos          int
+	// allocateAlways, when set, answers every Allocate once allocateErrs are used up.
+	allocateAlways error
+	// recoverErrs are returned (and consumed) by the next Recover calls before recoverErr.
+	recoverErrs []error
 	// allocateErrs are returned (and consumed) by the next Allocate calls.
 	allocateErrs []error
 	allocateHang bool
@@ -40,7 +50,7 @@ type remote struct {
 }
 
 func newRemote() *remote {
-	return &remote{bootID: "boot-1", started: time.Unix(1000, 0), recovered: true}
+	return &remote{backend: BackendNVML, bootID: "boot-1", boots: 1, started: time.Unix(1000, 0), recovered: true}
 }
 
 func sidecarError(code codes.Code, reason string, md map[string]string) error {
@@ -56,8 +66,9 @@ func sidecarError(code codes.Code, reason string, md map[string]string) error {
 func (r *remote) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	r.getInfos++
 	return &pb.GetInfoResponse{
-		ApiVersion: "v1", Backend: "simulated", BootId: r.bootID, Recovered: r.recovered,
+		ApiVersion: "v1", Backend: r.backend, BootId: r.bootID, Recovered: r.recovered,
 		Generation: r.generation, StartedAt: timestamppb.New(r.started),
 	}, nil
 }
@@ -75,6 +86,10 @@ func (r *remote) Allocate(ctx context.Context, req *pb.AllocateRequest) (*pb.All
 		r.allocateErrs = r.allocateErrs[1:]
 		r.mu.Unlock()
 		return nil, err
+	}
+	if r.allocateAlways != nil {
+		r.mu.Unlock()
+		return nil, r.allocateAlways
 	}
 	r.generation++
 	partial := r.partial
@@ -100,6 +115,11 @@ func (r *remote) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.Recover
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.recovers = append(r.recovers, req)
+	if len(r.recoverErrs) > 0 {
+		err := r.recoverErrs[0]
+		r.recoverErrs = r.recoverErrs[1:]
+		return nil, err
+	}
 	if r.recoverErr != nil {
 		return nil, r.recoverErr
 	}
@@ -125,7 +145,21 @@ func (r *remote) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 func (r *remote) restart() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.bootID, r.started, r.recovered, r.generation = "boot-2", r.started.Add(time.Minute), false, 0
+	r.boots++
+	r.bootID, r.started, r.recovered, r.generation = fmt.Sprintf("boot-%d", r.boots), r.started.Add(time.Minute), false, r.restartGeneration
+}
+
+// allocatesOf returns the Allocate requests of one pod the double received so far.
+func (r *remote) allocatesOf(uid string) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, a := range r.allocates {
+		if a.GetPod().GetUid() == uid {
+			n++
+		}
+	}
+	return n
 }
 
 func serve(t *testing.T, socket string, r *remote) *grpc.Server {
@@ -437,5 +471,361 @@ func TestReleaseByPodListRecoversARestartedSidecarFirst(t *testing.T) {
 	}
 	if len(r.recovers) != 1 || len(r.syncs) != 1 || r.syncs[0].GetGeneration() != 0 {
 		t.Fatalf("recover=%d syncs=%v", len(r.recovers), r.syncs)
+	}
+}
+
+// Backend: a simulated sidecar is never used unless the client was told it may be.
+
+func TestASimulatedSidecarIsRefusedAtStartupAndNothingIsSent(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, nil)
+	r, c := started(t, opts)
+	r.backend = BackendSimulated
+	r.restart()
+	_, err := c.EnsureRecovered(context.Background())
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonSimulatedBackend || e.Code != codes.FailedPrecondition || e.Retryable() {
+		t.Fatalf("want a non-retryable SIMULATED_BACKEND, got %v", err)
+	}
+	if e.Metadata["backend"] != BackendSimulated {
+		t.Fatalf("the error does not name the backend: %v", e)
+	}
+	_, err = c.Allocate(context.Background(), oneDevice)
+	if !IsReason(err, ReasonSimulatedBackend) {
+		t.Fatalf("Allocate: want SIMULATED_BACKEND, got %v", err)
+	}
+	if len(r.recovers) != 0 || len(r.allocates) != 0 {
+		t.Fatalf("sent to a simulated sidecar: %d Recover, %d Allocate", len(r.recovers), len(r.allocates))
+	}
+	if r.getInfos != 2 {
+		t.Fatalf("the refusal was retried: %d GetInfo calls for two client calls", r.getInfos)
+	}
+}
+
+func TestASimulatedSidecarIsUsedWhenTheClientAllowsIt(t *testing.T) {
+	opts := fastOptions()
+	opts.AllowSimulatedBackend = true
+	r, c := started(t, opts)
+	r.backend = BackendSimulated
+	info, err := c.EnsureRecovered(context.Background())
+	if err != nil || info.Backend != BackendSimulated {
+		t.Fatalf("EnsureRecovered: %+v, %v", info, err)
+	}
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	if len(r.allocates) != 1 {
+		t.Fatalf("sidecar saw %d Allocate calls, want 1", len(r.allocates))
+	}
+}
+
+func TestASidecarNamingAnUnknownBackendIsRefusedEvenWhenSimulationIsAllowed(t *testing.T) {
+	opts := fastOptions()
+	opts.AllowSimulatedBackend = true
+	r, c := started(t, opts)
+	r.backend = ""
+	if _, err := c.Allocate(context.Background(), oneDevice); !IsReason(err, ReasonInvalidResponse) {
+		t.Fatalf("want INVALID_RESPONSE, got %v", err)
+	}
+	if len(r.allocates) != 0 {
+		t.Fatal("Allocate sent to a sidecar of unknown backend")
+	}
+}
+
+func TestASidecarThatRestartsOnTheSimulatedBackendIsRefusedBeforeRecover(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, nil)
+	r, c := started(t, opts)
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	r.mu.Lock()
+	r.backend = BackendSimulated
+	r.mu.Unlock()
+	r.restart()
+	if _, err := c.Allocate(context.Background(), oneDevice); !IsReason(err, ReasonSimulatedBackend) {
+		t.Fatalf("want SIMULATED_BACKEND, got %v", err)
+	}
+	if len(r.recovers) != 0 {
+		t.Fatal("Recover sent to a simulated sidecar")
+	}
+}
+
+func TestASidecarReplacedBehindTheSocketIsCheckedAgainBeforeTheNextCall(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "sidecar.sock")
+	first := newRemote()
+	srv := serve(t, socket, first)
+	c := connect(t, socket, fastOptions())
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	srv.Stop()
+	// The client notices the connection going down; wait for that outcome, not for a time.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for c.backendChecked() {
+		if ctx.Err() != nil {
+			t.Fatal("the client never noticed the lost connection")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	// Another process, already recovered by someone else, so no NOT_RECOVERED reveals it.
+	second := newRemote()
+	second.backend, second.bootID = BackendSimulated, "boot-other"
+	serve(t, socket, second)
+	if _, err := c.Allocate(context.Background(), oneDevice); !IsReason(err, ReasonSimulatedBackend) {
+		t.Fatalf("want SIMULATED_BACKEND, got %v", err)
+	}
+	if len(second.allocates) != 0 {
+		t.Fatal("Allocate sent to the simulated replacement")
+	}
+}
+
+// Retries and deadlines: INSTANCE_IN_USE may last a pod's grace period.
+
+func TestByDefaultOnlyTheDeadlineBoundsTheRetriesOfAllocate(t *testing.T) {
+	opts := fastOptions()
+	opts.MaxAttempts = 0
+	r, c := started(t, opts)
+	for range 12 {
+		r.allocateErrs = append(r.allocateErrs, sidecarError(codes.Unavailable, ReasonInstanceInUse, nil))
+	}
+	res, err := c.Allocate(context.Background(), oneDevice)
+	if err != nil {
+		t.Fatalf("Allocate gave up before its deadline: %v", err)
+	}
+	if len(res.Devices) != 2 || r.allocatesOf(oneDevice.Pod.UID) != 13 {
+		t.Fatalf("result %+v after %d calls, want 13 calls", res, r.allocatesOf(oneDevice.Pod.UID))
+	}
+}
+
+func TestAnAllocateThatRunsOutOfTimeReportsTheLastReasonAndTheDeadline(t *testing.T) {
+	opts := fastOptions()
+	opts.MaxAttempts = 0
+	opts.AllocateTimeout = 300 * time.Millisecond
+	r, c := started(t, opts)
+	r.allocateAlways = sidecarError(codes.Unavailable, ReasonInstanceInUse, map[string]string{"mig_uuid": "MIG-busy"})
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Code != codes.Unavailable || e.Metadata["mig_uuid"] != "MIG-busy" {
+		t.Fatalf("want INSTANCE_IN_USE naming the instance, got %v", err)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the error does not say the deadline ran out: %v", err)
+	}
+	// The attempt the deadline cut short may not have reached the sidecar.
+	if seen := r.allocatesOf(oneDevice.Pod.UID); seen < 2 || e.Attempts < seen || e.Attempts > seen+1 {
+		t.Fatalf("error counts %d attempts, sidecar saw %d", e.Attempts, seen)
+	}
+}
+
+func TestADeadlineFallingInsideAnAttemptStillReportsTheEarlierReason(t *testing.T) {
+	opts := fastOptions()
+	opts.AllocateTimeout = 300 * time.Millisecond
+	r, c := started(t, opts)
+	r.allocateErrs = []error{sidecarError(codes.Unavailable, ReasonInstanceInUse, nil)}
+	r.allocateHang = true // the second attempt hangs until the deadline
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Attempts != 2 || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want INSTANCE_IN_USE after 2 attempts and the deadline, got %v", err)
+	}
+}
+
+func TestTheRecoveryInsideAllocateRunsUnderAllocatesDeadline(t *testing.T) {
+	opts := fastOptions()
+	opts.CallTimeout, opts.AllocateTimeout = time.Minute, 5*time.Second
+	var deadline time.Time
+	var hasDeadline bool
+	opts.ListActive = func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		deadline, hasDeadline = ctx.Deadline()
+		return annotated, nil
+	}
+	r, c := started(t, opts)
+	if _, err := c.GetInfo(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	r.restart()
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	// Allocate's deadline is far shorter than CallTimeout: a list bounded by anything but
+	// Allocate's deadline would end later than Allocate could have.
+	if latest := time.Now().Add(opts.AllocateTimeout); !hasDeadline || deadline.After(latest) {
+		t.Fatalf("the pod list ran with deadline %v (set: %t), beyond Allocate's %v", deadline, hasDeadline, latest)
+	}
+}
+
+// Restarts: concurrent callers, stale pod lists, failed lists.
+
+func TestConcurrentAllocatesDuringARestartShareOneRecoverAndEachRepeatsOnce(t *testing.T) {
+	const callers = 4
+	opts := fastOptions()
+	r := newRemote()
+	// The list is taken only once every caller has been answered NOT_RECOVERED, so all of
+	// them are waiting for the same recovery.
+	opts.ListActive = func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		for {
+			r.mu.Lock()
+			n := len(r.allocates)
+			r.mu.Unlock()
+			if n >= callers {
+				return annotated, nil
+			}
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	socket := filepath.Join(t.TempDir(), "sidecar.sock")
+	serve(t, socket, r)
+	c := connect(t, socket, opts)
+	if _, err := c.GetInfo(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	r.restart()
+	errs := make([]error, callers)
+	var wg sync.WaitGroup
+	for i := range callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			req := oneDevice
+			req.Pod.UID = fmt.Sprintf("uid-%d", i)
+			_, errs[i] = c.Allocate(context.Background(), req)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("caller %d: %v", i, err)
+		}
+		if n := r.allocatesOf(fmt.Sprintf("uid-%d", i)); n != 2 {
+			t.Fatalf("caller %d sent Allocate %d times, want 2 (refused, then repeated once)", i, n)
+		}
+	}
+	if len(r.recovers) != 1 {
+		t.Fatalf("%d Recover calls, want 1", len(r.recovers))
+	}
+}
+
+func TestAPodListTakenWhileTheSidecarRestartedAgainIsNeverSent(t *testing.T) {
+	opts := fastOptions()
+	r, c := started(t, opts)
+	fresh := []*pb.ActiveAllocation{proto.Clone(annotated[0]).(*pb.ActiveAllocation)}
+	fresh[0].MigUuid = "MIG-fresh"
+	lists := 0
+	opts.ListActive = func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		if lists == 1 {
+			r.restart() // the sidecar restarts while the first list is taken
+			return annotated, nil
+		}
+		return fresh, nil
+	}
+	c.opts.ListActive = opts.ListActive
+	r.restart()
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	if len(r.recovers) != 1 || r.recovers[0].GetActive()[0].GetMigUuid() != "MIG-fresh" {
+		t.Fatalf("Recover not sent once with the fresh list: %v", r.recovers)
+	}
+}
+
+func TestNoRecoverIsSentWhenSomeoneElseRecoveredTheSidecarDuringTheList(t *testing.T) {
+	opts := fastOptions()
+	r, c := started(t, opts)
+	c.opts.ListActive = func(context.Context) ([]*pb.ActiveAllocation, error) {
+		// Another client recovers the sidecar and allocates while this list is taken.
+		r.mu.Lock()
+		r.recovered = true
+		r.generation++
+		r.mu.Unlock()
+		return annotated, nil
+	}
+	r.restart()
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	if len(r.recovers) != 0 {
+		t.Fatalf("a stale list was sent with Recover: %v", r.recovers)
+	}
+}
+
+func TestARecoverCutShortByARestartStartsOverWithAFreshList(t *testing.T) {
+	opts := fastOptions()
+	lists := 0
+	opts.ListActive = func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		return annotated, nil
+	}
+	r, c := started(t, opts)
+	r.restart()
+	r.recoverErrs = []error{status.Error(codes.Unavailable, "connection reset")}
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatal(err)
+	}
+	if lists != 2 || len(r.recovers) != 2 {
+		t.Fatalf("%d lists and %d Recover calls, want 2 and 2", lists, len(r.recovers))
+	}
+}
+
+func TestAListThatFailsIsNeverSentEvenWithTheEntriesItGot(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, errors.New("page 2 of the pod list failed"))
+	r, c := started(t, opts)
+	r.restart()
+	if _, err := c.Allocate(context.Background(), oneDevice); !IsReason(err, ReasonPodListFailed) {
+		t.Fatalf("Allocate: want POD_LIST_FAILED, got %v", err)
+	}
+	if _, err := c.ReleaseByPodList(context.Background(), opts.ListActive); !IsReason(err, ReasonPodListFailed) {
+		t.Fatalf("ReleaseByPodList: want POD_LIST_FAILED, got %v", err)
+	}
+	if len(r.recovers) != 0 || len(r.syncs) != 0 {
+		t.Fatalf("a partial list was sent: %d Recover, %d SyncActive", len(r.recovers), len(r.syncs))
+	}
+}
+
+func TestReleaseByPodListStartsOverWhenTheSidecarRestartsDuringTheList(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, nil)
+	r, c := started(t, opts)
+	r.generation, r.restartGeneration = 7, 9
+	lists := 0
+	podList := func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		if lists == 1 {
+			r.restart()
+		}
+		return annotated, nil
+	}
+	res, err := c.ReleaseByPodList(context.Background(), podList)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.syncs) != 1 || r.syncs[0].GetGeneration() != 9 || res.Generation != 9 {
+		t.Fatalf("SyncActive must carry the restarted sidecar's generation 9: %v", r.syncs)
+	}
+	if len(r.recovers) != 1 || lists != 2 {
+		t.Fatalf("%d Recover calls and %d lists, want 1 and 2", len(r.recovers), lists)
+	}
+}
+
+func TestReleaseByPodListReleasesNothingWhenTheSidecarRestartsDuringEveryList(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, nil)
+	r, c := started(t, opts)
+	podList := func(context.Context) ([]*pb.ActiveAllocation, error) {
+		r.restart()
+		return annotated, nil
+	}
+	_, err := c.ReleaseByPodList(context.Background(), podList)
+	if !IsReason(err, ReasonSidecarRestarted) || CodeOf(err) != codes.Unavailable {
+		t.Fatalf("want SIDECAR_RESTARTED, got %v", err)
+	}
+	if len(r.syncs) != 0 {
+		t.Fatalf("SyncActive sent with a fence from another run: %v", r.syncs)
 	}
 }

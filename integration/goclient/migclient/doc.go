@@ -14,5 +14,53 @@
 //     calls Recover with the plugin's active allocations and retries the call once;
 //   - ReleaseByPodList implements the generation-fenced release (GetInfo, pod list, SyncActive);
 //   - answers are checked: a call either returns a complete result or an error, never a
-//     partial success.
+//     partial success;
+//   - a sidecar on the simulated backend is refused (SIMULATED_BACKEND) unless
+//     Options.AllowSimulatedBackend is set.
+//
+// # Deadlines and retries
+//
+// Allocate runs in kubelet's admission path, and HAMi serializes it node-wide, so its deadline
+// is a trade between waiting out a transient refusal and stalling every admission on the node:
+//
+//   - AllocateTimeout, 60s by default, bounds the whole call: attempts, backoff, a recovery
+//     after NOT_RECOVERED (GetInfo, the pod list, Recover) and the one repeat. Creating a GI/CI
+//     pair takes about a second on real hardware, so a multi-device container with reclaims
+//     fits in a few seconds; the rest is there for INSTANCE_IN_USE.
+//   - INSTANCE_IN_USE (UNAVAILABLE) means the idle instance the scheduler picked still runs a
+//     process of a pod in its termination grace period. It clears when that process exits: at
+//     the latest terminationGracePeriodSeconds (30s by default) plus the kill. 60s is twice
+//     the default grace period. Clusters with longer grace periods should raise
+//     AllocateTimeout, or accept that such an Allocate fails and the pod is admitted again.
+//   - MaxAttempts is 0 (no cap) by default: the deadline alone ends the retries, so a grace
+//     period is waited out rather than cut short after a fixed number of attempts.
+//   - Backoff starts at 100ms and doubles to 2s, with jitter: a restart or a transient NVML
+//     error costs a fraction of a second, and a busy instance is polled every one to two
+//     seconds (one NVML process query on the sidecar each), about 30 times a minute.
+//   - CallTimeout, 10s, bounds every other RPC. They are answered from the sidecar's memory
+//     except Recover, which reads every GPU's MIG layout; 10s also covers a sidecar restart.
+//
+// When the deadline runs out after UNAVAILABLE answers, the error keeps the sidecar's last code,
+// reason and metadata (e.g. INSTANCE_IN_USE naming the instance), says that the deadline ran out,
+// and satisfies errors.Is(err, context.DeadlineExceeded); the plugin can log "instance in use"
+// rather than a bare deadline. Without any such answer it is SIDECAR_UNREACHABLE (the socket did
+// not answer) or DEADLINE_EXCEEDED (the sidecar did not answer in time).
+//
+// # Restarts
+//
+// One Recover runs at a time; concurrent calls refused with NOT_RECOVERED wait for it and then
+// repeat once. The pod list for Recover is fenced like a release: GetInfo before and after it,
+// and if the sidecar restarted or handed out generations in between, the list is discarded and
+// taken again; if another client recovered the sidecar meanwhile, nothing is sent. A failed pod
+// list is never sent, whatever part of it was read (POD_LIST_FAILED). ReleaseByPodList reads
+// GetInfo again after its pod list too and starts over when the sidecar restarted, so a
+// generation is only ever sent to the process that handed it out.
+//
+// # Backend
+//
+// GetInfo reports the sidecar's backend, "nvml" or "simulated". The client checks it on first
+// contact and again whenever the process behind the socket may have changed (the connection
+// left READY, a connection-level UNAVAILABLE, NOT_RECOVERED), before sending anything else.
+// A simulated sidecar creates no MIG instance; on a real node it is a deployment error, so it
+// fails every call with FAILED_PRECONDITION SIMULATED_BACKEND, which is not retried.
 package migclient

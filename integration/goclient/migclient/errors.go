@@ -35,9 +35,17 @@ const (
 	// ReasonInvalidResponse: the sidecar answered, but the answer does not cover the request
 	// exactly (a device missing, an identity incomplete). The client refuses partial success.
 	ReasonInvalidResponse = "INVALID_RESPONSE"
-	// ReasonRecoveryFailed: the sidecar needed Recover and Recover (or listing the active
-	// allocations for it) failed, so the original call was not retried.
+	// ReasonRecoveryFailed: the sidecar needed Recover, and every try was spoiled by a restart
+	// (or moved generation) while the pod list was taken, or by a restart during Recover; no
+	// Recover was sent with a list that could be stale, and the original call was not retried.
+	// A Recover the sidecar refused keeps the sidecar's reason (e.g. UNVERIFIABLE_STATE).
 	ReasonRecoveryFailed = "RECOVERY_FAILED"
+	// ReasonSidecarRestarted: ReleaseByPodList gave up because the sidecar restarted during
+	// each of its passes; nothing was released, the next pass tries again.
+	ReasonSidecarRestarted = "SIDECAR_RESTARTED"
+	// ReasonSimulatedBackend: the sidecar reports the simulated NVML backend and the client was
+	// not built with Options.AllowSimulatedBackend. Not retried: it is a deployment error.
+	ReasonSimulatedBackend = "SIMULATED_BACKEND"
 	// ReasonPodListFailed: the caller's pod-list callback failed; nothing was sent.
 	ReasonPodListFailed = "POD_LIST_FAILED"
 	// ReasonSidecarUnreachable: no answer within the call's deadline (the sidecar is down, or

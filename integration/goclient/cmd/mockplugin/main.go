@@ -10,7 +10,9 @@
 //
 // Usage:
 //
-//	mockplugin --socket PATH --scenario FILE [--pods FILE] [--restart-cmd CMD] [--json]
+//	mockplugin --socket PATH --scenario FILE [--pods FILE] [--restart-cmd CMD] [--json] [--allow-simulated-backend]
+//
+// Like the real plugin, it refuses a sidecar on the simulated backend unless told otherwise.
 package main
 
 import (
@@ -45,6 +47,7 @@ type config struct {
 	json            bool
 	callTimeout     time.Duration
 	allocateTimeout time.Duration
+	allowSimulated  bool
 }
 
 func run(args []string, out io.Writer) error {
@@ -57,6 +60,8 @@ func run(args []string, out io.Writer) error {
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per step instead of text")
 	fs.DurationVar(&cfg.callTimeout, "call-timeout", migclient.DefaultCallTimeout, "deadline of every RPC but Allocate")
 	fs.DurationVar(&cfg.allocateTimeout, "allocate-timeout", migclient.DefaultAllocateTimeout, "deadline of Allocate")
+	fs.BoolVar(&cfg.allowSimulated, "allow-simulated-backend", false,
+		"work with a sidecar on the simulated backend (demos and tests); without it such a sidecar is refused")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -73,9 +78,10 @@ func run(args []string, out io.Writer) error {
 	}
 	ctx := context.Background()
 	client, err := migclient.New(ctx, cfg.socket, migclient.Options{
-		CallTimeout:     cfg.callTimeout,
-		AllocateTimeout: cfg.allocateTimeout,
-		ListActive:      store.listActive(false),
+		CallTimeout:           cfg.callTimeout,
+		AllocateTimeout:       cfg.allocateTimeout,
+		ListActive:            store.listActive(false),
+		AllowSimulatedBackend: cfg.allowSimulated,
 	})
 	if err != nil {
 		return err
