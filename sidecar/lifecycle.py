@@ -112,6 +112,17 @@ def nvml_errors(operation: str) -> Iterator[None]:
         ) from exc
 
 
+class ComputeInstanceNotOurs(UnverifiableState):
+    """A destroy found a CI in a GPU instance whose record stands for a bare GI: not ours to destroy.
+
+    A record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a crashed
+    create left, either of them in ERROR after a failed destroy) was written for a GI that had no CI
+    when its destroy was decided. Nothing of ours creates a CI in such a GI, so one there now was made
+    by someone else. The destroy leaves everything as it is: the record stays on disk for the operator
+    and the instance leaves the table (foreign: preserved, never reused, blocking its placement), which
+    is what recovery decides when it sees such a CI at gather."""
+
+
 class GpuSnapshot(msgspec.Struct, frozen=True):
     gpu: GpuInfo
     busy: bool
@@ -844,6 +855,13 @@ class Lifecycle:
         try:
             with nvml_errors(f"destroy instance {rec.profile}@{rec.placement} on {rec.gpu_uuid}"):
                 self._destroy_hardware(rec)
+        except ComputeInstanceNotOurs as exc:
+            # Not ERROR: the reconciler would retry a destroy that must never happen. The record on
+            # disk stays as it is for the operator; the next recovery preserves the GI as foreign too.
+            _log.error("instance %s is foreign now: %s", rec.name, exc)
+            with self._table_lock:
+                self._table.pop(rec.name, None)
+            raise
         except SidecarError as exc:
             self._fail(rec, str(exc))
             raise
@@ -867,8 +885,11 @@ class Lifecycle:
         The live GI must match the record (ID, profile, placement) — the driver reuses IDs, so a GI
         with our ID elsewhere is someone else's and ours is gone. A CI with our ID but another MIG UUID
         means the instance was re-created behind our back: refuse (UnverifiableState) rather than
-        destroy what might be foreign. Without a recorded CI ID (a create stopped between making the
-        CI and recording it) every CI in our GI is ours. Raises NvmlError for NVML failures.
+        destroy what might be foreign. Without a recorded CI ID, a CREATING record's create may have
+        stopped between making the CI and recording it, so every CI in its GI is ours (its create or
+        recovery verified the GI as the one it made). Any other record without a CI ID stands for a
+        bare GI: a CI found there now refuses the destroy (``ComputeInstanceNotOurs``), whoever made it
+        between the decision and this call. Raises NvmlError for NVML failures.
         """
         if rec.gpu_instance_id is None:
             return
@@ -878,6 +899,15 @@ class Lifecycle:
             return
         cis = self.port.compute_instances(gpu, gi.id)
         if rec.compute_instance_id is None:
+            if cis and rec.state is not State.CREATING:
+                found = ", ".join(f"{c.id} {c.mig_uuid}" for c in cis)
+                raise ComputeInstanceNotOurs(
+                    f"GPU instance {gi.id} at {rec.placement} on {gpu} was recorded ({rec.name}, {rec.state})"
+                    f" without a compute instance, but has compute instance {found} now, made by someone"
+                    " else; nothing was destroyed, the instance is preserved as foreign and the record"
+                    " is kept for the operator",
+                    {"record": rec.name, "gpu_uuid": gpu, "gpu_instance_id": str(gi.id)},
+                )
             targets = cis
         else:
             targets = [c for c in cis if c.id == rec.compute_instance_id]

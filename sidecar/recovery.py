@@ -14,7 +14,9 @@ safety promise easy to hold: *nothing* is modified unless the whole picture was 
 * ``apply`` runs the steps in order, records first (a ``DELETING`` record is written before anything
   is destroyed, so a crash in the middle of recovery leaves work the next recovery can finish). A
   failing step puts its instance in ``ERROR`` (never reused, retried by the reconciler) and recovery
-  still succeeds. Finally ``Lifecycle.install`` takes the table and opens the gate.
+  still succeeds - unless apply finds the instance is not ours to destroy after all (a CI in a GI
+  recorded bare, a process on the GPU of an orphan): then it stays foreign. Finally
+  ``Lifecycle.install`` takes the table and opens the gate.
 
 The rules (spec "Restart recovery", the CDI lifecycle, and the ownership requirement):
 
@@ -68,7 +70,7 @@ from sidecar.domain import (
     Reservation,
     State,
 )
-from sidecar.lifecycle import Lifecycle
+from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle
 from sidecar.nvml.port import (
     ComputeInstanceInfo,
     GpuInfo,
@@ -158,9 +160,15 @@ class DestroyOwned(msgspec.Struct, frozen=True, tag=True):
     live GI/CI and destroys only what still matches the record (a second check against anything that
     changed since gather), removes the CDI file (queued on failure) and deletes the record. ``record``
     carries every ID the planner verified, so a crash half-way leaves a DELETING record that the next
-    recovery can finish."""
+    recovery can finish.
+
+    ``require_idle_gpu`` (orphan removals): the step stops and the GI stays foreign when a process runs
+    on the GPU right before the destroy. The orphan rule's "no running process" was read at gather and
+    a process may have started since (recovery's GPU locks keep only this sidecar out). An NVML error
+    counts as busy, as for ListGpus."""
 
     record: OwnershipRecord
+    require_idle_gpu: bool = False
 
 
 class EnsureCdi(msgspec.Struct, frozen=True, tag=True):
@@ -181,12 +189,17 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     ``record_name`` names the table entry the step is about (None for CDI-only steps). On failure,
     ``on_failure`` (when set) is written as an ``ERROR`` record and replaces the table entry: the
     instance is kept and never reused. Without it the entry is dropped from the table (an adoption that
-    could not be recorded leaves the instance foreign)."""
+    could not be recorded leaves the instance foreign). A step that finds its instance is not ours to
+    destroy after all (``ComputeInstanceNotOurs``, a busy GPU under ``require_idle_gpu``) leaves it
+    foreign either way. ``foreign_ref`` is how the report names the instance when the step leaves it
+    foreign: it moves to ``preserved_foreign`` from the list that named it (restored, removed or
+    dropped)."""
 
     subject: str
     actions: tuple[Action, ...] = ()
     record_name: str | None = None
     on_failure: OwnershipRecord | None = None
+    foreign_ref: InstanceRef | None = None
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -631,6 +644,7 @@ class _Planner:
                 actions=(DestroyOwned(deleting),),
                 record_name=record.name,
                 on_failure=deleting,
+                foreign_ref=_ref(record.gpu_uuid, self.profile_name(record.gpu_uuid, gi.info.profile_id), gi),
             )
         )
         self.dropped.append(record.name)
@@ -737,9 +751,10 @@ class _Planner:
         self.steps.append(
             Step(
                 subject=f"remove orphan GPU instance {gi.info.id} on {gpu.info.uuid}",
-                actions=(DestroyOwned(record),),
+                actions=(DestroyOwned(record, require_idle_gpu=True),),
                 record_name=record.name,
                 on_failure=record,
+                foreign_ref=ref,
             )
         )
         self.removed_orphans.append(ref)
@@ -831,6 +846,25 @@ def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _GpuBusyError(Exception):
+    """``DestroyOwned.require_idle_gpu`` found the GPU busy: the step stops and its instance stays foreign."""
+
+
+def _with_foreign(report: RecoveryReport, steps: Sequence[Step]) -> RecoveryReport:
+    """``report`` with the instances of ``steps`` moved to ``preserved_foreign``, where apply left them."""
+    refs = [step.foreign_ref for step in steps if step.foreign_ref is not None]
+    if not refs:
+        return report
+    names = {step.record_name for step in steps if step.foreign_ref is not None}
+    return msgspec.structs.replace(
+        report,
+        restored_idle=tuple(r for r in report.restored_idle if r not in refs),
+        removed_orphan_gis=tuple(r for r in report.removed_orphan_gis if r not in refs),
+        dropped_stale_records=tuple(n for n in report.dropped_stale_records if n not in names),
+        preserved_foreign=(*report.preserved_foreign, *refs),
+    )
 
 
 class Recovery:
@@ -936,6 +970,7 @@ class Recovery:
         self.lifecycle.reserve_generations(decided.generation, decided.generation_ceiling)
         table = {record.name: record for record in decided.table}
         failures: list[str] = []
+        left_foreign: list[Step] = []
         now = _now()
         for step in decided.steps:
             try:
@@ -943,11 +978,22 @@ class Recovery:
                     warning = self._run(action)
                     if warning:
                         failures.append(f"{step.subject}: {warning}")
+            except _GpuBusyError as exc:
+                log.info("recovery step skipped", extra={"step": step.subject, "reason": str(exc)})
+                left_foreign.append(step)
+                if step.record_name is not None:
+                    table.pop(step.record_name, None)
             except (NvmlError, errors.SidecarError, RecordError, OSError) as exc:
                 message = f"{step.subject} failed: {exc}"
                 log.warning("recovery step failed", extra={"step": step.subject, "error": str(exc)})
                 failures.append(message)
-                if step.on_failure is not None:
+                if isinstance(exc, ComputeInstanceNotOurs) or step.on_failure is None:
+                    left_foreign.append(step)
+                if isinstance(exc, ComputeInstanceNotOurs):
+                    # The record stays as destroy_owned left it; the instance is foreign, not ERROR.
+                    if step.record_name is not None:
+                        table.pop(step.record_name, None)
+                elif step.on_failure is not None:
                     failed = msgspec.structs.replace(
                         step.on_failure, state=State.ERROR, last_error=message, since=now
                     )
@@ -963,9 +1009,10 @@ class Recovery:
             decided.generation,
             referenced_mig_uuids=decided.referenced_mig_uuids,
         )
+        report = _with_foreign(decided.report, left_foreign)
         if not failures:
-            return decided.report
-        return msgspec.structs.replace(decided.report, errors=(*decided.report.errors, *failures))
+            return report
+        return msgspec.structs.replace(report, errors=(*report.errors, *failures))
 
     def _run(self, action: Action) -> str | None:
         """Execute one action; a returned string is a problem that does not fail the step.
@@ -977,7 +1024,9 @@ class Recovery:
                 self.records.put(record)
             case DeleteRecord(name=name):
                 self.records.delete(name)
-            case DestroyOwned(record=record):
+            case DestroyOwned(record=record, require_idle_gpu=require_idle_gpu):
+                if require_idle_gpu:
+                    self._require_idle_gpu(record.gpu_uuid)
                 self.lifecycle.destroy_owned(record, mark_deleting=True)
             case EnsureCdi(gpu_minor=minor, identity=identity):
                 self.cdi.ensure(minor, identity)
@@ -985,6 +1034,15 @@ class Recovery:
                 if not self.cdi.remove(mig_uuid):
                     return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
         return None
+
+    def _require_idle_gpu(self, gpu_uuid: str) -> None:
+        """_GpuBusyError when a process runs on the GPU now, or when NVML cannot say."""
+        try:
+            running = self.port.gpu_processes(gpu_uuid)
+        except NvmlError as exc:
+            raise _GpuBusyError(f"counting processes on {gpu_uuid} failed: {exc}") from exc
+        if running > 0:
+            raise _GpuBusyError(f"{running} processes run on {gpu_uuid} now")
 
 
 __all__ = [

@@ -1,0 +1,199 @@
+"""Follow-ups of a review of restart recovery: three decided fixes, one class each.
+
+Every test failed before the fix its class names. They run over the simulated hardware through the
+real pynvml adapter, records and CDI code, and assert the NVML layout, the record files, the CDI files,
+the recovery report and what later transactions see. Where a test must change the hardware between
+recovery's gather and its apply (what another actor on the node could do in that window), it calls
+the three public phases of ``Recovery`` one after the other instead of ``recover``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import BOOT_ID, World
+
+from sidecar import errors
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import Placement, State
+from sidecar.lifecycle import Lifecycle
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.reconciler import Reconciler
+from sidecar.records import OwnershipRecord, RecordStore, record_name
+from sidecar.recovery import Recovery, plan
+
+FOREVER = 1000  # more attempts than any bounded retry makes
+
+
+def restart(world: World, *, adopt: bool = False) -> Recovery:
+    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
+    world.records.close()
+    records = RecordStore(world.records.directory)
+    records.open()
+    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
+    world.records, world.cdi = records, cdi
+    world.lifecycle = Lifecycle(world.port, records, cdi, BOOT_ID)
+    return Recovery(world.lifecycle, world.port, records, cdi, BOOT_ID, adopt_existing=adopt)
+
+
+def gis(world: World, gpu: int) -> set[tuple[str, int]]:
+    """(placement, number of CIs) of every GI on one GPU."""
+    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
+
+
+def reservations(refs: object) -> set[str]:
+    return {str(ref.reservation) for ref in refs}  # type: ignore[attr-defined]
+
+
+ORPHAN = Placement(4, 4)
+
+
+class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
+    """Decided: a record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a
+    crashed create left, either of them failed into ERROR) stands for a GI that had no CI when its
+    destroy was decided. Before the fix its destroy took *every* CI found in the GI at destroy time as
+    its own: a CI someone made between gather and apply, or after a failed removal, was destroyed with
+    the GI around it. Now that destroy refuses, nothing is destroyed, the record stays on disk for the
+    operator and the instance is foreign, as recovery already decides when it sees such a CI at gather.
+    The orphan rule's "no running process on the GPU" is checked again right before the destroy."""
+
+    def test_a_ci_made_between_gather_and_apply_survives_and_the_gi_becomes_foreign(
+        self, world: World
+    ) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        recovery = restart(world, adopt=True)
+        decided = plan(recovery.gather([]))
+        assert len(decided.report.removed_orphan_gis) == 1  # what gather saw: a bare orphan
+        ci = world.port.create_compute_instance(world.uuid(1), gi.id, 2)  # an operator, meanwhile
+        layout = world.layout()
+
+        report = recovery.apply(decided)
+
+        assert world.layout() == layout
+        assert world.lifecycle.instances() == []
+        name = record_name(world.uuid(1), ORPHAN)
+        kept = world.record_files()
+        assert set(kept) == {name}
+        assert (kept[name].state, kept[name].compute_instance_id) == (State.DELETING, None)
+        assert report.removed_orphan_gis == ()
+        assert reservations(report.preserved_foreign) == {f"{world.uuid(1)}/3g.40gb@4:4"}
+        assert any(name in line and ci.mig_uuid in line for line in report.errors)
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-a", (1, "3g.40gb", ORPHAN.start, ORPHAN.size))
+
+    def test_the_next_recover_keeps_preserving_it_and_the_record(self, world: World) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        recovery = restart(world, adopt=True)
+        decided = plan(recovery.gather([]))
+        world.port.create_compute_instance(world.uuid(1), gi.id, 2)
+        recovery.apply(decided)
+        before = world.everything()
+
+        report = restart(world, adopt=True).recover([])
+
+        assert world.everything() == before
+        assert world.lifecycle.instances() == []
+        assert reservations(report.preserved_foreign) == {f"{world.uuid(1)}/3g.40gb@4:4"}
+        assert report.removed_orphan_gis == report.dropped_stale_records == ()
+
+    def test_a_ci_made_in_the_gi_of_a_failed_orphan_removal_survives_the_reconciler(
+        self, world: World
+    ) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        world.hw.inject_fault("destroy-gi", NVML_ERROR_UNKNOWN, times=FOREVER)
+        restart(world, adopt=True).recover([])
+        name = record_name(world.uuid(1), ORPHAN)
+        assert world.states() == {name: State.ERROR}
+        world.hw.clear_faults()
+        world.port.create_compute_instance(world.uuid(1), gi.id, 2)  # an operator, meanwhile
+        layout = world.layout()
+
+        report = Reconciler(world.lifecycle).run_once()
+
+        assert world.layout() == layout
+        assert gis(world, 1) == {("4:4", 1)}
+        assert report.destroyed == ()
+        assert world.lifecycle.instances() == []  # foreign now: never retried, never reused
+        assert world.states() == {name: State.ERROR}  # kept for the operator
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-a", (1, "3g.40gb", ORPHAN.start, ORPHAN.size))
+
+    def test_a_process_started_on_the_gpu_between_gather_and_apply_preserves_the_orphan(
+        self, world: World
+    ) -> None:
+        world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        recovery = restart(world, adopt=True)
+        decided = plan(recovery.gather([]))
+        world.hw.set_busy(world.uuid(1), True)
+
+        report = recovery.apply(decided)
+
+        assert gis(world, 1) == {("4:4", 0)}
+        assert world.record_files() == {}
+        assert world.lifecycle.instances() == []
+        assert report.removed_orphan_gis == ()
+        assert reservations(report.preserved_foreign) == {f"{world.uuid(1)}/3g.40gb@4:4"}
+
+    def test_an_orphan_on_an_idle_gpu_is_still_removed(self, world: World) -> None:
+        world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+
+        report = restart(world, adopt=True).recover([])
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert len(report.removed_orphan_gis) == 1
+        assert report.errors == ()
+
+    def test_a_bare_gi_a_crashed_create_left_without_its_id_is_still_destroyed(self, world: World) -> None:
+        """The crash came between creating the GI and recording its ID: recovery finds it by placement."""
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        world.records.put(self.creating(world, gpu_instance_id=None, gi_profile_id=gi.profile_id))
+
+        report = restart(world).recover([])
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert len(report.dropped_stale_records) == 1
+        assert report.errors == ()
+
+    def test_a_bare_gi_a_crashed_create_recorded_is_still_destroyed(self, world: World) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        world.records.put(self.creating(world, gpu_instance_id=gi.id, gi_profile_id=gi.profile_id))
+
+        report = restart(world).recover([])
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert report.errors == ()
+
+    def test_undo_creating_still_destroys_the_bare_gi_of_a_creating_record(self, world: World) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
+        record = self.creating(world, gpu_instance_id=None, gi_profile_id=gi.profile_id)
+        world.records.put(record)
+
+        world.lifecycle.undo_creating(record)
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+
+    def test_a_create_whose_ci_failed_is_still_undone_completely(self, world: World) -> None:
+        world.hw.inject_fault("create-ci", NVML_ERROR_UNKNOWN, times=FOREVER)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-a", (1, "3g.40gb", ORPHAN.start, ORPHAN.size))
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert world.cdi_files() == set()
+
+    @staticmethod
+    def creating(world: World, *, gpu_instance_id: int | None, gi_profile_id: int) -> OwnershipRecord:
+        return OwnershipRecord(
+            gpu_uuid=world.uuid(1),
+            profile="3g.40gb",
+            gi_profile_id=gi_profile_id,
+            ci_profile_id=2,
+            placement=ORPHAN,
+            state=State.CREATING,
+            gpu_instance_id=gpu_instance_id,
+            boot_id=BOOT_ID,
+        )
