@@ -601,16 +601,20 @@ class _Planner:
             since=self.inputs.now if changed else record.since,
         )
         actions: tuple[Action, ...] = () if restored == record else (PutRecord(restored),)
+        ref = _ref(record.gpu_uuid, record.profile, gi)
+        # No ``on_failure``: an ERROR entry would have the reconciler destroy a healthy instance. When
+        # the record cannot be written, the instance is foreign for this process life and the record
+        # on disk stays as it was, so a later Recover with a working state directory restores it.
         self.steps.append(
             Step(
                 subject=f"restore {record.name}",
                 actions=actions,
                 record_name=record.name,
-                on_failure=restored,
+                foreign_ref=ref,
             )
         )
         self.table[record.name] = restored
-        self.restored_idle.append(_ref(record.gpu_uuid, record.profile, gi))
+        self.restored_idle.append(ref)
 
     def keep_active(self, record: OwnershipRecord) -> None:
         """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 from lifecycle_world import BOOT_ID, World
+from test_review_followups import files_cannot_grow_past
 
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
-from sidecar.domain import Placement, State
+from sidecar.domain import Outcome, Placement, State
 from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
@@ -197,3 +198,58 @@ class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
             gpu_instance_id=gpu_instance_id,
             boot_id=BOOT_ID,
         )
+
+
+class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
+    """Decided: restoring a verified live instance writes its record (ACTIVE -> IDLE when no pod holds
+    it). When that write failed, the instance went to ERROR, and the reconciler then destroyed a healthy
+    instance. Now it is foreign for this process life (preserved, never reused, blocking its
+    placement), the record on disk is left as it was, and the report says why; a later Recover with a
+    working state directory restores it."""
+
+    def held_then_restarted(self, world: World) -> tuple[Recovery, OwnershipRecord, bytes]:
+        """An instance a pod held when the sidecar stopped; the pod is gone by the restart."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        return restart(world), record, world.records.path(record.name).read_bytes()
+
+    def test_the_instance_is_foreign_its_record_untouched_and_the_report_says_why(self, world: World) -> None:
+        recovery, record, on_disk = self.held_then_restarted(world)
+        before = world.layout()
+
+        with files_cannot_grow_past(256):
+            report = recovery.recover([])
+
+        assert world.layout() == before
+        assert world.lifecycle.instances() == []
+        assert world.records.path(record.name).read_bytes() == on_disk
+        assert report.restored_idle == ()
+        assert [ref.identity for ref in report.preserved_foreign] == [record.identity]
+        assert any(record.name in line for line in report.errors)
+
+    def test_the_reconciler_leaves_it_alone_and_nothing_reuses_it(self, world: World) -> None:
+        recovery, record, _ = self.held_then_restarted(world)
+        with files_cannot_grow_past(256):
+            recovery.recover([])
+        before = world.layout()
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.layout() == before
+        assert world.states() == {record.name: State.ACTIVE}
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+        assert world.layout() == before
+
+    def test_a_later_recover_with_a_working_state_directory_restores_it(self, world: World) -> None:
+        recovery, record, _ = self.held_then_restarted(world)
+        with files_cannot_grow_past(256):
+            recovery.recover([])
+
+        report = restart(world).recover([])
+
+        assert [ref.identity for ref in report.restored_idle] == [record.identity]
+        assert world.states() == {record.name: State.IDLE}
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, record.identity)
