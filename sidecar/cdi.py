@@ -240,11 +240,20 @@ class CdiSpecs:
             return True
         return _read_bytes(self.spec_path(identity.mig_uuid)) == self.render(gpu_minor, identity)
 
-    def remove(self, mig_uuid: str) -> bool:
-        """Remove the spec of an instance; missing = done. On failure queue it and return False."""
+    def remove(self, mig_uuid: str, path: Path | None = None) -> bool:
+        """Remove the spec of an instance; missing = done. On failure queue it and return False.
+
+        ``path`` is the file ``list_mig_uuids`` found the MIG UUID in: that listing goes by content, and
+        a spec of our kind may have another name than ``spec_path`` (written by hand, by an older
+        version), which removing by the derived name would miss. Without it the derived name is used.
+        ValueError for a path that is not a file name directly in the CDI directory: nothing outside it
+        is ever removed."""
         if self.directory is None:
             return True
-        path = self.spec_path(mig_uuid)
+        if path is None:
+            path = self.spec_path(mig_uuid)
+        elif path.parent != self.directory or path.name in {"", ".", ".."}:
+            raise ValueError(f"{path} is not in the CDI directory {self.directory}")
         with self._lock:
             if _unlink(path):
                 self._pending.pop(path, None)

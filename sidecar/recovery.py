@@ -44,9 +44,9 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    full-size CI gets an ``IDLE`` record; a GI without a CI is destroyed only on a GPU with no active
    allocation, no instance that stays ``ACTIVE`` and no running process.
 5. CDI: every live owned ``ACTIVE``/``IDLE`` instance gets its spec ensured (rewritten if missing or
-   different); spec files of this sidecar's kind whose MIG UUID is no live owned instance are removed,
-   except those of instances preserved because of a kept or corrupt record (the operator may restore
-   the record).
+   different); spec files of this sidecar's kind whose MIG UUID is no live owned instance are removed
+   (the file found by content, whatever its name), except those of instances preserved because of a
+   kept or corrupt record (the operator may restore the record).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import re
 import threading
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
 import msgspec
 
@@ -130,6 +131,8 @@ class Inputs(msgspec.Struct, frozen=True, kw_only=True):
     corrupt: tuple[CorruptFile, ...] = ()
     gpus: tuple[LiveGpu, ...] = ()
     cdi_files: tuple[str, ...] = ()  # MIG UUIDs that have a spec file of this sidecar's kind
+    # MIG UUID -> the file it was found in (found by content: the name may differ from the derived one)
+    cdi_paths: dict[str, str] = msgspec.field(default_factory=dict)
     # MIG UUID -> qualified CDI device name of every live CI ("" or absent with CDI disabled)
     cdi_devices: dict[str, str] = msgspec.field(default_factory=dict)
     boot_id: str = ""
@@ -177,7 +180,10 @@ class EnsureCdi(msgspec.Struct, frozen=True, tag=True):
 
 
 class RemoveCdi(msgspec.Struct, frozen=True, tag=True):
+    """Remove the spec file of ``mig_uuid``: the one gather found (``path``), else the derived name."""
+
     mig_uuid: str
+    path: str = ""
 
 
 Action = PutRecord | DeleteRecord | DestroyOwned | EnsureCdi | RemoveCdi
@@ -308,7 +314,7 @@ class _Planner:
         if not mig_uuid or mig_uuid not in self.inputs.cdi_files or mig_uuid in self.removed_cdi:
             return ()
         self.removed_cdi.add(mig_uuid)
-        return (RemoveCdi(mig_uuid),)
+        return (RemoveCdi(mig_uuid, self.inputs.cdi_paths.get(mig_uuid, "")),)
 
     # -- rule 1: active allocations ------------------------------------------------------------------
     def adopt_active(self) -> None:
@@ -933,12 +939,14 @@ class Recovery:
             raise self._gather_failed(exc) from exc
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
         _refuse_legacy_mig_uuids(gpus)
+        cdi_found = self.cdi.list_mig_uuids()
         return Inputs(
             active=tuple(active),
             records=tuple(valid.values()),
             corrupt=tuple(CorruptFile(name, c.why) for name, c in corrupt.items()),
             gpus=gpus,
-            cdi_files=tuple(sorted(self.cdi.list_mig_uuids())),
+            cdi_files=tuple(sorted(cdi_found)),
+            cdi_paths={uuid: str(path) for uuid, path in cdi_found.items()},
             cdi_devices={uuid: self.cdi.device_name(uuid) for uuid in mig_uuids} if self.cdi.enabled else {},
             boot_id=self.boot_id,
             adopt_existing=self.adopt_existing,
@@ -1034,8 +1042,8 @@ class Recovery:
                 self.lifecycle.destroy_owned(record, mark_deleting=True)
             case EnsureCdi(gpu_minor=minor, identity=identity):
                 self.cdi.ensure(minor, identity)
-            case RemoveCdi(mig_uuid=mig_uuid):
-                if not self.cdi.remove(mig_uuid):
+            case RemoveCdi(mig_uuid=mig_uuid, path=path):
+                if not self.cdi.remove(mig_uuid, Path(path) if path else None):
                     return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
         return None
 

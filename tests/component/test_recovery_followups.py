@@ -9,6 +9,8 @@ the three public phases of ``Recovery`` one after the other instead of ``recover
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from lifecycle_world import BOOT_ID, World
 from test_review_followups import files_cannot_grow_past
@@ -253,3 +255,33 @@ class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
         assert world.states() == {record.name: State.IDLE}
         reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
         assert (reused.outcome, reused.identity) == (Outcome.REUSED, record.identity)
+
+
+class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
+    """Decided: recovery found the spec files of our kind by content and removed strays by the name
+    derived from their MIG UUID, so a stray of our kind under another file name stayed forever (and
+    kept publishing a device no instance backs). Now the file that was found is removed."""
+
+    def test_a_stray_of_our_kind_under_an_odd_name_goes_and_other_kinds_stay(self, cdi_world: World) -> None:
+        world = cdi_world
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        owned_spec = world.cdi.spec_path(held.identity.mig_uuid)
+        gone = "MIG-" + "2" * 8 + "-2222-2222-2222-" + "2" * 12
+        stray = world.cdi_dir / "hami-mig-stray.json"
+        stray.write_text(
+            json.dumps({"cdiVersion": "0.3.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
+        )
+        other = world.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
+        other_text = json.dumps(
+            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": gone}, {"name": "all"}]}
+        )
+        other.write_text(other_text)
+
+        report = restart(world).recover([])
+
+        assert world.cdi_files() == {owned_spec.name, other.name}
+        assert other.read_text() == other_text
+        assert world.cdi.pending_removals() == []
+        assert [ref.identity for ref in report.restored_idle] == [held.identity]
+        assert report.errors == ()
