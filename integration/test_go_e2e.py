@@ -104,10 +104,13 @@ class TestAllOrNothing:
     ) -> None:
         car = go_runner.car
         car.sim("fault", "create-ci", "UNKNOWN", "--after", "1", "--times", "100")
-        code, steps, raw = play(go_binaries, go_runner, "rollback.yaml")
+        # NVML_ERROR is UNAVAILABLE, which the client retries with the same request until Allocate's
+        # deadline; a short deadline keeps the test quick, and the error must still name the reason.
+        code, steps, raw = play(go_binaries, go_runner, "rollback.yaml", "--allocate-timeout", "3s")
         assert code == 0, raw
         failed = next(s for s in steps if s["event"] == "allocate")
         assert failed["error"] is not None, raw
+        assert "NVML_ERROR" in json.dumps(failed["error"]), raw
         assert "devices" not in failed
         assert instances(car) == {}
         assert hardware_mig_uuids(car) == set()
