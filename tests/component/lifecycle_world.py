@@ -1,15 +1,26 @@
-"""A lifecycle over simulated hardware, in process: the real pynvml adapter, records and CDI code."""
+"""A lifecycle over simulated hardware, in process: the real pynvml adapter, records and CDI code.
+
+Also the helpers every component test file needs: ``restart`` (what a killed sidecar leaves behind:
+hardware and files stay, a fresh lifecycle and its ``Recovery``), ``recovery_of`` (a repeated Recover
+on the running lifecycle), ``active_of`` (the pod annotation after an Allocate), ``gis`` (one GPU's
+layout) and ``files_cannot_grow_past`` (a full disk).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import resource
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import (
+    ActiveAllocation,
     AllocateRequest,
     AllocateResult,
     DeviceRequest,
+    Owner,
     Placement,
     PodRef,
     Reservation,
@@ -20,6 +31,7 @@ from sidecar.nvml.port import GpuInfo
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.simulated import SimulatedHardware, install
 from sidecar.records import OwnershipRecord, RecordStore
+from sidecar.recovery import Recovery
 
 BOOT_ID = "0b5b8e4a-7a57-4a3b-9a57-6f2f0c1a0b1c"
 
@@ -131,3 +143,52 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
     lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
     lifecycle.install([], 0)
     return World(hw, port, records, cdi, cdi_dir, lifecycle, port.gpus())
+
+
+# -- a restart, as the composition root performs it, and what the plugin sends to Recover ----------------
+
+
+def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recovery:
+    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
+    world.records.close()
+    records = RecordStore(world.records.directory)
+    records.open()
+    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
+    world.records, world.cdi = records, cdi
+    world.lifecycle = Lifecycle(world.port, records, cdi, boot_id)
+    return Recovery(world.lifecycle, world.port, records, cdi, boot_id, adopt_existing=adopt)
+
+
+def recovery_of(world: World, *, adopt: bool = False) -> Recovery:
+    """A Recovery over the running lifecycle (a Recover RPC repeated while the sidecar serves)."""
+    return Recovery(world.lifecycle, world.port, world.records, world.cdi, BOOT_ID, adopt_existing=adopt)
+
+
+def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:
+    """What the plugin reads back from the pod annotation after a successful Allocate."""
+    return [
+        ActiveAllocation(
+            owner=Owner(PodRef(pod, "default", f"name-{pod}"), "main", 0, device.device_index),
+            reservation=device.reservation,
+            identity=device.identity,
+        )
+        for device in result.devices
+    ]
+
+
+def gis(world: World, gpu: int) -> set[tuple[str, int]]:
+    """(placement, number of CIs) of every GI on one GPU."""
+    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
+
+
+@contextlib.contextmanager
+def files_cannot_grow_past(size: int) -> Iterator[None]:
+    """Every file write of this process beyond ``size`` bytes fails (EFBIG), as on a full disk.
+
+    Python ignores SIGXFSZ, so the write returns an error instead of ending the process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))

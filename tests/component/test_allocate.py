@@ -8,6 +8,7 @@ from lifecycle_world import World
 from sidecar import errors
 from sidecar.domain import Outcome, State
 from sidecar.lifecycle import Lifecycle
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 
 H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
 
@@ -258,3 +259,94 @@ class TestValidation:
         with pytest.raises(errors.NotRecovered):
             fresh.release("pod-a")
         assert world.everything() == (set(), {}, set())
+
+
+class TestReuseWaitsUntilNoProcessRunsOnTheIdleInstance:
+    """Finding D: a pod in its grace period may still run on an idle instance; it is not shared."""
+
+    def test_an_idle_instance_with_a_running_process_is_refused_as_in_use_and_stays_idle(
+        self, world: World
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        world.hw.set_busy(old.identity.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse) as caught:
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert caught.value.metadata["mig_uuid"] == old.identity.mig_uuid
+        assert world.everything() == before
+        assert set(world.states().values()) == {State.IDLE}
+        world.hw.set_busy(old.identity.mig_uuid, False)
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_an_nvml_error_while_counting_its_processes_fails_the_request_and_keeps_it_idle(
+        self, world: World
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        before = world.everything()
+        world.hw.inject_fault("processes", NVML_ERROR_UNKNOWN)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_a_busy_instance_a_later_device_would_reuse_fails_the_request_before_an_earlier_one_reclaims(
+        self, world: World
+    ) -> None:
+        """Device 0 must reclaim an idle instance, device 1 would reuse one that still runs a process:
+        the request fails INSTANCE_IN_USE and the idle instance in device 0's way is still there."""
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        busy = world.allocate("pod-old", (1, "1g.10gb", 0, 1), container_index=1).devices[0]
+        world.lifecycle.release("pod-old")
+        world.hw.set_busy(busy.identity.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse):
+            world.allocate("pod-new", (0, "2g.20gb", 0, 2), (1, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
+
+
+class TestARequestThatCannotSucceedDestroysNoIdleInstance:
+    def test_a_busy_placement_of_a_later_device_is_refused_before_an_earlier_device_reclaims_idle_cache(
+        self, world: World
+    ) -> None:
+        """Placements are decided for every device before any is touched: the request fails with
+        PLACEMENT_BUSY for device 1, so device 0 must not have destroyed the idle instance in its way
+        (a rollback can remove what the request created, but not bring a destroyed instance back)."""
+        cached = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        world.allocate("pod-holder", (1, "1g.10gb", 0, 1))
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-a", (0, "2g.20gb", 0, 2), (1, "1g.10gb", 0, 1))
+
+        assert caught.value.metadata["pod_uid"] == "pod-holder"
+        assert world.everything() == before
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, cached.identity)
+
+    def test_a_process_on_an_idle_instance_a_later_device_must_reclaim_fails_the_request_first(
+        self, world: World
+    ) -> None:
+        """INSTANCE_IN_USE for device 1 is known before device 0 reclaims anything."""
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-old", (1, "1g.10gb", 0, 1), container_index=1)
+        world.lifecycle.release("pod-old")
+        busy = next(r for r in world.record_files().values() if r.gpu_uuid == world.uuid(1))
+        assert busy.mig_uuid is not None
+        world.hw.set_busy(busy.mig_uuid)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse):
+            world.allocate("pod-a", (0, "2g.20gb", 0, 2), (1, "2g.20gb", 0, 2))
+
+        assert world.everything() == before

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from lifecycle_world import World
 
 from sidecar import errors
 from sidecar.domain import Outcome, State
+from sidecar.reconciler import Reconciler
 
 NVML_ERROR_UNKNOWN = 999
+NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 FOREVER = 1000  # more attempts than any bounded retry makes
 
@@ -111,3 +116,135 @@ class TestStuckDestroy:
 
         assert caught.value.metadata["blocker"] == "ERROR"
         assert idle.identity.mig_uuid in world.live_mig_uuids()
+
+
+class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
+    """Finding E: only a real identity mismatch sends an idle instance to ERROR."""
+
+    @pytest.mark.parametrize("op", ["get-gpu-instances", "get-compute-instances"])
+    def test_an_nvml_error_while_verifying_fails_the_request_and_the_instance_stays_reusable(
+        self, world: World, op: str
+    ) -> None:
+        old = world.allocate("pod-old", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-old")
+        before = world.everything()
+        world.hw.inject_fault(op, NVML_ERROR_UNKNOWN)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
+        assert [r.state for r in world.lifecycle.instances()] == [State.IDLE]
+        Reconciler(world.lifecycle).run_once()
+        again = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, old.identity)
+
+    def test_an_instance_recreated_behind_the_sidecars_back_still_goes_to_error(self, world: World) -> None:
+        world.allocate("pod-old", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-old")
+        [idle] = world.record_files().values()
+        assert idle.gpu_instance_id is not None
+        world.hw.destroy_instance(0, idle.gpu_instance_id)
+        world.hw.create_instance(0, "1g.10gb", 0, 1)
+
+        with pytest.raises(errors.UnverifiableState):
+            world.allocate("pod-new", (0, "1g.10gb", 0, 1))
+
+        assert world.states() == {idle.name: State.ERROR}
+
+
+class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
+    """Finding H: the MIG mode is checked again under the GPU lock, before the first change."""
+
+    def test_an_allocate_that_raced_a_mig_disable_answers_mig_disabled_and_changes_nothing(
+        self, world: World
+    ) -> None:
+        gpu = world.uuid(1)
+        world.lifecycle.gpu_info(gpu)  # the static GPU list is cached: the next mode read is validation's
+        outcome: list[BaseException | None] = []
+
+        def allocate() -> None:
+            try:
+                world.allocate("pod-a", (1, "1g.10gb", 0, 1))
+                outcome.append(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+
+        with world.lifecycle.exclusive([gpu]):  # what a SetMigMode holds while it disables MIG
+            reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
+            worker = threading.Thread(target=allocate)
+            worker.start()
+            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+            while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
+                assert time.monotonic() < give_up, "the allocate never validated"
+                time.sleep(0.005)
+            world.hw.set_mig_mode(1, False)  # validation has seen MIG enabled; the lock is still ours
+        worker.join()
+
+        [error] = outcome
+        assert isinstance(error, errors.MigDisabled)
+        assert world.everything() == (set(), {}, set())
+
+
+class TestAFailedCreateLeavesNoUnrecordedInstance:
+    @pytest.mark.parametrize("code", [NVML_ERROR_UNKNOWN, NVML_ERROR_TIMEOUT], ids=["unknown", "timeout"])
+    def test_a_gpu_instance_made_by_a_create_that_then_failed_is_destroyed_by_the_undo(
+        self, world: World, code: int
+    ) -> None:
+        """The driver made the GI, but reading its info failed (and a retry of the whole create then
+        met the GI it had just made): the undo must find the bare GI at the exact placement instead
+        of leaving it on the GPU without a record, where it would block the placement for good."""
+        world.hw.inject_fault("nvmlGpuInstanceGetInfo", code, times=1)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+
+        assert world.everything() == (set(), {}, set())
+        world.hw.clear_faults()
+        assert world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0].identity.gpu_instance_id > 0
+
+
+class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
+    def test_an_instance_whose_record_could_not_be_deleted_after_its_destroy_is_finished_by_the_reconciler(
+        self, world: World
+    ) -> None:
+        """The reclaim destroyed the hardware, then deleting the record failed (the state directory
+        was unavailable for a moment). The instance must not stay DELETING in the table for the rest
+        of the process life, blocking its slices with PLACEMENT_BUSY, which the client never retries:
+        it goes to ERROR, and the reconciler finishes the delete once the directory is back."""
+        world.allocate("pod-old", (0, "1g.10gb", 4, 1))
+        world.lifecycle.release("pod-old")
+        [idle] = world.record_files().values()
+        state_dir = world.records.directory
+        away = state_dir.with_name("state-away")
+        record_file = state_dir / f"{idle.name}.json"
+        # The simulated driver sleeps after destroying the GI: the window between the DELETING record
+        # and the record delete, in which the directory goes away.
+        world.hw.set_latency("destroy-gi", 1.0)
+
+        def take_the_directory_away() -> None:
+            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+            while b'"DELETING"' not in record_file.read_bytes():
+                if time.monotonic() > give_up:
+                    return
+                time.sleep(0.005)
+            state_dir.rename(away)
+            state_dir.write_text("not a directory")
+
+        thief = threading.Thread(target=take_the_directory_away)
+        thief.start()
+        try:
+            with pytest.raises(errors.StateWriteFailed):
+                world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+        finally:
+            thief.join()
+            world.hw.set_latency("destroy-gi", 0)
+            state_dir.unlink()
+            away.rename(state_dir)
+
+        assert world.layout() == set()
+        report = Reconciler(world.lifecycle).run_once()
+        assert [ref.reservation for ref in report.destroyed] == [idle.reservation]
+        assert world.everything() == (set(), {}, set())
+        assert world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0].outcome is Outcome.CREATED
+        world.assert_consistent()

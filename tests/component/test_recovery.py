@@ -12,61 +12,31 @@ import json
 from collections.abc import Iterable
 
 import pytest
-from lifecycle_world import BOOT_ID, World
+from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
 from sidecar import errors
-from sidecar.cdi import CdiSpecs
 from sidecar.domain import (
     ActiveAllocation,
-    AllocateResult,
     Identity,
     Outcome,
-    Owner,
     Placement,
-    PodRef,
     State,
 )
-from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.records import OwnershipRecord, RecordStore, record_name
+from sidecar.reconciler import Reconciler
+from sidecar.records import OwnershipRecord, record_name
 from sidecar.recovery import Recovery
 
 FOREVER = 1000
+
+
 OTHER_MIG_UUID = "MIG-00000000-0000-5000-8000-000000000000"
-
-
-def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recovery:
-    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
-    world.records.close()
-    records = RecordStore(world.records.directory)
-    records.open()
-    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
-    world.records, world.cdi = records, cdi
-    world.lifecycle = Lifecycle(world.port, records, cdi, boot_id)
-    return Recovery(world.lifecycle, world.port, records, cdi, boot_id, adopt_existing=adopt)
-
-
-def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:
-    """What the plugin reads back from the pod annotation after a successful Allocate."""
-    return [
-        ActiveAllocation(
-            owner=Owner(PodRef(pod, "default", f"name-{pod}"), "main", 0, device.device_index),
-            reservation=device.reservation,
-            identity=device.identity,
-        )
-        for device in result.devices
-    ]
 
 
 def states(world: World) -> dict[tuple[int, str], State]:
     """(GPU index, placement) -> state of every record on disk."""
     index = {g.uuid: g.index for g in world.gpus}
     return {(index[r.gpu_uuid], str(r.placement)): r.state for r in world.record_files().values()}
-
-
-def gis(world: World, gpu: int) -> set[tuple[str, int]]:
-    """(placement, number of CIs) of every GI on one GPU."""
-    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
 
 
 def refs(items: Iterable[object]) -> set[str]:
@@ -329,3 +299,153 @@ class TestCdiSpecsAreRepairedAtStartup:
 
 def _fields(record: OwnershipRecord) -> dict[str, object]:
     return {f: getattr(record, f) for f in record.__struct_fields__}
+
+
+class TestTheCdiStepAtStartup:
+    """Pinned: live owned instances get their spec, stray specs of our kind go, other kinds stay."""
+
+    def test_specs_of_other_kinds_are_never_touched_and_strays_of_ours_are_removed(
+        self, cdi_world: World
+    ) -> None:
+        world = cdi_world
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        spec = world.cdi.spec_path(a.devices[0].identity.mig_uuid)
+        spec.unlink()
+        gone = "MIG-" + "2" * 8 + "-2222-2222-2222-" + "2" * 12
+        world.cdi.spec_path(gone).write_text(
+            json.dumps({"cdiVersion": "0.5.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
+        )
+        other = world.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
+        other_text = json.dumps(
+            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": gone}, {"name": "all"}]}
+        )
+        other.write_text(other_text)
+
+        report = restart(world).recover(active_of("pod-a", a))
+
+        assert world.cdi_files() == {spec.name, other.name}
+        assert other.read_text() == other_text
+        assert world.cdi.is_current(world.gpus[0].minor, a.devices[0].identity)
+        assert report.errors == ()
+
+
+class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
+    """Decided: recovery found the spec files of our kind by content and removed strays by the name
+    derived from their MIG UUID, so a stray of our kind under another file name stayed forever (and
+    kept publishing a device no instance backs). Now the file that was found is removed."""
+
+    def test_a_stray_of_our_kind_under_an_odd_name_goes_and_other_kinds_stay(self, cdi_world: World) -> None:
+        world = cdi_world
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        owned_spec = world.cdi.spec_path(held.identity.mig_uuid)
+        gone = "MIG-" + "2" * 8 + "-2222-2222-2222-" + "2" * 12
+        stray = world.cdi_dir / "hami-mig-stray.json"
+        stray.write_text(
+            json.dumps({"cdiVersion": "0.3.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
+        )
+        other = world.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
+        other_text = json.dumps(
+            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": gone}, {"name": "all"}]}
+        )
+        other.write_text(other_text)
+
+        report = restart(world).recover([])
+
+        assert world.cdi_files() == {owned_spec.name, other.name}
+        assert other.read_text() == other_text
+        assert world.cdi.pending_removals() == []
+        assert [ref.identity for ref in report.restored_idle] == [held.identity]
+        assert report.errors == ()
+
+
+class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
+    """Decided: restoring a verified live instance writes its record (ACTIVE -> IDLE when no pod holds
+    it). When that write failed, the instance went to ERROR, and the reconciler then destroyed a healthy
+    instance. Now it is foreign for this process life (preserved, never reused, blocking its
+    placement), the record on disk is left as it was, and the report says why; a later Recover with a
+    working state directory restores it."""
+
+    def held_then_restarted(self, world: World) -> tuple[Recovery, OwnershipRecord, bytes]:
+        """An instance a pod held when the sidecar stopped; the pod is gone by the restart."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        return restart(world), record, world.records.path(record.name).read_bytes()
+
+    def test_the_instance_is_foreign_its_record_untouched_and_the_report_says_why(self, world: World) -> None:
+        recovery, record, on_disk = self.held_then_restarted(world)
+        before = world.layout()
+
+        with files_cannot_grow_past(256):
+            report = recovery.recover([])
+
+        assert world.layout() == before
+        assert world.lifecycle.instances() == []
+        assert world.records.path(record.name).read_bytes() == on_disk
+        assert report.restored_idle == ()
+        assert [ref.identity for ref in report.preserved_foreign] == [record.identity]
+        assert any(record.name in line for line in report.errors)
+
+    def test_the_reconciler_leaves_it_alone_and_nothing_reuses_it(self, world: World) -> None:
+        recovery, record, _ = self.held_then_restarted(world)
+        with files_cannot_grow_past(256):
+            recovery.recover([])
+        before = world.layout()
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.layout() == before
+        assert world.states() == {record.name: State.ACTIVE}
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+        assert world.layout() == before
+
+    def test_a_later_recover_with_a_working_state_directory_restores_it(self, world: World) -> None:
+        recovery, record, _ = self.held_then_restarted(world)
+        with files_cannot_grow_past(256):
+            recovery.recover([])
+
+        report = restart(world).recover([])
+
+        assert [ref.identity for ref in report.restored_idle] == [record.identity]
+        assert world.states() == {record.name: State.IDLE}
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, record.identity)
+
+
+def rename_the_legacy_way(world: World, gpu_index: int, gi_id: int) -> str:
+    """What an R450/R460 driver reports for the CI of a GI: ``MIG-GPU-<uuid>/<gi>/<ci>``.
+
+    That form is built from IDs the driver reuses, so it stays the same across a re-creation and
+    cannot prove "same instance". The simulator only makes the modern form; its state is edited."""
+    with world.hw.store.transaction() as state:
+        gpu = state.gpus[gpu_index]
+        gi = next(g for g in gpu.gis if g.id == gi_id)
+        ci = gi.cis[0]
+        ci.mig_uuid = f"MIG-{gpu.uuid}/{gi.id}/{ci.id}"
+        return ci.mig_uuid
+
+
+class TestALegacyMigUuidIsUnverifiable:
+    """Finding G: legacy MIG UUIDs fail closed with a domain error, never INTERNAL."""
+
+    @pytest.mark.parametrize("adopt", [False, True], ids=["preserve", "adopt"])
+    def test_recover_answers_unverifiable_state_naming_the_instance_and_modifies_nothing(
+        self, world: World, adopt: bool
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        foreign = world.hw.create_instance(1, "1g.10gb", 4, 1)
+        legacy = rename_the_legacy_way(world, 1, foreign.id)
+        recovery = restart(world)
+        recovery.adopt_existing = adopt
+        before = world.everything()
+
+        with pytest.raises(errors.UnverifiableState) as caught:
+            recovery.recover([])
+
+        assert legacy in str(caught.value)
+        assert caught.value.metadata["mig_uuid"] == legacy
+        assert world.everything() == before
+        assert not world.lifecycle.recovered

@@ -1,53 +1,119 @@
-"""Follow-ups of a review of restart recovery: three decided fixes, one class each.
+"""What restart recovery may destroy: orphan GPU instances and interrupted removals, and nothing else.
 
-Every test failed before the fix its class names. They run over the simulated hardware through the
-real pynvml adapter, records and CDI code, and assert the NVML layout, the record files, the CDI files,
-the recovery report and what later transactions see. Where a test must change the hardware between
-recovery's gather and its apply (what another actor on the node could do in that window), it calls
-the three public phases of ``Recovery`` one after the other instead of ``recover``.
+A GI with no record is removed only with adoption, only as a bare GI, and only where nothing runs on
+its GPU; a DELETING record owns only what its decision saw. Where a test must change the hardware
+between recovery's gather and its apply (what another actor on the node could do in that window), it
+calls the three public phases of ``Recovery`` one after the other instead of ``recover``. Outcomes
+are asserted on the NVML layout, the record and CDI files and the recovery report.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from lifecycle_world import BOOT_ID, World
-from test_review_followups import files_cannot_grow_past
+from lifecycle_world import BOOT_ID, World, gis, recovery_of, restart
 
 from sidecar import errors
-from sidecar.cdi import CdiSpecs
-from sidecar.domain import Outcome, Placement, State
-from sidecar.lifecycle import Lifecycle
+from sidecar.domain import Placement, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
-from sidecar.records import OwnershipRecord, RecordStore, record_name
-from sidecar.recovery import Recovery, plan
+from sidecar.records import OwnershipRecord, record_name
+from sidecar.recovery import plan
 
 FOREVER = 1000  # more attempts than any bounded retry makes
+ORPHAN = Placement(4, 4)
 
 
-def restart(world: World, *, adopt: bool = False) -> Recovery:
-    """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
-    world.records.close()
-    records = RecordStore(world.records.directory)
-    records.open()
-    cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
-    world.records, world.cdi = records, cdi
-    world.lifecycle = Lifecycle(world.port, records, cdi, BOOT_ID)
-    return Recovery(world.lifecycle, world.port, records, cdi, BOOT_ID, adopt_existing=adopt)
+class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
+    """Finding: the orphan rule counted only the listed allocations and processes as "busy", not an
+    ACTIVE record. A repeated Recover (whose pod list may predate an Allocate) keeps such an instance
+    ACTIVE, and then destroyed an orphan GI beside it: the spec says orphan GIs on busy GPUs are
+    always preserved (architecture: ListGpus' busy = an ACTIVE instance or a running process)."""
+
+    def test_a_repeated_recover_with_adoption_and_an_old_pod_list_keeps_the_orphan(
+        self, world: World
+    ) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.create_instance(0, "3g.40gb", 4, 4, with_ci=False)
+        before = world.everything()
+
+        report = recovery_of(world, adopt=True).recover([])
+
+        assert world.everything() == before
+        assert ("4:4", 0) in gis(world, 0)
+        assert report.removed_orphan_gis == ()
+        assert {str(ref.reservation) for ref in report.preserved_foreign} == {f"{world.uuid(0)}/3g.40gb@4:4"}
+
+    def test_an_orphan_on_another_gpu_with_nothing_active_is_still_removed(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+
+        report = recovery_of(world, adopt=True).recover([])
+
+        assert gis(world, 1) == set()
+        assert len(report.removed_orphan_gis) == 1
+        assert world.states() == {record_name(world.uuid(0), Placement(0, 1)): State.ACTIVE}
 
 
-def gis(world: World, gpu: int) -> set[tuple[str, int]]:
-    """(placement, number of CIs) of every GI on one GPU."""
-    return {(placement, len(cis)) for g, _, _, placement, cis in world.layout() if g == gpu}
+class TestADeletingRecordOwnsOnlyWhatItsDecisionSaw:
+    """Finding: a DELETING record without a CI ID is written only for a GI that had no CI when the
+    destroy was decided (an orphan GI being removed with adoption, or a bare GI left by a create).
+    Recovery treated any full-size CI in that GI as the record's own, as it rightly does for CREATING
+    (a crash between creating the CI and recording it). No transaction of ours creates a CI in a GI
+    recorded DELETING, so a CI there now was made by someone else, and recovery destroyed it (and the
+    GI it lives in) without ever having verified it as ours."""
+
+    def test_a_ci_made_since_in_the_gi_of_an_interrupted_orphan_removal_is_preserved(
+        self, world: World
+    ) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        # What removing this orphan records before it destroys anything; then a kill -9.
+        interrupted = OwnershipRecord(
+            gpu_uuid=world.uuid(1),
+            profile="3g.40gb",
+            gi_profile_id=gi.profile_id,
+            ci_profile_id=2,
+            placement=Placement(4, 4),
+            state=State.DELETING,
+            gpu_instance_id=gi.id,
+            boot_id=BOOT_ID,
+        )
+        world.records.put(interrupted)
+        ci = world.port.create_compute_instance(world.uuid(1), gi.id, 2)  # an operator, meanwhile
+        layout = world.layout()
+
+        report = restart(world, adopt=True).recover([])
+
+        assert world.layout() == layout
+        assert world.record_files() == {interrupted.name: interrupted}
+        assert world.lifecycle.instances() == []
+        assert [ref.identity.mig_uuid for ref in report.preserved_foreign if ref.identity] == [ci.mig_uuid]
+        assert report.dropped_stale_records == ()
+        assert any(interrupted.name in line for line in report.errors)
+
+    def test_a_bare_gi_of_an_interrupted_orphan_removal_is_still_destroyed(self, world: World) -> None:
+        gi = world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        world.records.put(
+            OwnershipRecord(
+                gpu_uuid=world.uuid(1),
+                profile="3g.40gb",
+                gi_profile_id=gi.profile_id,
+                ci_profile_id=2,
+                placement=Placement(4, 4),
+                state=State.DELETING,
+                gpu_instance_id=gi.id,
+                boot_id=BOOT_ID,
+            )
+        )
+
+        report = restart(world).recover([])
+
+        assert gis(world, 1) == set()
+        assert world.record_files() == {}
+        assert len(report.dropped_stale_records) == 1
 
 
 def reservations(refs: object) -> set[str]:
     return {str(ref.reservation) for ref in refs}  # type: ignore[attr-defined]
-
-
-ORPHAN = Placement(4, 4)
 
 
 class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
@@ -200,88 +266,3 @@ class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
             gpu_instance_id=gpu_instance_id,
             boot_id=BOOT_ID,
         )
-
-
-class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
-    """Decided: restoring a verified live instance writes its record (ACTIVE -> IDLE when no pod holds
-    it). When that write failed, the instance went to ERROR, and the reconciler then destroyed a healthy
-    instance. Now it is foreign for this process life (preserved, never reused, blocking its
-    placement), the record on disk is left as it was, and the report says why; a later Recover with a
-    working state directory restores it."""
-
-    def held_then_restarted(self, world: World) -> tuple[Recovery, OwnershipRecord, bytes]:
-        """An instance a pod held when the sidecar stopped; the pod is gone by the restart."""
-        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
-        [record] = world.record_files().values()
-        assert record.state is State.ACTIVE
-        return restart(world), record, world.records.path(record.name).read_bytes()
-
-    def test_the_instance_is_foreign_its_record_untouched_and_the_report_says_why(self, world: World) -> None:
-        recovery, record, on_disk = self.held_then_restarted(world)
-        before = world.layout()
-
-        with files_cannot_grow_past(256):
-            report = recovery.recover([])
-
-        assert world.layout() == before
-        assert world.lifecycle.instances() == []
-        assert world.records.path(record.name).read_bytes() == on_disk
-        assert report.restored_idle == ()
-        assert [ref.identity for ref in report.preserved_foreign] == [record.identity]
-        assert any(record.name in line for line in report.errors)
-
-    def test_the_reconciler_leaves_it_alone_and_nothing_reuses_it(self, world: World) -> None:
-        recovery, record, _ = self.held_then_restarted(world)
-        with files_cannot_grow_past(256):
-            recovery.recover([])
-        before = world.layout()
-
-        Reconciler(world.lifecycle).run_once()
-
-        assert world.layout() == before
-        assert world.states() == {record.name: State.ACTIVE}
-        with pytest.raises(errors.PlacementBusy):
-            world.allocate("pod-b", (0, "1g.10gb", 0, 1))
-        assert world.layout() == before
-
-    def test_a_later_recover_with_a_working_state_directory_restores_it(self, world: World) -> None:
-        recovery, record, _ = self.held_then_restarted(world)
-        with files_cannot_grow_past(256):
-            recovery.recover([])
-
-        report = restart(world).recover([])
-
-        assert [ref.identity for ref in report.restored_idle] == [record.identity]
-        assert world.states() == {record.name: State.IDLE}
-        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
-        assert (reused.outcome, reused.identity) == (Outcome.REUSED, record.identity)
-
-
-class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
-    """Decided: recovery found the spec files of our kind by content and removed strays by the name
-    derived from their MIG UUID, so a stray of our kind under another file name stayed forever (and
-    kept publishing a device no instance backs). Now the file that was found is removed."""
-
-    def test_a_stray_of_our_kind_under_an_odd_name_goes_and_other_kinds_stay(self, cdi_world: World) -> None:
-        world = cdi_world
-        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
-        world.lifecycle.release("pod-a")
-        owned_spec = world.cdi.spec_path(held.identity.mig_uuid)
-        gone = "MIG-" + "2" * 8 + "-2222-2222-2222-" + "2" * 12
-        stray = world.cdi_dir / "hami-mig-stray.json"
-        stray.write_text(
-            json.dumps({"cdiVersion": "0.3.0", "kind": world.cdi.kind, "devices": [{"name": gone}]})
-        )
-        other = world.cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json"
-        other_text = json.dumps(
-            {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": [{"name": gone}, {"name": "all"}]}
-        )
-        other.write_text(other_text)
-
-        report = restart(world).recover([])
-
-        assert world.cdi_files() == {owned_spec.name, other.name}
-        assert other.read_text() == other_text
-        assert world.cdi.pending_removals() == []
-        assert [ref.identity for ref in report.restored_idle] == [held.identity]
-        assert report.errors == ()
