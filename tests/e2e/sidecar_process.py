@@ -46,6 +46,8 @@ from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
+from sidecar.nvml.simulated import GpuLayout, SimulatedHardware
+
 DEFAULT_SIM_GPUS = "h100-80gb:2,a100-40gb:1"
 START_TIMEOUT_S = 60.0  # generous: two shared cores, a cold interpreter importing grpc and pynvml
 STOP_TIMEOUT_S = 30.0
@@ -298,6 +300,73 @@ def snapshot_dir(directory: Path) -> dict[str, bytes]:
         for path in sorted(directory.rglob("*"))
         if path.is_file()
     }
+
+
+# -- what a plugin sends and reads, shared by the tests that talk about one device at a time ----------------
+
+
+def gpu_uuid(car: Sidecar, index: int) -> str:
+    """The UUID of the GPU at NVML index ``index``, as ListGpus reports it."""
+    return str(next(g.uuid for g in car.gpus() if g.index == index))
+
+
+def allocate_one(  # noqa: PLR0917 - reads like the reservation it requests
+    car: Sidecar, pod: str, gpu: int, profile: str, start: int, size: int
+) -> Any:
+    """Allocate one device (device 0 of container 0 of ``pod``) at a placement; returns that device."""
+    request = pb.AllocateRequest(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        container_index=0,
+        devices=[
+            pb.DeviceRequest(
+                device_index=0,
+                gpu_uuid=gpu_uuid(car, gpu),
+                profile=profile,
+                placement=pb.Placement(start=start, size=size),
+            )
+        ],
+    )
+    return car.stub.Allocate(request, timeout=CALL_TIMEOUT_S).devices[0]
+
+
+def annotation(pod: str, device: Any) -> Any:
+    """The ActiveAllocation the plugin reads back from ``hami.io/vgpu-mig-allocations``."""
+    return pb.ActiveAllocation(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        container_index=0,
+        device_index=device.device_index,
+        gpu_uuid=device.gpu_uuid,
+        profile=device.profile,
+        placement=device.placement,
+        mig_uuid=device.mig_uuid,
+        gpu_instance_id=device.gpu_instance_id,
+        compute_instance_id=device.compute_instance_id,
+    )
+
+
+def failure(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """``call()`` must fail: its (code, reason, metadata)."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return error_info(caught.value)
+
+
+def instances(car: Sidecar) -> dict[str, Any]:
+    """MIG UUID -> owned instance as GetState reports it."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=CALL_TIMEOUT_S)
+    return {i.mig_uuid: i for g in state.gpus for i in g.instances}
+
+
+def states(car: Sidecar) -> dict[str, int]:
+    """MIG UUID -> InstanceState of every owned instance, as GetState reports it."""
+    return {mig_uuid: i.state for mig_uuid, i in instances(car).items()}
+
+
+def layouts(car: Sidecar) -> list[GpuLayout]:
+    """The GPU layouts as typed values, read from the simulated hardware's state file."""
+    return SimulatedHardware.open(car.sim_state).layouts()
 
 
 class SidecarFactory(Protocol):

@@ -35,7 +35,16 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, error_info, snapshot_dir
+from sidecar_process import (
+    CALL_TIMEOUT_S,
+    Sidecar,
+    SidecarFactory,
+    allocate_one,
+    error_info,
+    failure,
+    snapshot_dir,
+    states,
+)
 
 from sidecar.nvml.simulated import OP_ALIASES
 
@@ -614,3 +623,25 @@ class TestConcurrency:
         assert active == holder
         assert all(r["state"] in ("ACTIVE", "IDLE") for r in car.records().values())
         assert_consistent(car)
+
+
+class TestReuseOfABusyIdleInstance:
+    def test_reuse_while_a_process_still_runs_is_unavailable_instance_in_use_and_then_succeeds(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        old = allocate_one(sidecar, "pod-old", 0, "1g.10gb", 0, 1)
+        sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-old"), timeout=30)
+        sidecar.sim("busy", "--mig-uuid", old.mig_uuid, "on")
+
+        code, reason, metadata = failure(lambda: allocate_one(sidecar, "pod-new", 0, "1g.10gb", 0, 1))
+
+        assert (code, reason, metadata["mig_uuid"]) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "INSTANCE_IN_USE",
+            old.mig_uuid,
+        )
+        assert states(sidecar) == {old.mig_uuid: pb.IDLE}
+        sidecar.sim("busy", "--mig-uuid", old.mig_uuid, "off")
+        again = allocate_one(sidecar, "pod-new", 0, "1g.10gb", 0, 1)
+        assert (again.outcome, again.mig_uuid) == (pb.REUSED, old.mig_uuid)

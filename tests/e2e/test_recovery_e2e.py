@@ -8,13 +8,24 @@ files and what later calls do.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 import msgspec
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from sidecar_process import Sidecar, SidecarFactory, error_info
+from sidecar_process import (
+    Sidecar,
+    SidecarFactory,
+    allocate_one,
+    annotation,
+    failure,
+    gpu_uuid,
+    instances,
+    layouts,
+    snapshot_dir,
+    states,
+)
 
 from sidecar import crashpoints
 from sidecar.nvml.simulated import SimulatedHardware
@@ -28,52 +39,9 @@ SERVICE = "hami.migsidecar.v1.MigSidecar"
 SERVING = 1
 
 
-def gpu_uuid(car: Sidecar, index: int) -> str:
-    return next(g.uuid for g in car.gpus() if g.index == index)
-
-
-def allocate(  # noqa: PLR0917 - reads like the reservation it requests
-    car: Sidecar, pod: str, gpu: int, profile: str, start: int, size: int
-) -> Any:
-    request = pb.AllocateRequest(
-        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
-        container_name="main",
-        container_index=0,
-        devices=[
-            pb.DeviceRequest(
-                device_index=0,
-                gpu_uuid=gpu_uuid(car, gpu),
-                profile=profile,
-                placement=pb.Placement(start=start, size=size),
-            )
-        ],
-    )
-    return car.stub.Allocate(request, timeout=30).devices[0]
-
-
-def annotation(pod: str, device: Any) -> Any:
-    """The ActiveAllocation the plugin reads back from ``hami.io/vgpu-mig-allocations``."""
-    return pb.ActiveAllocation(
-        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
-        container_name="main",
-        container_index=0,
-        device_index=device.device_index,
-        gpu_uuid=device.gpu_uuid,
-        profile=device.profile,
-        placement=device.placement,
-        mig_uuid=device.mig_uuid,
-        gpu_instance_id=device.gpu_instance_id,
-        compute_instance_id=device.compute_instance_id,
-    )
-
-
-def hardware(car: Sidecar) -> list[Any]:
-    return SimulatedHardware.open(car.sim_state).layouts()
-
-
 def gis(car: Sidecar, gpu: int) -> set[tuple[str, int]]:
     """(placement, number of CIs) of every GI on one GPU, read from the simulated hardware."""
-    return {(str(gi.placement), len(gi.cis)) for gi in hardware(car)[gpu].gis}
+    return {(str(gi.placement), len(gi.cis)) for gi in layouts(car)[gpu].gis}
 
 
 def files(car: Sidecar) -> dict[str, bytes]:
@@ -85,26 +53,14 @@ def files(car: Sidecar) -> dict[str, bytes]:
     return found
 
 
-def instances(car: Sidecar) -> dict[str, Any]:
-    """MIG UUID -> owned instance as GetState reports it."""
-    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
-    return {i.mig_uuid: i for g in state.gpus for i in g.instances}
-
-
-def failure(call: Any) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-    with pytest.raises(grpc.RpcError) as caught:
-        call()
-    return error_info(caught.value)
-
-
 class TestOwnedInstancesSurviveKill9:
     def test_two_active_come_back_active_and_the_released_one_idle_with_its_mig_uuid(
         self, sidecar: Sidecar
     ) -> None:
         sidecar.recover()
-        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
-        b = allocate(sidecar, "pod-b", 0, "3g.40gb", 4, 4)
-        c = allocate(sidecar, "pod-c", 1, "2g.20gb", 2, 2)
+        a = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        b = allocate_one(sidecar, "pod-b", 0, "3g.40gb", 4, 4)
+        c = allocate_one(sidecar, "pod-c", 1, "2g.20gb", 2, 2)
         sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-c"), timeout=30)
         cdi_before = {k: v for k, v in files(sidecar).items() if k.startswith("cdi/")}
         assert len(cdi_before) == 3
@@ -120,12 +76,12 @@ class TestOwnedInstancesSurviveKill9:
         states = {uuid: i.state for uuid, i in instances(sidecar).items()}
         assert states == {a.mig_uuid: pb.ACTIVE, b.mig_uuid: pb.ACTIVE, c.mig_uuid: pb.IDLE}
         assert {k: v for k, v in files(sidecar).items() if k.startswith("cdi/")} == cdi_before
-        again = allocate(sidecar, "pod-d", 1, "2g.20gb", 2, 2)
+        again = allocate_one(sidecar, "pod-d", 1, "2g.20gb", 2, 2)
         assert (again.outcome, again.mig_uuid) == (pb.REUSED, c.mig_uuid)
 
     def test_recover_can_be_called_again_and_reports_the_same(self, sidecar: Sidecar) -> None:
         sidecar.recover()
-        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        a = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
         first = sidecar.recover([annotation("pod-a", a)])
         second = sidecar.recover([annotation("pod-a", a)])
         assert second == first
@@ -137,29 +93,29 @@ class TestForeignInstances:
         self, sidecar: Sidecar
     ) -> None:
         sidecar.sim("create", "--gpu", "0", "--profile", "3g.40gb", "--placement", "0:4")
-        (foreign,) = hardware(sidecar)[0].gis
+        (foreign,) = layouts(sidecar)[0].gis
         report = sidecar.recover()
         assert [r.mig_uuid for r in report.preserved_foreign] == [foreign.mig_uuid]
 
-        code, reason, _ = failure(lambda: allocate(sidecar, "pod-a", 0, "1g.10gb", 1, 1))
+        code, reason, _ = failure(lambda: allocate_one(sidecar, "pod-a", 0, "1g.10gb", 1, 1))
         assert (code, reason) == (grpc.StatusCode.FAILED_PRECONDITION, "PLACEMENT_BUSY")
-        code, reason, _ = failure(lambda: allocate(sidecar, "pod-a", 0, "3g.40gb", 0, 4))
+        code, reason, _ = failure(lambda: allocate_one(sidecar, "pod-a", 0, "3g.40gb", 0, 4))
         assert reason == "PLACEMENT_BUSY"
         assert sidecar.recover().preserved_foreign == report.preserved_foreign
-        assert {gi.mig_uuid for gi in hardware(sidecar)[0].gis} == {foreign.mig_uuid}
+        assert {gi.mig_uuid for gi in layouts(sidecar)[0].gis} == {foreign.mig_uuid}
 
         sidecar.kill9()
         sidecar.restart(extra_args=[ADOPT])
         adopted = sidecar.recover()
         assert [r.mig_uuid for r in adopted.adopted_foreign] == [foreign.mig_uuid]
-        reused = allocate(sidecar, "pod-b", 0, "3g.40gb", 0, 4)
+        reused = allocate_one(sidecar, "pod-b", 0, "3g.40gb", 0, 4)
         assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, foreign.mig_uuid)
 
     def test_orphan_gis_are_removed_only_with_adoption_and_only_on_idle_gpus(self, sidecar: Sidecar) -> None:
         sidecar.sim("create", "--gpu", "0", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
         sidecar.sim("create", "--gpu", "1", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
         sidecar.recover()
-        a = allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        a = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
         assert gis(sidecar, 0) == {("0:1", 1), ("4:4", 0)}
         assert gis(sidecar, 1) == {("4:4", 0)}, "without adoption an orphan is preserved"
 
@@ -178,8 +134,8 @@ class TestRecoveryRefusesWhatItCannotVerify:
     ) -> None:
         car = sidecar_factory(extra_args=[ADOPT])
         car.recover()
-        a = allocate(car, "pod-a", 0, "1g.10gb", 0, 1)
-        allocate(car, "pod-b", 0, "1g.10gb", 1, 1)
+        a = allocate_one(car, "pod-a", 0, "1g.10gb", 0, 1)
+        allocate_one(car, "pod-b", 0, "1g.10gb", 1, 1)
         car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=30)
         car.sim("create", "--gpu", "1", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
         car.kill9()
@@ -202,7 +158,7 @@ class TestRecoveryRefusesWhatItCannotVerify:
         self, sidecar: Sidecar
     ) -> None:
         sidecar.recover()
-        allocate(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
         sidecar.kill9()
         sidecar.sim("reboot")  # every record is stale now: a recovery that ran would drop it
         sidecar.start()
@@ -239,7 +195,7 @@ class TestCorruptRecords:
         car = sidecar_factory(extra_args=[ADOPT])
         car.recover()
         kinds = ["truncated", "bad checksum", "unknown field", "wrong version"]
-        made = [allocate(car, f"pod-{n}", 0, "1g.10gb", n, 1) for n in range(len(kinds))]
+        made = [allocate_one(car, f"pod-{n}", 0, "1g.10gb", n, 1) for n in range(len(kinds))]
         car.kill9()
         records = sorted(car.state_dir.glob("mig-*.json"))
         assert len(records) == len(kinds)
@@ -256,7 +212,7 @@ class TestCorruptRecords:
         assert (len(report.adopted_foreign), len(report.removed_orphan_gis)) == (0, 0)
         assert list(report.dropped_stale_records) == []
         assert instances(car) == {}
-        _, reason, _ = failure(lambda: allocate(car, "pod-x", 0, "1g.10gb", 0, 1))
+        _, reason, _ = failure(lambda: allocate_one(car, "pod-x", 0, "1g.10gb", 0, 1))
         assert reason == "PLACEMENT_BUSY"
         verify = car.cli("records", "verify", "--state-dir", str(car.state_dir))
         assert verify.returncode == 1
@@ -273,7 +229,7 @@ def assert_consistent(car: Sidecar) -> None:
     state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
     assert all(not g.foreign for g in state.gpus), "recovery left an instance it could not vouch for"
     owned = {(i.gpu_uuid, i.gpu_instance_id): i for g in state.gpus for i in g.instances}
-    live = {(g.uuid, gi.id): gi for g in hardware(car) for gi in g.gis}
+    live = {(g.uuid, gi.id): gi for g in layouts(car) for gi in g.gis}
     assert set(owned) == set(live)
     for key, instance in owned.items():
         assert instance.state in (pb.ACTIVE, pb.IDLE)
@@ -292,7 +248,7 @@ class TestCrashPoints:
         car = sidecar_factory(env={crashpoints.ENV: point})
         car.recover()
         with pytest.raises(grpc.RpcError):
-            allocate(car, "pod-a", 0, "3g.40gb", 4, 4)
+            allocate_one(car, "pod-a", 0, "3g.40gb", 4, 4)
         assert car.proc is not None
         assert car.proc.wait(timeout=30) == 137
 
@@ -302,7 +258,7 @@ class TestCrashPoints:
         assert list(report.errors) == []
         assert_consistent(car)
         assert gis(car, 0) == set()
-        created = allocate(car, "pod-a", 0, "3g.40gb", 4, 4)
+        created = allocate_one(car, "pod-a", 0, "3g.40gb", 4, 4)
         assert created.outcome == pb.CREATED
 
     @pytest.mark.parametrize("point", DELETE_POINTS)
@@ -311,10 +267,10 @@ class TestCrashPoints:
     ) -> None:
         car = sidecar_factory(env={crashpoints.ENV: point})
         car.recover()
-        idle = allocate(car, "pod-a", 0, "1g.10gb", 4, 1)
+        idle = allocate_one(car, "pod-a", 0, "1g.10gb", 4, 1)
         car.stub.Release(pb.ReleaseRequest(pod_uid="pod-a"), timeout=30)
         with pytest.raises(grpc.RpcError):
-            allocate(car, "pod-b", 0, "3g.40gb", 4, 4)  # overlaps the idle one: reclaim it first
+            allocate_one(car, "pod-b", 0, "3g.40gb", 4, 4)  # overlaps the idle one: reclaim it first
         assert car.proc is not None
         assert car.proc.wait(timeout=30) == 137
 
@@ -322,5 +278,188 @@ class TestCrashPoints:
         car.recover()
 
         assert_consistent(car)
-        assert idle.mig_uuid not in {gi.mig_uuid for gi in hardware(car)[0].gis}
-        assert allocate(car, "pod-b", 0, "3g.40gb", 4, 4).outcome == pb.CREATED
+        assert idle.mig_uuid not in {gi.mig_uuid for gi in layouts(car)[0].gis}
+        assert allocate_one(car, "pod-b", 0, "3g.40gb", 4, 4).outcome == pb.CREATED
+
+
+# -- a repeated Recover, and the generation the plugin read before a crash -------------------------------
+
+
+def owners(car: Sidecar) -> dict[str, tuple[int, str]]:
+    """MIG UUID -> (InstanceState, owning pod UID) of every owned instance, as GetState reports it."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
+    return {i.mig_uuid: (i.state, i.owner.pod.uid) for g in state.gpus for i in g.instances}
+
+
+class TestARepeatedRecoverWithAnOldPodList:
+    def test_an_instance_released_and_reused_by_a_newer_pod_stays_with_that_pod(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        first = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+        old_pod_list = [annotation("pod-a", first)]
+        sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-a"), timeout=30)
+        reused = allocate_one(sidecar, "pod-b", 0, "1g.10gb", 0, 1)
+        assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, first.mig_uuid)
+        files = snapshot_dir(sidecar.state_dir), snapshot_dir(sidecar.cdi_dir)
+
+        report = sidecar.recover(old_pod_list)
+
+        assert owners(sidecar) == {first.mig_uuid: (pb.ACTIVE, "pod-b")}
+        assert (snapshot_dir(sidecar.state_dir), snapshot_dir(sidecar.cdi_dir)) == files
+        assert list(report.adopted_active) == []
+        [line] = report.errors
+        assert "pod-a" in line
+        assert "pod-b" in line
+        assert allocate_one(sidecar, "pod-b", 0, "1g.10gb", 0, 1).outcome == pb.ALREADY_ALLOCATED
+
+
+class TestGenerationAcrossKill9:
+    def test_a_sync_active_fenced_before_the_crash_never_idles_an_instance_allocated_after_it(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        allocate_one(sidecar, "pod-b", 0, "1g.10gb", 0, 1)
+        sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=30)
+        sidecar.sim("fault", "create-gi", "999")
+        code, _, _ = failure(lambda: allocate_one(sidecar, "pod-c", 0, "2g.20gb", 0, 2))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert sidecar.records() == {}  # the instance activated last is gone, with its record
+        read_by_the_plugin = sidecar.info().generation
+
+        sidecar.kill9()
+        sidecar.start()
+        sidecar.recover()
+        assert sidecar.info().generation >= read_by_the_plugin
+        d = allocate_one(sidecar, "pod-d", 0, "1g.10gb", 4, 1)
+        synced = sidecar.stub.SyncActive(pb.SyncActiveRequest(generation=read_by_the_plugin), timeout=30)
+
+        assert list(synced.idled) == []
+        assert states(sidecar) == {d.mig_uuid: pb.ACTIVE}
+
+
+class TestRepeatedRecover:
+    def test_a_second_recover_with_an_old_pod_list_keeps_a_newer_allocation_active(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.recover()
+        held = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
+
+        sidecar.recover()  # a pod list taken before pod-a's Allocate
+
+        assert states(sidecar) == {held.mig_uuid: pb.ACTIVE}
+
+
+# -- a kill -9 during recovery's own destroys ----------------------------------------------------------
+
+
+def crash_during(car: Sidecar, call: Callable[[], object]) -> None:
+    """``call`` must end the process at its armed crash point (exit 137) instead of answering."""
+    with pytest.raises(grpc.RpcError):
+        call()
+    assert car.proc is not None
+    assert car.proc.wait(timeout=30) == 137
+
+
+def assert_converged(car: Sidecar) -> None:
+    """Every live GI has a verified ACTIVE/IDLE record and nothing else is left: no foreign instance,
+    no record without its instance, no CDI file without a live owned instance."""
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
+    assert all(not g.foreign for g in state.gpus), "recovery left an instance without a record"
+    owned = {(i.gpu_uuid, i.gpu_instance_id): i for g in state.gpus for i in g.instances}
+    live = {(g.uuid, gi.id): gi for g in layouts(car) for gi in g.gis}
+    assert set(owned) == set(live)
+    for key, instance in owned.items():
+        assert instance.state in (pb.ACTIVE, pb.IDLE)
+        assert [c.mig_uuid for c in live[key].cis] == [instance.mig_uuid]
+    assert len(list(car.state_dir.glob("mig-*.json"))) == len(owned)
+    for spec in car.cdi_dir.glob("*.json"):
+        assert any(i.mig_uuid in spec.name for i in owned.values()), f"stray CDI spec {spec.name}"
+
+
+class TestAKill9WhileRecoveryItselfDestroysSomethingConverges:
+    """Recovery destroys through the same records-first helper as a reclaim; a crash at each of its
+    points, then a clean restart and Recover, leaves a node with nothing unowned and nothing stale."""
+
+    @pytest.mark.parametrize("point", DELETE_POINTS)
+    def test_removing_an_orphan_gi_with_adoption(self, sidecar_factory: SidecarFactory, point: str) -> None:
+        car = sidecar_factory(extra_args=[ADOPT], env={crashpoints.ENV: point})
+        car.sim("create", "--gpu", "1", "--profile", "3g.40gb", "--placement", "4:4", "--no-ci")
+        crash_during(car, car.recover)
+
+        car.restart(env={})
+        report = car.recover()
+        again = car.recover()
+
+        assert list(report.errors) == []
+        assert layouts(car)[1].gis == ()
+        assert_converged(car)
+        assert again == pb.RecoverResponse()
+
+    @pytest.mark.parametrize("point", DELETE_POINTS)
+    def test_undoing_a_create_a_crash_left_behind(self, sidecar_factory: SidecarFactory, point: str) -> None:
+        car = sidecar_factory(env={crashpoints.ENV: "after-create-ci"})
+        car.recover()
+        crash_during(car, lambda: allocate_one(car, "pod-a", 0, "3g.40gb", 4, 4))
+        assert [s["state"] for s in car.records().values()] == ["CREATING"]
+
+        car.restart(env={crashpoints.ENV: point})
+        crash_during(car, car.recover)
+        car.restart(env={})
+        car.recover()
+
+        assert layouts(car)[0].gis == ()
+        assert_converged(car)
+        assert car.records() == {}
+        assert allocate_one(car, "pod-a", 0, "3g.40gb", 4, 4).outcome == pb.CREATED
+
+    @pytest.mark.parametrize("point", DELETE_POINTS)
+    def test_finishing_a_reclaim_a_crash_left_behind(
+        self, sidecar_factory: SidecarFactory, point: str
+    ) -> None:
+        car = sidecar_factory(env={crashpoints.ENV: "after-record-deleting"})
+        car.recover()
+        idle = allocate_one(car, "pod-a", 0, "1g.10gb", 4, 1)
+        car.stub.Release(pb.ReleaseRequest(pod_uid="pod-a"), timeout=30)
+        crash_during(car, lambda: allocate_one(car, "pod-b", 0, "3g.40gb", 4, 4))
+        assert [s["state"] for s in car.records().values()] == ["DELETING"]
+
+        car.restart(env={crashpoints.ENV: point})
+        crash_during(car, car.recover)
+        car.restart(env={})
+        car.recover()
+
+        assert idle.mig_uuid not in {gi.mig_uuid for gi in layouts(car)[0].gis}
+        assert_converged(car)
+        assert car.records() == {}
+        assert car.cdi_files() == []
+
+
+# -- MIG UUIDs that cannot prove identity --------------------------------------------------------------
+
+
+def file_snapshots(car: Sidecar) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    return snapshot_dir(car.state_dir), snapshot_dir(car.cdi_dir)
+
+
+class TestLegacyMigUuid:
+    def test_recover_over_a_legacy_mig_uuid_is_unverifiable_state_and_changes_no_file(
+        self, sidecar: Sidecar
+    ) -> None:
+        sidecar.sim("create", "--gpu", "1", "--profile", "1g.10gb", "--placement", "0:1")
+        with SimulatedHardware.open(sidecar.sim_state).store.transaction() as state:
+            gpu = state.gpus[1]
+            gi = gpu.gis[0]
+            ci = gi.cis[0]
+            ci.mig_uuid = legacy = f"MIG-{gpu.uuid}/{gi.id}/{ci.id}"  # what R450/R460 drivers report
+        before = file_snapshots(sidecar)
+
+        code, reason, metadata = failure(sidecar.recover)
+
+        assert (code, reason, metadata["mig_uuid"]) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "UNVERIFIABLE_STATE",
+            legacy,
+        )
+        assert file_snapshots(sidecar) == before
+        assert not sidecar.info().recovered
