@@ -17,7 +17,7 @@ from sidecar.domain import Placement, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
 from sidecar.records import OwnershipRecord, record_name
-from sidecar.recovery import plan
+from sidecar.recovery_plan import plan
 
 FOREVER = 1000  # more attempts than any bounded retry makes
 ORPHAN = Placement(4, 4)
