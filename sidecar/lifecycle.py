@@ -744,16 +744,8 @@ class Lifecycle:
                 f"placement {res.placement} on {gpu} is held by {first.describe()}",
                 {**first.metadata(), "gpu_uuid": gpu, "blockers": str(len(plan.blockers))},
             )
-        for r in plan.reclaim:  # every one is checked before any is destroyed
-            if r.mig_uuid is None:
-                continue
-            with nvml_errors(f"count processes on {r.mig_uuid}"):
-                running = self.port.mig_device_processes(r.mig_uuid)
-            if running > 0:
-                raise InstanceInUse(
-                    f"idle instance {r.mig_uuid} at {r.placement} still runs {running} processes",
-                    {"mig_uuid": r.mig_uuid, "processes": str(running), "gpu_uuid": gpu},
-                )
+        for r in plan.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
+            self._require_no_processes(r)
         return plan.reclaim
 
     def _create(self, v: _Validated) -> OwnershipRecord:
