@@ -8,23 +8,10 @@ plain data and read without following any I/O. Gathering the inputs, applying a 
 ``Recovery`` class that runs the three phases live in ``sidecar.recovery``, which re-exports these
 names.
 
-Why three phases: recovery decides about hardware it did not just create, after a crash, with
-nothing but durable records, pod annotations and what NVML shows. Keeping the decision in one pure
-function (``plan``) over plain values makes every rule testable on plain data and makes the central
-safety promise easy to hold: *nothing* is modified unless the whole picture was read and verified.
-
-* ``gather`` reads everything (records valid and corrupt, every GPU's live GI/CI layout with MIG
-  UUIDs, profile tables, process counts, CDI files) and modifies nothing. Any NVML error ->
-  ``errors.NvmlFailure``.
-* ``plan`` applies the rules below, in order, and returns ``Step``s of primitive ``Action``s, the
-  resulting table of owned records and the report. An active allocation that does not match the live
-  hardware exactly raises ``errors.UnverifiableState`` before a single action exists.
-* ``apply`` runs the steps in order, records first (a ``DELETING`` record is written before anything
-  is destroyed, so a crash in the middle of recovery leaves work the next recovery can finish). A
-  failing step puts its instance in ``ERROR`` (never reused, retried by the reconciler) and recovery
-  still succeeds - unless apply finds the instance is not ours to destroy after all (a CI in a GI
-  recorded bare, a process on the GPU of an orphan): then it stays foreign. Finally
-  ``Lifecycle.install`` takes the table and opens the gate.
+``plan`` applies the rules below, in order. An active allocation that does not match the live hardware
+exactly raises ``errors.UnverifiableState`` before a single action exists; otherwise the result lists
+the ``Step``s to apply (records first, so that a crash in the middle of applying leaves work the next
+recovery can finish), the table of owned records and the report.
 
 The rules (spec "Restart recovery", the CDI lifecycle, and the ownership requirement):
 
