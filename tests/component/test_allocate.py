@@ -262,7 +262,7 @@ class TestValidation:
 
 
 class TestReuseWaitsUntilNoProcessRunsOnTheIdleInstance:
-    """Finding D: a pod in its grace period may still run on an idle instance; it is not shared."""
+    """A pod in its grace period may still run on an idle instance; it is not shared."""
 
     def test_an_idle_instance_with_a_running_process_is_refused_as_in_use_and_stays_idle(
         self, world: World

@@ -119,7 +119,7 @@ class TestStuckDestroy:
 
 
 class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
-    """Finding E: only a real identity mismatch sends an idle instance to ERROR."""
+    """Only a real identity mismatch sends an idle instance to ERROR."""
 
     @pytest.mark.parametrize("op", ["get-gpu-instances", "get-compute-instances"])
     def test_an_nvml_error_while_verifying_fails_the_request_and_the_instance_stays_reusable(
@@ -154,7 +154,7 @@ class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
 
 
 class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
-    """Finding H: the MIG mode is checked again under the GPU lock, before the first change."""
+    """The MIG mode is checked again under the GPU lock, before the first change."""
 
     def test_an_allocate_that_raced_a_mig_disable_answers_mig_disabled_and_changes_nothing(
         self, world: World

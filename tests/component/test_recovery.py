@@ -330,7 +330,7 @@ class TestTheCdiStepAtStartup:
 
 
 class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
-    """Decided: recovery found the spec files of our kind by content and removed strays by the name
+    """Recovery found the spec files of our kind by content and removed strays by the name
     derived from their MIG UUID, so a stray of our kind under another file name stayed forever (and
     kept publishing a device no instance backs). Now the file that was found is removed."""
 
@@ -360,7 +360,7 @@ class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
 
 
 class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
-    """Decided: restoring a verified live instance writes its record (ACTIVE -> IDLE when no pod holds
+    """Restoring a verified live instance writes its record (ACTIVE -> IDLE when no pod holds
     it). When that write failed, the instance went to ERROR, and the reconciler then destroyed a healthy
     instance. Now it is foreign for this process life (preserved, never reused, blocking its
     placement), the record on disk is left as it was, and the report says why; a later Recover with a
@@ -428,7 +428,7 @@ def rename_the_legacy_way(world: World, gpu_index: int, gi_id: int) -> str:
 
 
 class TestALegacyMigUuidIsUnverifiable:
-    """Finding G: legacy MIG UUIDs fail closed with a domain error, never INTERNAL."""
+    """Legacy MIG UUIDs fail closed with a domain error, never INTERNAL."""
 
     @pytest.mark.parametrize("adopt", [False, True], ids=["preserve", "adopt"])
     def test_recover_answers_unverifiable_state_naming_the_instance_and_modifies_nothing(

@@ -24,7 +24,7 @@ ORPHAN = Placement(4, 4)
 
 
 class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
-    """Finding: the orphan rule counted only the listed allocations and processes as "busy", not an
+    """The orphan rule counted only the listed allocations and processes as "busy", not an
     ACTIVE record. A repeated Recover (whose pod list may predate an Allocate) keeps such an instance
     ACTIVE, and then destroyed an orphan GI beside it: the spec says orphan GIs on busy GPUs are
     always preserved (architecture: ListGpus' busy = an ACTIVE instance or a running process)."""
@@ -55,7 +55,7 @@ class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
 
 
 class TestADeletingRecordOwnsOnlyWhatItsDecisionSaw:
-    """Finding: a DELETING record without a CI ID is written only for a GI that had no CI when the
+    """A DELETING record without a CI ID is written only for a GI that had no CI when the
     destroy was decided (an orphan GI being removed with adoption, or a bare GI left by a create).
     Recovery treated any full-size CI in that GI as the record's own, as it rightly does for CREATING
     (a crash between creating the CI and recording it). No transaction of ours creates a CI in a GI
@@ -117,7 +117,7 @@ def reservations(refs: object) -> set[str]:
 
 
 class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
-    """Decided: a record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a
+    """A record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a
     crashed create left, either of them failed into ERROR) stands for a GI that had no CI when its
     destroy was decided. Before the fix its destroy took *every* CI found in the GI at destroy time as
     its own: a CI someone made between gather and apply, or after a failed removal, was destroyed with

@@ -29,7 +29,7 @@ def owners(world: World) -> dict[str, tuple[State, str | None]]:
 
 
 class TestARepeatedRecoverNeverReownsAnInstanceAnotherPodHoldsNow:
-    """Decided: a repeated Recover's pod list may predate a release and a reuse by a newer pod.
+    """A repeated Recover's pod list may predate a release and a reuse by a newer pod.
 
     Before the fix the listed (old) key was written over the newer owner: the newer pod's instance
     changed hands, and the old pod's key answered ALREADY_ALLOCATED with a device another pod uses."""
@@ -143,7 +143,7 @@ def state_of(world: World) -> dict[str, State]:
 
 
 class TestAnInstanceAPodHoldsIsNeverDestroyedBeforeTheFirstSyncActive:
-    """Finding A: Recover sets the referenced MIG UUIDs from its own active allocations."""
+    """Recover sets the referenced MIG UUIDs from its own active allocations."""
 
     def test_an_adopted_instance_whose_record_could_not_be_written_stays_on_the_gpu(
         self, world: World
@@ -184,7 +184,7 @@ class TestAnInstanceAPodHoldsIsNeverDestroyedBeforeTheFirstSyncActive:
 
 
 class TestTheGenerationNeverGoesBackAcrossARestart:
-    """Finding B: the generation restarts from a durable ceiling, not from the surviving records."""
+    """The generation restarts from a durable ceiling, not from the surviving records."""
 
     def test_a_sync_active_fenced_before_a_restart_does_not_idle_an_instance_activated_after_it(
         self, world: World
@@ -262,7 +262,7 @@ class TestTheGenerationNeverGoesBackAcrossARestart:
 
 
 class TestARepeatedRecoverNeverReleases:
-    """Finding C: once recovered, Recover leaves ACTIVE instances ACTIVE; releases are SyncActive's job."""
+    """Once recovered, Recover leaves ACTIVE instances ACTIVE; releases are SyncActive's job."""
 
     def test_a_recover_with_a_pod_list_older_than_an_allocate_keeps_that_instance_active(
         self, world: World

@@ -1,6 +1,6 @@
-"""Removal of a spec file by the path it was found at: a follow-up of a review of restart recovery.
+"""Removal of a spec file by the path it was found at.
 
-Decided: ``list_mig_uuids`` finds this sidecar's spec files by their content, whatever their file name;
+``list_mig_uuids`` finds this sidecar's spec files by their content, whatever their file name;
 removing a stray went by the name derived from the MIG UUID instead, so a spec of our kind under
 another name was never removed (and the derived name, if it existed, was). ``remove`` now takes the
 path that was found. The queue of failed removals keeps working for such a path.
