@@ -1,11 +1,13 @@
 """The gRPC edge: decode request protos into domain values, call the lifecycle, encode the answers.
 
 This is the only module that speaks gRPC (style habit 1). It validates requests before anything else
-sees them (a malformed request never reaches the lifecycle), and maps every ``SidecarError`` to the
-contract's error model (architecture section 4): the status code from ``SidecarError.code`` plus a
-``google.rpc.ErrorInfo`` (domain ``migsidecar.hami.io``, the error's ``reason`` and metadata) packed in
-the status details, so the Go client branches on ``reason`` instead of parsing messages. Anything else
-that escapes a handler is a bug: it is logged with its traceback and answered INTERNAL.
+sees them (a malformed request never reaches the lifecycle, so INVALID_REQUEST wins over the
+lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), and maps every
+``SidecarError`` to the contract's error model (architecture section 4): the status code from
+``SidecarError.code`` plus a ``google.rpc.ErrorInfo`` (domain ``migsidecar.hami.io``, the error's
+``reason`` and metadata) packed in the status details, so the Go client branches on ``reason``
+instead of parsing messages. Anything else that escapes a handler is a bug: it is logged with its
+traceback and answered INTERNAL.
 
 Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
 process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
@@ -48,7 +50,7 @@ from sidecar.domain import (
     PodRef,
     Reservation,
 )
-from sidecar.errors import InvalidRequest, NotRecovered, NvmlFailure, SidecarError, UnknownProfile
+from sidecar.errors import InvalidRequest, NvmlFailure, SidecarError, UnknownProfile
 from sidecar.lifecycle import Lifecycle, StateSnapshot
 from sidecar.logs import event
 from sidecar.metrics import Metrics
@@ -312,11 +314,6 @@ class MigSidecarServicer:
         finally:
             self.metrics.rpc_latency.labels(method, code.name).observe(time.perf_counter() - started)
 
-    def _gate(self) -> None:
-        """Mutations wait for recovery: before it, the table does not reflect the hardware."""
-        if not self.lifecycle.recovered:
-            raise NotRecovered("recovery has not succeeded yet: call Recover first")
-
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         def answer() -> Any:
             message = pb.GetInfoResponse(
@@ -384,7 +381,6 @@ class MigSidecarServicer:
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             decoded = decode_allocate(request)
-            self._gate()
             result = self.lifecycle.allocate(decoded)
             reused = sum(device.outcome is domain.Outcome.REUSED for device in result.devices)
             if reused:
@@ -415,7 +411,6 @@ class MigSidecarServicer:
         def answer() -> Any:
             _require(bool(request.pod_uid), "request: pod_uid is missing", field="pod_uid")
             _require(bool(POD_UID_RE.match(request.pod_uid)), f"{request.pod_uid!r} is not a pod UID")
-            self._gate()
             released = self.lifecycle.release(request.pod_uid)
             return pb.ReleaseResponse(released=[encode_ref(ref) for ref in released])
 
@@ -424,7 +419,6 @@ class MigSidecarServicer:
     def SyncActive(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             active = decode_active(request.active)
-            self._gate()
             idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
             return pb.SyncActiveResponse(
                 idled=[encode_ref(ref) for ref in idled], reactivated=[encode_ref(ref) for ref in reactivated]
@@ -459,7 +453,6 @@ class MigSidecarServicer:
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
-            self._gate()
             current, pending, needs_reset = self.lifecycle.set_mig_mode(gpu_uuid, bool(request.enabled))
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
