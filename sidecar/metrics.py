@@ -128,10 +128,6 @@ class Metrics:
             self._thread.join(timeout=5)
             self._thread = None
 
-    def exposition(self) -> str:
-        """The text format, as a scrape would see it (used by tests and ``status``)."""
-        return prometheus_client.generate_latest(self.registry).decode()
-
 
 class _StateCollector:
     def __init__(

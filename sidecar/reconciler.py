@@ -38,12 +38,6 @@ class Reconciler:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_report = ReconcileReport()
-
-    @property
-    def last_report(self) -> ReconcileReport:
-        """What the most recent round did (for metrics: the backlog is ``still_failing``)."""
-        return self._last_report
 
     def run_once(self) -> ReconcileReport:
         """One round: every unreferenced ERROR instance, then the queued CDI removals.
@@ -67,11 +61,9 @@ class Reconciler:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
         cdi_removed = self.lifecycle.cdi.retry_removals()
-        report = ReconcileReport(
+        return ReconcileReport(
             destroyed=tuple(destroyed), still_failing=tuple(failing), cdi_removed=tuple(cdi_removed)
         )
-        self._last_report = report
-        return report
 
     def start(self) -> None:
         """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
