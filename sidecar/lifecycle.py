@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 
 import msgspec
@@ -79,15 +79,6 @@ _log = logging.getLogger(__name__)
 GENERATION_BLOCK = 1024
 """How far the durable generation ceiling moves at a time: one small file write per this many
 activations, and at most this many numbers skipped per restart (they stay readable for humans)."""
-
-EventSink = Callable[[str, Mapping[str, str]], None]
-"""Observer of lifecycle events (``created``, ``reused``, ``reclaimed``, ``destroyed``, ``error``,
-``nvml_error``), with labels such as ``gpu_uuid`` and ``profile``. Metrics plug in here so this module
-never imports Prometheus."""
-
-
-def _no_events(event: str, labels: Mapping[str, str]) -> None:
-    """The default observer: events are optional."""
 
 
 def now_rfc3339() -> str:
@@ -160,7 +151,6 @@ class Lifecycle:
         records: RecordStore,
         cdi: CdiSpecs,
         boot_id: str,
-        events: EventSink | None = None,
     ) -> None:
         self.port = port
         self.records = records
@@ -168,7 +158,6 @@ class Lifecycle:
         self.boot_id = boot_id
         self.recovered = False
         self.generation = 0
-        self._events: EventSink = events or _no_events
         self._table: dict[str, OwnershipRecord] = {}
         self._table_lock = threading.Lock()
         self._keys = threading.Condition(threading.Lock())
@@ -684,7 +673,6 @@ class Lifecycle:
         cdi_device = self.cdi.ensure(v.gpu.minor, identity)
         active = self._activate(msgspec.structs.replace(record, cdi_device=cdi_device), v.owner)
         self._put(active)
-        self._emit("reused", active)
         return active
 
     def _require_no_processes(self, record: OwnershipRecord) -> None:
@@ -726,7 +714,6 @@ class Lifecycle:
         """Reclaim the IDLE instances overlapping the placement, or refuse without touching anything."""
         for r in self._room_for(v):
             reclaimed.append(self._destroy_owned(r, mark_deleting=True))
-            self._emit("reclaimed", r)
 
     def _room_for(self, v: _Validated) -> tuple[OwnershipRecord, ...]:
         """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
@@ -797,14 +784,11 @@ class Lifecycle:
         except Exception as exc:
             self._undo_create(known, cdi_written, exc)
             raise
-        self._emit("created", active)
         return active
 
     def _undo_create(self, known: OwnershipRecord, cdi_written: bool, cause: Exception) -> None:
         """Undo what one create made, newest first. An undo that fails leaves ERROR with what is known."""
         _log.warning("create of %s failed (%s); undoing", known.name, cause)
-        if isinstance(cause, NvmlFailure):
-            self._emit("nvml_error", known)
         try:
             with nvml_errors(f"undo create of {known.name}"):
                 known = self._with_created_gi(known)
@@ -868,7 +852,6 @@ class Lifecycle:
             # finds the instance gone and deletes the record once the state directory works again.
             self._fail(rec, f"destroyed, but deleting its record failed: {exc}")
             raise
-        self._emit("destroyed", rec)
         return instance_ref(record)
 
     def _destroy_hardware(self, rec: OwnershipRecord) -> None:
@@ -943,7 +926,6 @@ class Lifecycle:
             _log.error("cannot record ERROR for %s: %s (kept in memory)", record.name, exc)
         with self._table_lock:
             self._table[record.name] = failed
-        self._emit("error", failed)
 
     def _activate(self, record: OwnershipRecord, owner: Owner) -> OwnershipRecord:
         generation = self._next_generation()
@@ -989,14 +971,6 @@ class Lifecycle:
     @staticmethod
     def _idle(record: OwnershipRecord) -> OwnershipRecord:
         return msgspec.structs.replace(record, state=State.IDLE, owner=None, since=now_rfc3339())
-
-    def _emit(self, event: str, record: OwnershipRecord) -> None:
-        try:
-            self._events(
-                event, {"gpu_uuid": record.gpu_uuid, "profile": record.profile, "state": str(record.state)}
-            )
-        except Exception:  # noqa: BLE001 - an observer (metrics) must never break a transaction
-            _log.exception("event observer failed on %s", event)
 
     # -- internals: locks ------------------------------------------------------------------------------
     def _gpu_lock(self, gpu_uuid: str) -> threading.RLock:
