@@ -443,9 +443,7 @@ class Lifecycle:
         ``activated_generation``, so it never goes backwards across restarts (a SyncActive fenced with
         an old generation must not idle an instance activated since).
         """
-        with self._gpu_locks_guard:
-            known = list(self._gpu_locks)
-        with self._gpu_locks_for([*known, *(r.gpu_uuid for r in records)]):
+        with self.exclusive(r.gpu_uuid for r in records):
             with self._table_lock:
                 self._table = {r.name: r for r in records}
                 self._referenced_mig_uuids = frozenset(referenced_mig_uuids)
