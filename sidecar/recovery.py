@@ -223,6 +223,12 @@ class Recovery:
         failures: list[str] = []
         left_foreign: list[Step] = []
         now = _now()
+
+        def leave_foreign(step: Step) -> None:
+            left_foreign.append(step)
+            if step.record_name is not None:
+                table.pop(step.record_name, None)
+
         for step in decided.steps:
             try:
                 for action in step.actions:
@@ -231,30 +237,24 @@ class Recovery:
                         failures.append(f"{step.subject}: {warning}")
             except _GpuBusyError as exc:
                 log.info("recovery step skipped", extra={"step": step.subject, "reason": str(exc)})
-                left_foreign.append(step)
-                if step.record_name is not None:
-                    table.pop(step.record_name, None)
+                leave_foreign(step)
             except (NvmlError, errors.SidecarError, RecordError, OSError) as exc:
                 message = f"{step.subject} failed: {exc}"
                 log.warning("recovery step failed", extra={"step": step.subject, "error": str(exc)})
                 failures.append(message)
                 if isinstance(exc, ComputeInstanceNotOurs) or step.on_failure is None:
-                    left_foreign.append(step)
-                if isinstance(exc, ComputeInstanceNotOurs):
-                    # The record stays as destroy_owned left it; the instance is foreign, not ERROR.
-                    if step.record_name is not None:
-                        table.pop(step.record_name, None)
-                elif step.on_failure is not None:
-                    failed = msgspec.structs.replace(
-                        step.on_failure, state=State.ERROR, last_error=message, since=now
-                    )
-                    try:
-                        self.records.put(failed)
-                    except (errors.SidecarError, RecordError, OSError) as write_exc:
-                        failures.append(f"recording {failed.name} as ERROR failed: {write_exc}")
-                    table[failed.name] = failed
-                elif step.record_name is not None:
-                    table.pop(step.record_name, None)
+                    # Not ours after all, or nothing to fall back to: the instance is foreign, not
+                    # ERROR, and no record is written for it here.
+                    leave_foreign(step)
+                    continue
+                failed = msgspec.structs.replace(
+                    step.on_failure, state=State.ERROR, last_error=message, since=now
+                )
+                try:
+                    self.records.put(failed)
+                except (errors.SidecarError, RecordError, OSError) as write_exc:
+                    failures.append(f"recording {failed.name} as ERROR failed: {write_exc}")
+                table[failed.name] = failed
         self.lifecycle.install(
             sorted(table.values(), key=lambda r: r.name),
             decided.generation,
