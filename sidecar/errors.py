@@ -13,6 +13,7 @@
     ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
     ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
     ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
+    │   └── lifecycle.ComputeInstanceNotOurs              (a CI in a GI recorded bare: never destroyed)
     ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
     ├── NvmlFailure                   UNAVAILABLE       NVML_ERROR        (wraps nvml.port.NvmlError)
     └── StateWriteFailed              UNAVAILABLE       STATE_WRITE_FAILED
