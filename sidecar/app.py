@@ -41,7 +41,7 @@ from sidecar.logs import event
 from sidecar.metrics import MeteredPort, Metrics
 from sidecar.nvml.port import NvmlError, NvmlPort
 from sidecar.reconciler import Reconciler
-from sidecar.records import RecordStore, StateDirLocked
+from sidecar.records import BOOT_ID_PATH, RecordStore, StateDirLocked
 from sidecar.recovery import Recovery
 from sidecar.server import MigSidecarServicer, ServerInfo, SidecarServer
 
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
-
-BOOT_ID_PATH = Path("sys/kernel/random/boot_id")
 
 
 class Backend(Protocol):

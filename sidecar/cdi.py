@@ -37,6 +37,7 @@ written and every method is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -46,7 +47,7 @@ import msgspec
 
 from sidecar.domain import MIG_UUID_RE, Identity
 from sidecar.errors import StateWriteFailed
-from sidecar.records import atomic_write
+from sidecar.records import atomic_write, fsync_dir
 
 DEFAULT_KIND = "k8s.hami.io/mig"
 FILE_MODE = 0o644
@@ -329,14 +330,8 @@ def _unlink(path: Path) -> bool:
         path.unlink(missing_ok=True)
     except OSError:
         return False
-    try:
-        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        # The name is gone for every reader already; a lost fsync can at worst bring the file back
-        # after a power cut, when recovery removes it again as a spec with no live instance.
-        pass
+    # The name is gone for every reader already; a lost fsync can at worst bring the file back after a
+    # power cut, when recovery removes it again as a spec with no live instance.
+    with contextlib.suppress(OSError):
+        fsync_dir(path.parent)
     return True

@@ -191,8 +191,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _current_boot_id() -> str | None:
+    from sidecar.records import BOOT_ID_PATH  # noqa: PLC0415
+
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return (Path("/proc") / BOOT_ID_PATH).read_text().strip()
     except OSError:
         return None
 

@@ -63,6 +63,9 @@ from sidecar.errors import StateWriteFailed
 
 RECORD_VERSION = 1
 
+BOOT_ID_PATH = Path("sys/kernel/random/boot_id")
+"""Under a /proc root: changes on every boot, which is when GI/CI vanish; records store it to tell."""
+
 DIR_MODE = 0o750
 FILE_MODE = 0o600
 LOCK_NAME = ".lock"
@@ -263,7 +266,7 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
     return record
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -294,7 +297,7 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _is_temp(filename: str) -> bool:
@@ -511,7 +514,7 @@ class RecordStore:
             try:
                 if data is None:
                     path.unlink(missing_ok=True)
-                    _fsync_dir(self.directory)
+                    fsync_dir(self.directory)
                 else:
                     atomic_write(path, data, FILE_MODE)
             except OSError as exc:
