@@ -4,8 +4,7 @@ The pure half - the values gather produces (``Inputs``), the values ``plan`` ret
 ``Step``, the ``Action``s, ``RecoveryReport``), ``plan`` itself and the rules it applies - lives in
 ``sidecar.recovery_plan``, which does no I/O. This module is the imperative shell around it: ``gather``
 reads NVML, the record store and the CDI directory; ``apply`` writes records, destroys instances and
-writes or removes CDI specs; ``Recovery`` runs the three phases under the lifecycle's lock. The plan
-names are re-exported here so that ``from sidecar.recovery import plan`` keeps working.
+writes or removes CDI specs; ``Recovery`` runs the three phases under the lifecycle's lock.
 
 Why three phases: recovery decides about hardware it did not just create, after a crash, with
 nothing but durable records, pod annotations and what NVML shows. Keeping the decision in one pure
@@ -59,7 +58,6 @@ from sidecar.recovery_plan import (
     RecoveryReport,
     RemoveCdi,
     Step,
-    placement_from_record_name,
     plan,
 )
 
@@ -294,23 +292,3 @@ class Recovery:
             raise _GpuBusyError(f"counting processes on {gpu_uuid} failed: {exc}") from exc
         if running > 0:
             raise _GpuBusyError(f"{running} processes run on {gpu_uuid} now")
-
-
-__all__ = [
-    "Action",
-    "CorruptFile",
-    "DeleteRecord",
-    "DestroyOwned",
-    "EnsureCdi",
-    "Inputs",
-    "LiveGpu",
-    "LiveGpuInstance",
-    "Plan",
-    "PutRecord",
-    "Recovery",
-    "RecoveryReport",
-    "RemoveCdi",
-    "Step",
-    "placement_from_record_name",
-    "plan",
-]

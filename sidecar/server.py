@@ -56,7 +56,8 @@ from sidecar.logs import event
 from sidecar.metrics import Metrics
 from sidecar.nvml.port import GpuInfo, NvmlError
 from sidecar.records import OwnershipRecord
-from sidecar.recovery import Recovery, RecoveryReport
+from sidecar.recovery import Recovery
+from sidecar.recovery_plan import RecoveryReport
 
 log = logging.getLogger(__name__)
 
