@@ -42,6 +42,7 @@ from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle
+from sidecar.logs import event
 from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
 from sidecar.records import RecordError, RecordStore
 from sidecar.recovery_plan import (
@@ -144,17 +145,17 @@ class Recovery:
                 inputs = self.gather(active)
                 decided = plan(inputs)
                 report = self.apply(decided)
-            log.info(
-                "recovery done",
-                extra={
-                    "adopted_active": len(report.adopted_active),
-                    "restored_idle": len(report.restored_idle),
-                    "preserved_foreign": len(report.preserved_foreign),
-                    "adopted_foreign": len(report.adopted_foreign),
-                    "removed_orphan_gis": len(report.removed_orphan_gis),
-                    "dropped_stale_records": len(report.dropped_stale_records),
-                    "errors": len(report.errors),
-                },
+            event(
+                log,
+                logging.INFO,
+                "recovered",
+                adopted_active=len(report.adopted_active),
+                restored_idle=len(report.restored_idle),
+                preserved_foreign=len(report.preserved_foreign),
+                adopted_foreign=len(report.adopted_foreign),
+                removed_orphan_gis=len(report.removed_orphan_gis),
+                dropped_stale_records=len(report.dropped_stale_records),
+                errors=list(report.errors),
             )
             return report
 
@@ -234,11 +235,11 @@ class Recovery:
                     if warning:
                         failures.append(f"{step.subject}: {warning}")
             except _GpuBusyError as exc:
-                log.info("recovery step skipped", extra={"step": step.subject, "reason": str(exc)})
+                event(log, logging.INFO, "recovery step skipped", step=step.subject, reason=str(exc))
                 leave_foreign(step)
             except (NvmlError, errors.SidecarError, RecordError, OSError) as exc:
                 message = f"{step.subject} failed: {exc}"
-                log.warning("recovery step failed", extra={"step": step.subject, "error": str(exc)})
+                event(log, logging.WARNING, "recovery step failed", step=step.subject, error=str(exc))
                 failures.append(message)
                 if isinstance(exc, ComputeInstanceNotOurs) or step.on_failure is None:
                     # Not ours after all, or nothing to fall back to: the instance is foreign, not

@@ -430,19 +430,7 @@ class MigSidecarServicer:
     def Recover(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             active = decode_active(request.active)
-            report = self.recovery.recover(active)
-            event(
-                log,
-                logging.INFO,
-                "recovered",
-                adopted_active=len(report.adopted_active),
-                restored_idle=len(report.restored_idle),
-                preserved_foreign=len(report.preserved_foreign),
-                adopted_foreign=len(report.adopted_foreign),
-                removed_orphan_gis=len(report.removed_orphan_gis),
-                dropped_stale_records=len(report.dropped_stale_records),
-                errors=list(report.errors),
-            )
+            report = self.recovery.recover(active)  # recovery logs its own summary
             self.on_recovered()
             return encode_report(report)
 
