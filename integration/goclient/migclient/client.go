@@ -266,6 +266,12 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 	if ctx.Err() == nil && e.Code != codes.DeadlineExceeded {
 		return e
 	}
+	// gRPC can answer DEADLINE_EXCEEDED (the server's timer, from the grpc-timeout header)
+	// a moment before ctx's own timer fires; either way the call's deadline is what ended it.
+	timeUp := ctx.Err()
+	if timeUp == nil {
+		timeUp = context.DeadlineExceeded
+	}
 	if last != nil {
 		out := *last
 		out.Op, out.Attempts = op, attempts
@@ -276,10 +282,7 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 		if e.cause != last.cause {
 			causes = append(causes, e.cause)
 		}
-		if cerr := ctx.Err(); cerr != nil {
-			causes = append(causes, cerr)
-		}
-		out.cause = errors.Join(causes...)
+		out.cause = errors.Join(append(causes, timeUp)...)
 		return &out
 	}
 	if e.Code == codes.Unavailable && e.Reason != "" {
@@ -294,6 +297,9 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 	}
 	e.Code = codes.DeadlineExceeded
 	e.Message = fmt.Sprintf("sidecar did not answer within %s: %s; retry with the same request", timeout, e.Message)
+	if !errors.Is(e.cause, timeUp) {
+		e.cause = errors.Join(e.cause, timeUp)
+	}
 	return e
 }
 

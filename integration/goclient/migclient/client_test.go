@@ -272,7 +272,7 @@ func TestAllocateFailsClosedWhenTheSidecarHangsPastTheDeadline(t *testing.T) {
 	r, c := started(t, opts)
 	r.allocateHang = true
 	_, err := c.Allocate(context.Background(), oneDevice)
-	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) && status.Code(err) != codes.DeadlineExceeded {
+	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("want DEADLINE_EXCEEDED, got %v", err)
 	}
 }
@@ -629,6 +629,30 @@ func TestADeadlineFallingInsideAnAttemptStillReportsTheEarlierReason(t *testing.
 	var e *Error
 	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Attempts != 2 || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("want INSTANCE_IN_USE after 2 attempts and the deadline, got %v", err)
+	}
+}
+
+// The sidecar's end of the call can time out (from the grpc-timeout header) a moment before
+// the client's own timer: the answer is DEADLINE_EXCEEDED while ctx.Err() is still nil.
+func TestADeadlineTheSidecarReportsFirstStillReportsTheEarlierReason(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{
+		sidecarError(codes.Unavailable, ReasonInstanceInUse, nil),
+		status.Error(codes.DeadlineExceeded, "context deadline exceeded"),
+	}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Attempts != 2 || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want INSTANCE_IN_USE after 2 attempts and the deadline, got %v", err)
+	}
+}
+
+func TestADeadlineTheSidecarReportsFirstIsADeadline(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{status.Error(codes.DeadlineExceeded, "context deadline exceeded")}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want DEADLINE_EXCEEDED that errors.Is the context's, got %v", err)
 	}
 }
 
