@@ -476,19 +476,6 @@ class Lifecycle:
         with self._gpu_lock(record.gpu_uuid):
             return self._destroy_owned(record, mark_deleting=mark_deleting)
 
-    def undo_creating(self, record: OwnershipRecord) -> InstanceRef:
-        """Finish undoing a create that stopped part way (a CREATING record left by a crash).
-
-        Knowns are destroyed as ``destroy_owned`` does. When the record has no GI ID yet (a crash
-        between the create and recording it) the GI is found by exact placement and GI profile: it must
-        have no CI and no other record may claim it, otherwise it is left alone as foreign. The record
-        stays CREATING until the hardware is gone, then it and any CDI file are removed.
-        """
-        with self._gpu_lock(record.gpu_uuid):
-            with nvml_errors(f"look for the GPU instance of {record.name}"):
-                record = self._with_created_gi(record)
-            return self._destroy_owned(record, mark_deleting=False)
-
     def _with_created_gi(self, record: OwnershipRecord) -> OwnershipRecord:
         """``record`` with the GI ID of the bare GI its create made but never reported, if there is one.
 

@@ -234,16 +234,6 @@ class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
         assert world.record_files() == {}
         assert report.errors == ()
 
-    def test_undo_creating_still_destroys_the_bare_gi_of_a_creating_record(self, world: World) -> None:
-        gi = world.hw.create_instance(1, "3g.40gb", ORPHAN.start, ORPHAN.size, with_ci=False)
-        record = self.creating(world, gpu_instance_id=None, gi_profile_id=gi.profile_id)
-        world.records.put(record)
-
-        world.lifecycle.undo_creating(record)
-
-        assert gis(world, 1) == set()
-        assert world.record_files() == {}
-
     def test_a_create_whose_ci_failed_is_still_undone_completely(self, world: World) -> None:
         world.hw.inject_fault("create-ci", NVML_ERROR_UNKNOWN, times=FOREVER)
 
