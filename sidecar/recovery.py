@@ -41,7 +41,7 @@ import msgspec
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
-from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle
+from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle, nvml_errors
 from sidecar.logs import event
 from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
 from sidecar.records import RecordError, RecordStore
@@ -63,6 +63,8 @@ from sidecar.recovery_plan import (
 )
 
 log = logging.getLogger(__name__)
+
+_GATHER_FAILED = "startup recovery could not read the MIG layout; nothing was modified"
 
 
 # -- the imperative shell ---------------------------------------------------------------------------
@@ -137,10 +139,8 @@ class Recovery:
     def recover(self, active: Sequence[ActiveAllocation]) -> RecoveryReport:
         """Idempotent. Raises errors.UnverifiableState / errors.NvmlFailure and then modifies nothing."""
         with self._lock:
-            try:
+            with nvml_errors(_GATHER_FAILED):
                 gpu_uuids = [gpu.uuid for gpu in self.port.gpus()]
-            except NvmlError as exc:
-                raise self._gather_failed(exc) from exc
             with self.lifecycle.exclusive(gpu_uuids):
                 inputs = self.gather(active)
                 decided = plan(inputs)
@@ -171,10 +171,8 @@ class Recovery:
                 f"generations were handed out before; nothing was modified: {exc}",
                 {"file": str(getattr(exc, "path", ""))},
             ) from exc
-        try:
+        with nvml_errors(_GATHER_FAILED):
             gpus = tuple(self._read_gpu(info) for info in self.port.gpus())
-        except NvmlError as exc:
-            raise self._gather_failed(exc) from exc
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
         _refuse_legacy_mig_uuids(gpus)
         cdi_found = self.cdi.list_mig_uuids()
@@ -192,13 +190,6 @@ class Recovery:
             generation=max(self.lifecycle.generation, ceiling),
             generation_ceiling=ceiling,
             now=_now(),
-        )
-
-    @staticmethod
-    def _gather_failed(exc: NvmlError) -> errors.NvmlFailure:
-        return errors.NvmlFailure(
-            f"startup recovery could not read the MIG layout; nothing was modified: {exc}",
-            {"operation": exc.operation, "nvml_code": str(exc.code)},
         )
 
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:

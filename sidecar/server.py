@@ -50,11 +50,11 @@ from sidecar.domain import (
     PodRef,
     Reservation,
 )
-from sidecar.errors import InvalidRequest, NvmlFailure, SidecarError, UnknownProfile
-from sidecar.lifecycle import Lifecycle, StateSnapshot
+from sidecar.errors import InvalidRequest, SidecarError, UnknownProfile
+from sidecar.lifecycle import Lifecycle, StateSnapshot, nvml_errors
 from sidecar.logs import event
 from sidecar.metrics import Metrics
-from sidecar.nvml.port import GpuInfo, NvmlError
+from sidecar.nvml.port import GpuInfo
 from sidecar.records import OwnershipRecord
 from sidecar.recovery import Recovery
 from sidecar.recovery_plan import RecoveryReport
@@ -334,10 +334,8 @@ class MigSidecarServicer:
 
     def ListGpus(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            try:
+            with nvml_errors("listing GPUs failed"):
                 gpus = self.lifecycle.port.gpus()
-            except NvmlError as exc:
-                raise NvmlFailure(f"listing GPUs failed: {exc}", {"operation": exc.operation}) from exc
             return pb.ListGpusResponse(
                 gpus=[encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
             )

@@ -165,9 +165,10 @@ class TestRecoveryRefusesWhatItCannotVerify:
         sidecar.sim("fault", "get-gpu-instances", str(NVML_ERROR_UNKNOWN), "--times", str(FOREVER))
         files_before = files(sidecar)
 
-        code, reason, _ = failure(sidecar.recover)
+        code, reason, metadata = failure(sidecar.recover)
 
         assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
+        assert metadata["nvml_code"] == str(NVML_ERROR_UNKNOWN)
         assert files(sidecar) == files_before
         SimulatedHardware.open(sidecar.sim_state).clear_faults()
         report = sidecar.recover()
