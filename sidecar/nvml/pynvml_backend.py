@@ -29,7 +29,8 @@ the GIs of every profile with their placements, the CIs of a GI with their MIG U
 or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
 
 Errors are mapped at one boundary (``_mapped``): every ``pynvml.NVMLError`` becomes
-``port.NvmlError(operation, code, message)`` raised ``from`` the original.
+``port.NvmlError(operation, code, message)`` raised ``from`` the original, and so does pynvml's
+``NVMLLibraryMismatchError`` (as FUNCTION_NOT_FOUND), which is not an ``NVMLError``.
 
 Retries are bounded (``attempts``) and only for transient codes:
 
@@ -74,15 +75,24 @@ TRANSIENT_DESTROY_CODES = TRANSIENT_CODES | {NVML_ERROR_IN_USE}
 # Codes that mean "this index does not exist on this GPU" while enumerating profiles.
 _SKIP_PROFILE = (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT)
 _MIB = 1024 * 1024
+NVML_ERROR_FUNCTION_NOT_FOUND = 13  # nvml.h; the symbol is missing from the loaded library
 
 
 @contextlib.contextmanager
 def _mapped(operation: str) -> Iterator[None]:
-    """The one place a pynvml exception becomes the port's ``NvmlError``."""
+    """The one place a pynvml exception becomes the port's ``NvmlError``.
+
+    ``NVMLLibraryMismatchError`` is not an ``NVMLError``: pynvml raises it from the unversioned
+    wrappers it decorates with ``throwOnVersionMismatch`` (``nvmlDeviceGetComputeRunningProcesses``
+    calls the ``_v3`` symbol) when the loaded ``libnvidia-ml`` lacks that symbol. It is the library's
+    FUNCTION_NOT_FOUND in other clothes, and is mapped as such so that callers fail closed the usual
+    way instead of meeting an exception nobody expects."""
     try:
         yield
     except pynvml.NVMLError as exc:
         raise NvmlError(operation, int(exc.value), str(exc)) from exc
+    except pynvml.NVMLLibraryMismatchError as exc:
+        raise NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc)) from exc
 
 
 def _text(value: Any) -> str:

@@ -139,6 +139,21 @@ class TestRetries:
         assert [g.id for g in h100.layout(0).gis] == [gi.id]
 
 
+class TestTheErrorBoundary:
+    def test_a_library_older_than_pynvml_is_an_nvml_error_not_a_library_mismatch(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        """pynvml turns FUNCTION_NOT_FOUND from a versioned symbol (here the _v3 process list) into
+        ``NVMLLibraryMismatchError``, a plain Exception; callers must still see a port error."""
+        gpu = port.gpus()[0].uuid
+        h100.inject_fault("processes", "FUNCTION_NOT_FOUND")
+        with pytest.raises(NvmlError) as exc:
+            port.gpu_processes(gpu)
+        assert exc.value.code == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND
+        assert isinstance(exc.value.__cause__, pynvml.NVMLLibraryMismatchError)
+        assert gpu in str(exc.value)
+
+
 class TestOpeningABackend:
     def test_the_simulated_backend_creates_its_state_file_and_proc_tree(self, tmp_path: Path) -> None:
         state = tmp_path / "hw.json"
