@@ -123,11 +123,14 @@ class NvmlPort(Protocol):
     def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
         """Every GI on the GPU, across all profiles, sorted by GI ID.
 
-        MIG disabled -> NvmlError NOT_SUPPORTED."""
+        MIG disabled -> NvmlError NOT_SUPPORTED. So is a GPU on which no GI profile answers (the GIs
+        cannot be enumerated): an empty list always means "no GIs", never "could not tell"."""
         ...
 
     def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
-        """Every CI inside one GI, across all CI profiles, sorted by CI ID."""
+        """Every CI inside one GI, across all CI profiles, sorted by CI ID.
+
+        No CI profile answering for the GI -> NvmlError NOT_SUPPORTED, never an empty list."""
         ...
 
     def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:

@@ -20,9 +20,10 @@ them stays loaded, which is also the lifetime of the cached GPU handles they are
 
 * per GPU: index, minor number, name, total memory — properties of the physical device;
 * per GPU: the GI profile table (ID and instance count of every profile index) — fixed for a GPU model
-  and driver, and independent of MIG mode and occupancy;
+  and driver, and independent of occupancy. An empty table is never cached (Ampere answers
+  NOT_SUPPORTED for every index while MIG is disabled), and GIs are never listed from one;
 * per GPU and GI profile: the CI profile table (ID and instance count of every CI profile index) —
-  fixed the same way.
+  fixed the same way, and likewise never cached or listed from when empty.
 
 Everything that describes the *layout* is read live on every call: MIG mode (current and pending),
 the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
@@ -181,14 +182,18 @@ class PynvmlBackend:
         )
 
     def _profile_table(self, gpu_uuid: str, handle: Any) -> list[tuple[int, int]]:
-        """(profile ID, instance count) of every supported GI profile; static, so cached per GPU."""
+        """(profile ID, instance count) of every supported GI profile; static, so cached per GPU.
+
+        An empty table is never cached: Ampere drivers answer NOT_SUPPORTED for every profile index
+        while MIG is disabled, and remembering that answer would hide every GI made once MIG is on."""
         with self._lock:
             cached = self._profile_ids.get(gpu_uuid)
         if cached is not None:
             return cached
         table = [(int(info.id), int(info.instanceCount)) for _, info in self._profile_infos(handle)]
-        with self._lock:
-            self._profile_ids[gpu_uuid] = table
+        if table:
+            with self._lock:
+                self._profile_ids[gpu_uuid] = table
         return table
 
     @staticmethod
@@ -285,17 +290,31 @@ class PynvmlBackend:
         return self._run(f"read GPU instance profiles of {gpu_uuid}", read)
 
     def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        operation = f"list GPU instances of {gpu_uuid}"
+
         def read() -> list[GpuInstanceInfo]:
             handle = self._device(gpu_uuid)
+            table = self._profile_table(gpu_uuid, handle)
+            if not table:
+                # No profile to list GIs by: "no GIs" cannot be read from that. MIG disabled is the
+                # port's NOT_SUPPORTED; MIG enabled with no profile answering is unverifiable, and
+                # fails the same way (the table is read again at the next call).
+                current, _ = pynvml.nvmlDeviceGetMigMode(handle)
+                why = (
+                    "MIG mode is disabled"
+                    if not current
+                    else "MIG mode is enabled but no GPU instance profile answered"
+                )
+                raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, why)
             result: list[GpuInstanceInfo] = []
-            for profile_id, instance_count in self._profile_table(gpu_uuid, handle):
+            for profile_id, instance_count in table:
                 array = (pynvml.c_nvmlGpuInstance_t * max(1, instance_count))()
                 count = c_uint(len(array))
                 pynvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, byref(count))
                 result.extend(self._gi_info(gpu_uuid, array[i]) for i in range(count.value))
             return sorted(result, key=lambda g: g.id)
 
-        return self._run(f"list GPU instances of {gpu_uuid}", read)
+        return self._run(operation, read)
 
     def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> list[tuple[int, int]]:
         """(CI profile ID, instance count) of every CI profile a GI of this GI's profile supports.
@@ -319,22 +338,28 @@ class PynvmlBackend:
                     continue
                 raise
             table.append((int(info.id), int(info.instanceCount)))
-        with self._lock:
-            self._ci_profile_ids[(gpu_uuid, gi_profile_id)] = table
+        if table:  # never remember "no CI profiles": the CIs of this GI would be hidden for good
+            with self._lock:
+                self._ci_profile_ids[(gpu_uuid, gi_profile_id)] = table
         return table
 
     def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
+        operation = f"list compute instances of GI {gpu_instance_id} on {gpu_uuid}"
+
         def read() -> list[ComputeInstanceInfo]:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            table = self._ci_profile_table(gpu_uuid, gi)
+            if not table:  # every GI offers at least its full-size CI profile; "no CIs" is unverifiable
+                raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, "no compute instance profile answered")
             result: list[ComputeInstanceInfo] = []
-            for ci_profile_id, instance_count in self._ci_profile_table(gpu_uuid, gi):
+            for ci_profile_id, instance_count in table:
                 array = (pynvml.c_nvmlComputeInstance_t * max(1, instance_count))()
                 count = c_uint(len(array))
                 pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, array, byref(count))
                 result.extend(self._ci_info(gpu_uuid, gpu_instance_id, array[i]) for i in range(count.value))
             return sorted(result, key=lambda c: c.id)
 
-        return self._run(f"list compute instances of GI {gpu_instance_id} on {gpu_uuid}", read)
+        return self._run(operation, read)
 
     def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
         def create() -> GpuInstanceInfo:

@@ -3,6 +3,7 @@ driver is present, against real NVML; mutating and fault tests run on the simula
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pynvml
@@ -19,6 +20,8 @@ from sidecar.nvml.port import (
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.simulated import SimulatedHardware
+
+MakeHw = Callable[..., SimulatedHardware]
 
 
 class TestReadingTheNode:
@@ -102,6 +105,67 @@ class TestInstances:
         assert port.set_mig_mode(gpu.uuid, True) == 0
         assert port.gpu(gpu.uuid).mig_current
         port.close()
+
+
+class TestAProfileTableThatDidNotAnswer:
+    """Ampere drivers answer GetGpuInstanceProfileInfo NOT_SUPPORTED for every index while MIG is
+    disabled; the adapter must neither remember that empty table nor read "no GPU instances" from it."""
+
+    @staticmethod
+    def _every_profile_index_not_supported(hw: SimulatedHardware) -> None:
+        hw.inject_fault("profile-info", "NOT_SUPPORTED", times=pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT)
+
+    def test_with_mig_disabled_listing_gpu_instances_is_not_supported(self, make_hw: MakeHw) -> None:
+        hw = make_hw(("a100-40gb", 1), mig_enabled=False)
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            self._every_profile_index_not_supported(hw)
+            with pytest.raises(NvmlError) as exc:
+                port.gpu_instances(hw.gpu_uuid(0))
+            assert exc.value.code == NVML_ERROR_NOT_SUPPORTED
+            assert "disabled" in str(exc.value)
+        finally:
+            port.close()
+
+    def test_instances_made_once_mig_is_enabled_are_listed(self, make_hw: MakeHw) -> None:
+        hw = make_hw(("a100-40gb", 1), mig_enabled=False)
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            gpu = hw.gpu_uuid(0)
+            self._every_profile_index_not_supported(hw)
+            with pytest.raises(NvmlError):
+                port.gpu_instances(gpu)
+            hw.set_mig_mode(0, True)
+            made = hw.create_instance(0, "3g.20gb", 4, 4)
+            assert [(g.id, g.placement) for g in port.gpu_instances(gpu)] == [(made.id, Placement(4, 4))]
+        finally:
+            port.close()
+
+    def test_with_mig_enabled_an_empty_table_fails_instead_of_hiding_instances(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = h100.gpu_uuid(0)
+        made = h100.create_instance(0, "3g.40gb", 0, 4)
+        self._every_profile_index_not_supported(h100)
+        with pytest.raises(NvmlError) as exc:
+            port.gpu_instances(gpu)
+        assert exc.value.code == NVML_ERROR_NOT_SUPPORTED
+        assert [g.id for g in port.gpu_instances(gpu)] == [made.id]  # read again, not remembered
+
+    def test_a_compute_instance_profile_table_that_did_not_answer_hides_no_compute_instance(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = h100.gpu_uuid(0)
+        made = h100.create_instance(0, "3g.40gb", 0, 4)
+        h100.inject_fault(
+            "nvmlGpuInstanceGetComputeInstanceProfileInfoV",
+            "NOT_SUPPORTED",
+            times=pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT,
+        )
+        with pytest.raises(NvmlError) as exc:
+            port.compute_instances(gpu, made.id)
+        assert exc.value.code == NVML_ERROR_NOT_SUPPORTED
+        assert [c.mig_uuid for c in port.compute_instances(gpu, made.id)] == [made.mig_uuid]
 
 
 class TestRetries:
