@@ -117,7 +117,8 @@ class NvmlPort(Protocol):
     def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
         """Every GI profile the GPU supports.
 
-        Profile indices that answer NOT_SUPPORTED or INVALID_ARGUMENT are skipped."""
+        Profile indices that answer NOT_SUPPORTED or INVALID_ARGUMENT are skipped, and so is a profile
+        whose compute slice count has no known full-size CI profile (it could not be created right)."""
         ...
 
     def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:

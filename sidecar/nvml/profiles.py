@@ -36,11 +36,14 @@ GI_PROFILE_1_SLICE_REV2 = 0x9  # one compute slice with two memory slices ("1g.1
 GI_PROFILE_COUNT = 0x12
 
 # NVML_COMPUTE_INSTANCE_PROFILE_* constants; for compute instances index and ID are the same number.
+# Not in slice order: 6 and 8 slices came later and took the next free numbers.
 CI_PROFILE_1_SLICE = 0x0
 CI_PROFILE_2_SLICE = 0x1
 CI_PROFILE_3_SLICE = 0x2
 CI_PROFILE_4_SLICE = 0x3
 CI_PROFILE_7_SLICE = 0x4
+CI_PROFILE_8_SLICE = 0x5
+CI_PROFILE_6_SLICE = 0x6
 CI_PROFILE_COUNT = 0x9
 
 # The full-size CI inside a GI of g compute slices. Not index 0: index 0 is the 1-slice CI, and a
@@ -50,17 +53,20 @@ FULL_CI_PROFILE_BY_SLICES: dict[int, int] = {
     2: CI_PROFILE_2_SLICE,
     3: CI_PROFILE_3_SLICE,
     4: CI_PROFILE_4_SLICE,
+    6: CI_PROFILE_6_SLICE,
     7: CI_PROFILE_7_SLICE,
+    8: CI_PROFILE_8_SLICE,
 }
 
 # Compute slices of each CI profile index.
-CI_SLICES: dict[int, int] = {
-    CI_PROFILE_1_SLICE: 1,
-    CI_PROFILE_2_SLICE: 2,
-    CI_PROFILE_3_SLICE: 3,
-    CI_PROFILE_4_SLICE: 4,
-    CI_PROFILE_7_SLICE: 7,
-}
+CI_SLICES: dict[int, int] = {ci: slices for slices, ci in FULL_CI_PROFILE_BY_SLICES.items()}
+
+
+def full_ci_profile_id(slice_count: int) -> int | None:
+    """The full-size CI profile of a GI with ``slice_count`` compute slices; None when unknown.
+
+    There is deliberately no default: a guess would be profile 0, a 1-slice CI inside a bigger GI."""
+    return FULL_CI_PROFILE_BY_SLICES.get(slice_count)
 
 
 class CiProfile(msgspec.Struct, frozen=True):

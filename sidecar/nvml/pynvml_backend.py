@@ -67,7 +67,7 @@ from sidecar.nvml.port import (
     GpuInstanceProfile,
     NvmlError,
 )
-from sidecar.nvml.profiles import FULL_CI_PROFILE_BY_SLICES
+from sidecar.nvml.profiles import full_ci_profile_id
 
 T = TypeVar("T")
 
@@ -264,6 +264,11 @@ class PynvmlBackend:
             handle = self._device(gpu_uuid)
             result = []
             for index, info in self._profile_infos(handle):
+                # CI profile index = CI profile ID; the full-size CI is not index 0. A slice count
+                # with no known full-size CI profile is left out: it could never be created right.
+                ci_profile_id = full_ci_profile_id(int(info.sliceCount))
+                if ci_profile_id is None:
+                    continue
                 count = c_uint(0)
                 pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, None, byref(count))
                 array = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
@@ -281,8 +286,7 @@ class PynvmlBackend:
                         memory_mb=int(info.memorySizeMB),
                         multiprocessor_count=int(info.multiprocessorCount),
                         placements=placements,
-                        # CI profile index = CI profile ID; the full-size CI is not index 0.
-                        ci_profile_id=FULL_CI_PROFILE_BY_SLICES.get(int(info.sliceCount), 0),
+                        ci_profile_id=ci_profile_id,
                     )
                 )
             return result

@@ -10,7 +10,7 @@ import pynvml
 import pytest
 
 from sidecar.domain import Placement
-from sidecar.nvml import BackendUnavailableError, open_backend
+from sidecar.nvml import BackendUnavailableError, open_backend, profiles
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
     NVML_ERROR_INSUFFICIENT_RESOURCES,
@@ -67,6 +67,60 @@ class TestSimulatedProfiles:
             "4g.20gb": (3, 5, 4, 3),
             "7g.40gb": (4, 0, 7, 4),
         }
+
+
+class TestProfilesBeyondTheModelledGpus:
+    """No modelled GPU has a 6- or 8-slice GI profile, so these tests register a board that has, with
+    one more profile whose 5 compute slices have no known full-size CI profile."""
+
+    @pytest.fixture
+    def board(self, monkeypatch: pytest.MonkeyPatch, make_hw: MakeHw) -> SimulatedHardware:
+        def gi(index: int, profile_id: int, name: str, slices: int, size: int) -> profiles.GiProfile:
+            starts = tuple(range(0, 8 - size + 1, size))
+            return profiles.GiProfile(
+                index, profile_id, name, slices, size, len(starts), starts, size * 1024, slices
+            )
+
+        board = profiles.GpuModel(
+            key="test-8-slice",
+            name="Test 8-slice board",
+            memory_mb=8192,
+            multiprocessor_count=8,
+            memory_slices=8,
+            max_mig_devices=8,
+            resetless_mig_toggle=True,
+            profiles=(
+                gi(profiles.GI_PROFILE_1_SLICE, 19, "1g.1gb", 1, 1),
+                gi(pynvml.NVML_GPU_INSTANCE_PROFILE_6_SLICE, 40, "6g.6gb", 6, 6),
+                gi(pynvml.NVML_GPU_INSTANCE_PROFILE_8_SLICE, 41, "8g.8gb", 8, 8),
+                gi(pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX, 42, "5g.5gb", 5, 5),
+            ),
+        )
+        monkeypatch.setitem(profiles.MODELS, board.key, board)
+        return make_hw((board.key, 1))
+
+    def test_six_and_eight_slice_profiles_get_their_full_size_compute_instance(
+        self, board: SimulatedHardware
+    ) -> None:
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            got = {p.name: p.ci_profile_id for p in port.gpu_instance_profiles(board.gpu_uuid(0))}
+        finally:
+            port.close()
+        assert got["6g.6gb"] == pynvml.NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE
+        assert got["8g.8gb"] == pynvml.NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE
+        assert got["1g.1gb"] == pynvml.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE
+
+    def test_a_profile_without_a_known_full_size_compute_instance_is_not_offered(
+        self, board: SimulatedHardware
+    ) -> None:
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            names = [p.name for p in port.gpu_instance_profiles(board.gpu_uuid(0))]
+        finally:
+            port.close()
+        assert "5g.5gb" not in names
+        assert sorted(names) == ["1g.1gb", "6g.6gb", "8g.8gb"]
 
 
 class TestInstances:

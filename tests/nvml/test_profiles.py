@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pynvml
 import pytest
 
 from sidecar.nvml import profiles
@@ -126,9 +127,23 @@ class TestNumbering:
         assert profiles.gi_access_minor(gpu, gi) == gi_minor
         assert profiles.ci_access_minor(gpu, gi, ci) == ci_minor
 
-    @pytest.mark.parametrize(("slices", "ci_profile"), [(1, 0), (2, 1), (3, 2), (4, 3), (7, 4)])
+    @pytest.mark.parametrize(
+        ("slices", "ci_profile"), [(1, 0), (2, 1), (3, 2), (4, 3), (6, 6), (7, 4), (8, 5)]
+    )
     def test_the_full_size_compute_instance_is_not_profile_zero(self, slices: int, ci_profile: int) -> None:
         assert profiles.FULL_CI_PROFILE_BY_SLICES[slices] == ci_profile
+        assert profiles.full_ci_profile_id(slices) == ci_profile
+
+    @pytest.mark.parametrize("slices", [1, 2, 3, 4, 6, 7, 8])
+    def test_the_full_size_compute_instance_is_nvml_s_own_constant(self, slices: int) -> None:
+        constant = getattr(pynvml, f"NVML_COMPUTE_INSTANCE_PROFILE_{slices}_SLICE")
+        assert profiles.full_ci_profile_id(slices) == constant
+        assert profiles.CI_SLICES[constant] == slices
+
+    @pytest.mark.parametrize("slices", [0, 5, 9, 16])
+    def test_a_slice_count_without_a_known_compute_instance_profile_has_none(self, slices: int) -> None:
+        """Never a default: profile 0 is the 1-slice CI and would carve a sliver out of a bigger GI."""
+        assert profiles.full_ci_profile_id(slices) is None
 
 
 class TestGpuListSyntax:
