@@ -108,10 +108,12 @@ class ComputeInstanceNotOurs(UnverifiableState):
 
     A record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a crashed
     create left, either of them in ERROR after a failed destroy) was written for a GI that had no CI
-    when its destroy was decided. Nothing of ours creates a CI in such a GI, so one there now was made
-    by someone else. The destroy leaves everything as it is: the record stays on disk for the operator
-    and the instance leaves the table (foreign: preserved, never reused, blocking its placement), which
-    is what recovery decides when it sees such a CI at gather."""
+    when its destroy was decided: a failed create's undo records the CI its create made
+    (``_with_created_ci``) before it destroys anything. Nothing of ours creates a CI in such a GI, so
+    one there now was made by someone else. The destroy leaves everything as it is: the record stays
+    on disk for the operator and the instance leaves the table (foreign: preserved, never reused,
+    blocking its placement), which is what recovery's planner decides by the same rule when it sees
+    such a CI at gather."""
 
 
 class GpuSnapshot(msgspec.Struct, frozen=True):
@@ -500,6 +502,30 @@ class Lifecycle:
                 break
         return record
 
+    def _with_created_ci(self, record: OwnershipRecord) -> OwnershipRecord:
+        """``record`` with the ID and MIG UUID of the CI its create made but never reported, if any.
+
+        A create can make the CI and still fail: reading the new CI's info fails after
+        ``nvmlGpuInstanceCreateComputeInstance`` succeeded, or a TIMEOUT retry meets the CI the first
+        attempt made. The GI is this record's (its create made it, the placement proven free under the
+        GPU lock), and only this create makes a CI in it, so its one CI is ours. Recording it before
+        the undo destroys anything means a failed undo leaves an ERROR record with the full identity,
+        which the reconciler destroys like any other: a record without a CI ID outside CREATING stands
+        for a bare GI, and a CI found in it later is refused as someone else's
+        (``ComputeInstanceNotOurs``). Raises NvmlError. Call with the GPU lock held.
+        """
+        if record.gpu_instance_id is None or record.compute_instance_id is not None:
+            return record
+        gi = next(
+            (g for g in self.port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None
+        )
+        if gi is None or not placement.owns(record, gi):
+            return record
+        cis = self.port.compute_instances(record.gpu_uuid, gi.id)
+        if len(cis) != 1 or cis[0].profile_id != record.ci_profile_id:
+            return record  # not the one full-size CI this create makes: nothing to name it by
+        return msgspec.structs.replace(record, compute_instance_id=cis[0].id, mig_uuid=cis[0].mig_uuid)
+
     def retry_error(self, name: str) -> InstanceRef | None:
         """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
 
@@ -776,7 +802,7 @@ class Lifecycle:
         _log.warning("create of %s failed (%s); undoing", known.name, cause)
         try:
             with nvml_errors(f"undo create of {known.name}"):
-                known = self._with_created_gi(known)
+                known = self._with_created_ci(self._with_created_gi(known))
                 self._destroy_hardware(known)
         except SidecarError as exc:
             self._fail(known, f"create failed ({cause}) and its undo failed too: {exc}")

@@ -28,7 +28,9 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    its pod list may predate an Allocate since; releasing is SyncActive's job, which is fenced. A
    repeated Recover still adopts listed allocations, restores, finishes and repairs all the rest.
    ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
-   theirs. ``ERROR`` records stay ``ERROR``.
+   theirs. ``ERROR`` records stay ``ERROR``. Only a ``CREATING`` record may own a CI it never recorded
+   (a crash between making the CI and recording it); any other record without a CI ID stands for a
+   bare GI, and a CI in that GI is someone else's (the rule ``Lifecycle``'s destroy applies too).
    A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record that
    contradicts the live GI at its placement is kept on disk for the operator and that GI is foreign -
    unless the record comes from an earlier boot, in which case it cannot describe anything live and
@@ -536,13 +538,15 @@ class _Planner:
         if not cis:
             return None
         ci = cis[0]
-        if record.compute_instance_id is None and record.state is State.DELETING:
-            # DELETING without a CI ID is written only for a GI that had no CI when its destroy was
-            # decided (an orphan GI being removed, a bare GI a create left). Nothing of ours creates a
-            # CI in a GI recorded DELETING, so this one was made since by someone else.
+        if record.compute_instance_id is None and record.state is not State.CREATING:
+            # The rule lifecycle's destroy applies too (ComputeInstanceNotOurs): only a CREATING record
+            # may own a CI it never recorded. DELETING or ERROR without a CI ID is written only for a
+            # GI that had no CI when its destroy was decided (an orphan GI being removed, a bare GI a
+            # create left; a failed undo records the CI its create made). Nothing of ours creates a CI
+            # in such a GI, so this one was made since by someone else.
             return (
-                f"the live GPU instance has compute instance {ci.id} {ci.mig_uuid}, made after its "
-                "destroy began"
+                f"the live GPU instance has compute instance {ci.id} {ci.mig_uuid}, but the record "
+                f"({record.state}) stands for a bare GPU instance"
             )
         if record.compute_instance_id is None:
             # Crash between creating the CI and recording it: a full-size CI inside a GI verified as

@@ -6,10 +6,10 @@ import threading
 import time
 
 import pytest
-from lifecycle_world import World
+from lifecycle_world import World, restart
 
 from sidecar import errors
-from sidecar.domain import Outcome, State
+from sidecar.domain import Identity, Outcome, State
 from sidecar.reconciler import Reconciler
 
 NVML_ERROR_UNKNOWN = 999
@@ -248,3 +248,39 @@ class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
         assert world.everything() == (set(), {}, set())
         assert world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0].outcome is Outcome.CREATED
         world.assert_consistent()
+
+
+class TestAFailedUndoRecordsTheComputeInstanceItsCreateMade:
+    @pytest.mark.parametrize("code", [NVML_ERROR_UNKNOWN, NVML_ERROR_TIMEOUT], ids=["unknown", "timeout"])
+    def test_a_compute_instance_the_create_never_reported_is_recorded_and_destroyed_by_the_reconciler(
+        self, world: World, code: int
+    ) -> None:
+        """The driver made the CI, but reading it failed (or a retry of the whole create met the CI it
+        had just made), and the undo's destroy failed too. The ERROR record names the CI, so the
+        reconciler destroys the instance instead of refusing it as someone else's for good."""
+        world.hw.inject_fault("nvmlComputeInstanceGetInfo_v2", code)
+        world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN)
+
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+
+        [(_, gi_id, _, _, ((ci_id, mig_uuid),))] = world.layout()
+        [record] = world.record_files().values()
+        assert record.state is State.ERROR
+        assert record.identity == Identity(gi_id, ci_id, mig_uuid)
+        report = Reconciler(world.lifecycle).run_once()
+        assert [ref.identity for ref in report.destroyed] == [record.identity]
+        assert world.everything() == (set(), {}, set())
+
+    def test_after_a_restart_the_instance_of_such_an_error_record_is_destroyed_too(
+        self, world: World
+    ) -> None:
+        world.hw.inject_fault("nvmlComputeInstanceGetInfo_v2", NVML_ERROR_UNKNOWN)
+        world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+
+        restart(world).recover([])
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.everything() == (set(), {}, set())

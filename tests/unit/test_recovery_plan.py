@@ -471,6 +471,8 @@ class TestARecordThatContradictsTheLiveInstanceMakesItForeign:
             pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.CREATING, 8), id="creating with other GI ID"),
             pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.DELETING, 7, 0, mig(9)), id="deleting other CI"),
             pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 8, 0, mig(1)), id="error with other GI ID"),
+            # Only a CREATING record may own a CI it never recorded; lifecycle's destroy refuses the same.
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 7), id="error without CI ID, GI has a CI"),
         ],
     )
     def test_the_instance_is_preserved_and_the_record_kept_for_the_operator(
