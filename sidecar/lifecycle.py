@@ -541,7 +541,43 @@ class Lifecycle:
                 return None
             if current.mig_uuid is not None and current.mig_uuid in self._referenced_mig_uuids:
                 return None
+            if current.gpu_instance_id is None:
+                current = self._find_created_gi(current)
             return self._destroy_owned(current, mark_deleting=False)
+
+    def _find_created_gi(self, record: OwnershipRecord) -> OwnershipRecord:
+        """The GI of an ERROR record without a GI ID, found again before anything is destroyed.
+
+        Such a record is a create that made its GI and failed, and whose undo could not find the GI
+        (``_with_created_gi`` failed as well). Without a GI ID the destroy has nothing to destroy and
+        would delete the record while the bare GI lives on, owned by nobody. So the search runs again
+        here: found, the record names it and the destroy proceeds; nothing at exactly the record's
+        placement and profile, the GI is gone and the record may go. A GI there that the search cannot
+        claim (someone made a CI in it) might still be the one the create made: it is left alone and
+        the record stays ERROR (UnverifiableState), as it does when the search fails (NvmlFailure).
+        Call with the GPU lock held.
+        """
+        try:
+            with nvml_errors(f"find the GPU instance the failed create of {record.name} made"):
+                found = self._with_created_gi(record)
+                if found.gpu_instance_id is not None:
+                    return found
+                there = [
+                    gi.id
+                    for gi in self.port.gpu_instances(record.gpu_uuid)
+                    if gi.placement == record.placement and gi.profile_id == record.gi_profile_id
+                ]
+            if there:
+                raise UnverifiableState(
+                    f"GPU instance {there[0]} at {record.placement} on {record.gpu_uuid} may be the one the"
+                    f" failed create of {record.name} made, but it has a compute instance now; nothing was"
+                    " destroyed and the record stays in ERROR",
+                    {"record": record.name, "gpu_uuid": record.gpu_uuid, "gpu_instance_id": str(there[0])},
+                )
+        except SidecarError as exc:
+            self._fail(record, str(exc))
+            raise
+        return found
 
     @property
     def referenced_mig_uuids(self) -> frozenset[str]:

@@ -28,9 +28,11 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    its pod list may predate an Allocate since; releasing is SyncActive's job, which is fenced. A
    repeated Recover still adopts listed allocations, restores, finishes and repairs all the rest.
    ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
-   theirs. ``ERROR`` records stay ``ERROR``. Only a ``CREATING`` record may own a CI it never recorded
-   (a crash between making the CI and recording it); any other record without a CI ID stands for a
-   bare GI, and a CI in that GI is someone else's (the rule ``Lifecycle``'s destroy applies too).
+   theirs. ``ERROR`` records stay ``ERROR``, except one without a GI ID (a create made the GI, then
+   it and its undo failed to read it): its bare GI is destroyed as for ``CREATING``. Only a
+   ``CREATING`` record may own a CI it never recorded (a crash between making the CI and recording
+   it); any other record without a CI ID stands for a bare GI, and a CI in that GI is someone else's
+   (the rule ``Lifecycle``'s destroy applies too).
    A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record that
    contradicts the live GI at its placement is kept on disk for the operator and that GI is foreign -
    unless the record comes from an earlier boot, in which case it cannot describe anything live and
@@ -500,7 +502,7 @@ class _Planner:
                 self.keep_active(record)
             elif record.state in _LIVE_STATES:
                 self.restore_idle(record, gi)
-            elif record.state is State.ERROR:
+            elif record.state is State.ERROR and record.gpu_instance_id is not None:
                 self.keep_error(record)
             else:
                 self.finish_destroy(record, gi)
@@ -515,7 +517,9 @@ class _Planner:
             # before the create, for exactly this placement and profile, and nobody else creates GIs
             # here (the ownership requirement), so a bare GI there is the one it made. A GI that
             # already has a CI was completed by someone: that is not what this record describes.
-            if record.state is State.CREATING and not gi.compute_instances:
+            # ERROR without a GI ID is the same case: the create made the GI and failed, and its
+            # undo failed to find the GI too.
+            if record.state in (State.CREATING, State.ERROR) and not gi.compute_instances:
                 return None
             return f"the record has no GPU instance ID to verify live GPU instance {gi.info.id} against"
         if gi.info.id != record.gpu_instance_id:
@@ -622,7 +626,8 @@ class _Planner:
         self.steps.append(Step(subject=f"keep {record.name} in ERROR", record_name=record.name))
 
     def finish_destroy(self, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
-        """Undo a CREATING record or finish a DELETING one; the record carries the verified live IDs."""
+        """Undo a CREATING record (or an ERROR one a failed create left without a GI ID) or finish a
+        DELETING one; the record carries the verified live IDs."""
         ci = gi.compute_instances[0] if gi.compute_instances else None
         deleting = msgspec.structs.replace(
             record,
@@ -634,7 +639,7 @@ class _Planner:
         )
         if deleting.mig_uuid:
             self.removed_cdi.add(deleting.mig_uuid)  # destroy_owned removes it after the hardware
-        verb = "undo" if record.state is State.CREATING else "finish deleting"
+        verb = "finish deleting" if record.state is State.DELETING else "undo"
         self.steps.append(
             Step(
                 subject=f"{verb} {record.name}",

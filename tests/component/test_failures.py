@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from lifecycle_world import World, restart
+from lifecycle_world import World, gis, restart
 
 from sidecar import errors
 from sidecar.domain import Identity, Outcome, State
@@ -283,4 +283,63 @@ class TestAFailedUndoRecordsTheComputeInstanceItsCreateMade:
         restart(world).recover([])
         Reconciler(world.lifecycle).run_once()
 
+        assert world.everything() == (set(), {}, set())
+
+
+class TestAFailedUndoThatCouldNotFindItsGpuInstanceKeepsItsRecord:
+    """The driver made the GI, reading it failed, and the undo's search for it failed too: the ERROR
+    record has no GI ID, yet the GI it stands for is on the GPU. The record goes only with the GI."""
+
+    @staticmethod
+    def fail_create_and_undo(world: World) -> str:
+        world.hw.inject_fault("nvmlGpuInstanceGetInfo", NVML_ERROR_UNKNOWN, times=2)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+        [record] = world.record_files().values()
+        assert (record.state, record.gpu_instance_id) == (State.ERROR, None)
+        assert gis(world, 0) == {("4:4", 0)}
+        return record.name
+
+    def test_the_reconciler_finds_the_gpu_instance_and_destroys_it_with_the_record(
+        self, world: World
+    ) -> None:
+        self.fail_create_and_undo(world)
+
+        report = Reconciler(world.lifecycle).run_once()
+
+        assert [str(ref.reservation.placement) for ref in report.destroyed] == ["4:4"]
+        assert world.everything() == (set(), {}, set())
+        assert world.allocate("pod-b", (0, "3g.40gb", 4, 4)).devices[0].outcome is Outcome.CREATED
+
+    def test_while_the_gpu_instance_cannot_be_read_the_record_stays_error(self, world: World) -> None:
+        name = self.fail_create_and_undo(world)
+        world.hw.inject_fault("nvmlGpuInstanceGetInfo", NVML_ERROR_UNKNOWN)
+
+        report = Reconciler(world.lifecycle).run_once()
+
+        assert report.still_failing == (name,)
+        assert world.states() == {name: State.ERROR}
+        assert gis(world, 0) == {("4:4", 0)}
+
+    def test_a_gpu_instance_completed_by_someone_else_is_left_alone_and_the_record_stays_error(
+        self, world: World
+    ) -> None:
+        name = self.fail_create_and_undo(world)
+        [(_, gi_id, _, _, _)] = world.layout()
+        world.hw.destroy_instance(0, gi_id)
+        world.hw.create_instance(0, "3g.40gb", 4, 4)  # a GI with a CI at exactly that placement
+        before = world.layout()
+
+        report = Reconciler(world.lifecycle).run_once()
+
+        assert report.still_failing == (name,)
+        assert world.states() == {name: State.ERROR}
+        assert world.layout() == before
+
+    def test_after_a_restart_recovery_destroys_the_gpu_instance_with_the_record(self, world: World) -> None:
+        self.fail_create_and_undo(world)
+
+        report = restart(world).recover([])
+
+        assert report.preserved_foreign == ()
         assert world.everything() == (set(), {}, set())

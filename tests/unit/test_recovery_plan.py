@@ -473,6 +473,7 @@ class TestARecordThatContradictsTheLiveInstanceMakesItForeign:
             pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 8, 0, mig(1)), id="error with other GI ID"),
             # Only a CREATING record may own a CI it never recorded; lifecycle's destroy refuses the same.
             pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 7), id="error without CI ID, GI has a CI"),
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR), id="error without GI ID, GI has a CI"),
         ],
     )
     def test_the_instance_is_preserved_and_the_record_kept_for_the_operator(
@@ -582,6 +583,24 @@ class TestErrorInstancesStayInErrorForTheReconciler:
         assert table(p) == {failed.name: failed}
         assert p.actions == ()
         assert p.report.restored_idle == ()
+
+    def test_a_bare_gi_at_the_placement_of_an_error_record_without_gi_id_is_destroyed(self) -> None:
+        """A create made the GI, failed, and its undo could not find the GI: as for CREATING."""
+        failed = rec(GPU0, "3g.40gb", 4, 4, State.ERROR, holder=owner("pod-a"))
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 2, "3g.40gb", 4, 4)), records=[failed]))
+        (step,) = p.steps
+        (action,) = step.actions
+        assert isinstance(action, DestroyOwned)
+        assert (action.record.state, action.record.gpu_instance_id) == (State.DELETING, 2)
+        assert step.on_failure is not None
+        assert step.on_failure.gpu_instance_id == 2  # a destroy that fails leaves ERROR naming the GI
+        assert table(p) == {}
+        assert foreign_gis(p) == set()
+
+    def test_an_error_record_without_gi_id_whose_gi_is_gone_is_dropped(self) -> None:
+        failed = rec(GPU0, "3g.40gb", 4, 4, State.ERROR, holder=owner("pod-a"))
+        p = plan(inputs(live_gpu(GPU0), records=[failed]))
+        assert p.actions == (DeleteRecord(failed.name),)
 
     def test_an_error_record_whose_ci_is_already_destroyed_is_kept(self) -> None:
         failed = rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 7, 0, mig(1))
@@ -859,15 +878,22 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
             assert gi.info.placement == target.placement
             assert not any(c == (target.gpu_uuid, target.placement) for c in corrupt)
             recorded = records_at.get((target.gpu_uuid, target.placement))
-            if (
-                recorded is not None
-                and recorded.state in (State.CREATING, State.DELETING)
-                and (
-                    recorded.gpu_instance_id == gi.info.id
-                    or (recorded.gpu_instance_id is None and not gi.compute_instances)
+            if recorded is not None and (
+                (
+                    recorded.state in (State.CREATING, State.DELETING)
+                    and (
+                        recorded.gpu_instance_id == gi.info.id
+                        or (recorded.gpu_instance_id is None and not gi.compute_instances)
+                    )
+                )
+                or (
+                    recorded.state is State.ERROR
+                    and recorded.gpu_instance_id is None
+                    and not gi.compute_instances
                 )
             ):
-                # An own instance: a CREATING/DELETING record whose GI (and CI, if any) verified.
+                # An own instance: a CREATING/DELETING record whose GI (and CI, if any) verified, or
+                # the bare GI of an ERROR record a failed create and undo left without a GI ID.
                 assert recorded.gi_profile_id == gi.info.profile_id
                 assert len(gi.compute_instances) <= 1
                 if gi.compute_instances and recorded.mig_uuid is not None:
