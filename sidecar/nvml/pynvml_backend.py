@@ -11,12 +11,14 @@ takes care of, so that the domain never has to:
   argument through untouched;
 * ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
 * handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
-  handles are cached by UUID (they stay valid, and an uncached by-UUID lookup can take seconds on a
-  loaded node).
+  handles are cached by UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup
+  can take seconds on a loaded node).
 
 What is cached, and why that is safe (every NVML call is a driver round trip on the Allocate path of
 kubelet, and ``sim stats`` counts them): only facts that cannot change while the driver that answered
-them stays loaded, which is also the lifetime of the cached GPU handles they are read through.
+them stays loaded and the device stays bound, which is also the lifetime of the cached GPU handles
+they are read through. A MIG mode change may rebind the device (nvml.h: minor number and handle may
+change), so ``set_mig_mode`` drops everything cached about that GPU.
 
 * per GPU: index, minor number, name, total memory — properties of the physical device;
 * per GPU: the GI profile table (ID and instance count of every profile index) — fixed for a GPU model
@@ -250,6 +252,15 @@ class PynvmlBackend:
     def gpu(self, gpu_uuid: str) -> GpuInfo:
         return self._run(f"read GPU {gpu_uuid}", lambda: self._gpu_info(self._device(gpu_uuid), gpu_uuid))
 
+    def _forget(self, gpu_uuid: str) -> None:
+        """Drop everything cached about one GPU: its handle, static facts and profile tables."""
+        with self._lock:
+            self._handles.pop(gpu_uuid, None)
+            self._static.pop(gpu_uuid, None)
+            self._profile_ids.pop(gpu_uuid, None)
+            for key in [k for k in self._ci_profile_ids if k[0] == gpu_uuid]:
+                del self._ci_profile_ids[key]
+
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
 
@@ -257,7 +268,13 @@ class PynvmlBackend:
             # Only the call's own return code raises; a refused activation comes back as the status.
             return int(pynvml.nvmlDeviceSetMigMode(self._device(gpu_uuid), mode))
 
-        return self._run(f"set MIG mode {'on' if enabled else 'off'} on {gpu_uuid}", apply)
+        try:
+            return self._run(f"set MIG mode {'on' if enabled else 'off'} on {gpu_uuid}", apply)
+        finally:
+            # nvml.h: the call may unbind or reset the device, after which its minor number (and the
+            # handle) may differ and must be queried again. Whatever the outcome, nothing cached about
+            # this GPU is trusted any longer; the next call reads it afresh.
+            self._forget(gpu_uuid)
 
     def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
         def read() -> list[GpuInstanceProfile]:

@@ -3,6 +3,7 @@ driver is present, against real NVML; mutating and fault tests run on the simula
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from sidecar.nvml.port import (
     NvmlError,
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware
+from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
 
 MakeHw = Callable[..., SimulatedHardware]
 
@@ -220,6 +221,30 @@ class TestAProfileTableThatDidNotAnswer:
             port.compute_instances(gpu, made.id)
         assert exc.value.code == NVML_ERROR_NOT_SUPPORTED
         assert [c.mig_uuid for c in port.compute_instances(gpu, made.id)] == [made.mig_uuid]
+
+
+class TestAMigModeChange:
+    """nvml.h: setting the MIG mode may unbind or reset the device, so its minor number and handle may
+    change and the caller is expected to query them again. The adapter forgets what it cached."""
+
+    def test_a_minor_number_renumbered_by_the_mode_change_is_read_again(self, tmp_path: Path) -> None:
+        state = tmp_path / "hw.json"
+        hw = SimulatedHardware.init_file(state, [("h100-80gb", 1)], mig_enabled=False)
+        install(hw)
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            gpu = port.gpus()[0]
+            assert gpu.minor == 0
+            doc = json.loads(state.read_bytes())
+            doc["gpus"][0]["minor"] = 3  # the driver rebinds the device and renumbers it
+            state.write_text(json.dumps(doc))
+            assert port.set_mig_mode(gpu.uuid, True) == 0
+            again = port.gpu(gpu.uuid)
+            assert (again.minor, again.mig_current) == (3, True)
+            assert port.gpus()[0].minor == 3
+        finally:
+            port.close()
+            uninstall()
 
 
 class TestRetries:

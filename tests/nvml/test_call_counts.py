@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pynvml
 import pytest
 
 from sidecar.domain import Placement
@@ -173,7 +174,7 @@ class TestTheStatsCommand:
         assert sim(tmp_path / "absent.json", "stats") == 1
 
 
-PROFILE_INFO = "nvmlDeviceGetGpuInstanceProfileInfo"
+PROFILE_INFO = "nvmlDeviceGetGpuInstanceProfileInfoV"
 CI_PROFILE_INFO = "nvmlGpuInstanceGetComputeInstanceProfileInfoV"
 
 
@@ -228,6 +229,23 @@ class TestTheAdapterReadsStaticFactsOnceAndTheLayoutEveryTime:
             first.memory_mb,
         )
         assert h100.call_counts() == {"nvmlDeviceGetMigMode": 1}
+
+    def test_after_a_mig_mode_change_the_handle_and_every_cached_fact_are_read_again(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        """nvml.h: the mode change may rebind the device; its handle and minor number may change."""
+        gpu = port.gpus()[0].uuid
+        port.gpu_instances(gpu)
+        h100.reset_call_counts()
+        port.set_mig_mode(gpu, False)
+        port.set_mig_mode(gpu, True)
+        h100.reset_call_counts()
+        port.gpu(gpu)
+        port.gpu_instances(gpu)
+        counts = h100.call_counts()
+        assert counts["nvmlDeviceGetHandleByUUID"] == 1
+        assert counts["nvmlDeviceGetMinorNumber"] == 1
+        assert counts[PROFILE_INFO] == pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT  # the table, read again
 
     def test_a_gpu_that_fell_off_the_bus_fails_although_its_facts_are_cached(
         self, h100: SimulatedHardware, port: PynvmlBackend
