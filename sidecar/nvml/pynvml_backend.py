@@ -382,25 +382,37 @@ class PynvmlBackend:
 
         return self._run(operation, read)
 
+    # Creates retry the create call and the read-back of the new instance separately: a create that
+    # returned SUCCESS is never issued again because the read-back hiccuped (the second create would
+    # meet the first one's instance and fail INSUFFICIENT_RESOURCES). A create that itself timed out
+    # is retried as before; should its first attempt have made the instance after all, the retry
+    # fails and the lifecycle's undo finds the instance and destroys it. A read-back that keeps
+    # failing reaches the caller with the instance in place, for that same undo.
+
     def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
-        def create() -> GpuInstanceInfo:
+        operation = f"create GPU instance profile {profile_id} at {placement} on {gpu_uuid}"
+
+        def create() -> Any:
             where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
             device = self._device(gpu_uuid)
-            gi = pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
-            return self._gi_info(gpu_uuid, gi)
+            return pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
 
-        return self._run(f"create GPU instance profile {profile_id} at {placement} on {gpu_uuid}", create)
+        gi = self._run(operation, create)
+        return self._run(f"{operation}: read back the new GPU instance", lambda: self._gi_info(gpu_uuid, gi))
 
     def create_compute_instance(
         self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
     ) -> ComputeInstanceInfo:
-        def create() -> ComputeInstanceInfo:
-            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
-            ci = pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
-            return self._ci_info(gpu_uuid, gpu_instance_id, ci)
+        operation = f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}"
 
+        def create() -> Any:
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            return pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
+
+        ci = self._run(operation, create)
         return self._run(
-            f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}", create
+            f"{operation}: read back the new compute instance",
+            lambda: self._ci_info(gpu_uuid, gpu_instance_id, ci),
         )
 
     def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:

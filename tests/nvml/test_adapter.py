@@ -297,6 +297,41 @@ class TestTheErrorBoundary:
         assert gpu in str(exc.value)
 
 
+class TestAReadBackThatTimesOut:
+    """A create that succeeded is never issued again because reading the new instance back failed:
+    the second create would meet the first one's instance (INSUFFICIENT_RESOURCES) and fail a request
+    whose hardware step had worked."""
+
+    def test_a_gpu_instance_read_back_timeout_is_retried_without_a_second_create(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        h100.inject_fault("nvmlGpuInstanceGetInfo", NVML_ERROR_TIMEOUT)
+        gi = port.create_gpu_instance(h100.gpu_uuid(0), 9, Placement(4, 4))
+        assert (gi.id, gi.profile_id, gi.placement) == (2, 9, Placement(4, 4))
+        assert [(g.id, g.placement) for g in h100.layout(0).gis] == [(2, Placement(4, 4))]
+
+    def test_a_compute_instance_read_back_timeout_is_retried_without_a_second_create(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = h100.gpu_uuid(0)
+        gi = port.create_gpu_instance(gpu, 9, Placement(0, 4))
+        h100.inject_fault("nvmlComputeInstanceGetInfo_v2", NVML_ERROR_TIMEOUT)
+        ci = port.create_compute_instance(gpu, gi.id, 2)
+        (made,) = h100.layout(0).gis[0].cis
+        assert (ci.id, ci.mig_uuid) == (made.id, made.mig_uuid)
+
+    def test_a_read_back_that_keeps_timing_out_reports_the_timeout_and_leaves_one_instance(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gpu = h100.gpu_uuid(0)
+        gi = port.create_gpu_instance(gpu, 9, Placement(0, 4))
+        h100.inject_fault("nvmlComputeInstanceGetInfo_v2", NVML_ERROR_TIMEOUT, times=5)
+        with pytest.raises(NvmlError) as exc:
+            port.create_compute_instance(gpu, gi.id, 2)
+        assert exc.value.code == NVML_ERROR_TIMEOUT
+        assert len(h100.layout(0).gis[0].cis) == 1  # the lifecycle's undo finds and destroys it
+
+
 class TestOpeningABackend:
     def test_the_simulated_backend_creates_its_state_file_and_proc_tree(self, tmp_path: Path) -> None:
         state = tmp_path / "hw.json"
