@@ -12,8 +12,10 @@ Order matters and is the point of this module (architecture section 10):
 5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
    which also starts the reconciler (before recovery the table does not describe the hardware).
 
-SIGTERM/SIGINT: stop accepting, let in-flight calls finish for the grace period, stop the reconciler,
-close the backend, remove the socket, release the lock, exit 0.
+SIGTERM/SIGINT: stop accepting, answer the in-flight calls that finish within the grace period (the
+others are cancelled towards their clients), wait until every handler has returned (gRPC does not stop
+handler threads, and one past the grace period still creates hardware and writes records), then stop
+the reconciler, close the backend, remove the socket, release the lock, exit 0.
 
 Nothing here does I/O at import time; ``serve`` takes the backend opener as an argument so tests and
 tools can wire a different one.
@@ -159,7 +161,10 @@ class Application:
                 raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from exc
 
     def shutdown(self) -> None:
-        """Stop serving, then release resources in the reverse order of acquisition. Idempotent."""
+        """Stop serving, then release resources in the reverse order of acquisition. Idempotent.
+
+        ``server.stop`` returns only once no handler runs any more: the reconciler, NVML and the
+        records (with the state directory lock) must outlive every call that uses them."""
         if self._socket_bound:
             self.server.stop(self.config.shutdown_grace_s)
         if self._reconciler_started:

@@ -1,9 +1,10 @@
 """Allocate / Release / SyncActive transactions over owned MIG instances (architecture section 5).
 
 ``Lifecycle`` owns the in-memory table of owned instances (record name -> OwnershipRecord, mirroring
-the record files exactly), one lock per GPU (GPUs proceed in parallel), the activation ``generation``
-and the ``recovered`` gate. Every record change goes through the RecordStore *before* the in-memory
-table changes; intent is recorded before each NVML mutation and completion after it.
+the record files exactly), one lock per GPU (GPUs proceed in parallel), the ``generation`` (bumped on
+every activation and every instance going IDLE, the fence of SyncActive) and the ``recovered`` gate.
+Every record change goes through the RecordStore *before* the in-memory table changes; intent is
+recorded before each NVML mutation and completion after it.
 Foreign instances are never cached: every allocation reads the live GI layout of its GPU, so anything
 created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once.
 
@@ -78,7 +79,7 @@ _log = logging.getLogger(__name__)
 
 GENERATION_BLOCK = 1024
 """How far the durable generation ceiling moves at a time: one small file write per this many
-activations, and at most this many numbers skipped per restart (they stay readable for humans)."""
+activations and idles, and at most this many numbers skipped per restart (they stay readable)."""
 
 
 def now_rfc3339() -> str:
@@ -344,9 +345,11 @@ class Lifecycle:
 
         Level-triggered release from a fresh pod list: an ACTIVE instance whose key is not listed and
         that was activated at or before ``generation`` becomes IDLE (one activated later raced the pod
-        list and is left alone). An IDLE instance whose reservation and MIG UUID are listed is held by
-        a live pod after all and becomes ACTIVE again with that owner. Listed entries that match
-        nothing are ignored. Never destroys anything.
+        list and is left alone). An IDLE instance whose reservation and MIG UUID are listed, and that
+        went IDLE at or before ``generation``, is held by a live pod after all and becomes ACTIVE again
+        with that owner; one that went IDLE later (a Release, or a newer SyncActive) was released after
+        the list was taken, which still names the pod that is gone, and stays IDLE. Listed entries that
+        match nothing are ignored. Never destroys anything.
         """
         self._require_recovered()
         listed_keys = {a.key for a in active}
@@ -366,7 +369,10 @@ class Lifecycle:
         to_activate = [
             (r, by_identity[(r.reservation, r.mig_uuid)])
             for r in table
-            if r.state is State.IDLE and r.mig_uuid is not None and (r.reservation, r.mig_uuid) in by_identity
+            if r.state is State.IDLE
+            and r.mig_uuid is not None
+            and (r.reservation, r.mig_uuid) in by_identity
+            and r.idled_generation <= generation
         ]
         idled: list[InstanceRef] = []
         reactivated: list[InstanceRef] = []
@@ -385,7 +391,12 @@ class Lifecycle:
                 idled.append(instance_ref(current))
             for r, alloc in to_activate:
                 current = self.record(r.name)
-                if current is None or current.state is not State.IDLE or current.mig_uuid != r.mig_uuid:
+                if (
+                    current is None
+                    or current.state is not State.IDLE
+                    or current.mig_uuid != r.mig_uuid
+                    or current.idled_generation > generation
+                ):
                     continue
                 if self._active_for_key(alloc.key) is not None:
                     continue  # that key already holds another instance; never give it two
@@ -442,15 +453,21 @@ class Lifecycle:
         live pod holds.
 
         The generation becomes the largest of the given one, the current one and every record's
-        ``activated_generation``, so it never goes backwards across restarts (a SyncActive fenced with
-        an old generation must not idle an instance activated since).
+        ``activated_generation`` and ``idled_generation``, so it never goes backwards across restarts
+        (a SyncActive fenced with an old generation must not idle an instance activated since, nor
+        reactivate one idled since).
         """
         with self.exclusive(r.gpu_uuid for r in records):
             with self._table_lock:
                 self._table = {r.name: r for r in records}
                 self._referenced_mig_uuids = frozenset(referenced_mig_uuids)
                 self.generation = max(
-                    [generation, self.generation, *(r.activated_generation for r in records)]
+                    [
+                        generation,
+                        self.generation,
+                        *(r.activated_generation for r in records),
+                        *(r.idled_generation for r in records),
+                    ]
                 )
             self.recovered = True
 
@@ -986,9 +1003,9 @@ class Lifecycle:
         )
 
     def _next_generation(self) -> int:
-        """The generation of a new activation, durably below the ceiling before anyone can see it.
+        """The generation of a new activation or idle, durably below the ceiling before anyone sees it.
 
-        StateWriteFailed when the ceiling must rise and cannot: the activation then fails (the caller
+        StateWriteFailed when the ceiling must rise and cannot: the change then fails (the caller
         undoes its work) rather than hand out a number a restart could hand out again."""
         with self._generation_lock:
             value = self.generation + 1
@@ -1015,9 +1032,17 @@ class Lifecycle:
             raise StateWriteFailed(str(exc), {"file": str(exc.path)}) from exc
         self._generation_ceiling = stored
 
-    @staticmethod
-    def _idle(record: OwnershipRecord) -> OwnershipRecord:
-        return msgspec.structs.replace(record, state=State.IDLE, owner=None, since=now_rfc3339())
+    def _idle(self, record: OwnershipRecord) -> OwnershipRecord:
+        """``record`` IDLE, stamped with a fresh generation: SyncActive reactivates it only for a pod
+        list taken after that generation was handed out (an older list still names the pod that is
+        gone). StateWriteFailed as for ``_next_generation``."""
+        return msgspec.structs.replace(
+            record,
+            state=State.IDLE,
+            owner=None,
+            idled_generation=self._next_generation(),
+            since=now_rfc3339(),
+        )
 
     # -- internals: locks ------------------------------------------------------------------------------
     def _gpu_lock(self, gpu_uuid: str) -> threading.RLock:

@@ -26,11 +26,12 @@ Files in the directory:
   strings).
 - ``generation``: the generation ceiling, ``{"version":1,"checksum":…,"record":{"ceiling":N}}`` in
   the same envelope as a record (checksum over the exact ``record`` bytes). ``N`` is the highest
-  activation generation the sidecar may have handed out: the lifecycle hands out generations up to it
-  and, before it hands out a larger one, durably raises it by a block (hi/lo). A restarted sidecar
-  starts counting at ``N`` (or at the newest record, if larger), so the generation never goes back
-  across restarts even when the records of the instances activated last are gone - a SyncActive
-  fenced with a generation read before the restart can never idle an instance activated after it.
+  generation the sidecar may have handed out (one per activation and one per instance going IDLE):
+  the lifecycle hands out generations up to it and, before it hands out a larger one, durably raises
+  it by a block (hi/lo). A restarted sidecar starts counting at ``N`` (or at the newest record, if
+  larger), so the generation never goes back across restarts even when the records of the instances
+  changed last are gone - a SyncActive fenced with a generation read before the restart can never
+  idle an instance activated after it, nor reactivate one idled after it.
   Missing = a first run (the records are all there is); corrupt = recovery refuses to guess
   (UNVERIFIABLE_STATE) and the file is left for the operator. It does not end in ``.json``, so no
   record reader sees it; ``verify`` reports it.
@@ -94,6 +95,7 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     mig_uuid: str | None = None  # set once the CI exists
     owner: Owner | None = None  # the holder while ACTIVE (and the creator while CREATING)
     activated_generation: int = 0  # the generation at which it last became ACTIVE
+    idled_generation: int = 0  # the generation at which it last became IDLE (0: before the field existed)
     cdi_device: str = ""  # qualified CDI name, "" with CDI disabled or before the file exists
     last_error: str = ""
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when the instance was created

@@ -24,7 +24,9 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    another instance now is not given a second one; both are reported in ``errors``.
 2. A valid record is matched against the live GI at *exactly* its placement. ``IDLE``/``ACTIVE`` records
    whose GI and CI verify are restored ``IDLE`` - except ``ACTIVE`` ones in a Recover repeated once
-   the sidecar has recovered: those stay ``ACTIVE``. A repeated Recover has no generation fence, and
+   the sidecar has recovered: those stay ``ACTIVE``. One that goes IDLE here (or is adopted IDLE by
+   rule 4) is stamped with the recovery's fresh generation, as a release stamps its own (SyncActive's
+   reactivation fence). A repeated Recover has no generation fence, and
    its pod list may predate an Allocate since; releasing is SyncActive's job, which is fenced. A
    repeated Recover still adopts listed allocations, restores, finishes and repairs all the rest.
    ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
@@ -272,9 +274,17 @@ class _Planner:
         self.removed_orphans: list[InstanceRef] = []
         self.dropped: list[str] = []
         self.errors: list[str] = []
-        self.generation = max([inputs.generation, *(r.activated_generation for r in inputs.records)])
-        self.activation_generation = self.generation + 1
-        self.activated_any = False
+        self.generation = max(
+            [
+                inputs.generation,
+                *(r.activated_generation for r in inputs.records),
+                *(r.idled_generation for r in inputs.records),
+            ]
+        )
+        # The one fresh generation this recovery hands out, to every instance it activates or
+        # restores IDLE; the plan's generation moves to it once one is handed out.
+        self.fresh_generation = self.generation + 1
+        self.handed_out = False
 
     # -- lookups -----------------------------------------------------------------------------------
     def profile_of(self, gpu_uuid: str, profile_id: int) -> GpuInstanceProfile | None:
@@ -373,8 +383,8 @@ class _Planner:
                 assert old is not None
                 activated, since, boot = old.activated_generation, old.since, old.boot_id
             else:
-                self.activated_any = True
-                activated, since = self.activation_generation, self.inputs.now
+                self.handed_out = True
+                activated, since = self.fresh_generation, self.inputs.now
                 boot = old.boot_id if old is not None and old.mig_uuid == ci.mig_uuid else self.inputs.boot_id
             record = OwnershipRecord(
                 gpu_uuid=gpu_uuid,
@@ -589,12 +599,16 @@ class _Planner:
 
     def restore_idle(self, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
         changed = record.state is not State.IDLE
+        if changed:
+            # Going IDLE takes a fresh generation, as a release does (SyncActive's reactivation fence).
+            self.handed_out = True
         restored = msgspec.structs.replace(
             record,
             state=State.IDLE,
             owner=None,
             last_error="",
             cdi_device=self.cdi_name(record.mig_uuid),
+            idled_generation=self.fresh_generation if changed else record.idled_generation,
             since=self.inputs.now if changed else record.since,
         )
         actions: tuple[Action, ...] = () if restored == record else (PutRecord(restored),)
@@ -724,9 +738,11 @@ class _Planner:
             compute_instance_id=ci.id,
             mig_uuid=ci.mig_uuid,
             cdi_device=self.cdi_name(ci.mig_uuid),
+            idled_generation=self.fresh_generation,
             boot_id=self.inputs.boot_id,
             since=self.inputs.now,
         )
+        self.handed_out = True
         self.steps.append(
             Step(
                 subject=f"adopt foreign {record.name}", actions=(PutRecord(record),), record_name=record.name
@@ -783,7 +799,7 @@ class _Planner:
                 self.steps.append(Step(subject=f"remove CDI spec of {mig_uuid}", actions=actions))
 
     def result(self) -> Plan:
-        generation = self.activation_generation if self.activated_any else self.generation
+        generation = self.fresh_generation if self.handed_out else self.generation
         report = RecoveryReport(
             adopted_active=tuple(self.adopted_active),
             restored_idle=tuple(self.restored_idle),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -295,9 +296,44 @@ class MigSidecarServicer:
         self.info = info
         self.metrics = metrics
         self.on_recovered = on_recovered
+        # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
+        self._calls = threading.Condition()
+        self._in_flight = 0
+        self._draining = False
+
+    def drain(self) -> None:
+        """Refuse calls from now on and return once no call is inside a handler any more.
+
+        gRPC's ``stop(grace)`` stops answering after the grace period but does not stop handler
+        threads: a call past it still creates GI/CI and writes records. Shutdown waits here before it
+        closes NVML and releases the state directory lock, so no handler outlives either. No bound of
+        our own: the pod's termination grace period kills the process, and every step is crash-safe."""
+        with self._calls:
+            self._draining = True
+            running = self._in_flight
+        if running:
+            event(log, logging.INFO, "waiting for in-flight calls", calls=running)
+        with self._calls:
+            self._calls.wait_for(lambda: self._in_flight == 0)
 
     # Every RPC goes through here: one place for error mapping, the INTERNAL fallback and latency.
     def _handle(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+        with self._calls:
+            refused = self._draining
+            if not refused:
+                self._in_flight += 1
+        if refused:
+            # Only a call that reached its thread as the server stopped gets here; gRPC answers the
+            # others itself, with this same status, which the client takes as "sidecar restarting".
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: the sidecar is shutting down")
+        try:
+            return self._answer(method, context, call)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
+
+    def _answer(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -479,6 +515,8 @@ class SidecarServer:
         self._server.start()
 
     def stop(self, grace_s: float) -> None:
-        """Refuse new calls, let in-flight ones finish for ``grace_s``, then cancel the rest."""
+        """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
+        towards their clients; return only once every handler has returned (``drain``)."""
         self.health.enter_graceful_shutdown()
         self._server.stop(grace_s).wait()
+        self.servicer.drain()

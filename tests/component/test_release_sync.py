@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lifecycle_world import World
+from lifecycle_world import World, active_of
 
-from sidecar.domain import ActiveAllocation, Owner, PodRef, State
+from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
 
 
 class TestRelease:
@@ -93,3 +93,46 @@ class TestSyncActive:
 
         assert world.lifecycle.sync_active(world.lifecycle.generation, [other_uuid]) == ([], [])
         assert world.everything() == before
+
+
+class TestAPodListOlderThanAReleaseReactivatesNothing:
+    """Going IDLE bumps the generation too: a SyncActive whose pod list was taken before the release
+    still names the dead pod, and must not hand its instance back to it (the slices belong to the
+    next pod the scheduler placed there)."""
+
+    def test_an_instance_released_after_the_pod_list_was_taken_stays_idle_for_the_next_pod(
+        self, world: World
+    ) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        generation = world.lifecycle.generation  # the client reads it, then lists pods: pod-a is alive
+        pod_list = active_of("pod-a", a)
+        world.lifecycle.release("pod-a")  # pod-a is deleted and its release confirmed meanwhile
+
+        idled, reactivated = world.lifecycle.sync_active(generation, pod_list)
+
+        assert (idled, reactivated) == ([], [])
+        [record] = world.record_files().values()
+        assert (record.state, record.owner) == (State.IDLE, None)
+        assert record.idled_generation == world.lifecycle.generation > generation
+        again = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (again.outcome, again.identity) == (Outcome.REUSED, a.devices[0].identity)
+
+    def test_an_instance_idled_by_a_newer_sync_is_not_reactivated_by_an_older_one(self, world: World) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_generation = world.lifecycle.generation
+        old_list = active_of("pod-a", a)  # taken while pod-a was alive
+        idled, _ = world.lifecycle.sync_active(world.lifecycle.generation, [])  # a newer list without it
+        assert [r.identity for r in idled] == [a.devices[0].identity]
+
+        assert world.lifecycle.sync_active(old_generation, old_list) == ([], [])
+        assert world.states() == {world.lifecycle.instances()[0].name: State.IDLE}
+
+    def test_a_pod_list_taken_after_the_release_still_reactivates(self, world: World) -> None:
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        generation = world.lifecycle.generation  # read after the release: the list is newer
+
+        _, reactivated = world.lifecycle.sync_active(generation, active_of("pod-a", a))
+
+        assert [r.identity for r in reactivated] == [a.devices[0].identity]
+        assert set(world.states().values()) == {State.ACTIVE}

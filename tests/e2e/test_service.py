@@ -4,17 +4,22 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import math
+import signal
 import stat
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from sidecar_process import Sidecar, SidecarFactory, error_info
+from sidecar_process import CALL_TIMEOUT_S, STOP_TIMEOUT_S, Sidecar, SidecarFactory, error_info
 
 from sidecar import __version__
 
@@ -94,6 +99,82 @@ class TestSocketAndLock:
         assert "cannot open the nvml backend" in result.stderr
         assert "--backend simulated" in result.stderr
         assert not car.socket.exists()
+
+
+def creating(car: Sidecar) -> bool:
+    """Whether a CREATING record is on disk: an Allocate is between its intent and its completion."""
+    for path in car.state_dir.glob("*.json"):
+        try:
+            if json.loads(path.read_bytes())["record"]["state"] == "CREATING":
+                return True
+        except FileNotFoundError:
+            continue  # removed between the listing and the read
+    return False
+
+
+def lock_is_free(car: Sidecar) -> bool:
+    """Try the state directory's flock without blocking, as a second sidecar would; release it at once."""
+    with (car.state_dir / ".lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return True
+
+
+class TestGracefulShutdown:
+    """SIGTERM while an Allocate outlives the grace period: the call runs to its end before the
+    reconciler stops, NVML closes and the state directory lock is released."""
+
+    def test_a_slow_allocate_keeps_the_lock_until_it_ends_and_leaves_a_whole_instance_or_none(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=["--shutdown-grace", "0.5"])
+        car.recover()
+        gpu = h100(car)
+        car.sim("latency", "create-gi", "3")  # the GI exists at once; the call returns 3 s later
+        answers: list[Any] = []
+
+        def allocate() -> None:
+            try:
+                answers.append(car.stub.Allocate(allocate_request(gpu.uuid, "1g.10gb", 0, 1), timeout=60))
+            except grpc.RpcError as err:
+                answers.append(error_info(err))
+
+        caller = threading.Thread(target=allocate)
+        caller.start()
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while not creating(car):  # the intent is on disk: the call is inside the lifecycle
+            assert time.monotonic() < deadline, f"no CREATING record appeared:\n{car.log_text()}"
+            time.sleep(0.02)
+        assert car.proc is not None
+        car.proc.send_signal(signal.SIGTERM)
+
+        lock_taken_mid_call = False
+        while car.running and creating(car):
+            # CREATING only ever moves on, so CREATING read after a successful flock means the call
+            # was still running while another sidecar could have taken the directory.
+            if lock_is_free(car) and creating(car):
+                lock_taken_mid_call = True
+                break
+            time.sleep(0.05)
+        code = car.proc.wait(timeout=STOP_TIMEOUT_S)
+        caller.join(timeout=CALL_TIMEOUT_S)
+
+        assert not lock_taken_mid_call, f"the lock was free while the Allocate ran:\n{car.log_text()}"
+        assert code == 0, car.log_text()
+        assert answers, "the Allocate never returned"
+        records = car.records()
+        gis = [gi for g in car.hardware() if g["uuid"] == gpu.uuid for gi in g["gis"]]
+        assert [r["state"] for r in records.values()] in ([], ["ACTIVE"]), (records, car.log_text())
+        if records:  # completed: one ACTIVE record, its GI with its CI, its CDI spec
+            (record,) = records.values()
+            assert [ci["mig_uuid"] for gi in gis for ci in gi["cis"]] == [record["mig_uuid"]]
+            assert any(record["mig_uuid"] in name for name in car.cdi_files())
+        else:  # undone: nothing on the hardware, no CDI spec
+            assert gis == []
+            assert car.cdi_files() == []
 
 
 class TestHealthAndRecoveryGate:

@@ -117,6 +117,22 @@ class TestRoundTrip:
         assert envelope["checksum"] == "sha256:" + hashlib.sha256(record_bytes).hexdigest()
         assert b'"record":' + record_bytes + b"}" in data
 
+    def test_a_record_written_before_idled_generation_existed_reads_with_zero(
+        self, store: RecordStore
+    ) -> None:
+        """New fields have defaults: a file of an older build still reads, as "never fenced"."""
+        rec = make_record()
+        fields = msgspec.to_builtins(rec)
+        del fields["idled_generation"]
+        raw = msgspec.json.encode(fields)
+        envelope = b'{"version":1,"checksum":"sha256:%s","record":%s}\n' % (
+            hashlib.sha256(raw).hexdigest().encode(),
+            raw,
+        )
+        store.path(rec.name).write_bytes(envelope)
+        assert store.load(rec.name) == rec
+        assert store.load(rec.name).idled_generation == 0
+
     def test_a_second_put_replaces_the_first(self, store: RecordStore) -> None:
         store.put(make_record(state=State.ACTIVE))
         store.put(make_record(state=State.IDLE))

@@ -398,7 +398,19 @@ class TestVerifiedRecordsWithoutAnActivePodAreRestoredIdle:
         assert (restored.state, restored.owner, restored.since) == (State.IDLE, None, NOW)
         assert restored.activated_generation == 6
         assert table(p) == {active.name: restored}
-        assert p.generation == 6
+        # Going IDLE takes a fresh generation, as a release does: a SyncActive fenced with any
+        # generation handed out before cannot hand the instance back to the pod that is gone.
+        assert restored.idled_generation == p.generation == 7
+
+    def test_the_generation_never_falls_below_a_records_idle_generation(self) -> None:
+        idle = msgspec.structs.replace(
+            rec(GPU0, "3g.40gb", 0, 4, State.IDLE, 1, 0, mig(1), generation=3), idled_generation=9
+        )
+        p = plan(
+            inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1))), records=[idle], generation=2)
+        )
+        assert table(p) == {idle.name: idle}
+        assert p.generation == 9
 
     def test_a_record_from_an_earlier_boot_is_restored_when_its_mig_uuid_is_still_live(self) -> None:
         idle = rec(GPU0, "1g.10gb", 2, 1, State.IDLE, 9, 0, mig(3), boot=OLD_BOOT)
