@@ -268,7 +268,11 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 	}
 	// gRPC can answer DEADLINE_EXCEEDED (the server's timer, from the grpc-timeout header)
 	// a moment before ctx's own timer fires; either way the call's deadline is what ended it.
+	// Such an answer came from the sidecar, so the sidecar is reachable whatever state the
+	// connection shows (gRPC hands a ready connection to calls a moment before GetState
+	// reports it READY).
 	timeUp := ctx.Err()
+	answered := timeUp == nil
 	if timeUp == nil {
 		timeUp = context.DeadlineExceeded
 	}
@@ -288,7 +292,7 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 	if e.Code == codes.Unavailable && e.Reason != "" {
 		return e
 	}
-	if state := c.conn.GetState(); state != connectivity.Ready {
+	if state := c.conn.GetState(); state != connectivity.Ready && !answered {
 		return &Error{
 			Op: op, Code: codes.Unavailable, Reason: ReasonSidecarUnreachable, Attempts: attempts, cause: e.cause,
 			Message: fmt.Sprintf("no sidecar answered on %s within %s (connection %s); nothing was changed by this call",

@@ -656,6 +656,37 @@ func TestADeadlineTheSidecarReportsFirstIsADeadline(t *testing.T) {
 	}
 }
 
+// gRPC hands a ready connection to calls a moment before GetState reports it READY, so the
+// first answers on a fresh connection can arrive while it still shows CONNECTING. answering
+// stands in for such a sidecar deterministically: it answers GetInfo and Allocate itself, on a
+// socket nobody listens to, so the connection never shows READY.
+func answering(allocate error) grpc.DialOption {
+	return grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
+		invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
+	) error {
+		switch method {
+		case pb.MigSidecar_GetInfo_FullMethodName:
+			proto.Merge(reply.(proto.Message), &pb.GetInfoResponse{
+				ApiVersion: "v1", Backend: BackendNVML, BootId: "boot-1", Recovered: true, StartedAt: timestamppb.New(time.Unix(1000, 0)),
+			})
+			return nil
+		case pb.MigSidecar_Allocate_FullMethodName:
+			return allocate
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	})
+}
+
+func TestADeadlineTheSidecarReportsBeforeTheConnectionShowsReadyIsADeadline(t *testing.T) {
+	opts := fastOptions()
+	opts.DialOptions = []grpc.DialOption{answering(status.Error(codes.DeadlineExceeded, "context deadline exceeded"))}
+	c := connect(t, filepath.Join(t.TempDir(), "absent.sock"), opts)
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) || IsReason(err, ReasonSidecarUnreachable) {
+		t.Fatalf("a sidecar that answered is called unreachable: %v", err)
+	}
+}
+
 func TestTheRecoveryInsideAllocateRunsUnderAllocatesDeadline(t *testing.T) {
 	opts := fastOptions()
 	opts.CallTimeout, opts.AllocateTimeout = time.Minute, 5*time.Second
