@@ -411,7 +411,11 @@ class SimulatedLibrary:
         """Hopper toggles at once. Ampere only records the pending mode and reports RESET_REQUIRED as
         activation status until the node reboots (``sim reboot``). Disabling while GIs exist, or any
         change while a process runs on the GPU, is refused with activation status IN_USE; only the
-        call's own return code raises in pynvml, so the caller must look at the status."""
+        call's own return code raises in pynvml, so the caller must look at the status.
+
+        A refused activation still records the pending mode, as real drivers do (nvidia-smi: "MIG
+        mode is in pending enable state for GPU ...: In use by another client"): it applies at the
+        next GPU reset or reboot, or is withdrawn by asking for the current mode again."""
         gpu = self._gpu(state, h)
         enable = _int(mode)
         if enable not in (0, 1):
@@ -419,10 +423,10 @@ class SimulatedLibrary:
         result = _out(status)
         wanted = bool(enable)
         busy = gpu.uuid in state.busy or any(ci.mig_uuid in state.busy for _, ci in rules.mig_devices(gpu))
+        gpu.mig_pending = wanted
         if wanted != gpu.mig_current and (busy or (not wanted and gpu.gis)):
             result.value = NVML_ERROR_IN_USE
             return NVML_SUCCESS
-        gpu.mig_pending = wanted
         if rules.model_of(gpu).resetless_mig_toggle or wanted == gpu.mig_current:
             gpu.mig_current = wanted
             result.value = NVML_SUCCESS

@@ -180,6 +180,36 @@ class TestMigMode:
     def test_mig_mode_cannot_be_disabled_while_gpu_instances_exist(self, dev: object) -> None:
         _gi(dev, 9, 0, 4)
         assert nv.nvmlDeviceSetMigMode(dev, nv.NVML_DEVICE_MIG_DISABLE) == nv.NVML_ERROR_IN_USE
+        assert nv.nvmlDeviceGetMigMode(dev) == [1, 0]  # refused, yet pending like any IN_USE refusal
+
+    def test_a_change_refused_because_a_process_runs_stays_pending_until_a_reset(
+        self, h100: SimulatedHardware, dev: object
+    ) -> None:
+        """nvidia-smi: "MIG mode is in pending disable state for GPU ...: In use by another client"."""
+        h100.set_busy(h100.gpu_uuid(0))
+        assert nv.nvmlDeviceSetMigMode(dev, nv.NVML_DEVICE_MIG_DISABLE) == nv.NVML_ERROR_IN_USE
+        assert nv.nvmlDeviceGetMigMode(dev) == [1, 0]
+        h100.reset_gpu(0)
+        assert nv.nvmlDeviceGetMigMode(dev) == [0, 0]
+
+    def test_asking_for_the_current_mode_again_withdraws_a_pending_change(
+        self, h100: SimulatedHardware, dev: object
+    ) -> None:
+        h100.set_busy(h100.gpu_uuid(0))
+        assert nv.nvmlDeviceSetMigMode(dev, nv.NVML_DEVICE_MIG_DISABLE) == nv.NVML_ERROR_IN_USE
+        assert nv.nvmlDeviceSetMigMode(dev, nv.NVML_DEVICE_MIG_ENABLE) == nv.NVML_SUCCESS
+        assert nv.nvmlDeviceGetMigMode(dev) == [1, 1]
+
+    def test_ampere_refused_while_a_process_runs_keeps_the_new_mode_pending_until_a_reboot(
+        self, make_hw: MakeHw
+    ) -> None:
+        hw = make_hw(("a100-40gb", 1), mig_enabled=False)
+        hw.set_busy(hw.gpu_uuid(0))
+        nv.nvmlInit()
+        dev = nv.nvmlDeviceGetHandleByIndex(0)
+        assert nv.nvmlDeviceSetMigMode(dev, nv.NVML_DEVICE_MIG_ENABLE) == nv.NVML_ERROR_IN_USE
+        assert nv.nvmlDeviceGetMigMode(dev) == [0, 1]
+        hw.reboot()
         assert nv.nvmlDeviceGetMigMode(dev) == [1, 1]
 
 
