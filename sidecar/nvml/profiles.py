@@ -248,14 +248,15 @@ H100_94GB = _gh100(
     ("1g.12gb", "1g.12gb+me", "1g.24gb", "2g.24gb", "3g.47gb", "4g.47gb", "7g.94gb"),
     (11008, 22144, 47488, 95232),
 )
-# No real H200 -lgip listing was found: IDs and placements are Hopper's, names are the user guide's,
-# memory sizes are chosen to reproduce those names (not read from hardware).
+# Profile memory from a real nvidia-smi mig -lgip on H200, from the NVIDIA/mig-parted issue "Add
+# support for the NVIDIA H200 GPU": 16.00 / 32.25 / 69.50 / 139.75 GiB (memorySizeMB / 1024), with
+# Hopper's IDs, instance counts and SMs. (GH200 lists 17.50 GiB for its own 1g.18gb; H200 does not.)
 H200_141GB = _gh100(
     "h200-141gb",
     "NVIDIA H200",
     143771,
     ("1g.18gb", "1g.18gb+me", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
-    (17920, 35840, 71680, 143104),
+    (16384, 33024, 71168, 143104),
 )
 
 MODELS: dict[str, GpuModel] = {

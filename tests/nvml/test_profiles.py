@@ -66,6 +66,12 @@ class TestPublishedTables:
         assert [row[1:] for row in _shape(m)] == HOPPER_SHAPE
         assert [p.name for p in m.profiles] == NAMES[key]
 
+    def test_h200_profile_memory_is_what_a_real_h200_lists(self) -> None:
+        """``nvidia-smi mig -lgip`` on an H200 prints memorySizeMB / 1024 in its GiB column: 16.00 for
+        1g.18gb (not the 17.50 of the GH200 board with the same profile name)."""
+        gib = [p.memory_mb / 1024 for p in profiles.model("h200-141gb").profiles]
+        assert gib == [16.00, 16.00, 32.25, 32.25, 69.50, 69.50, 139.75]
+
     @pytest.mark.parametrize(
         ("key", "name"),
         [
