@@ -16,6 +16,12 @@ NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 FOREVER = 1000  # more attempts than any bounded retry makes
+ATTEMPTS = 3  # the adapter's bounded retries of a transient code (PynvmlBackend's default)
+# A read-back of a new instance that fails: at once (UNKNOWN), or through every retry (TIMEOUT).
+READ_BACK_FAILURES = [
+    pytest.param(NVML_ERROR_UNKNOWN, 1, id="unknown"),
+    pytest.param(NVML_ERROR_TIMEOUT, ATTEMPTS, id="timeout"),
+]
 
 
 class TestAllOrNothing:
@@ -187,14 +193,14 @@ class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
 
 
 class TestAFailedCreateLeavesNoUnrecordedInstance:
-    @pytest.mark.parametrize("code", [NVML_ERROR_UNKNOWN, NVML_ERROR_TIMEOUT], ids=["unknown", "timeout"])
+    @pytest.mark.parametrize(("code", "times"), READ_BACK_FAILURES)
     def test_a_gpu_instance_made_by_a_create_that_then_failed_is_destroyed_by_the_undo(
-        self, world: World, code: int
+        self, world: World, code: int, times: int
     ) -> None:
-        """The driver made the GI, but reading its info failed (and a retry of the whole create then
-        met the GI it had just made): the undo must find the bare GI at the exact placement instead
-        of leaving it on the GPU without a record, where it would block the placement for good."""
-        world.hw.inject_fault("nvmlGpuInstanceGetInfo", code, times=1)
+        """The driver made the GI, but reading its info failed: the undo must find the bare GI at the
+        exact placement instead of leaving it on the GPU without a record, where it would block the
+        placement for good."""
+        world.hw.inject_fault("nvmlGpuInstanceGetInfo", code, times=times)
 
         with pytest.raises(errors.NvmlFailure):
             world.allocate("pod-a", (0, "3g.40gb", 4, 4))
@@ -251,14 +257,14 @@ class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
 
 
 class TestAFailedUndoRecordsTheComputeInstanceItsCreateMade:
-    @pytest.mark.parametrize("code", [NVML_ERROR_UNKNOWN, NVML_ERROR_TIMEOUT], ids=["unknown", "timeout"])
+    @pytest.mark.parametrize(("code", "times"), READ_BACK_FAILURES)
     def test_a_compute_instance_the_create_never_reported_is_recorded_and_destroyed_by_the_reconciler(
-        self, world: World, code: int
+        self, world: World, code: int, times: int
     ) -> None:
-        """The driver made the CI, but reading it failed (or a retry of the whole create met the CI it
-        had just made), and the undo's destroy failed too. The ERROR record names the CI, so the
-        reconciler destroys the instance instead of refusing it as someone else's for good."""
-        world.hw.inject_fault("nvmlComputeInstanceGetInfo_v2", code)
+        """The driver made the CI, but reading it failed, and the undo's destroy failed too. The ERROR
+        record names the CI, so the reconciler destroys the instance instead of refusing it as someone
+        else's for good."""
+        world.hw.inject_fault("nvmlComputeInstanceGetInfo_v2", code, times=times)
         world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN)
 
         with pytest.raises(errors.NvmlFailure):
