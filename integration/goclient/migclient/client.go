@@ -256,15 +256,18 @@ func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, ma
 
 // finalError turns the last error of a call into the error the caller sees.
 //
-// When time ran out (the call's deadline, or the caller cancelled), the sidecar's last reason
-// wins over a bare deadline: a plugin that logs "INSTANCE_IN_USE after 60s" knows that a pod in
-// its grace period still holds the instance, not that the sidecar hung. Failing that, a call
-// that ran out of time while the connection was not ready is SIDECAR_UNREACHABLE, so the plugin
-// can tell "the sidecar is down" from "the sidecar said no".
+// When time ran out, the sidecar's last reason wins over a bare deadline: a plugin that logs
+// "INSTANCE_IN_USE after 60s" knows that a pod in its grace period still holds the instance,
+// not that the sidecar hung. Failing that, a call that ran out of time while the connection was
+// not ready is SIDECAR_UNREACHABLE, so the plugin can tell "the sidecar is down" from "the
+// sidecar said no". A call the caller cancelled is neither: see cancelledError.
 func (c *Client) finalError(ctx context.Context, op string, timeout time.Duration, e *Error, attempts int, last *Error) error {
 	e.Attempts = attempts
 	if ctx.Err() == nil && e.Code != codes.DeadlineExceeded {
 		return e
+	}
+	if errors.Is(ctx.Err(), context.Canceled) {
+		return cancelledError(ctx, op, e, attempts, last)
 	}
 	// gRPC can answer DEADLINE_EXCEEDED (the server's timer, from the grpc-timeout header)
 	// a moment before ctx's own timer fires; either way the call's deadline is what ended it.
@@ -305,6 +308,40 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 		e.cause = errors.Join(e.cause, timeUp)
 	}
 	return e
+}
+
+// cancelledError is the error of a call its caller cancelled: CANCELLED, which satisfies
+// errors.Is(err, context.Canceled). The sidecar neither failed to answer nor refused, so the
+// error carries no reason (a reason would say the sidecar refused this call); the sidecar's last
+// answer, if there was one, is named in the message and kept in the chain.
+func cancelledError(ctx context.Context, op string, e *Error, attempts int, last *Error) *Error {
+	if last == nil && e.Code == codes.Canceled && errors.Is(e.cause, context.Canceled) {
+		return e // already made here, by the backend check's GetInfo under the same context
+	}
+	msg := "cancelled by the caller before the sidecar answered"
+	causes := []error{}
+	switch {
+	case last != nil:
+		msg = "cancelled by the caller; the sidecar's last answer was " + last.detail()
+		causes = append(causes, last.cause)
+	case e.Code != codes.Canceled && e.Code != codes.DeadlineExceeded:
+		msg = "cancelled by the caller; the last attempt ended with " + e.detail()
+	}
+	if last == nil || e.cause != last.cause {
+		causes = append(causes, e.cause)
+	}
+	causes = append(causes, contextErrors(ctx)...)
+	return &Error{Op: op, Code: codes.Canceled, Message: msg, Attempts: attempts, cause: errors.Join(causes...)}
+}
+
+// contextErrors is why ctx ended: its Err, and the cause given to its cancel function if that
+// is another error.
+func contextErrors(ctx context.Context) []error {
+	errs := []error{ctx.Err()}
+	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
+		errs = append(errs, cause)
+	}
+	return errs
 }
 
 func (c *Client) delay(attempt int) time.Duration {

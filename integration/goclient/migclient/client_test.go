@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -42,11 +43,13 @@ type remote struct {
 	// allocateErrs are returned (and consumed) by the next Allocate calls.
 	allocateErrs []error
 	allocateHang bool
-	recoverErr   error
-	allocates    []*pb.AllocateRequest
-	recovers     []*pb.RecoverRequest
-	syncs        []*pb.SyncActiveRequest
-	partial      bool
+	// hanging, when set, hears from each Allocate that starts to hang (buffered, never blocks).
+	hanging    chan struct{}
+	recoverErr error
+	allocates  []*pb.AllocateRequest
+	recovers   []*pb.RecoverRequest
+	syncs      []*pb.SyncActiveRequest
+	partial    bool
 }
 
 func newRemote() *remote {
@@ -76,7 +79,7 @@ func (r *remote) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoRespon
 func (r *remote) Allocate(ctx context.Context, req *pb.AllocateRequest) (*pb.AllocateResponse, error) {
 	r.mu.Lock()
 	r.allocates = append(r.allocates, req)
-	hang := r.allocateHang
+	hang, hanging := r.allocateHang, r.hanging
 	if !r.recovered {
 		r.mu.Unlock()
 		return nil, sidecarError(codes.FailedPrecondition, ReasonNotRecovered, nil)
@@ -95,6 +98,10 @@ func (r *remote) Allocate(ctx context.Context, req *pb.AllocateRequest) (*pb.All
 	partial := r.partial
 	r.mu.Unlock()
 	if hang {
+		select {
+		case hanging <- struct{}{}:
+		default:
+		}
 		<-ctx.Done()
 		return nil, ctx.Err()
 	}
@@ -685,6 +692,67 @@ func TestADeadlineTheSidecarReportsBeforeTheConnectionShowsReadyIsADeadline(t *t
 	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) || IsReason(err, ReasonSidecarUnreachable) {
 		t.Fatalf("a sidecar that answered is called unreachable: %v", err)
 	}
+}
+
+// Cancellation: a caller that gives up is not a slow or absent sidecar.
+
+// cancelWhenHanging returns a context that is cancelled as soon as an Allocate starts to hang
+// on the double, so the call is cut short while the sidecar holds it.
+func cancelWhenHanging(t *testing.T, r *remote) context.Context {
+	t.Helper()
+	hanging := make(chan struct{}, 1)
+	r.mu.Lock()
+	r.allocateHang, r.hanging = true, hanging
+	r.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go func() {
+		select {
+		case <-hanging:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx
+}
+
+func assertCancelled(t *testing.T, err error) *Error {
+	t.Helper()
+	var e *Error
+	if !errors.As(err, &e) || e.Code != codes.Canceled || !errors.Is(err, context.Canceled) {
+		t.Fatalf("want CANCELLED that errors.Is context.Canceled, got %v", err)
+	}
+	if errors.Is(err, context.DeadlineExceeded) || e.Reason == ReasonSidecarUnreachable ||
+		strings.Contains(e.Message, "did not answer") {
+		t.Fatalf("a cancelled call is blamed on time or on the sidecar: %v", err)
+	}
+	return e
+}
+
+func TestACancelledAllocateIsReportedAsCancelledNotAsASlowSidecar(t *testing.T) {
+	r, c := started(t, fastOptions())
+	_, err := c.Allocate(cancelWhenHanging(t, r), oneDevice)
+	if e := assertCancelled(t, err); e.Reason != "" {
+		t.Fatalf("a cancelled call carries reason %q though the sidecar gave none", e.Reason)
+	}
+}
+
+func TestACancelledAllocateNamesTheSidecarsLastAnswer(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{sidecarError(codes.Unavailable, ReasonInstanceInUse, map[string]string{"mig_uuid": "MIG-busy"})}
+	_, err := c.Allocate(cancelWhenHanging(t, r), oneDevice)
+	e := assertCancelled(t, err)
+	if !strings.Contains(e.Message, ReasonInstanceInUse) || !strings.Contains(e.Message, "MIG-busy") || e.Attempts != 2 {
+		t.Fatalf("the error does not name the sidecar's last answer after 2 attempts: %v", err)
+	}
+}
+
+func TestACallCancelledWhileNoSidecarAnswersIsNotCalledUnreachable(t *testing.T) {
+	c := connect(t, filepath.Join(t.TempDir(), "absent.sock"), fastOptions())
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := c.Allocate(ctx, oneDevice)
+	assertCancelled(t, err)
 }
 
 func TestTheRecoveryInsideAllocateRunsUnderAllocatesDeadline(t *testing.T) {

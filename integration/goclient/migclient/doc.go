@@ -46,6 +46,10 @@
 // rather than a bare deadline. Without any such answer it is SIDECAR_UNREACHABLE (the socket did
 // not answer) or DEADLINE_EXCEEDED (the sidecar did not answer in time).
 //
+// A call its caller cancels fails with CANCELLED and satisfies errors.Is(err, context.Canceled);
+// it is never SIDECAR_UNREACHABLE or DEADLINE_EXCEEDED, since it says nothing about the sidecar.
+// The sidecar's last answer, if there was one, is named in the message, not taken as the reason.
+//
 // # Restarts
 //
 // One Recover runs at a time; concurrent calls refused with NOT_RECOVERED wait for it and then

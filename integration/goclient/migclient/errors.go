@@ -60,6 +60,10 @@ const (
 // Errors from the sidecar keep its code and reason; errors raised here (unreachable sidecar,
 // invalid response, failed recovery) use the Reason* constants above. Use errors.As or the
 // helpers IsReason, ReasonOf and CodeOf.
+//
+// A call its caller cancelled is CANCELLED with no reason (the sidecar's last answer, if any, is
+// named in the message) and satisfies errors.Is(err, context.Canceled); it is never
+// SIDECAR_UNREACHABLE nor DEADLINE_EXCEEDED, since it says nothing about the sidecar.
 type Error struct {
 	// Op is the RPC (or helper) that failed, e.g. "Allocate".
 	Op string
@@ -78,8 +82,17 @@ type Error struct {
 }
 
 func (e *Error) Error() string {
+	s := "migsidecar " + e.Op + ": " + e.detail()
+	if e.Attempts > 1 {
+		s += fmt.Sprintf(" (after %d attempts)", e.Attempts)
+	}
+	return s
+}
+
+// detail is the code, reason, message and metadata, as Error shows them after the op.
+func (e *Error) detail() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "migsidecar %s: %s", e.Op, e.Code)
+	b.WriteString(e.Code.String())
 	if e.Reason != "" {
 		fmt.Fprintf(&b, " %s", e.Reason)
 	}
@@ -97,9 +110,6 @@ func (e *Error) Error() string {
 			parts = append(parts, k+"="+e.Metadata[k])
 		}
 		fmt.Fprintf(&b, " [%s]", strings.Join(parts, " "))
-	}
-	if e.Attempts > 1 {
-		fmt.Fprintf(&b, " (after %d attempts)", e.Attempts)
 	}
 	return b.String()
 }
