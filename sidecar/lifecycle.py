@@ -48,6 +48,7 @@ from sidecar.domain import (
     InstanceRef,
     Outcome,
     Owner,
+    Placement,
     Reservation,
     State,
 )
@@ -74,6 +75,7 @@ from sidecar.nvml.port import (
     NvmlPort,
 )
 from sidecar.records import CorruptRecord, OwnershipRecord, RecordStore, record_name
+from sidecar.recovery_plan import placement_from_record_name
 
 _log = logging.getLogger(__name__)
 
@@ -782,9 +784,11 @@ class Lifecycle:
     def _room_for(self, v: _Validated) -> tuple[OwnershipRecord, ...]:
         """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the live layout, the owned records and the process counts of the candidates."""
+        Reads only: the corrupt record files, the live layout, the owned records and the process
+        counts of the candidates."""
         gpu = v.gpu.uuid
         res = v.device.reservation
+        self._require_no_corrupt_record(gpu, res.placement)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = self.port.gpu_instances(gpu)
         owned = [r for r in self.instances() if r.gpu_uuid == gpu]
@@ -798,6 +802,30 @@ class Lifecycle:
         for r in plan.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self._require_no_processes(r)
         return plan.reclaim
+
+    def _require_no_corrupt_record(self, gpu_uuid: str, wanted: Placement) -> None:
+        """PlacementBusy when a corrupt record file names a placement on the GPU that overlaps ``wanted``.
+
+        A corrupt file is never overwritten or deleted automatically (records.py): a create at its
+        placement could not write its own record, a problem no retry clears, and the instance the file
+        stood for may still be live. Its name says which placement it was written for (recovery keeps
+        the GIs there foreign for the same reason), so the placement stays busy until the operator has
+        dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
+        _, corrupt = self.records.load_all()
+        for name, exc in sorted(corrupt.items()):
+            where = placement_from_record_name(name)
+            if where is None or where[0] != gpu_uuid or not where[1].overlaps(wanted):
+                continue
+            raise PlacementBusy(
+                f"placement {wanted} on {gpu_uuid} overlaps {where[1]}, named by the corrupt ownership"
+                f" record {exc.path} ({exc.why}); it is left for the operator to inspect and remove",
+                {
+                    "blocker": "corrupt_record",
+                    "file": str(exc.path),
+                    "gpu_uuid": gpu_uuid,
+                    "placement": str(where[1]),
+                },
+            )
 
     def _create(self, v: _Validated) -> OwnershipRecord:
         """Record CREATING -> GI -> record -> CI -> record -> CDI -> ACTIVE; undo on any failure."""

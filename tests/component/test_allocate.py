@@ -6,9 +6,10 @@ import pytest
 from lifecycle_world import World
 
 from sidecar import errors
-from sidecar.domain import Outcome, State
+from sidecar.domain import Outcome, Placement, State
 from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.records import record_name
 
 H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
 
@@ -198,6 +199,34 @@ class TestBlockers:
         assert caught.value.metadata["blocker"] == "foreign"
         assert caught.value.metadata["placement"] == "5:1"
         assert world.everything() == before  # the overlapping idle one was not reclaimed either
+
+    @pytest.mark.parametrize("corrupt_at", [Placement(4, 4), Placement(6, 1)], ids=["exact", "overlapping"])
+    def test_a_corrupt_record_file_blocks_an_overlapping_request_before_anything_is_reclaimed(
+        self, world: World, corrupt_at: Placement
+    ) -> None:
+        """A corrupt file is the operator's to inspect and is never overwritten: a create at its
+        placement could not write its record, and must not reclaim idle instances first."""
+        world.allocate("pod-a", (0, "1g.10gb", 4, 1))
+        world.lifecycle.release("pod-a")
+        corrupt = world.records.path(record_name(world.uuid(0), corrupt_at))
+        corrupt.write_bytes(b'{"version":1,"checksum":"sha256:00","record":{}}')
+        before = world.layout(), world.cdi_files(), world.lifecycle.instances()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "corrupt_record"
+        assert caught.value.metadata["file"] == str(corrupt)
+        assert (world.layout(), world.cdi_files(), world.lifecycle.instances()) == before
+        assert corrupt.read_bytes() == b'{"version":1,"checksum":"sha256:00","record":{}}'
+
+    def test_a_corrupt_record_file_elsewhere_blocks_nothing(self, world: World) -> None:
+        world.records.path(record_name(world.uuid(0), Placement(0, 1))).write_bytes(b"{")
+        world.records.path(record_name(world.uuid(1), Placement(4, 4))).write_bytes(b"{")
+
+        device = world.allocate("pod-a", (0, "3g.40gb", 4, 4)).devices[0]
+
+        assert device.outcome is Outcome.CREATED
 
     def test_a_foreign_instance_is_listed_in_the_snapshot(self, world: World) -> None:
         world.hw.create_instance(1, "2g.20gb", 2, 2)
