@@ -645,3 +645,36 @@ class TestReuseOfABusyIdleInstance:
         sidecar.sim("busy", "--mig-uuid", old.mig_uuid, "off")
         again = allocate_one(sidecar, "pod-new", 0, "1g.10gb", 0, 1)
         assert (again.outcome, again.mig_uuid) == (pb.REUSED, old.mig_uuid)
+
+
+class TestSyncActiveIsFencedByTheGeneration:
+    def test_a_pod_list_taken_before_a_release_leaves_the_released_instance_idle_for_the_next_pod(
+        self, car: Sidecar
+    ) -> None:
+        """The plugin reads the generation, lists pods (pod-a is alive), pod-a's release is confirmed,
+        then the SyncActive built from that list arrives: it must not hand the instance back."""
+        a = allocate(car, "pod-a", (h100(car), "1g.10gb", 0, 1)).devices[0]
+        generation = car.info().generation
+        listed = pb.ActiveAllocation(
+            pod=pb.PodRef(uid="pod-a", namespace="default", name="pod-a"),
+            container_name="main",
+            container_index=0,
+            device_index=0,
+            gpu_uuid=a.gpu_uuid,
+            profile=a.profile,
+            placement=a.placement,
+            mig_uuid=a.mig_uuid,
+            gpu_instance_id=a.gpu_instance_id,
+            compute_instance_id=a.compute_instance_id,
+        )
+        release(car, "pod-a")
+
+        synced = car.stub.SyncActive(
+            pb.SyncActiveRequest(generation=generation, active=[listed]), timeout=CALL_TIMEOUT_S
+        )
+
+        assert (list(synced.idled), list(synced.reactivated)) == ([], [])
+        assert states(car) == {a.mig_uuid: pb.IDLE}
+        b = allocate(car, "pod-b", (h100(car), "1g.10gb", 0, 1)).devices[0]
+        assert (b.outcome, b.mig_uuid) == (pb.REUSED, a.mig_uuid)
+
