@@ -352,8 +352,19 @@ class Lifecycle:
         with that owner; one that went IDLE later (a Release, or a newer SyncActive) was released after
         the list was taken, which still names the pod that is gone, and stays IDLE. Listed entries that
         match nothing are ignored. Never destroys anything.
+
+        A ``generation`` larger than any handed out is no fence at all (every instance would count as
+        activated before the list, those an Allocate activated meanwhile too): InvalidRequest, and
+        nothing changes.
         """
         self._require_recovered()
+        handed_out = self.generation
+        if generation > handed_out:
+            raise InvalidRequest(
+                f"generation {generation} was never handed out (the current one is {handed_out}); read"
+                " it with GetInfo before listing pods",
+                {"generation": str(generation), "current": str(handed_out)},
+            )
         listed_keys = {a.key for a in active}
         by_identity: dict[tuple[Reservation, str], ActiveAllocation] = {
             (a.reservation, a.identity.mig_uuid): a for a in active if a.identity is not None

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from lifecycle_world import World, active_of
 
+from sidecar import errors
 from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
 
 
@@ -136,3 +138,22 @@ class TestAPodListOlderThanAReleaseReactivatesNothing:
 
         assert [r.identity for r in reactivated] == [a.devices[0].identity]
         assert set(world.states().values()) == {State.ACTIVE}
+
+
+class TestAGenerationNeverHandedOutIsRefused:
+    def test_a_sync_active_fenced_with_a_future_generation_is_invalid_and_changes_nothing(
+        self, world: World
+    ) -> None:
+        """Such a fence would idle every instance, the ones an Allocate activated meanwhile too."""
+        a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        current = world.lifecycle.generation
+        referenced = world.lifecycle.referenced_mig_uuids
+        before = world.everything()
+
+        with pytest.raises(errors.InvalidRequest) as caught:
+            world.lifecycle.sync_active(current + 1, active_of("pod-other", a))
+
+        assert caught.value.reason == "INVALID_REQUEST"
+        assert caught.value.metadata == {"generation": str(current + 1), "current": str(current)}
+        assert world.everything() == before
+        assert (world.lifecycle.generation, world.lifecycle.referenced_mig_uuids) == (current, referenced)

@@ -678,3 +678,19 @@ class TestSyncActiveIsFencedByTheGeneration:
         b = allocate(car, "pod-b", (h100(car), "1g.10gb", 0, 1)).devices[0]
         assert (b.outcome, b.mig_uuid) == (pb.REUSED, a.mig_uuid)
 
+    def test_a_generation_never_handed_out_is_invalid_argument_and_changes_nothing(
+        self, car: Sidecar
+    ) -> None:
+        allocate(car, "pod-a", (h100(car), "1g.10gb", 0, 1))
+        current = car.info().generation
+        before = frozen(car)
+
+        code, reason, metadata = failure(
+            lambda: car.stub.SyncActive(pb.SyncActiveRequest(generation=current + 1), timeout=CALL_TIMEOUT_S)
+        )
+
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+        assert metadata == {"generation": str(current + 1), "current": str(current)}
+        assert frozen(car) == before
+        assert car.info().generation == current
+
