@@ -68,6 +68,9 @@ from sidecar.errors import (
     UnverifiableState,
 )
 from sidecar.nvml.port import (
+    NVML_ERROR_IN_USE,
+    NVML_ERROR_RESET_REQUIRED,
+    NVML_SUCCESS,
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
@@ -418,7 +421,8 @@ class Lifecycle:
         return idled, reactivated
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> tuple[bool, bool, bool]:
-        """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists.
+        """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists,
+        and answers InstanceInUse when the driver refuses the change because a process runs on the GPU.
 
         PLACEMENT_BUSY (FAILED_PRECONDITION) rather than INVALID_REQUEST because the request is well
         formed and becomes valid once the instances are gone; the metadata names ``blocker`` =
@@ -445,10 +449,39 @@ class Lifecycle:
                             "count": str(max(len(live), len(owned))),
                         },
                     )
-            with nvml_errors(f"set MIG mode of {gpu_uuid} to {'enabled' if enabled else 'disabled'}"):
-                self.port.set_mig_mode(gpu_uuid, enabled)
+            wanted = "enabled" if enabled else "disabled"
+            with nvml_errors(f"set MIG mode of {gpu_uuid} to {wanted}"):
+                try:
+                    status = self.port.set_mig_mode(gpu_uuid, enabled)
+                finally:
+                    # The driver may unbind or reset the device for a mode change: its minor number
+                    # and profile table are read afresh next time, whatever the outcome.
+                    self._gpu_cache.pop(gpu_uuid, None)
+                    self._profile_cache.pop(gpu_uuid, None)
                 after = self.port.gpu(gpu_uuid)
+            self._check_mig_mode_status(gpu_uuid, wanted, status)
         return after.mig_current, after.mig_pending, after.mig_current != after.mig_pending
+
+    @staticmethod
+    def _check_mig_mode_status(gpu_uuid: str, wanted: str, status: int) -> None:
+        """The activation status ``nvmlDeviceSetMigMode`` reports beside its own return code.
+
+        SUCCESS: applied. RESET_REQUIRED: recorded as pending, applied by the next GPU reset (Ampere),
+        a success with ``needs_reset``. IN_USE: refused because a process runs on the GPU
+        (INSTANCE_IN_USE, UNAVAILABLE: it may succeed once the process ends). Anything else fails
+        closed as NVML_ERROR with the code."""
+        if status in (NVML_SUCCESS, NVML_ERROR_RESET_REQUIRED):
+            return
+        if status == NVML_ERROR_IN_USE:
+            raise InstanceInUse(
+                f"cannot set MIG mode of {gpu_uuid} to {wanted}: a process runs on the GPU",
+                {"gpu_uuid": gpu_uuid},
+            )
+        raise NvmlFailure(
+            f"set MIG mode of {gpu_uuid} to {wanted}: the driver refused the change (activation status"
+            f" {status})",
+            {"nvml_code": str(status), "operation": f"set MIG mode of {gpu_uuid} to {wanted}"},
+        )
 
     # -- used by recovery and the reconciler ---------------------------------------------------------
     def install(

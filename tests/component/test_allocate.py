@@ -275,6 +275,30 @@ class TestValidation:
         with pytest.raises(errors.MigDisabled):
             world.allocate("pod-a", (2, "1g.5gb", 0, 1))
 
+    def test_a_mig_mode_change_that_needs_a_reset_succeeds_and_says_so(self, world: World) -> None:
+        assert world.lifecycle.set_mig_mode(world.uuid(2), False) == (True, False, True)  # A100: reset
+
+    def test_a_mig_mode_change_refused_while_a_process_runs_is_instance_in_use(self, world: World) -> None:
+        gpu = world.uuid(0)
+        world.hw.set_busy(gpu)  # a process runs on the GPU (not on a MIG device of ours)
+
+        with pytest.raises(errors.InstanceInUse) as caught:
+            world.lifecycle.set_mig_mode(gpu, False)
+
+        assert caught.value.metadata["gpu_uuid"] == gpu
+        assert "process" in caught.value.message
+        assert world.port.gpu(gpu).mig_current
+        world.hw.set_busy(gpu, False)
+        assert world.lifecycle.set_mig_mode(gpu, False) == (False, False, False)  # H100: at once
+
+    def test_after_a_mig_mode_change_the_gpu_facts_are_read_afresh(self, world: World) -> None:
+        gpu = world.uuid(0)
+        assert world.lifecycle.gpu_info(gpu).mig_current  # cached now
+
+        world.lifecycle.set_mig_mode(gpu, False)
+
+        assert not world.lifecycle.gpu_info(gpu).mig_current
+
     def test_mig_cannot_be_disabled_while_instances_exist(self, world: World) -> None:
         world.allocate("pod-a", (1, "1g.10gb", 0, 1))
         with pytest.raises(errors.PlacementBusy):

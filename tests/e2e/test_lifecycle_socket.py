@@ -694,3 +694,20 @@ class TestSyncActiveIsFencedByTheGeneration:
         assert frozen(car) == before
         assert car.info().generation == current
 
+
+class TestSetMigModeWhileAProcessRunsOnTheGpu:
+    def test_it_is_unavailable_instance_in_use_and_the_mode_stays(self, car: Sidecar) -> None:
+        gpu = h100(car)
+        car.sim("busy", "--mig-uuid", gpu, "on")
+
+        code, reason, metadata = failure(
+            lambda: car.stub.SetMigMode(
+                pb.SetMigModeRequest(gpu_uuid=gpu, enabled=False), timeout=CALL_TIMEOUT_S
+            )
+        )
+
+        assert (code, reason, metadata["gpu_uuid"]) == (grpc.StatusCode.UNAVAILABLE, "INSTANCE_IN_USE", gpu)
+        assert next(g for g in car.gpus() if g.uuid == gpu).mig_mode.current
+        car.sim("busy", "--mig-uuid", gpu, "off")
+        done = car.stub.SetMigMode(pb.SetMigModeRequest(gpu_uuid=gpu, enabled=False), timeout=CALL_TIMEOUT_S)
+        assert (done.mig_mode.current, done.needs_reset) == (False, False)
