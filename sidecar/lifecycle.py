@@ -889,7 +889,6 @@ class Lifecycle:
         self._put(rec)
         crashpoints.crashpoint("after-record-creating")
         known = rec
-        cdi_written = False
         try:
             with nvml_errors(f"create GPU instance {res.profile} at {res.placement} on {gpu}"):
                 gi = self.port.create_gpu_instance(gpu, v.profile.id, res.placement)
@@ -913,17 +912,20 @@ class Lifecycle:
                 )
             identity = Identity(gi.id, ci.id, ci.mig_uuid)
             cdi_device = self.cdi.ensure(v.gpu.minor, identity)
-            cdi_written = self.cdi.enabled
             crashpoints.crashpoint("after-write-cdi")
             active = self._activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner)
             self._put(active)
         except Exception as exc:
-            self._undo_create(known, cdi_written, exc)
+            self._undo_create(known, exc)
             raise
         return active
 
-    def _undo_create(self, known: OwnershipRecord, cdi_written: bool, cause: Exception) -> None:
-        """Undo what one create made, newest first. An undo that fails leaves ERROR with what is known."""
+    def _undo_create(self, known: OwnershipRecord, cause: Exception) -> None:
+        """Undo what one create made, newest first. An undo that fails leaves ERROR with what is known.
+
+        The CDI spec goes whenever the MIG UUID is known, written or not as far as the create could
+        tell: ``CdiSpecs.ensure`` renames the file into place before it syncs the directory, so a
+        failed sync fails the write with the file already there (a missing file counts as removed)."""
         _log.warning("create of %s failed (%s); undoing", known.name, cause)
         try:
             with nvml_errors(f"undo create of {known.name}"):
@@ -932,8 +934,14 @@ class Lifecycle:
         except SidecarError as exc:
             self._fail(known, f"create failed ({cause}) and its undo failed too: {exc}")
             return
-        if cdi_written and known.mig_uuid is not None:
-            self.cdi.remove(known.mig_uuid)
+        mig_uuid = known.mig_uuid
+        if (
+            self.cdi.enabled
+            and mig_uuid is not None
+            and MIG_UUID_RE.match(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
+            and not self.cdi.remove(mig_uuid)
+        ):
+            _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
         try:
             self._delete(known.name)
         except SidecarError as exc:

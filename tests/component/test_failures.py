@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from lifecycle_world import World, gis, restart
 
-from sidecar import errors
+from sidecar import errors, records
 from sidecar.domain import Identity, Outcome, State
 from sidecar.reconciler import Reconciler
 
@@ -348,4 +351,26 @@ class TestAFailedUndoThatCouldNotFindItsGpuInstanceKeepsItsRecord:
         report = restart(world).recover([])
 
         assert report.preserved_foreign == ()
+        assert world.everything() == (set(), {}, set())
+
+
+class TestAFailedCreateLeavesNoCdiFile:
+    def test_a_spec_file_in_place_when_its_directory_sync_failed_is_removed_by_the_undo(
+        self, cdi_world: World, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The spec is renamed into place before the CDI directory is synced; when that sync fails
+        (EIO) the write fails with the file already there. The undo removes it with the instance."""
+        world = cdi_world
+        sync = records.fsync_dir
+
+        def cdi_dir_sync_fails(directory: Path) -> None:
+            if directory == world.cdi_dir:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(directory))
+            sync(directory)
+
+        monkeypatch.setattr(records, "fsync_dir", cdi_dir_sync_fails)
+
+        with pytest.raises(errors.StateWriteFailed):
+            world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+
         assert world.everything() == (set(), {}, set())
