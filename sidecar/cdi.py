@@ -235,12 +235,6 @@ class CdiSpecs:
                 raise StateWriteFailed(f"writing CDI spec {path} failed: {exc}") from exc
         return self.device_name(identity.mig_uuid)
 
-    def is_current(self, gpu_minor: int, identity: Identity) -> bool:
-        """True when the file exists and equals what ``ensure`` would write (disabled: True)."""
-        if self.directory is None:
-            return True
-        return _read_bytes(self.spec_path(identity.mig_uuid)) == self.render(gpu_minor, identity)
-
     def remove(self, mig_uuid: str, path: Path | None = None) -> bool:
         """Remove the spec of an instance; missing = done. On failure queue it and return False.
 

@@ -383,10 +383,6 @@ class RecordStore:
     ) -> None:
         self.close()
 
-    @property
-    def is_open(self) -> bool:
-        return self._lock_fd is not None
-
     def open(self) -> None:
         """Create the directory (0750) if needed and take an exclusive non-blocking flock on ``.lock``.
 

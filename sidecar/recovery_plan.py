@@ -211,15 +211,6 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     def actions(self) -> tuple[Action, ...]:
         return tuple(action for step in self.steps for action in step.actions)
 
-    @property
-    def destroyed_gpu_instances(self) -> tuple[tuple[str, int], ...]:
-        """(GPU UUID, GI ID) of every GPU instance the plan destroys."""
-        return tuple(
-            (a.record.gpu_uuid, a.record.gpu_instance_id)
-            for a in self.actions
-            if isinstance(a, DestroyOwned) and a.record.gpu_instance_id is not None
-        )
-
 
 # -- the pure planner -------------------------------------------------------------------------------
 

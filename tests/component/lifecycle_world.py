@@ -20,6 +20,7 @@ from sidecar.domain import (
     AllocateRequest,
     AllocateResult,
     DeviceRequest,
+    Identity,
     Owner,
     Placement,
     PodRef,
@@ -91,6 +92,11 @@ class World:
 
     def states(self) -> dict[str, State]:
         return {name: r.state for name, r in self.record_files().items()}
+
+    def cdi_spec_is_current(self, gpu: int, identity: Identity) -> bool:
+        """The instance's spec file exists and holds exactly what ``CdiSpecs.ensure`` would write."""
+        path = self.cdi.spec_path(identity.mig_uuid)
+        return path.is_file() and path.read_bytes() == self.cdi.render(self.gpus[gpu].minor, identity)
 
     def cdi_files(self) -> set[str]:
         if not self.cdi_dir.exists():

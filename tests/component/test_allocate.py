@@ -80,7 +80,7 @@ class TestExactReuse:
         again = cdi_world.allocate("pod-b", (0, "1g.10gb", 2, 1)).devices[0]
 
         assert again.outcome is Outcome.REUSED
-        assert cdi_world.cdi.is_current(cdi_world.gpus[0].minor, again.identity)
+        assert cdi_world.cdi_spec_is_current(0, again.identity)
 
     def test_an_idle_instance_that_vanished_from_the_hardware_goes_to_error_and_is_not_reused(
         self, world: World

@@ -294,7 +294,7 @@ class TestCdiSpecsAreRepairedAtStartup:
         )
         restart(world).recover([])
         assert world.cdi_files() == {spec.name}
-        assert world.cdi.is_current(world.gpus[0].minor, a.devices[0].identity)
+        assert world.cdi_spec_is_current(0, a.devices[0].identity)
 
 
 def _fields(record: OwnershipRecord) -> dict[str, object]:
@@ -325,7 +325,7 @@ class TestTheCdiStepAtStartup:
 
         assert world.cdi_files() == {spec.name, other.name}
         assert other.read_text() == other_text
-        assert world.cdi.is_current(world.gpus[0].minor, a.devices[0].identity)
+        assert world.cdi_spec_is_current(0, a.devices[0].identity)
         assert report.errors == ()
 
 

@@ -191,7 +191,12 @@ def deletes(p: Plan) -> set[str]:
 
 
 def destroyed(p: Plan) -> set[tuple[str, int]]:
-    return set(p.destroyed_gpu_instances)
+    """(GPU UUID, GI ID) of every GPU instance the plan destroys."""
+    return {
+        (a.record.gpu_uuid, a.record.gpu_instance_id)
+        for a in p.actions
+        if isinstance(a, DestroyOwned) and a.record.gpu_instance_id is not None
+    }
 
 
 def removed_cdi(p: Plan) -> set[str]:
@@ -779,7 +784,7 @@ class TestCdiSpecsFollowLiveOwnedInstances:
 
 def _after(p: Plan, before: Inputs) -> Inputs:
     """The inputs a second recovery would gather if every step of ``p`` succeeded."""
-    gone = set(p.destroyed_gpu_instances)
+    gone = destroyed(p)
     gpus = tuple(
         msgspec.structs.replace(
             g, gpu_instances=tuple(gi for gi in g.gpu_instances if (g.info.uuid, gi.info.id) not in gone)
