@@ -52,7 +52,8 @@ type ListActiveFunc func(ctx context.Context) ([]*pb.ActiveAllocation, error)
 
 // Options configure a Client. Zero values take the defaults above.
 type Options struct {
-	// CallTimeout bounds every RPC except Allocate, retries included.
+	// CallTimeout bounds every RPC except Allocate, retries included, and the recovery that
+	// GetInfo, EnsureRecovered or ReleaseByPodList start, pod list included.
 	CallTimeout time.Duration
 	// AllocateTimeout bounds Allocate, retries included. kubelet gives Allocate no deadline,
 	// so without this a wedged sidecar would hang container creation forever.
@@ -65,7 +66,8 @@ type Options struct {
 	Backoff Backoff
 	// ListActive enables automatic recovery: when the sidecar answers NOT_RECOVERED (it
 	// restarted) or GetInfo shows it has not recovered, the client calls Recover with this
-	// list and retries the call once. Nil disables recovery; such calls then fail closed.
+	// list and retries the call once. Its context carries the deadline of the call that needed
+	// the recovery. Nil disables recovery; such calls then fail closed.
 	ListActive ListActiveFunc
 	// AllowSimulatedBackend lets the client work with a sidecar whose GetInfo reports the
 	// "simulated" backend. Leave it false on a real node: a simulated sidecar creates no MIG
@@ -112,8 +114,10 @@ type Client struct {
 	// again before it sends anything.
 	backendOK bool
 
-	// recoverMu makes concurrent calls that all hit NOT_RECOVERED share one Recover.
-	recoverMu sync.Mutex
+	// recovering holds a token while a recovery runs, so that concurrent calls that all hit
+	// NOT_RECOVERED share one Recover. A channel rather than a mutex: a call waits for the
+	// token only as long as its own context allows.
+	recovering chan struct{}
 }
 
 // New prepares a client for the sidecar listening on socketPath. It does not wait for the
@@ -154,7 +158,10 @@ func New(ctx context.Context, socketPath string, opts Options) (*Client, error) 
 		return nil, fmt.Errorf("migclient: dial %s: %w", target, err)
 	}
 	conn.Connect()
-	c := &Client{conn: conn, rpc: pb.NewMigSidecarClient(conn), target: target, opts: opts}
+	c := &Client{
+		conn: conn, rpc: pb.NewMigSidecarClient(conn), target: target, opts: opts,
+		recovering: make(chan struct{}, 1),
+	}
 	go c.watchConnection()
 	return c, nil
 }
@@ -368,8 +375,10 @@ func (c *Client) withRecovery(ctx context.Context, op string, timeout time.Durat
 	return c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
 }
 
-// recoverFor runs Recover on behalf of op. Only one Recover runs at a time; callers that waited
-// for it find the sidecar recovered and skip their own.
+// recoverFor runs Recover on behalf of op, within ctx. Only one Recover runs at a time; callers
+// that waited for it find the sidecar recovered and skip their own. A caller waits only as long
+// as ctx allows: one whose context ends first says it was waiting for that recovery rather
+// than blaming the sidecar (recoveryWaitError).
 //
 // The pod list is fenced like a release: GetInfo before it and again after it. If the sidecar
 // restarted or its generation moved in between, the list may miss allocations made meanwhile,
@@ -383,8 +392,12 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 			Message: "the sidecar has not recovered and this client has no ListActive callback to recover it",
 		}
 	}
-	c.recoverMu.Lock()
-	defer c.recoverMu.Unlock()
+	select {
+	case c.recovering <- struct{}{}:
+	case <-ctx.Done():
+		return recoveryWaitError(ctx, op, cause)
+	}
+	defer func() { <-c.recovering }()
 	var lastErr error
 	for range recoverTries {
 		before, err := c.getInfo(ctx)
@@ -434,6 +447,29 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 		Message: fmt.Sprintf("the sidecar could not be recovered in %d tries, nothing was sent with a stale pod list: %v",
 			recoverTries, lastErr),
 	}
+}
+
+// recoveryWaitError is the error of a call whose context ended while another call's recovery
+// held the token: the sidecar was not slow to answer this call, it has not recovered yet and
+// the recovery under way (its pod list, or Recover) has not finished. cause is what showed the
+// sidecar not recovered (the NOT_RECOVERED answer), nil when GetInfo showed it.
+func recoveryWaitError(ctx context.Context, op string, cause error) *Error {
+	attempts := 1
+	var e *Error
+	if errors.As(cause, &e) {
+		attempts = e.Attempts
+	}
+	out := &Error{Op: op, Attempts: attempts, cause: errors.Join(append([]error{cause}, contextErrors(ctx)...)...)}
+	if errors.Is(ctx.Err(), context.Canceled) {
+		out.Code = codes.Canceled
+		out.Message = "cancelled by the caller while waiting for the recovery another call has under way " +
+			"(the sidecar has not recovered: " + ReasonNotRecovered + "); the call was not repeated"
+		return out
+	}
+	out.Code, out.Reason = codes.DeadlineExceeded, ReasonNotRecovered
+	out.Message = "the sidecar has not recovered, and the deadline ran out while this call waited for the recovery " +
+		"another call has under way (its pod list or Recover); the call was not repeated and may succeed once the sidecar has recovered"
+	return out
 }
 
 // stopRetry carries an UNAVAILABLE answer out of retry without repeating the call.
@@ -517,10 +553,19 @@ func (c *Client) GetInfo(ctx context.Context) (Info, error) {
 	if err != nil || info.Recovered || c.opts.ListActive == nil {
 		return info, err
 	}
-	if err := c.recoverFor(ctx, "GetInfo", nil); err != nil {
+	if err := c.recoverWithin(ctx, "GetInfo", nil); err != nil {
 		return Info{}, err
 	}
 	return c.getInfo(ctx)
+}
+
+// recoverWithin runs a recovery that no deadline of its call bounds (GetInfo, ReleaseByPodList:
+// their context may have none) under CallTimeout, as Release's and SetMigMode's recoveries are
+// bounded by theirs, so that the pod list never runs without a deadline.
+func (c *Client) recoverWithin(ctx context.Context, op string, cause error) error {
+	ctx, cancel := context.WithTimeout(ctx, c.opts.CallTimeout)
+	defer cancel()
+	return c.recoverFor(ctx, op, cause)
 }
 
 // EnsureRecovered is what the plugin calls at startup before serving kubelet: it returns once
@@ -723,7 +768,7 @@ func (c *Client) ReleaseByPodList(ctx context.Context, listActive ListActiveFunc
 		if IsReason(err, ReasonNotRecovered) && c.opts.ListActive != nil {
 			// The sidecar restarted between the second GetInfo and SyncActive: recover, then
 			// start over with a fresh generation and a fresh list.
-			if rerr := c.recoverFor(ctx, op, err); rerr != nil {
+			if rerr := c.recoverWithin(ctx, op, err); rerr != nil {
 				return SyncResult{}, rerr
 			}
 			lastErr = err

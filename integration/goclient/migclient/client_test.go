@@ -779,6 +779,156 @@ func TestTheRecoveryInsideAllocateRunsUnderAllocatesDeadline(t *testing.T) {
 	}
 }
 
+func TestTheRecoveryInsideGetInfoRunsUnderADeadlineWhenTheCallerGivesNone(t *testing.T) {
+	opts := fastOptions()
+	var deadline time.Time
+	var hasDeadline bool
+	opts.ListActive = func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		deadline, hasDeadline = ctx.Deadline()
+		return annotated, nil
+	}
+	r, c := started(t, opts)
+	r.restart()
+	if _, err := c.EnsureRecovered(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if latest := time.Now().Add(opts.CallTimeout); !hasDeadline || deadline.After(latest) {
+		t.Fatalf("the pod list ran with deadline %v (set: %t), beyond CallTimeout's %v", deadline, hasDeadline, latest)
+	}
+}
+
+// A call that finds the sidecar not recovered while another call's recovery is under way waits
+// for that recovery within its own deadline, and says what it was waiting for.
+
+// ended marks the context of the call under test: afterAnswer ends it once an RPC made with it
+// has been answered, that is at a known point of the call rather than after some time.
+type ended struct{}
+
+func afterAnswer(method string, end func()) grpc.DialOption {
+	return grpc.WithChainUnaryInterceptor(func(ctx context.Context, m string, req, reply any, cc *grpc.ClientConn,
+		invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
+	) error {
+		err := invoker(ctx, m, req, reply, cc, opts...)
+		if m == method && ctx.Value(ended{}) != nil {
+			end()
+		}
+		return err
+	})
+}
+
+// expiring is a context whose deadline passes when the test says so rather than on a timer.
+type expiring struct {
+	context.Context
+	done chan struct{}
+	once sync.Once
+}
+
+func newExpiring() *expiring {
+	return &expiring{Context: context.Background(), done: make(chan struct{})}
+}
+
+func (x *expiring) Done() <-chan struct{} { return x.done }
+
+func (x *expiring) Err() error {
+	select {
+	case <-x.done:
+		return context.DeadlineExceeded
+	default:
+		return nil
+	}
+}
+
+func (x *expiring) expire() { x.once.Do(func() { close(x.done) }) }
+
+// whileAnotherCallRecovers starts an Allocate that finds the sidecar restarted and keeps its
+// recovery under way (its pod list does not return) while call runs; it returns call's error
+// once that recovery has finished. end is what afterAnswer runs once call's GetInfo has been
+// answered.
+func whileAnotherCallRecovers(t *testing.T, end func(), call func(*Client) error) error {
+	t.Helper()
+	opts := fastOptions()
+	opts.AllocateTimeout = time.Minute
+	listing := make(chan struct{}, 1)
+	finish := make(chan struct{})
+	opts.ListActive = func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		select {
+		case listing <- struct{}{}:
+		default:
+		}
+		select {
+		case <-finish:
+			return annotated, nil
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	opts.DialOptions = []grpc.DialOption{afterAnswer(pb.MigSidecar_GetInfo_FullMethodName, end)}
+	r, c := started(t, opts)
+	if _, err := c.GetInfo(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	r.restart()
+	recovering := make(chan error, 1)
+	go func() {
+		_, err := c.Allocate(context.Background(), oneDevice)
+		recovering <- err
+	}()
+	var once sync.Once
+	stop := func() { once.Do(func() { close(finish) }) }
+	t.Cleanup(stop)
+	select {
+	case <-listing:
+	case err := <-recovering:
+		t.Fatalf("the first Allocate did not start a recovery: %v", err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- call(c) }()
+	var err error
+	select {
+	case err = <-waited:
+	case <-time.After(10 * time.Second): // fail instead of hanging
+		t.Fatal("the call is still waiting for the other call's recovery after its context ended")
+	}
+	stop()
+	if rerr := <-recovering; rerr != nil {
+		t.Fatalf("the recovering Allocate: %v", rerr)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.recovers) != 1 {
+		t.Fatalf("%d Recover calls, want the recovering call's only", len(r.recovers))
+	}
+	return err
+}
+
+func TestACallWhoseDeadlinePassesWhileAnotherCallRecoversSaysItWaitedForTheRecovery(t *testing.T) {
+	ctx := newExpiring()
+	err := whileAnotherCallRecovers(t, ctx.expire, func(c *Client) error {
+		_, err := c.GetInfo(context.WithValue(ctx, ended{}, true))
+		return err
+	})
+	var e *Error
+	if !errors.As(err, &e) || e.Code != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want DEADLINE_EXCEEDED that errors.Is the context's, got %v", err)
+	}
+	if e.Reason != ReasonNotRecovered || !strings.Contains(e.Message, "recovery") || strings.Contains(e.Message, "did not answer") {
+		t.Fatalf("the error does not say the call waited for a recovery in progress: %v", err)
+	}
+}
+
+func TestACallCancelledWhileAnotherCallRecoversIsCancelled(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.WithValue(context.Background(), ended{}, true))
+	defer cancel()
+	err := whileAnotherCallRecovers(t, cancel, func(c *Client) error {
+		_, err := c.GetInfo(ctx)
+		return err
+	})
+	e := assertCancelled(t, err)
+	if !strings.Contains(e.Message, "recovery") {
+		t.Fatalf("the error does not say the call waited for a recovery in progress: %v", err)
+	}
+}
+
 // Restarts: concurrent callers, stale pod lists, failed lists.
 
 func TestConcurrentAllocatesDuringARestartShareOneRecoverAndEachRepeatsOnce(t *testing.T) {

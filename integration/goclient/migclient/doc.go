@@ -39,6 +39,8 @@
 //     seconds (one NVML process query on the sidecar each), about 30 times a minute.
 //   - CallTimeout, 10s, bounds every other RPC. They are answered from the sidecar's memory
 //     except Recover, which reads every GPU's MIG layout; 10s also covers a sidecar restart.
+//     It also bounds, as a whole, a recovery that GetInfo, EnsureRecovered or ReleaseByPodList
+//     start, pod list included, as it bounds Release's: their context may carry no deadline.
 //
 // When the deadline runs out after UNAVAILABLE answers, the error keeps the sidecar's last code,
 // reason and metadata (e.g. INSTANCE_IN_USE naming the instance), says that the deadline ran out,
@@ -53,12 +55,15 @@
 // # Restarts
 //
 // One Recover runs at a time; concurrent calls refused with NOT_RECOVERED wait for it and then
-// repeat once. The pod list for Recover is fenced like a release: GetInfo before and after it,
-// and if the sidecar restarted or handed out generations in between, the list is discarded and
-// taken again; if another client recovered the sidecar meanwhile, nothing is sent. A failed pod
-// list is never sent, whatever part of it was read (POD_LIST_FAILED). ReleaseByPodList reads
-// GetInfo again after its pod list too and starts over when the sidecar restarted, so a
-// generation is only ever sent to the process that handed it out.
+// repeat once. Each waits only within its own deadline: one whose deadline runs out first fails
+// with DEADLINE_EXCEEDED and reason NOT_RECOVERED, saying it waited for the recovery under way
+// (CANCELLED if its caller cancelled it). The pod list for Recover is fenced like a release:
+// GetInfo before and after it, and if the sidecar restarted or handed out generations in
+// between, the list is discarded and taken again; if another client recovered the sidecar
+// meanwhile, nothing is sent. A failed pod list is never sent, whatever part of it was read
+// (POD_LIST_FAILED). ReleaseByPodList reads GetInfo again after its pod list too and starts over
+// when the sidecar restarted, so a generation is only ever sent to the process that handed it
+// out.
 //
 // # Backend
 //

@@ -61,9 +61,11 @@ const (
 // invalid response, failed recovery) use the Reason* constants above. Use errors.As or the
 // helpers IsReason, ReasonOf and CodeOf.
 //
-// A call its caller cancelled is CANCELLED with no reason (the sidecar's last answer, if any, is
-// named in the message) and satisfies errors.Is(err, context.Canceled); it is never
-// SIDECAR_UNREACHABLE nor DEADLINE_EXCEEDED, since it says nothing about the sidecar.
+// Two errors describe the call rather than an answer. A call whose deadline ran out while it
+// waited for a recovery another call had under way is DEADLINE_EXCEEDED with reason
+// NOT_RECOVERED. A call its caller cancelled is CANCELLED with no reason (the sidecar's last
+// answer, if any, is named in the message) and satisfies errors.Is(err, context.Canceled); it
+// is never SIDECAR_UNREACHABLE nor DEADLINE_EXCEEDED, since it says nothing about the sidecar.
 type Error struct {
 	// Op is the RPC (or helper) that failed, e.g. "Allocate".
 	Op string
