@@ -207,7 +207,7 @@ class Recovery:
     # -- apply -------------------------------------------------------------------------------------
     def apply(self, decided: Plan) -> RecoveryReport:
         """Run the steps in order; a failing step puts its instance in ERROR; then install the table."""
-        # Activations of this plan use generations up to ``decided.generation``: durable first.
+        # Activations and idles of this plan use generations up to ``decided.generation``: durable first.
         self.lifecycle.reserve_generations(decided.generation, decided.generation_ceiling)
         table = {record.name: record for record in decided.table}
         failures: list[str] = []
