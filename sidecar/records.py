@@ -370,6 +370,7 @@ class RecordStore:
         self.directory = directory
         self._lock = threading.Lock()
         self._lock_fd: int | None = None
+        self._closed = False  # after close(): the flock may be another process's now
 
     def __enter__(self) -> RecordStore:
         self.open()
@@ -392,6 +393,7 @@ class RecordStore:
         with self._lock:
             if self._lock_fd is not None:
                 return
+            self._closed = False
             try:
                 self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
                 # mkdir's mode passes through the umask, and an existing hostPath may be wider.
@@ -421,8 +423,12 @@ class RecordStore:
             self._lock_fd = fd
 
     def close(self) -> None:
-        """Release the flock (the lock file stays: unlinking it would let two processes lock two inodes)."""
+        """Release the flock (the lock file stays: unlinking it would let two processes lock two inodes).
+
+        A closed store refuses every mutation until ``open()`` is called again: once the flock is
+        released, a successor sidecar may own the directory."""
         with self._lock:
+            self._closed = True
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -503,10 +509,16 @@ class RecordStore:
         (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says whether a
         change is due; then ``data`` replaces the file atomically, or the file goes (``data`` None).
 
-        A store that was not opened is opened here, so no mutation ever happens outside the flock."""
-        if self._lock_fd is None:
+        A store that was never opened is opened here, so no mutation ever happens outside the flock; a
+        closed one raises StateWriteFailed and writes nothing."""
+        if self._lock_fd is None and not self._closed:
             self.open()
         with self._lock:
+            if self._lock_fd is None:
+                raise StateWriteFailed(
+                    f"the record store {self.directory} is closed (the sidecar is stopping);"
+                    f" {what} {path.name} was not written"
+                )
             if not check():
                 return
             try:

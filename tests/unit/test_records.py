@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from sidecar.domain import Owner, Placement, PodRef, State
+from sidecar.errors import StateWriteFailed
 from sidecar.records import (
     CorruptRecord,
     OwnershipRecord,
@@ -408,6 +409,21 @@ class TestSingleWriter:
                 RecordStore(state_dir).open()
         finally:
             s.close()
+
+    def test_a_closed_store_writes_nothing_and_leaves_the_lock_to_a_successor(self, state_dir: Path) -> None:
+        first = RecordStore(state_dir)
+        first.put(make_record(start=0))
+        first.close()
+        successor = RecordStore(state_dir)
+        successor.open()
+        try:
+            with pytest.raises(StateWriteFailed, match="closed"):
+                first.put(make_record(start=1))
+            with pytest.raises(StateWriteFailed, match="closed"):
+                first.delete(make_record(start=0).name)
+            assert sorted(p.name for p in state_dir.glob("*.json")) == [f"{make_record(start=0).name}.json"]
+        finally:
+            successor.close()
 
 
 class TestVerify:
