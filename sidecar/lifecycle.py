@@ -109,6 +109,17 @@ def nvml_errors(operation: str) -> Iterator[None]:
         ) from exc
 
 
+def _corrupt(name: str, exc: CorruptRecord) -> UnverifiableState:
+    """A record file that became corrupt under a live record: the operator's to inspect, never
+    overwritten or deleted. UNVERIFIABLE_STATE (FAILED_PRECONDITION), not STATE_WRITE_FAILED
+    (UNAVAILABLE): no retry clears it, so the client must not wait for one."""
+    return UnverifiableState(
+        f"ownership record {exc.path} is corrupt ({exc.why}); it is left for the operator to inspect"
+        " and nothing was written over it",
+        {"record": name, "file": str(exc.path)},
+    )
+
+
 class ComputeInstanceNotOurs(UnverifiableState):
     """A destroy found a CI in a GPU instance whose record stands for a bare GI: not ours to destroy.
 
@@ -1044,11 +1055,11 @@ class Lifecycle:
 
     # -- internals: records and table -----------------------------------------------------------------
     def _put(self, record: OwnershipRecord) -> None:
-        """Disk first, then the table. A corrupt file in the way is a write failure, never overwritten."""
+        """Disk first, then the table. A corrupt file in the way is never overwritten (``_corrupt``)."""
         try:
             self.records.put(record)
         except CorruptRecord as exc:
-            raise StateWriteFailed(str(exc), {"record": record.name}) from exc
+            raise _corrupt(record.name, exc) from exc
         with self._table_lock:
             self._table[record.name] = record
 
@@ -1056,7 +1067,7 @@ class Lifecycle:
         try:
             self.records.delete(name)
         except CorruptRecord as exc:
-            raise StateWriteFailed(str(exc), {"record": name}) from exc
+            raise _corrupt(name, exc) from exc
         with self._table_lock:
             self._table.pop(name, None)
 

@@ -35,6 +35,24 @@ class TestRelease:
         assert states[kept.identity.mig_uuid] is State.ACTIVE
         assert sorted(states.values()) == [State.ACTIVE, State.IDLE]
 
+    def test_a_record_file_corrupted_under_a_live_instance_is_unverifiable_and_left_as_it_is(
+        self, world: World
+    ) -> None:
+        """No retry clears a corrupt file, so the answer is FAILED_PRECONDITION UNVERIFIABLE_STATE
+        (never the retryable STATE_WRITE_FAILED), and the file stays for the operator."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        [name] = world.record_files()
+        path = world.records.path(name)
+        path.write_bytes(b'{"version":1')
+        layout, cdi = world.layout(), world.cdi_files()
+
+        with pytest.raises(errors.UnverifiableState) as caught:
+            world.lifecycle.release("pod-a")
+
+        assert caught.value.metadata["file"] == str(path)
+        assert path.read_bytes() == b'{"version":1'
+        assert (world.layout(), world.cdi_files()) == (layout, cdi)
+
 
 class TestSyncActive:
     def test_active_instances_missing_from_the_pod_list_become_idle(self, world: World) -> None:
