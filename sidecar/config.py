@@ -157,7 +157,8 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "--shutdown-grace",
         "shutdown_grace",
-        "Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled.",
+        "Seconds in-flight RPCs get to answer after SIGTERM; a call still running then is cancelled"
+        " towards its client, and the sidecar exits once its handler has returned.",
         default=str(DEFAULT_SHUTDOWN_GRACE_S),
         metavar="SECONDS",
     ),
