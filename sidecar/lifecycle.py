@@ -25,6 +25,7 @@ attempt.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -118,6 +119,16 @@ def _corrupt(name: str, exc: CorruptRecord) -> UnverifiableState:
         " and nothing was written over it",
         {"record": name, "file": str(exc.path)},
     )
+
+
+def _raise_first(failures: Sequence[SidecarError]) -> None:
+    """The first failure of a batch, once every other instance of it has been dealt with."""
+    if failures:
+        first = failures[0]
+        if len(failures) > 1:
+            first.message = f"{first.message} (and {len(failures) - 1} more, logged)"
+            first.args = (first.message,)
+        raise first
 
 
 class ComputeInstanceNotOurs(UnverifiableState):
@@ -345,13 +356,15 @@ class Lifecycle:
             if r.state is State.ACTIVE and r.owner is not None and r.owner.pod.uid == pod_uid
         ]
         released: list[InstanceRef] = []
+        failures: list[SidecarError] = []
         with self._gpu_locks_for(r.gpu_uuid for r in targets):
             for r in targets:
                 current = self.record(r.name)
                 if current is None or current.state is not State.ACTIVE or current.owner != r.owner:
                     continue  # changed while we waited for the lock
-                self._put(self._idle(current))
-                released.append(instance_ref(current))
+                if self._put_each(failures, self._idle, current):
+                    released.append(instance_ref(current))
+        _raise_first(failures)
         return released
 
     def sync_active(
@@ -403,6 +416,7 @@ class Lifecycle:
         ]
         idled: list[InstanceRef] = []
         reactivated: list[InstanceRef] = []
+        failures: list[SidecarError] = []
         gpus = [r.gpu_uuid for r in to_idle] + [r.gpu_uuid for r, _ in to_activate]
         with self._gpu_locks_for(gpus):
             for r in to_idle:
@@ -414,8 +428,8 @@ class Lifecycle:
                     or current.activated_generation > generation
                 ):
                     continue
-                self._put(self._idle(current))
-                idled.append(instance_ref(current))
+                if self._put_each(failures, self._idle, current):
+                    idled.append(instance_ref(current))
             for r, alloc in to_activate:
                 current = self.record(r.name)
                 if (
@@ -427,9 +441,27 @@ class Lifecycle:
                     continue
                 if self._active_for_key(alloc.key) is not None:
                     continue  # that key already holds another instance; never give it two
-                self._put(self._activate(current, alloc.owner))
-                reactivated.append(instance_ref(current))
+                if self._put_each(failures, functools.partial(self._activate, owner=alloc.owner), current):
+                    reactivated.append(instance_ref(current))
+        _raise_first(failures)
         return idled, reactivated
+
+    def _put_each(
+        self,
+        failures: list[SidecarError],
+        change: Callable[[OwnershipRecord], OwnershipRecord],
+        record: OwnershipRecord,
+    ) -> bool:
+        """One instance's change in a batch (Release, SyncActive): a failure is kept for the end of the
+        batch instead of stopping it, so one corrupt record file or failed write does not keep every
+        other instance from changing state. True when the change was made."""
+        try:
+            self._put(change(record))
+        except SidecarError as exc:
+            _log.error("%s", exc)
+            failures.append(exc)
+            return False
+        return True
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> tuple[bool, bool, bool]:
         """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists,

@@ -69,6 +69,31 @@ class TestSyncActive:
         assert states == {gone.identity.mig_uuid: State.IDLE, alive.identity.mig_uuid: State.ACTIVE}
         assert len(world.live_mig_uuids()) == 2  # nothing destroyed
 
+    def test_one_corrupt_record_file_does_not_keep_the_other_instances_from_going_idle(
+        self, world: World
+    ) -> None:
+        """The corrupt file's instance is left for the operator (UNVERIFIABLE_STATE, raised once the
+        batch is done); every other instance the pod list no longer names goes IDLE all the same."""
+        stuck = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        others = [
+            world.allocate("pod-b", (0, "1g.10gb", 1, 1)).devices[0],
+            world.allocate("pod-c", (1, "1g.10gb", 0, 1)).devices[0],
+        ]
+        [stuck_name] = [n for n, r in world.record_files().items() if r.mig_uuid == stuck.identity.mig_uuid]
+        generation = world.lifecycle.generation
+        path = world.records.path(stuck_name)
+        path.write_bytes(b'{"version":1')
+
+        with pytest.raises(errors.UnverifiableState):
+            world.lifecycle.sync_active(generation, [])
+
+        valid, corrupt = world.records.load_all()
+        assert corrupt.keys() == {stuck_name}
+        assert {r.mig_uuid: r.state for r in valid.values()} == {
+            d.identity.mig_uuid: State.IDLE for d in others
+        }
+        assert path.read_bytes() == b'{"version":1'
+
     def test_an_allocation_newer_than_the_pod_list_is_not_idled(self, world: World) -> None:
         generation = world.lifecycle.generation  # the client read this before listing pods
         racing = world.allocate("pod-new", (0, "1g.10gb", 0, 1)).devices[0]
