@@ -502,11 +502,17 @@ class Lifecycle:
                     self._gpu_cache.pop(gpu_uuid, None)
                     self._profile_cache.pop(gpu_uuid, None)
                 after = self.port.gpu(gpu_uuid)
-            self._check_mig_mode_status(gpu_uuid, wanted, status)
+                if status == NVML_ERROR_IN_USE and after.mig_pending != after.mig_current:
+                    # The driver refused to activate the change but still recorded it as pending (a
+                    # later reset would apply it, and a pending disable already refuses allocations).
+                    # Withdraw it, so that the refusal means what UNAVAILABLE says: nothing changed.
+                    self.port.set_mig_mode(gpu_uuid, after.mig_current)
+                    after = self.port.gpu(gpu_uuid)
+            self._check_mig_mode_status(gpu_uuid, wanted, status, after)
         return after.mig_current, after.mig_pending, after.mig_current != after.mig_pending
 
     @staticmethod
-    def _check_mig_mode_status(gpu_uuid: str, wanted: str, status: int) -> None:
+    def _check_mig_mode_status(gpu_uuid: str, wanted: str, status: int, after: GpuInfo) -> None:
         """The activation status ``nvmlDeviceSetMigMode`` reports beside its own return code.
 
         SUCCESS: applied. RESET_REQUIRED: recorded as pending, applied by the next GPU reset (Ampere),
@@ -517,8 +523,13 @@ class Lifecycle:
             return
         if status == NVML_ERROR_IN_USE:
             raise InstanceInUse(
-                f"cannot set MIG mode of {gpu_uuid} to {wanted}: a process runs on the GPU",
-                {"gpu_uuid": gpu_uuid},
+                f"cannot set MIG mode of {gpu_uuid} to {wanted}: a process runs on the GPU; the mode"
+                " stays as it was",
+                {
+                    "gpu_uuid": gpu_uuid,
+                    "mig_current": str(after.mig_current).lower(),
+                    "mig_pending": str(after.mig_pending).lower(),
+                },
             )
         raise NvmlFailure(
             f"set MIG mode of {gpu_uuid} to {wanted}: the driver refused the change (activation status"

@@ -287,7 +287,11 @@ class TestValidation:
 
         assert caught.value.metadata["gpu_uuid"] == gpu
         assert "process" in caught.value.message
-        assert world.port.gpu(gpu).mig_current
+        # The driver recorded the refused disable as pending; the sidecar withdrew it, so the GPU
+        # keeps serving allocations as before.
+        after = world.port.gpu(gpu)
+        assert (after.mig_current, after.mig_pending) == (True, True)
+        assert caught.value.metadata["mig_pending"] == "true"
         world.hw.set_busy(gpu, False)
         assert world.lifecycle.set_mig_mode(gpu, False) == (False, False, False)  # H100: at once
 
