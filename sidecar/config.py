@@ -23,7 +23,7 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.cdi import DEFAULT_KIND
+from sidecar.cdi import DEFAULT_KIND, parse_kind
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
 
@@ -39,7 +39,6 @@ MAX_SOCKET_PATH_BYTES = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BACKENDS = ("nvml", "simulated")
 
-_CDI_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*[a-z0-9]/[a-zA-Z0-9][a-zA-Z0-9._-]*$")
 _SIM_GPU_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?::([0-9]+))?$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -315,10 +314,14 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
     cdi_dir = None if no_cdi else _path(raw["cdi_dir"], origin["cdi_dir"])
 
     cdi_kind = (raw["cdi_kind"] or "").strip()
-    if not _CDI_KIND_RE.match(cdi_kind):
+    try:
+        parse_kind(cdi_kind)  # the rules CdiSpecs applies, so nothing that passes here fails there
+    except ValueError as exc:
         raise ConfigError(
-            f"{origin['cdi_kind']}: {cdi_kind!r} is not a CDI kind vendor/class (e.g. {DEFAULT_KIND})"
-        )
+            f"{origin['cdi_kind']}: {exc}; want VENDOR/CLASS, each starting with a letter and ending with a "
+            f"letter or digit, letters, digits, '_', '.', '-' between, the class at most 63 characters "
+            f"(e.g. {DEFAULT_KIND})"
+        ) from None
 
     sim_state = Path(raw["sim_state"]).expanduser() if raw["sim_state"] else None
     sim_gpus = parse_sim_gpus(raw["sim_gpus"], origin["sim_gpus"]) if raw["sim_gpus"] else ()

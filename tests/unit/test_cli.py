@@ -45,6 +45,16 @@ class TestUsage:
         assert cli.main(["serve", "--backend", "mock"]) == 2
         assert "--backend" in capsys.readouterr().err
 
+    @pytest.mark.parametrize("kind", ["9hami.io/mig", "k8s.hami.io/mig-", "k8s.hami.io/" + "m" * 64])
+    def test_a_cdi_kind_against_the_cdi_name_rules_exits_2_naming_the_flag(
+        self, kind: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        assert cli.main(["serve", "--cdi-kind", kind]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hami-mig-sidecar serve: --cdi-kind: ")
+        assert "not a CDI kind" in err
+        assert "Traceback" not in err
+
     def test_serve_help_names_every_environment_variable(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             cli.main(["serve", "--help"])

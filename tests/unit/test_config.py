@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
+from sidecar.cdi import CdiSpecs
 from sidecar.config import ConfigError, MetricsAddress, ServeConfig, SimGpu
 
 
@@ -109,10 +110,32 @@ class TestValidation:
         with pytest.raises(ConfigError, match="longer than 107 bytes"):
             parse(["--socket", "/" + "s" * 120])
 
-    @pytest.mark.parametrize("kind", ["nvidia.com", "k8s.hami.io/", "/mig", "Bad_Vendor/mig"])
-    def test_a_cdi_kind_must_be_vendor_slash_class(self, kind: str) -> None:
-        with pytest.raises(ConfigError, match="CDI kind"):
+    @pytest.mark.parametrize(
+        "kind",
+        [
+            "nvidia.com",
+            "k8s.hami.io/",
+            "/mig",
+            "9hami.io/mig",  # a vendor starts with a letter
+            "k8s.hami.io/mig-",  # a class ends with a letter or digit
+            "k8s.hami.io/mig_",
+            "k8s.hami.io/mig.",
+            "k8s.hami.io/" + "m" * 64,  # a class has at most 63 characters
+        ],
+    )
+    def test_a_cdi_kind_must_follow_the_cdi_name_rules(self, kind: str) -> None:
+        with pytest.raises(ConfigError, match=r"--cdi-kind: .*not a CDI kind"):
             parse(["--cdi-kind", kind])
+
+    def test_a_bad_cdi_kind_from_the_environment_names_the_variable(self) -> None:
+        with pytest.raises(ConfigError, match="HAMI_MIG_SIDECAR_CDI_KIND"):
+            parse([], {"HAMI_MIG_SIDECAR_CDI_KIND": "k8s.hami.io/mig-"})
+
+    @pytest.mark.parametrize("kind", ["example.com/gpu", "Example_Vendor/mig.v2", "k8s.hami.io/" + "m" * 63])
+    def test_every_kind_the_cdi_rules_allow_is_accepted_as_given(self, kind: str) -> None:
+        settings = parse(["--cdi-kind", f" {kind} "])
+        assert settings.cdi_kind == kind
+        assert CdiSpecs(settings.cdi_dir, kind=settings.cdi_kind).kind == kind
 
     @pytest.mark.parametrize("address", ["9400", "host:", "host:99999", "host:-1"])
     def test_a_metrics_address_must_be_host_and_port(self, address: str) -> None:
