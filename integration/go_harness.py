@@ -45,6 +45,17 @@ class GoBinaries:
     e2e: Path
     cdischema: Path
 
+    def e2e_tests(self) -> list[str]:
+        """The names of the tests compiled into the e2e binary (``-test.list``), without running
+        any: the binary is the one place that knows every Test function in ``e2e/``."""
+        result = subprocess.run(
+            [str(self.e2e), "-test.list", "."],
+            capture_output=True, text=True, check=False, timeout=RUN_TIMEOUT_S,
+        )  # fmt: skip
+        if result.returncode != 0:
+            pytest.fail(f"{self.e2e} -test.list failed:\n{result.stdout}\n{result.stderr}")
+        return [line for line in result.stdout.splitlines() if line.strip()]
+
 
 class GoRunner:
     """Runs Go programs against one sidecar and restarts the sidecar when they ask for it."""
