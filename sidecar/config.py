@@ -24,6 +24,7 @@ from typing import Literal
 import msgspec
 
 from sidecar.cdi import DEFAULT_KIND, parse_kind
+from sidecar.nvml import profiles
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
 
@@ -122,7 +123,7 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "--sim-gpus",
         "sim_gpus",
         "With --backend simulated: GPUs of a new --sim-state file, MODEL[:COUNT],... e.g. "
-        "h100-80gb:2,a100-40gb:1 (ignored when the file exists).",
+        "h100-80gb:2,a100-40gb:1 (ignored when the file exists); models: " + ", ".join(profiles.MODELS) + ".",
         metavar="MODEL[:COUNT],...",
     ),
     FlagSpec(
@@ -253,8 +254,9 @@ def _seconds(raw: str | None, where: str) -> float:
 def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
     """``h100-80gb:2,a100-40gb`` -> (SimGpu("h100-80gb", 2), SimGpu("a100-40gb", 1)).
 
-    Only the syntax is checked here; whether a model exists is the simulated backend's to say, and it
-    says so when it opens."""
+    Each model must be in the simulator's model table (``profiles.MODELS``, which ``sim init`` also
+    goes by): an unknown one is a bad flag, refused here with the known models listed, not a failed
+    startup once the backend opens."""
     gpus: list[SimGpu] = []
     for part in text.split(","):
         match = _SIM_GPU_RE.match(part.strip())
@@ -263,7 +265,11 @@ def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
         count = int(match.group(2) or "1")
         if count < 1:
             raise ConfigError(f"{where}: the count of {match.group(1)!r} must be at least 1")
-        gpus.append(SimGpu(match.group(1).lower(), count))
+        try:
+            model = profiles.model(match.group(1))
+        except KeyError as exc:
+            raise ConfigError(f"{where}: {exc.args[0]}") from None
+        gpus.append(SimGpu(model.key, count))
     return tuple(gpus)
 
 

@@ -55,6 +55,33 @@ class TestUsage:
         assert "not a CDI kind" in err
         assert "Traceback" not in err
 
+    def test_an_unknown_simulated_gpu_model_exits_2_listing_the_known_models(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        hardware = tmp_path / "hw.json"
+        argv = ["serve", "--backend", "simulated", "--sim-state", str(hardware), "--sim-gpus", "h999:1"]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hami-mig-sidecar serve: --sim-gpus: unknown GPU model 'h999'; known: ")
+        assert "h100-80gb" in err
+        assert "Traceback" not in err
+        assert not hardware.exists()
+
+    def test_sim_init_refuses_an_unknown_model_listing_the_known_models(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        hardware = tmp_path / "hw.json"
+        assert cli.main(["sim", "--sim-state", str(hardware), "init", "--gpus", "h999:1"]) != 0
+        err = capsys.readouterr().err
+        assert "unknown GPU model 'h999'; known: " in err
+        assert "h100-80gb" in err
+        assert not hardware.exists()
+
+    def test_sim_init_accepts_the_models_serve_accepts(self, tmp_path: Path) -> None:
+        hardware = tmp_path / "hw.json"
+        assert cli.main(["sim", "--sim-state", str(hardware), "init", "--gpus", "H200-141GB:1,a30"]) == 0
+        assert hardware.exists()
+
     def test_serve_help_names_every_environment_variable(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exited:
             cli.main(["serve", "--help"])

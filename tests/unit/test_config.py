@@ -11,6 +11,7 @@ import pytest
 from sidecar import config
 from sidecar.cdi import CdiSpecs
 from sidecar.config import ConfigError, MetricsAddress, ServeConfig, SimGpu
+from sidecar.nvml import profiles
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:
@@ -105,6 +106,23 @@ class TestValidation:
     def test_malformed_simulated_gpu_lists_are_refused(self, text: str) -> None:
         with pytest.raises(ConfigError, match="--sim-gpus"):
             parse(["--backend", "simulated", "--sim-state", "/tmp/hw.json", "--sim-gpus", text])
+
+    def test_an_unknown_simulated_gpu_model_is_refused_listing_the_known_ones(self) -> None:
+        with pytest.raises(ConfigError, match="--sim-gpus: unknown GPU model 'h999'") as refused:
+            parse(["--backend", "simulated", "--sim-state", "/tmp/hw.json", "--sim-gpus", "h100-80gb,h999:1"])
+        for known in profiles.MODELS:
+            assert known in str(refused.value)
+
+    def test_an_unknown_simulated_gpu_model_from_the_environment_names_the_variable(self) -> None:
+        environ = {"HAMI_MIG_SIDECAR_SIM_GPUS": "a100-41gb"}
+        with pytest.raises(ConfigError, match="HAMI_MIG_SIDECAR_SIM_GPUS: unknown GPU model"):
+            parse(["--backend", "simulated", "--sim-state", "/tmp/hw.json"], environ)
+
+    def test_simulated_gpu_models_are_read_in_any_case(self) -> None:
+        settings = parse(
+            ["--backend", "simulated", "--sim-state", "/tmp/hw.json", "--sim-gpus", "H200-141GB:2"]
+        )
+        assert settings.sim_gpus == (SimGpu("h200-141gb", 2),)
 
     def test_a_socket_path_longer_than_a_unix_address_is_refused(self) -> None:
         with pytest.raises(ConfigError, match="longer than 107 bytes"):
