@@ -43,7 +43,7 @@ from sidecar.logs import event
 from sidecar.metrics import MeteredPort, Metrics
 from sidecar.nvml.port import NvmlError, NvmlPort
 from sidecar.reconciler import Reconciler
-from sidecar.records import BOOT_ID_PATH, RecordStore, StateDirLocked
+from sidecar.records import BOOT_ID_PATH, RecordStore, StateDirLocked, StateWriteFailed
 from sidecar.recovery import Recovery
 from sidecar.server import MigSidecarServicer, ServerInfo, SidecarServer
 
@@ -231,9 +231,9 @@ def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_bac
             f"state directory {config.state_dir} is locked by another running sidecar ({exc}); "
             "only one sidecar may own a node's MIG instances"
         ) from exc
-    except OSError as exc:
+    except (OSError, StateWriteFailed) as exc:  # the directory is a file, missing, read-only ...
         backend.close()
-        raise StartupError(f"cannot open the state directory {config.state_dir}: {exc}") from exc
+        raise StartupError(f"cannot use the state directory {config.state_dir}: {exc}") from exc
     try:
         boot_id = read_boot_id(backend.proc_root)
         return build(config, backend, records, boot_id)

@@ -101,6 +101,34 @@ class TestSocketAndLock:
         assert not car.socket.exists()
 
 
+def failed_start(car: Sidecar) -> tuple[int, list[dict[str, Any]]]:
+    """Run a sidecar that must not start: (its exit code, the JSON lines it logged). Its stderr must be
+    JSON lines only - a Python traceback there means an error escaped the startup path."""
+    code = car.spawn().wait(timeout=60)
+    lines = [line for line in car.log_text().splitlines() if not line.startswith("--- start ")]
+    assert all(line.startswith("{") for line in lines), car.log_text()
+    return code, [json.loads(line) for line in lines]
+
+
+class TestStartupFailures:
+    """A startup that cannot go on says why in one JSON line and exits 1, having released what it took."""
+
+    def test_a_state_dir_that_is_a_regular_file_fails_with_one_clear_line(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(start=False)
+        state_file = car.root / "not-a-dir"
+        state_file.write_text("")
+        car.extra_args = ["--state-dir", str(state_file)]
+        code, events = failed_start(car)
+        assert code == 1
+        (failed,) = [e for e in events if e["msg"] == "startup failed"]
+        assert f"state directory {state_file}" in failed["error"]
+        assert failed["level"] == "ERROR"
+        assert not car.socket.exists()
+        assert state_file.read_text() == ""
+
+
 def creating(car: Sidecar) -> bool:
     """Whether a CREATING record is on disk: an Allocate is between its intent and its completion."""
     for path in car.state_dir.glob("*.json"):
