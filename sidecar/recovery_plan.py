@@ -35,10 +35,13 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    ``CREATING`` record may own a CI it never recorded (a crash between making the CI and recording
    it); any other record without a CI ID stands for a bare GI, and a CI in that GI is someone else's
    (the rule ``Lifecycle``'s destroy applies too).
-   A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record that
-   contradicts the live GI at its placement is kept on disk for the operator and that GI is foreign -
-   unless the record comes from an earlier boot, in which case it cannot describe anything live and
-   is dropped as stale.
+   A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record from
+   an earlier boot (a non-empty boot ID that is not this one) is stale unless a live CI in the GI at
+   its placement has exactly its MIG UUID: GI IDs are reused and placements repeat, so placement,
+   profile and GI ID prove nothing across a reboot. A stale record is dropped with its CDI file and
+   claims nothing: the GI there is left to rule 4 (foreign, or adopted). A record that contradicts
+   the live GI at its placement is kept on disk for the operator and that GI is foreign - unless it
+   comes from an earlier boot, in which case it is dropped as stale.
 3. A corrupt record file is never touched; live GIs overlapping the placement in its file name are
    foreign (never reused, never adopted, never destroyed).
 4. Live GIs nobody claims are foreign and preserved. With ``adopt_existing``: a GI with exactly one
@@ -490,10 +493,16 @@ class _Planner:
             if gi is None:
                 self.drop(record, "its GPU instance no longer exists")
                 continue
+            earlier_boot = bool(record.boot_id) and record.boot_id != self.inputs.boot_id
+            if earlier_boot and not any(ci.mig_uuid == record.mig_uuid for ci in gi.compute_instances):
+                # GI IDs are reused and placements repeat: after a reboot a GI someone else made can
+                # match this record in everything but the MIG UUID, which only its own instance has.
+                # Without that proof the record describes nothing live; the GI is left unclaimed.
+                self.drop(record, "it is from an earlier boot and no live compute instance has its MIG UUID")
+                continue
             why = self.record_mismatch(record, gi)
             if why is not None:
-                stale_boot = bool(record.boot_id) and record.boot_id != self.inputs.boot_id
-                if stale_boot:
+                if earlier_boot:
                     self.drop(record, f"it is from an earlier boot and {why}")
                     continue
                 self.keep_aside(record, gi, why)

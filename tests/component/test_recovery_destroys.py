@@ -9,11 +9,12 @@ are asserted on the NVML layout, the record and CDI files and the recovery repor
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from lifecycle_world import BOOT_ID, World, gis, recovery_of, restart
 
 from sidecar import errors
-from sidecar.domain import Placement, State
+from sidecar.domain import Identity, Outcome, Placement, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
 from sidecar.records import OwnershipRecord, record_name
@@ -256,3 +257,63 @@ class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
             gpu_instance_id=gpu_instance_id,
             boot_id=BOOT_ID,
         )
+
+
+class TestARecordFromAnEarlierBootNeverClaimsAnInstanceMadeSinceTheReboot:
+    """Where ``/var/run`` is not tmpfs, records outlive a reboot, and the driver numbers GIs the same
+    way again: a GI someone makes after the reboot at a record's placement gets the record's GI ID.
+    A record of an earlier boot without a MIG UUID (a create interrupted before its CI was recorded)
+    matched such a GI by placement, profile and GI ID, and recovery destroyed it as an interrupted
+    create. Now such a record is stale unless a live CI in its GI has exactly its MIG UUID: it is
+    dropped, and the GI is foreign (or adopted, with adoption on)."""
+
+    def interrupted_create_then_reboot(self, world: World, *, with_ci: bool) -> tuple[OwnershipRecord, int]:
+        """A create killed after recording its GI (and, ``with_ci``, making its CI), then a reboot and a
+        GI made by someone else at the same placement. Returns the record and that GI's ID."""
+        world.allocate("pod-a", (0, "3g.40gb", 0, 4))
+        [record] = world.record_files().values()
+        interrupted = msgspec.structs.replace(
+            record,
+            state=State.CREATING,
+            compute_instance_id=None,
+            mig_uuid=None,
+            cdi_device="",
+            activated_generation=0,
+        )
+        world.records.put(interrupted)
+        world.hw.reboot()
+        made = world.hw.create_instance(0, "3g.40gb", 0, 4, with_ci=with_ci)
+        assert made.id == record.gpu_instance_id  # what makes the record look like its own
+        return interrupted, made.id
+
+    @pytest.mark.parametrize("with_ci", [True, False], ids=["complete", "bare GI"])
+    def test_the_instance_made_after_the_reboot_survives_and_is_foreign(
+        self, world: World, with_ci: bool
+    ) -> None:
+        interrupted, gi_id = self.interrupted_create_then_reboot(world, with_ci=with_ci)
+        layout = world.layout()
+
+        report = restart(world, boot_id=world.hw.boot_id).recover([])
+
+        assert world.layout() == layout
+        assert world.record_files() == {}
+        assert world.cdi_files() == set()
+        assert world.lifecycle.instances() == []
+        assert report.dropped_stale_records == (interrupted.name,)
+        assert [ref.reservation.placement for ref in report.preserved_foreign] == [Placement(0, 4)]
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "3g.40gb", 0, 4))
+        assert (0, gi_id) in {(g, i) for g, i, *_ in world.layout()}
+
+    def test_with_adoption_a_complete_one_is_adopted_and_reused(self, world: World) -> None:
+        interrupted, gi_id = self.interrupted_create_then_reboot(world, with_ci=True)
+        [(*_, ((ci_id, mig_uuid),))] = world.layout()
+
+        report = restart(world, adopt=True, boot_id=world.hw.boot_id).recover([])
+
+        assert report.dropped_stale_records == (interrupted.name,)
+        assert [ref.identity for ref in report.adopted_foreign] == [Identity(gi_id, ci_id, mig_uuid)]
+        [adopted] = world.record_files().values()
+        assert (adopted.state, adopted.boot_id) == (State.IDLE, world.hw.boot_id)
+        reused = world.allocate("pod-b", (0, "3g.40gb", 0, 4)).devices[0]
+        assert (reused.outcome, reused.identity.mig_uuid) == (Outcome.REUSED, mig_uuid)

@@ -517,6 +517,87 @@ class TestARecordThatContradictsTheLiveInstanceMakesItForeign:
         assert foreign_gis(p) == {(GPU0, 0)}
 
 
+class TestARecordFromAnEarlierBootClaimsOnlyAnInstanceWithItsMigUuid:
+    """GI IDs are reused and placements repeat, so after a reboot a GI someone else made can match a
+    record of the earlier boot by placement, profile and GI ID. Only the MIG UUID survives nothing but
+    its own instance: a record of an earlier boot whose MIG UUID no live CI in its GI has is stale. It
+    is dropped with its CDI file and the GI is left to the unowned rule (foreign, or adopted)."""
+
+    @pytest.mark.parametrize(
+        ("record", "gi"),
+        [
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(9)),
+                id="creating with GI ID, a complete instance",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="creating with GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.CREATING, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="creating without GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.DELETING, 1, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="deleting a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.ERROR, 1, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="error with GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.ERROR, boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="error without GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.DELETING, 1, 0, mig(1), boot=OLD_BOOT),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(9)),
+                id="deleting, another MIG UUID",
+            ),
+        ],
+    )
+    def test_it_is_dropped_and_the_gi_at_its_placement_is_foreign(
+        self, record: OwnershipRecord, gi: LiveGpuInstance
+    ) -> None:
+        p = plan(inputs(live_gpu(GPU0, gi), records=[record], cdi_files=[mig(1)]))
+        assert destroyed(p) == set()
+        assert table(p) == {}
+        assert deletes(p) == {record.name}
+        assert p.report.dropped_stale_records == (record.name,)
+        assert foreign_gis(p) == {(GPU0, 0)}
+        assert removed_cdi(p) == {mig(1)}  # no live owned instance has this spec file
+
+    def test_with_adoption_the_complete_instance_it_matched_is_adopted_under_this_boot(self) -> None:
+        old = rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot=OLD_BOOT)
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(9))), records=[old], adopt=True))
+        assert destroyed(p) == set()
+        adopted = table(p)[old.name]
+        assert (adopted.state, adopted.identity, adopted.boot_id) == (
+            State.IDLE,
+            Identity(1, 0, mig(9)),
+            BOOT,
+        )
+        assert [r.identity for r in p.report.adopted_foreign] == [Identity(1, 0, mig(9))]
+
+    def test_a_deleting_record_whose_mig_uuid_is_still_live_finishes_its_delete(self) -> None:
+        deleting = rec(GPU0, "3g.40gb", 0, 4, State.DELETING, 1, 0, mig(1), boot=OLD_BOOT)
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1))), records=[deleting]))
+        assert destroyed(p) == {(GPU0, 1)}
+
+    def test_a_record_without_a_boot_id_is_judged_as_before(self) -> None:
+        """Records written before boot IDs were recorded carry none: nothing says they are stale."""
+        creating = rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot="")
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4)), records=[creating]))
+        assert destroyed(p) == {(GPU0, 1)}
+
+
 class TestInterruptedCreatesAreUndoneAndInterruptedDeletesFinished:
     def test_a_creating_record_whose_gi_was_never_made_is_dropped(self) -> None:
         creating = rec(GPU0, "3g.40gb", 4, 4, State.CREATING, holder=owner("pod-a"))
@@ -895,22 +976,29 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
             assert gi.info.placement == target.placement
             assert not any(c == (target.gpu_uuid, target.placement) for c in corrupt)
             recorded = records_at.get((target.gpu_uuid, target.placement))
-            if recorded is not None and (
-                (
-                    recorded.state in (State.CREATING, State.DELETING)
-                    and (
-                        recorded.gpu_instance_id == gi.info.id
-                        or (recorded.gpu_instance_id is None and not gi.compute_instances)
+            live_mig_uuids = {ci.mig_uuid for ci in gi.compute_instances}
+            if (
+                recorded is not None
+                # Of this boot, or proven by its MIG UUID: GI IDs and placements repeat after a reboot.
+                and (recorded.boot_id == BOOT or recorded.mig_uuid in live_mig_uuids)
+                and (
+                    (
+                        recorded.state in (State.CREATING, State.DELETING)
+                        and (
+                            recorded.gpu_instance_id == gi.info.id
+                            or (recorded.gpu_instance_id is None and not gi.compute_instances)
+                        )
                     )
-                )
-                or (
-                    recorded.state is State.ERROR
-                    and recorded.gpu_instance_id is None
-                    and not gi.compute_instances
+                    or (
+                        recorded.state is State.ERROR
+                        and recorded.gpu_instance_id is None
+                        and not gi.compute_instances
+                    )
                 )
             ):
                 # An own instance: a CREATING/DELETING record whose GI (and CI, if any) verified, or
-                # the bare GI of an ERROR record a failed create and undo left without a GI ID.
+                # the bare GI of an ERROR record a failed create and undo left without a GI ID; from an
+                # earlier boot only when its MIG UUID is live in that GI.
                 assert recorded.gi_profile_id == gi.info.profile_id
                 assert len(gi.compute_instances) <= 1
                 if gi.compute_instances and recorded.mig_uuid is not None:
