@@ -131,19 +131,11 @@ class Application:
     def start(self) -> None:
         """Bind the socket (the state lock is already held) and the optional metrics endpoint."""
         socket = self.config.socket
-        if not socket.parent.exists():
-            socket.parent.mkdir(parents=True, mode=0o750)
-            socket.parent.chmod(0o750)  # mkdir's mode is filtered by the umask
         try:
-            mode = socket.lstat().st_mode
-        except FileNotFoundError:
-            pass
-        else:
-            if not stat.S_ISSOCK(mode):
-                raise StartupError(f"{socket} exists and is not a socket; refusing to replace it")
-            # We hold the state directory lock, so no live sidecar of this state directory owns it.
-            socket.unlink()
-            event(log, logging.INFO, "removed stale socket", socket=str(socket))
+            self._clear_socket_path(socket)
+        except OSError as exc:
+            # A parent that is a file, a read-only or foreign-owned directory: a setup error to report.
+            raise StartupError(f"cannot prepare the socket path {socket}: {exc}") from exc
         previous = os.umask(0o117)  # the socket is born 0660; the chmod below makes it explicit
         try:
             self.server.start(str(socket))
@@ -152,13 +144,32 @@ class Application:
         finally:
             os.umask(previous)
         self._socket_bound = True
-        socket.chmod(0o660)
+        try:
+            socket.chmod(0o660)
+        except OSError as exc:
+            raise StartupError(f"cannot set mode 0660 on the socket {socket}: {exc}") from exc
         if self.config.metrics_address is not None:
             address = self.config.metrics_address
             try:
                 self.metrics.serve(address.host, address.port)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on {address}: {exc.strerror}") from exc
+
+    @staticmethod
+    def _clear_socket_path(socket: Path) -> None:
+        """Create the socket's directory (0750) if missing and remove a stale socket; OSError otherwise."""
+        if not socket.parent.exists():
+            socket.parent.mkdir(parents=True, mode=0o750)
+            socket.parent.chmod(0o750)  # mkdir's mode is filtered by the umask
+        try:
+            mode = socket.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise StartupError(f"{socket} exists and is not a socket; refusing to replace it")
+        # We hold the state directory lock, so no live sidecar of this state directory owns it.
+        socket.unlink()
+        event(log, logging.INFO, "removed stale socket", socket=str(socket))
 
     def shutdown(self) -> None:
         """Stop serving, then release resources in the reverse order of acquisition. Idempotent.

@@ -128,6 +128,21 @@ class TestStartupFailures:
         assert not car.socket.exists()
         assert state_file.read_text() == ""
 
+    def test_a_socket_path_under_a_regular_file_fails_with_one_clear_line(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(start=False)
+        blocker = car.root / "afile"
+        blocker.write_text("")
+        socket = blocker / "s.sock"
+        car.extra_args = ["--socket", str(socket)]
+        code, events = failed_start(car)
+        assert code == 1
+        (failed,) = [e for e in events if e["msg"] == "startup failed"]
+        assert str(socket) in failed["error"]
+        assert not any(e["msg"] == "serving" for e in events)
+        assert blocker.read_text() == ""
+
 
 def creating(car: Sidecar) -> bool:
     """Whether a CREATING record is on disk: an Allocate is between its intent and its completion."""
