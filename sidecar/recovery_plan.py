@@ -20,15 +20,18 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    allocation as owner. Any mismatch, an allocation without runtime identity, two allocations naming one
    instance, or one key naming two reservations -> ``UnverifiableState``. In a Recover repeated once
    the sidecar has recovered, the table is newer than the pod list: an instance ACTIVE for another key
-   now (released and reused since the list was taken) stays with that key, and a key that holds
-   another instance now is not given a second one; both are reported in ``errors``.
+   now (released and reused since the list was taken) stays with that key, a key that holds another
+   instance now is not given a second one, and an instance IDLE now stays IDLE (released since the
+   list was taken, as far as a Recover without a generation can tell; SyncActive, which is fenced,
+   reactivates it for a pod that still holds it); each is reported in ``errors``.
 2. A valid record is matched against the live GI at *exactly* its placement. ``IDLE``/``ACTIVE`` records
    whose GI and CI verify are restored ``IDLE`` - except ``ACTIVE`` ones in a Recover repeated once
    the sidecar has recovered: those stay ``ACTIVE``. One that goes IDLE here (or is adopted IDLE by
    rule 4) is stamped with the recovery's fresh generation, as a release stamps its own (SyncActive's
    reactivation fence). A repeated Recover has no generation fence, and
-   its pod list may predate an Allocate since; releasing is SyncActive's job, which is fenced. A
-   repeated Recover still adopts listed allocations, restores, finishes and repairs all the rest.
+   its pod list may predate an Allocate or a Release since; releasing and reactivating are
+   SyncActive's job, which is fenced. A repeated Recover still adopts the other listed
+   allocations, restores, finishes and repairs all the rest.
    ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
    theirs. ``ERROR`` records stay ``ERROR``, except one without a GI ID (a create made the GI, then
    it and its undo failed to read it): its bare GI is destroyed as for ``CREATING``. Only a
@@ -353,7 +356,10 @@ class _Planner:
             assert gi is not None
             ci = gi.compute_instances[0]
             name = record_name(gpu_uuid, alloc.reservation.placement)
-            if self.inputs.recovered and self.held_by_another_key(alloc, existing.get(name), name):
+            if self.inputs.recovered and (
+                self.held_by_another_key(alloc, existing.get(name), name)
+                or self.stays_idle(alloc, existing.get(name))
+            ):
                 continue
             self.claimed.add((gpu_uuid, gi_id))
             if name in corrupt_names:
@@ -448,6 +454,26 @@ class _Planner:
         self.errors.append(
             f"allocation {alloc.key} names the instance {where}, but {alloc.key} holds {other.mig_uuid} at "
             f"{other.placement} now; one key never holds two instances, so it is not activated for it"
+        )
+        return True
+
+    def stays_idle(self, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+        """True (and an error line) when a repeated Recover names an instance that is IDLE now.
+
+        The pod list of a repeated Recover may predate the release that idled the instance, and
+        Recover carries no generation to tell: reactivating it would hand it back to a pod that is
+        gone, and the next pod's Allocate would find it busy. It stays IDLE (rule 2 restores it);
+        SyncActive, which is fenced by the generation, reactivates it for a pod that still holds it.
+        """
+        if old is None or old.state is not State.IDLE:
+            return False
+        assert alloc.identity is not None
+        res = alloc.reservation
+        self.errors.append(
+            f"allocation {alloc.key} names the IDLE instance {alloc.identity.mig_uuid} at {res.placement} "
+            f"on {res.gpu_uuid} (record {old.name}); a repeated Recover never reactivates an IDLE "
+            "instance, since its pod list may predate the release: it stays IDLE, and SyncActive "
+            "reactivates it if the pod still holds it"
         )
         return True
 

@@ -60,24 +60,41 @@ class TestARepeatedRecoverNeverReownsAnInstanceAnotherPodHoldsNow:
         with pytest.raises(errors.PlacementBusy):
             world.allocate("pod-a", (0, "1g.10gb", 0, 1))
 
-    def test_an_idle_instance_the_old_list_names_is_reactivated_for_the_listed_pod(
+    def test_an_idle_instance_the_old_list_names_stays_idle_and_the_next_pod_reuses_it(
         self, world: World
     ) -> None:
+        """Recover carries no generation, so it cannot tell a list taken before the Release from a
+        pod that still holds the instance. Reactivating it for the listed (deleted) pod made the next
+        pod's Allocate fail PLACEMENT_BUSY; now it stays IDLE and the report says why."""
         first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         old_pod_list = active_of("pod-a", first)
         world.lifecycle.release("pod-a")
-        generation = world.lifecycle.generation
+        before = world.everything()
 
         report = recovery_of(world).recover(old_pod_list)
 
         mig_uuid = first.devices[0].identity.mig_uuid
-        assert owners(world) == {mig_uuid: (State.ACTIVE, "pod-a")}
-        assert [ref.identity for ref in report.adopted_active] == [first.devices[0].identity]
-        assert report.errors == ()
-        [record] = world.record_files().values()
-        assert record.activated_generation > generation
-        again = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
-        assert again.outcome is Outcome.ALREADY_ALLOCATED
+        assert world.everything() == before
+        assert owners(world) == {mig_uuid: (State.IDLE, None)}
+        assert report.adopted_active == ()
+        assert [ref.identity for ref in report.restored_idle] == [first.devices[0].identity]
+        [line] = report.errors
+        assert str(old_pod_list[0].key) in line
+        assert mig_uuid in line
+        reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, first.devices[0].identity)
+
+    def test_a_sync_active_listing_the_pod_after_that_recover_reactivates_it(self, world: World) -> None:
+        """The fenced path still hands the instance back to a pod that really holds it."""
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        listed = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        recovery_of(world).recover(listed)
+
+        _, reactivated = world.lifecycle.sync_active(world.lifecycle.generation, listed)
+
+        assert [ref.identity for ref in reactivated] == [first.devices[0].identity]
+        assert owners(world) == {first.devices[0].identity.mig_uuid: (State.ACTIVE, "pod-a")}
 
     def test_an_idle_instance_is_not_reactivated_for_a_key_that_holds_another_instance_now(
         self, world: World

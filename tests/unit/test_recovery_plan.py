@@ -273,6 +273,32 @@ class TestActiveAllocationsAreAdoptedOnlyWhenTheyMatchTheHardwareExactly:
             NOW,
         )
 
+    def test_in_a_repeated_recover_an_idle_record_named_by_an_allocation_stays_idle(self) -> None:
+        """The list may predate the release that idled it; only the fenced SyncActive reactivates."""
+        existing = msgspec.structs.replace(
+            rec(GPU0, "3g.40gb", 4, 4, State.IDLE, 2, 0, mig(2), generation=3), idled_generation=4
+        )
+        listed = alloc("pod-b", GPU0, "3g.40gb", 4, 4, 2, 0, mig(2))
+        p = plan(
+            msgspec.structs.replace(
+                inputs(
+                    live_gpu(GPU0, live_gi(GPU0, 2, "3g.40gb", 4, 4, mig(2))),
+                    records=[existing],
+                    active=[listed],
+                    generation=4,
+                ),
+                recovered=True,
+            )
+        )
+        assert table(p) == {existing.name: existing}
+        assert writes(p) == {}
+        assert p.generation == 4
+        assert p.report.adopted_active == ()
+        assert [r.identity for r in p.report.restored_idle] == [Identity(2, 0, mig(2))]
+        [line] = p.report.errors
+        assert str(listed.key) in line
+        assert mig(2) in line
+
     def test_the_pod_annotation_wins_over_a_record_that_disagrees_with_the_hardware(self) -> None:
         stale = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 3, 0, mig(9))
         p = plan(
