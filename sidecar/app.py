@@ -8,6 +8,7 @@ Order matters and is the point of this module (architecture section 10):
    sidecar on the same directory exits here, and cannot unlink the first one's live socket (a Python
    gRPC server silently takes over an existing socket path);
 3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
+   sweep the CDI temp files a crash inside a write left (the lock says no write of ours runs);
 4. only while holding the lock: remove a stale socket file, bind, chmod 0660;
 5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
    which also starts the reconciler (before recovery the table does not describe the hardware).
@@ -223,6 +224,20 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     return app
 
 
+def sweep_cdi_temp_files(cdi: CdiSpecs) -> None:
+    """Remove the CDI temp files a crash in the middle of a write left (only while the lock is held).
+
+    Housekeeping: a temp file is a dotfile no CDI reader loads, so a directory that cannot be listed
+    is logged and left for recovery, which reads the same directory and reports it there."""
+    try:
+        removed = cdi.sweep_temp_files()
+    except StateWriteFailed as exc:
+        event(log, logging.WARNING, "cdi temp sweep failed", error=str(exc))
+        return
+    if removed:
+        event(log, logging.INFO, "removed leftover cdi temp files", files=removed)
+
+
 def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_backend) -> Application:
     """Steps 1-3 of the startup order; raises ``StartupError`` (releasing what it took) on failure."""
     try:
@@ -247,7 +262,9 @@ def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_bac
         raise StartupError(f"cannot use the state directory {config.state_dir}: {exc}") from exc
     try:
         boot_id = read_boot_id(backend.proc_root)
-        return build(config, backend, records, boot_id)
+        app = build(config, backend, records, boot_id)
+        sweep_cdi_temp_files(app.cdi)
+        return app
     except BaseException:
         records.close()
         backend.close()

@@ -30,9 +30,10 @@ from the GI and CI ``access`` files. ``DeviceFileMode`` there is decimal (256 = 
 ``fileMode`` as the same number, which is how the CDI JSON encodes a Go ``os.FileMode``.
 
 Files are written atomically (temp name not ending in .json, fsync, rename, fsync dir) with mode 0644,
-as bytes that depend only on the inputs, so "identical" is a byte comparison. A removal that fails is
-queued in memory for ``retry_removals`` (run by the reconciler). With CDI disabled nothing is ever
-written and every method is a no-op.
+as bytes that depend only on the inputs, so "identical" is a byte comparison. A crash inside a write
+leaves its temp file behind; ``sweep_temp_files`` removes those of this kind at the next start. A
+removal that fails is queued in memory for ``retry_removals`` (run by the reconciler). With CDI
+disabled nothing is ever written and every method is a no-op.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import msgspec
 
 from sidecar.domain import MIG_UUID_RE, Identity
 from sidecar.errors import StateWriteFailed
-from sidecar.records import atomic_write, fsync_dir
+from sidecar.records import TEMP_MARKER, atomic_write, fsync_dir
 
 DEFAULT_KIND = "k8s.hami.io/mig"
 FILE_MODE = 0o644
@@ -163,6 +164,14 @@ class CdiSpecs:
         self.proc_root = proc_root
         self.vendor, self.cls = parse_kind(kind)
         self.cdi_version = minimum_cdi_version(kind)
+        # ``atomic_write``'s temp name for a ``spec_path``: ``.<stem><TEMP_MARKER><random hex>``.
+        self._temp_name = re.compile(
+            r"^\."
+            + re.escape(f"{self.vendor}-{self.cls}_")
+            + MIG_UUID_RE.pattern.strip("^$")
+            + re.escape(TEMP_MARKER)
+            + r"[0-9a-f]+$"
+        )
         self._lock = threading.Lock()
         self._pending: dict[Path, None] = {}  # an ordered set: retried in the order they failed
 
@@ -269,6 +278,40 @@ class CdiSpecs:
                 if _unlink(path):
                     del self._pending[path]
                     removed.append(str(path))
+        return removed
+
+    def sweep_temp_files(self) -> list[str]:
+        """Remove the temp files a crash inside ``ensure``'s atomic write left behind; return their paths.
+
+        Called once at startup, with the state directory lock held, before anything is served: no write
+        of this sidecar is in progress then. Only regular files named the way ``ensure`` names its temp
+        files (a dotfile ``.<vendor>-<class>_<MIG UUID>.tmp-<hex>`` of this kind) are removed; the
+        directory is shared with other CDI writers, whose files are not ours to judge. A file that
+        cannot be removed stays for the next start (no reader takes a dotfile for a spec). A missing
+        directory or disabled CDI sweeps nothing; StateWriteFailed when the directory cannot be listed."""
+        if self.directory is None:
+            return []
+        removed: list[str] = []
+        with self._lock:
+            try:
+                entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
+            except FileNotFoundError:
+                return []
+            except OSError as exc:
+                raise StateWriteFailed(f"listing CDI directory {self.directory} failed: {exc}") from exc
+            for entry in entries:
+                if not self._temp_name.match(entry.name):
+                    continue
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    Path(entry.path).unlink()
+                except OSError:  # gone meanwhile, or not removable now: the next start tries again
+                    continue
+                removed.append(entry.path)
+            if removed:
+                with contextlib.suppress(OSError):
+                    fsync_dir(self.directory)
         return removed
 
     def list_mig_uuids(self) -> dict[str, Path]:

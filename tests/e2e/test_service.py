@@ -144,6 +144,45 @@ class TestStartupFailures:
         assert blocker.read_text() == ""
 
 
+CRASH_IN_CDI_WRITE = """
+import os, sys
+from pathlib import Path
+from sidecar import records
+from sidecar.cdi import CdiSpecs
+
+os.fsync = lambda fd: os._exit(137)  # killed between writing the temp file and renaming it
+records.atomic_write(CdiSpecs(Path(sys.argv[1])).spec_path(sys.argv[2]), b"{}", 0o644)
+"""
+
+
+class TestCdiTempSweep:
+    def test_startup_removes_the_temp_file_a_crashed_cdi_write_left_and_nothing_else(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(start=False)
+        car.cdi_dir.mkdir()
+        mig = "MIG-2923e22f-df83-5d8f-88fe-e176c7516c96"
+        crashed = subprocess.run(
+            [sys.executable, "-c", CRASH_IN_CDI_WRITE, str(car.cdi_dir), mig], check=False, timeout=60
+        )
+        assert crashed.returncode == 137
+        (leftover,) = car.cdi_files()
+        assert leftover.startswith(f".k8s.hami.io-mig_{mig}.tmp-")
+        unrelated = {
+            "k8s.device-plugin.nvidia.com-gpu.json": '{"cdiVersion":"0.5.0"}',
+            f".k8s.device-plugin.nvidia.com-gpu_{mig}.tmp-0123456789abcdef": "another writer's",
+        }
+        for name, text in unrelated.items():
+            (car.cdi_dir / name).write_text(text)
+
+        car.start()
+        car.log_event("serving")
+
+        assert car.cdi_files() == sorted(unrelated)
+        for name, text in unrelated.items():
+            assert (car.cdi_dir / name).read_text() == text
+
+
 def creating(car: Sidecar) -> bool:
     """Whether a CREATING record is on disk: an Allocate is between its intent and its completion."""
     for path in car.state_dir.glob("*.json"):

@@ -280,6 +280,54 @@ class TestListing:
         assert specs.list_mig_uuids() == {}
 
 
+class TestTempSweep:
+    """Temp files a crash inside a write left behind (``.<spec name>.tmp-<hex>``) are swept at startup;
+    nothing else in the shared CDI directory is ever touched."""
+
+    def test_only_this_kinds_leftover_temp_files_are_removed(self, specs: CdiSpecs, cdi_dir: Path) -> None:
+        specs.ensure(1, ID_A)
+        ours = cdi_dir / f".k8s.hami.io-mig_{MIG_B}.tmp-0123456789abcdef"
+        ours.write_text('{"cdiVersion"')
+        others = {
+            f".k8s.device-plugin.nvidia.com-gpu_{MIG_B}.tmp-0123456789abcdef": "another kind's write",
+            ".k8s.hami.io-mig_notes.tmp-0123456789abcdef": "not a MIG UUID",
+            f"k8s.hami.io-mig_{MIG_B}.tmp-0123456789abcdef": "not a dotfile",
+            f".k8s.hami.io-mig_{MIG_B}.json": "no temp marker",
+            f".k8s.hami.io-mig_{MIG_B}.tmp-0123456789abcdef.json": "ends like a spec",
+            ".hidden": "someone's dotfile",
+            "k8s.device-plugin.nvidia.com-gpu.json": "{}",
+        }
+        for name, text in others.items():
+            (cdi_dir / name).write_text(text)
+        a_dir = cdi_dir / f".k8s.hami.io-mig_{MIG_A}.tmp-00000000000000aa"
+        a_dir.mkdir()
+        a_link = cdi_dir / f".k8s.hami.io-mig_{MIG_A}.tmp-00000000000000bb"
+        a_link.symlink_to(cdi_dir / "k8s.device-plugin.nvidia.com-gpu.json")
+
+        assert specs.sweep_temp_files() == [str(ours)]
+
+        assert not ours.exists()
+        for name, text in others.items():
+            assert (cdi_dir / name).read_text() == text
+        assert a_dir.is_dir()
+        assert a_link.is_symlink()
+        assert is_current(specs, 1, ID_A)
+
+    def test_the_temp_files_of_a_configured_kind_are_its_own(self, cdi_dir: Path, proc: Path) -> None:
+        specs = CdiSpecs(cdi_dir, kind="example.com/gpu.mig", proc_root=proc)
+        cdi_dir.mkdir()
+        ours = cdi_dir / f".example.com-gpu.mig_{MIG_A}.tmp-0123456789abcdef"
+        default_kind = cdi_dir / f".k8s.hami.io-mig_{MIG_A}.tmp-0123456789abcdef"
+        ours.write_text("")
+        default_kind.write_text("")
+        assert specs.sweep_temp_files() == [str(ours)]
+        assert default_kind.exists()
+
+    def test_a_missing_directory_or_disabled_cdi_sweeps_nothing(self, specs: CdiSpecs, proc: Path) -> None:
+        assert specs.sweep_temp_files() == []
+        assert CdiSpecs(None, proc_root=proc).sweep_temp_files() == []
+
+
 class TestRemoval:
     def test_remove_deletes_the_file_and_a_missing_file_counts_as_removed(self, specs: CdiSpecs) -> None:
         specs.ensure(1, ID_A)
