@@ -1,0 +1,132 @@
+"""The README's shell examples work as written against a sidecar on the simulated node.
+
+The examples are read from README.md itself, so a test fails when the text drifts from what the
+commands accept. ``.run/`` is the directory ``make run-sim`` uses; here it points at a test sidecar's
+directory (same layout: ``hw.json``, ``state``, ``cdi``; ``sidecar.sock`` links to its socket).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sidecar_process import CALL_TIMEOUT_S, Sidecar
+
+pytestmark = pytest.mark.e2e
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def shell_blocks() -> list[str]:
+    """The ```sh code blocks of the README."""
+    return re.findall(r"^```sh\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def block_with(text: str) -> str:
+    (block,) = [b for b in shell_blocks() if text in b]
+    return block
+
+
+def commands(block: str) -> list[str]:
+    """The block's shell commands, each joined over its continuation lines and multi-line quotes."""
+    result: list[str] = []
+    pending = ""
+    for line in block.splitlines():
+        pending = f"{pending}\n{line}" if pending else line
+        if pending.rstrip().endswith("\\"):
+            continue
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # a quote still open: the command goes on on the next line
+            continue
+        if pending.strip() and not pending.lstrip().startswith("#"):
+            result.append(pending)
+        pending = ""
+    assert not pending, f"unterminated command in README: {pending!r}"
+    return result
+
+
+def grpcurl_arguments(command: str) -> list[list[str]]:
+    """The arguments of every grpcurl call in ``command`` (inside ``$(...)`` and pipes too)."""
+    lexer = shlex.shlex(command.replace("\\\n", " "), posix=True, punctuation_chars="|&;()")
+    lexer.whitespace_split = True
+    tokens = list(lexer)
+    calls: list[list[str]] = []
+    for i, token in enumerate(tokens):
+        if token.endswith("grpcurl"):
+            args: list[str] = []
+            for arg in tokens[i + 1 :]:
+                if arg and set(arg) <= set("|&;()"):
+                    break
+                args.append(arg)
+            calls.append(args)
+    return calls
+
+
+def in_readme_dir(car: Sidecar, tmp_path: Path) -> Path:
+    """A working directory whose ``.run`` is ``car``'s directory, as ``make run-sim`` lays it out."""
+    (car.root / "sidecar.sock").symlink_to(car.socket.name)
+    workdir = tmp_path / "clone"
+    workdir.mkdir()
+    (workdir / ".run").symlink_to(car.root)
+    return workdir
+
+
+def run_shell(script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` in bash, the sidecar's console script on PATH: what ``source .venv/bin/activate`` does
+    (that line of the script is left out, the test's interpreter may live elsewhere)."""
+    script = "\n".join(
+        line for line in script.splitlines() if not line.startswith("source .venv/bin/activate")
+    )
+    bash = shutil.which("bash")
+    assert bash is not None
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
+    environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{environ.get('PATH', '')}"
+    return subprocess.run(
+        [bash, "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=CALL_TIMEOUT_S * 4,
+    )
+
+
+class TestGrpcurlExamples:
+    def test_every_grpcurl_call_gives_its_flags_before_the_address(self) -> None:
+        """grpcurl stops reading flags at the first argument that is not one ("Too many arguments")."""
+        calls = [args for block in shell_blocks() for c in commands(block) for args in grpcurl_arguments(c)]
+        assert len(calls) >= 8
+        for args in calls:
+            positional = [i for i, arg in enumerate(args) if not arg.startswith("-")]
+            flags = [i for i, arg in enumerate(args) if arg.startswith("-")]
+            assert positional, args
+            # -d takes a value, which is the only non-flag allowed before the address.
+            values = {i + 1 for i in flags if args[i] == "-d"}
+            address = min(set(positional) - values)
+            assert all(i < address for i in flags), f"a flag after the address: {args}"
+
+    def test_grpcurl_dials_a_unix_target_not_the_unix_flag(self) -> None:
+        """``-unix PATH`` fails on grpcurl 1.9.x ("missing port in address"); ``unix://PATH`` works."""
+        calls = [args for block in shell_blocks() for c in commands(block) for args in grpcurl_arguments(c)]
+        for args in calls:
+            assert "-unix" not in args, args
+
+    @pytest.mark.skipif(
+        shutil.which("grpcurl") is None or shutil.which("jq") is None, reason="needs grpcurl and jq"
+    )
+    def test_the_talking_to_it_block_runs_against_a_sidecar(self, sidecar: Sidecar, tmp_path: Path) -> None:
+        workdir = in_readme_dir(sidecar, tmp_path)
+        result = run_shell(block_with("grpcurl -plaintext"), workdir)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert '"outcome": "CREATED"' in result.stdout
+        assert '"released": [' in result.stdout
+        status = run_shell("hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", workdir)
+        assert re.search(r"^0\s+IDLE\s+3g\.40gb\s+4:4\s", status.stdout, re.MULTILINE), status.stdout
