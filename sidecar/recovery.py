@@ -111,6 +111,7 @@ def _with_foreign(report: RecoveryReport, steps: Sequence[Step]) -> RecoveryRepo
     return msgspec.structs.replace(
         report,
         restored_idle=tuple(r for r in report.restored_idle if r not in refs),
+        adopted_foreign=tuple(r for r in report.adopted_foreign if r not in refs),
         removed_orphan_gis=tuple(r for r in report.removed_orphan_gis if r not in refs),
         dropped_stale_records=tuple(n for n in report.dropped_stale_records if n not in names),
         preserved_foreign=(*report.preserved_foreign, *refs),
@@ -259,7 +260,8 @@ class Recovery:
         """Execute one action; a returned string is a problem that does not fail the step.
 
         A CDI removal that fails is queued by ``CdiSpecs`` for the
-        reconciler and does not keep the record: the hardware is gone, so the instance is too."""
+        reconciler and does not keep the record: the hardware is gone, so the instance is too. A CDI
+        spec that cannot be written leaves the recorded instance as recorded (``EnsureCdi``)."""
         match action:
             case PutRecord(record=record):
                 self.records.put(record)
@@ -270,7 +272,10 @@ class Recovery:
                     self._require_idle_gpu(record.gpu_uuid)
                 self.lifecycle.destroy_owned(record, mark_deleting=True)
             case EnsureCdi(gpu_minor=minor, identity=identity):
-                self.cdi.ensure(minor, identity)
+                try:
+                    self.cdi.ensure(minor, identity)
+                except errors.SidecarError as exc:
+                    return f"writing the CDI spec of {identity.mig_uuid} failed: {exc}"
             case RemoveCdi(mig_uuid=mig_uuid, path=path):
                 if not self.cdi.remove(mig_uuid, Path(path) if path else None):
                     return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"

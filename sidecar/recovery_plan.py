@@ -51,9 +51,10 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    full-size CI gets an ``IDLE`` record; a GI without a CI is destroyed only on a GPU with no active
    allocation, no instance that stays ``ACTIVE`` and no running process.
 5. CDI: every live owned ``ACTIVE``/``IDLE`` instance gets its spec ensured (rewritten if missing or
-   different); spec files of this sidecar's kind whose MIG UUID is no live owned instance are removed
-   (the file found by content, whatever its name), except those of instances preserved because of a
-   kept or corrupt record (the operator may restore the record).
+   different) in the step that records it, after its record, so an instance whose record could not
+   be written is not published; spec files of this sidecar's kind whose MIG UUID is no live owned
+   instance are removed (the file found by content, whatever its name), except those of instances
+   preserved because of a kept or corrupt record (the operator may restore the record).
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ class DestroyOwned(msgspec.Struct, frozen=True, tag=True):
 
 
 class EnsureCdi(msgspec.Struct, frozen=True, tag=True):
+    """Write the spec of a live owned instance unless an identical one exists.
+
+    It is the last action of the step that records the instance, so it runs only once the record is
+    on disk. A spec that cannot be written is reported and does not fail the step: the instance is
+    recorded and verified, and a reuse or the next recovery writes the spec again."""
+
     gpu_minor: int
     identity: Identity
 
@@ -193,8 +200,8 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     could not be recorded leaves the instance foreign). A step that finds its instance is not ours to
     destroy after all (``ComputeInstanceNotOurs``, a busy GPU under ``require_idle_gpu``) leaves it
     foreign either way. ``foreign_ref`` is how the report names the instance when the step leaves it
-    foreign: it moves to ``preserved_foreign`` from the list that named it (restored, removed or
-    dropped)."""
+    foreign: it moves to ``preserved_foreign`` from the list that named it (restored, adopted,
+    removed or dropped). The instance's ``EnsureCdi``, if any, is the step's last action."""
 
     subject: str
     actions: tuple[Action, ...] = ()
@@ -769,9 +776,14 @@ class _Planner:
             since=self.inputs.now,
         )
         self.handed_out = True
+        # No ``on_failure``: an adoption that cannot be recorded leaves the instance foreign, and the
+        # report names it there (``foreign_ref``), not as adopted.
         self.steps.append(
             Step(
-                subject=f"adopt foreign {record.name}", actions=(PutRecord(record),), record_name=record.name
+                subject=f"adopt foreign {record.name}",
+                actions=(PutRecord(record),),
+                record_name=record.name,
+                foreign_ref=ref,
             )
         )
         self.table[record.name] = record
@@ -806,6 +818,10 @@ class _Planner:
     # -- rule 5: CDI ---------------------------------------------------------------------------------
     def reconcile_cdi(self) -> None:
         live_owned: set[str] = set()
+        # The spec is written in the step that records the instance, after its record: a step stops at
+        # its first failure, so an instance whose record could not be written (left foreign) is never
+        # published. A spec that cannot be written does not fail the step (see ``EnsureCdi``).
+        step_of = {step.record_name: i for i, step in enumerate(self.steps) if step.record_name is not None}
         for name, record in sorted(self.table.items()):
             identity = record.identity
             if identity is None:
@@ -813,10 +829,13 @@ class _Planner:
             live_owned.add(identity.mig_uuid)
             if record.state not in _LIVE_STATES or not self.cdi_name(identity.mig_uuid):
                 continue
-            gpu = self.gpus[record.gpu_uuid]
-            self.steps.append(
-                Step(subject=f"ensure CDI spec of {name}", actions=(EnsureCdi(gpu.info.minor, identity),))
-            )
+            ensure = EnsureCdi(self.gpus[record.gpu_uuid].info.minor, identity)
+            index = step_of.get(name)
+            if index is None:
+                self.steps.append(Step(subject=f"ensure CDI spec of {name}", actions=(ensure,)))
+                continue
+            step = self.steps[index]
+            self.steps[index] = msgspec.structs.replace(step, actions=(*step.actions, ensure))
         for mig_uuid in sorted(self.inputs.cdi_files):
             if mig_uuid in live_owned or mig_uuid in self.protected_cdi:
                 continue

@@ -26,6 +26,7 @@ from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
 from sidecar.records import OwnershipRecord, record_name
 from sidecar.recovery import Recovery
+from sidecar.recovery_plan import plan
 
 FOREVER = 1000
 
@@ -412,6 +413,83 @@ class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
         assert world.states() == {record.name: State.IDLE}
         reused = world.allocate("pod-b", (0, "1g.10gb", 0, 1)).devices[0]
         assert (reused.outcome, reused.identity) == (Outcome.REUSED, record.identity)
+
+
+class TestAnAdoptionOrRestoreWhoseRecordCannotBeWrittenPublishesNothing:
+    """An adoption whose record write failed was still reported in ``adopted_foreign`` and got its
+    CDI spec, and a restore whose write failed got its spec too: the CDI steps ran apart from the
+    record steps, whatever became of them. The instance is foreign then (no record of ours, not in
+    the table), so nothing may publish it. Now the spec is written in the record's own step, after
+    the record, and the report moves the instance to ``preserved_foreign``.
+
+    The write fails because the record file turns corrupt between gather and apply: the store
+    refuses to overwrite a corrupt file, and only the record write meets it."""
+
+    @staticmethod
+    def garble(world: World, name: str) -> bytes:
+        garbage = b'{"version":1,"checksum":"sha256:00","record":{}}\n'
+        world.records.path(name).write_bytes(garbage)
+        return garbage
+
+    def test_a_failed_adoption_is_reported_foreign_and_gets_no_cdi_spec(self, cdi_world: World) -> None:
+        world = cdi_world
+        foreign = world.hw.create_instance(0, "3g.40gb", 0, 4)
+        mig_uuid = foreign.cis[0].mig_uuid
+        recovery = restart(world, adopt=True)
+        decided = plan(recovery.gather([]))
+        assert [ref.identity for ref in decided.report.adopted_foreign] == [Identity(foreign.id, 0, mig_uuid)]
+        name = record_name(world.uuid(0), Placement(0, 4))
+        garbage = self.garble(world, name)
+
+        report = recovery.apply(decided)
+
+        assert report.adopted_foreign == ()
+        assert [ref.identity for ref in report.preserved_foreign] == [Identity(foreign.id, 0, mig_uuid)]
+        assert any(name in line for line in report.errors)
+        assert world.cdi_files() == set()
+        assert world.lifecycle.instances() == []
+        assert world.records.path(name).read_bytes() == garbage
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "3g.40gb", 0, 4))
+
+    def test_a_failed_restore_gets_no_cdi_spec_written(self, cdi_world: World) -> None:
+        world = cdi_world
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        recovery = restart(world)
+        spec = world.cdi.spec_path(held.identity.mig_uuid)
+        spec.unlink()  # the restore would write it again
+        decided = plan(recovery.gather([]))  # the pod is gone: ACTIVE -> IDLE, a record write
+        self.garble(world, record_name(world.uuid(0), Placement(0, 1)))
+
+        report = recovery.apply(decided)
+
+        assert report.restored_idle == ()
+        assert [ref.identity for ref in report.preserved_foreign] == [held.identity]
+        assert not spec.exists()
+        assert world.lifecycle.instances() == []
+
+    def test_a_cdi_spec_that_cannot_be_written_leaves_a_verified_instance_as_recovered(
+        self, cdi_world: World
+    ) -> None:
+        """The spec write comes after the record write in the same step; a failure there is reported
+        and changes nothing else (a reuse or the next Recover writes the spec again)."""
+        world = cdi_world
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        recovery = restart(world)
+        world.cdi.spec_path(held.devices[0].identity.mig_uuid).unlink()
+        proc_devices = world.cdi.proc_root / "devices"
+        kept = proc_devices.read_bytes()
+        proc_devices.unlink()  # the device majors cannot be read: no spec can be rendered
+
+        report = recovery.recover(active_of("pod-a", held))
+
+        assert world.states() == {record_name(world.uuid(0), Placement(0, 1)): State.ACTIVE}
+        assert [r.state for r in world.lifecycle.instances()] == [State.ACTIVE]
+        assert [ref.identity for ref in report.adopted_active] == [held.devices[0].identity]
+        assert any("CDI" in line for line in report.errors)
+        proc_devices.write_bytes(kept)
+        assert restart(world).recover(active_of("pod-a", held)).errors == ()
+        assert world.cdi_spec_is_current(0, held.devices[0].identity)
 
 
 def rename_the_legacy_way(world: World, gpu_index: int, gi_id: int) -> str:

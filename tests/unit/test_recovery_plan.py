@@ -861,6 +861,21 @@ class TestCdiSpecsFollowLiveOwnedInstances:
         p = plan(inputs(live_gpu(GPU1, live_gi(GPU1, 7, "1g.10gb", 0, 1, mig(1)), minor=3), records=[idle]))
         assert EnsureCdi(3, Identity(7, 0, mig(1))) in p.actions
 
+    def test_an_adopted_instance_gets_its_spec_in_its_own_step_after_its_record(self) -> None:
+        """A step stops at its first failure: a record that cannot be written publishes no spec, and
+        the report moves the instance to ``preserved_foreign``."""
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1))), adopt=True))
+        (step,) = p.steps
+        assert step.actions == (PutRecord(table(p)[name(GPU0, 0, 4)]), EnsureCdi(0, Identity(1, 0, mig(1))))
+        assert step.foreign_ref == p.report.adopted_foreign[0]
+
+    def test_a_restored_instance_gets_its_spec_in_its_own_step_after_its_record(self) -> None:
+        active = rec(GPU0, "1g.10gb", 0, 1, State.ACTIVE, 7, 0, mig(1), holder=owner("gone"))
+        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 7, "1g.10gb", 0, 1, mig(1))), records=[active]))
+        (step,) = p.steps
+        assert step.actions == (PutRecord(table(p)[active.name]), EnsureCdi(0, Identity(7, 0, mig(1))))
+        assert step.foreign_ref == p.report.restored_idle[0]
+
     def test_with_cdi_disabled_no_spec_is_ensured_and_records_carry_no_device_name(self) -> None:
         idle = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1), cdi=False)
         p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 7, "1g.10gb", 0, 1, mig(1))), records=[idle], cdi=False))
