@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sidecar_process import CALL_TIMEOUT_S, Sidecar
+from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, allocate_one
 
 pytestmark = pytest.mark.e2e
 
@@ -130,3 +130,16 @@ class TestGrpcurlExamples:
         assert '"released": [' in result.stdout
         status = run_shell("hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", workdir)
         assert re.search(r"^0\s+IDLE\s+3g\.40gb\s+4:4\s", status.stdout, re.MULTILINE), status.stdout
+
+
+class TestRecordsVerifyExample:
+    def test_the_records_verify_line_counts_live_simulated_records_valid_not_stale(
+        self, sidecar_factory: SidecarFactory, tmp_path: Path
+    ) -> None:
+        car = sidecar_factory(sim_gpus="h100-80gb:1")
+        car.recover()
+        allocate_one(car, "pod-1", 0, "1g.10gb", 0, 1)
+        (line,) = [c for c in commands(block_with("records verify")) if "records verify" in c]
+        result = run_shell(line, in_readme_dir(car, tmp_path))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "1 valid (0 stale), 0 corrupt" in result.stdout
