@@ -38,7 +38,10 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    ``CREATING`` record may own a CI it never recorded (a crash between making the CI and recording
    it); any other record without a CI ID stands for a bare GI, and a CI in that GI is someone else's
    (the rule ``Lifecycle``'s destroy applies too).
-   A record whose GI is gone (including after a reboot) is dropped with its CDI file. A record from
+   A record of this boot on a GPU NVML does not list is kept on disk untouched with its CDI file,
+   out of the table, and reported in ``errors``: the GPU may only be hidden and come back, and
+   nothing verifies its instance is gone (one of an earlier boot there is dropped as stale). A
+   record whose GI is gone (including after a reboot) is dropped with its CDI file. A record from
    an earlier boot (a non-empty boot ID that is not this one) is stale unless a live CI in the GI at
    its placement has exactly its MIG UUID: GI IDs are reused and placements repeat, so placement,
    profile and GI ID prove nothing across a reboot. A stale record is dropped with its CDI file and
@@ -522,11 +525,17 @@ class _Planner:
         for record in sorted(self.inputs.records, key=lambda r: r.name):
             if record.name in self.table:
                 continue  # adopted by an active allocation
+            earlier_boot = bool(record.boot_id) and record.boot_id != self.inputs.boot_id
+            if record.gpu_uuid not in self.gpus:
+                if earlier_boot:
+                    self.drop(record, "it is from an earlier boot and its GPU is not visible")
+                else:
+                    self.keep_unseen(record)
+                continue
             gi = self.gi_at(record.gpu_uuid, record.placement)
             if gi is None:
                 self.drop(record, "its GPU instance no longer exists")
                 continue
-            earlier_boot = bool(record.boot_id) and record.boot_id != self.inputs.boot_id
             if earlier_boot and not any(ci.mig_uuid == record.mig_uuid for ci in gi.compute_instances):
                 # GI IDs are reused and placements repeat: after a reboot a GI someone else made can
                 # match this record in everything but the MIG UUID, which only its own instance has.
@@ -614,6 +623,20 @@ class _Planner:
         actions = (*self.remove_cdi(record.mig_uuid), DeleteRecord(record.name))
         self.steps.append(Step(subject=f"drop {record.name}: {why}", actions=actions))
         self.dropped.append(record.name)
+
+    def keep_unseen(self, record: OwnershipRecord) -> None:
+        """A record of this boot on a GPU NVML does not list stays on disk as it is, with its CDI spec.
+
+        The GPU may be hidden only (a device filter, a reset in progress) and come back with the
+        instance: nothing verifies the instance is gone, so ownership is not given up. The record is
+        not in the table (nothing can use a GPU that is not there); the next Recover that sees the
+        GPU judges it as usual."""
+        if record.mig_uuid:
+            self.protected_cdi.add(record.mig_uuid)
+        self.errors.append(
+            f"GPU {record.gpu_uuid} is not visible; record kept: ownership record {record.name} "
+            f"({record.state}) and its CDI spec stay as they are until a Recover sees the GPU again"
+        )
 
     def keep_aside(self, record: OwnershipRecord, gi: LiveGpuInstance, why: str) -> None:
         self.claimed.add((record.gpu_uuid, gi.info.id))

@@ -23,6 +23,7 @@ from sidecar.domain import (
     State,
 )
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.nvml.simstate import SimGpu
 from sidecar.reconciler import Reconciler
 from sidecar.records import OwnershipRecord, record_name
 from sidecar.recovery import Recovery
@@ -490,6 +491,52 @@ class TestAnAdoptionOrRestoreWhoseRecordCannotBeWrittenPublishesNothing:
         proc_devices.write_bytes(kept)
         assert restart(world).recover(active_of("pod-a", held)).errors == ()
         assert world.cdi_spec_is_current(0, held.devices[0].identity)
+
+
+def unplug_the_last_gpu(world: World) -> SimGpu:
+    """NVML stops listing the last GPU (the others keep their indexes); ``plug_back`` returns it."""
+    with world.hw.store.transaction() as state:
+        return state.gpus.pop()
+
+
+def plug_back(world: World, gpu: SimGpu) -> None:
+    with world.hw.store.transaction() as state:
+        state.gpus.append(gpu)
+
+
+class TestRecordsOnAGpuNvmlNoLongerListsAreKept:
+    """A GPU missing from NVML's list may be hidden only and come back with its instances. Its
+    records were dropped with their CDI specs: ownership given up without verification, so the
+    instances came back foreign. Now they stay on disk untouched (out of the table), the report
+    says so, the other GPUs recover as usual, and the Recover that sees the GPU again restores them."""
+
+    def test_they_stay_with_their_cdi_specs_and_come_back_when_the_gpu_does(self, world: World) -> None:
+        hidden = world.allocate("pod-a", (2, "1g.5gb", 0, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        held = world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+        name = record_name(world.uuid(2), Placement(0, 1))
+        on_disk = world.records.path(name).read_bytes()
+        cdi_before = world.cdi_files()
+        recovery = restart(world)
+        gpu = unplug_the_last_gpu(world)
+
+        report = recovery.recover(active_of("pod-b", held))
+
+        assert world.records.path(name).read_bytes() == on_disk
+        assert world.cdi_files() == cdi_before
+        assert [r.gpu_uuid for r in world.lifecycle.instances()] == [world.uuid(0)]
+        assert [ref.identity for ref in report.adopted_active] == [held.devices[0].identity]
+        assert report.dropped_stale_records == report.restored_idle == ()
+        [line] = report.errors
+        assert f"GPU {world.uuid(2)} is not visible; record kept" in line
+
+        plug_back(world, gpu)
+        again = restart(world).recover(active_of("pod-b", held))
+
+        assert [ref.identity for ref in again.restored_idle] == [hidden.identity]
+        assert again.errors == ()
+        reused = world.allocate("pod-c", (2, "1g.5gb", 0, 1)).devices[0]
+        assert (reused.outcome, reused.identity) == (Outcome.REUSED, hidden.identity)
 
 
 def rename_the_legacy_way(world: World, gpu_index: int, gi_id: int) -> str:

@@ -465,17 +465,65 @@ class TestRecordsWhoseInstanceIsGoneAreDroppedWithTheirCdiFile:
         p = plan(inputs(live_gpu(GPU0), records=[idle], cdi_files=[mig(1)]))
         assert p.actions == (RemoveCdi(mig(1)), DeleteRecord(idle.name))
 
+    def test_a_record_on_a_gpu_with_mig_disabled_is_dropped(self) -> None:
+        """No GPU instance outlives MIG mode going off: the GPU is listed and its instance is gone."""
+        idle = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1))
+        p = plan(inputs(live_gpu(GPU0, mig_enabled=False), records=[idle], cdi_files=[mig(1)]))
+        assert deletes(p) == {idle.name}
+        assert removed_cdi(p) == {mig(1)}
+
+    def test_a_record_from_an_earlier_boot_on_a_gpu_nvml_does_not_list_is_dropped(self) -> None:
+        idle = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1), boot=OLD_BOOT)
+        p = plan(inputs(live_gpu(GPU1), records=[idle], cdi_files=[mig(1)]))
+        assert deletes(p) == {idle.name}
+        assert removed_cdi(p) == {mig(1)}
+        assert p.report.dropped_stale_records == (idle.name,)
+
+
+class TestRecordsOnAGpuNvmlDoesNotListAreKeptUntouched:
+    """A GPU NVML does not list may only be hidden (a device filter, a GPU being reset) and come
+    back with its instances: nothing verifies the instance is gone, so its record and CDI spec stay
+    on disk as they are, out of the table, and the report says so. The next Recover that sees the
+    GPU judges them as usual."""
+
     @pytest.mark.parametrize(
-        "hardware",
+        "record",
         [
-            pytest.param(live_gpu(GPU1), id="the GPU is gone"),
-            pytest.param(live_gpu(GPU0, mig_enabled=False), id="MIG is disabled"),
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1)), id="idle"),
+            pytest.param(
+                rec(GPU0, "1g.10gb", 0, 1, State.ACTIVE, 7, 0, mig(1), holder=owner("pod-a")), id="active"
+            ),
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 7, 0, mig(1)), id="error"),
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.DELETING, 7, 0, mig(1)), id="deleting"),
+            pytest.param(rec(GPU0, "1g.10gb", 0, 1, State.CREATING, 7), id="creating"),
         ],
     )
-    def test_a_record_on_a_gpu_without_gpu_instances_is_dropped(self, hardware: LiveGpu) -> None:
-        idle = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1))
-        p = plan(inputs(hardware, records=[idle]))
-        assert deletes(p) == {idle.name}
+    def test_the_record_and_its_cdi_spec_stay_and_the_report_says_so(self, record: OwnershipRecord) -> None:
+        spec = [record.mig_uuid] if record.mig_uuid else []
+        p = plan(inputs(live_gpu(GPU1), records=[record], cdi_files=spec, adopt=True))
+        assert p.actions == ()
+        assert table(p) == {}
+        assert p.report.dropped_stale_records == ()
+        assert p.report.restored_idle == p.report.preserved_foreign == ()
+        [line] = p.report.errors
+        assert f"GPU {GPU0} is not visible; record kept" in line
+        assert record.name in line
+
+    def test_the_other_gpus_recover_as_usual(self) -> None:
+        hidden = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1))
+        seen = rec(GPU1, "1g.10gb", 0, 1, State.ACTIVE, 7, 0, mig(2), holder=owner("gone"))
+        p = plan(
+            inputs(
+                live_gpu(GPU1, live_gi(GPU1, 7, "1g.10gb", 0, 1, mig(2)), minor=1),
+                records=[hidden, seen],
+                cdi_files=[mig(1), mig(2), mig(3)],
+            )
+        )
+        assert table(p)[seen.name].state is State.IDLE
+        assert hidden.name not in table(p)
+        assert deletes(p) == set()
+        assert removed_cdi(p) == {mig(3)}  # a stray; the hidden instance's spec stays
+        assert ensured_cdi(p) == {mig(2)}
 
     def test_after_a_reboot_a_record_whose_placement_holds_another_instance_is_dropped(self) -> None:
         old = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 7, 0, mig(1), boot=OLD_BOOT)
