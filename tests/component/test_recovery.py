@@ -76,10 +76,20 @@ class TestOwnedInstancesSurviveARestart:
         assert world.allocate("pod-b", (0, "1g.10gb", 1, 1)).devices[0].outcome is Outcome.CREATED
 
     def test_the_generation_never_goes_backwards_across_a_restart(self, world: World) -> None:
+        """The highest generation handed out lives in no record: pod-b's release took it, and a
+        failed create reclaimed pod-b's instance with its record. Only the durable ceiling has it."""
         a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
-        world.allocate("pod-b", (0, "1g.10gb", 1, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 2, 1))
+        world.lifecycle.release("pod-b")
+        world.hw.inject_fault("nvmlDeviceCreateGpuInstanceWithPlacement", NVML_ERROR_UNKNOWN)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-c", (0, "2g.20gb", 2, 2))  # reclaims pod-b's instance, then fails
         generation = world.lifecycle.generation
+        [left] = world.record_files().values()
+        assert max(left.activated_generation, left.idled_generation) < generation
+
         restart(world).recover(active_of("pod-a", a))
+
         assert world.lifecycle.generation >= generation
 
     def test_recovering_twice_gives_the_same_table_and_destroys_nothing_the_second_time(
