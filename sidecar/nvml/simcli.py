@@ -74,9 +74,11 @@ def _guarded(fn: Handler) -> Handler:
 
 def _init(args: argparse.Namespace) -> int:
     path = _state_file(args)
-    hw = SimulatedHardware.init_file(
-        path, profiles.parse_gpus(args.gpus), mig_enabled=not args.mig_disabled, overwrite=args.force
-    )
+    try:
+        gpus = profiles.parse_gpus(args.gpus)
+    except ValueError as exc:
+        raise _UsageError(f"--gpus: {exc}") from exc  # a bad value of a flag, as serve's --sim-gpus
+    hw = SimulatedHardware.init_file(path, gpus, mig_enabled=not args.mig_disabled, overwrite=args.force)
     n = len(hw.layouts())
     sys.stdout.write(f"initialised {n} simulated GPU(s) in {path} (boot id {hw.boot_id})\n")
     return EXIT_OK

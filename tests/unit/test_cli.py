@@ -71,7 +71,7 @@ class TestUsage:
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
         hardware = tmp_path / "hw.json"
-        assert cli.main(["sim", "--sim-state", str(hardware), "init", "--gpus", "h999:1"]) != 0
+        assert cli.main(["sim", "--sim-state", str(hardware), "init", "--gpus", "h999:1"]) == 2
         err = capsys.readouterr().err
         assert "unknown GPU model 'h999'; known: " in err
         assert "h100-80gb" in err
