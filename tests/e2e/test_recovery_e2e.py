@@ -80,12 +80,26 @@ class TestOwnedInstancesSurviveKill9:
         assert (again.outcome, again.mig_uuid) == (pb.REUSED, c.mig_uuid)
 
     def test_recover_can_be_called_again_and_reports_the_same(self, sidecar: Sidecar) -> None:
+        """The startup Recover after a kill -9 does the work; the same call repeated changes nothing."""
         sidecar.recover()
         a = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1)
-        first = sidecar.recover([annotation("pod-a", a)])
-        second = sidecar.recover([annotation("pod-a", a)])
+        b = allocate_one(sidecar, "pod-b", 1, "2g.20gb", 2, 2)
+        sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=30)
+        sidecar.sim("create", "--gpu", "2", "--profile", "1g.5gb", "--placement", "0:1")  # foreign
+        sidecar.kill9()
+        sidecar.start()
+        listed = [annotation("pod-a", a)]
+
+        first = sidecar.recover(listed)
+        after_first = layouts(sidecar), files(sidecar)
+        second = sidecar.recover(listed)
+
+        assert (layouts(sidecar), files(sidecar)) == after_first
         assert second == first
-        assert instances(sidecar)[a.mig_uuid].state == pb.ACTIVE
+        assert [r.mig_uuid for r in first.adopted_active] == [a.mig_uuid]
+        assert [r.mig_uuid for r in first.restored_idle] == [b.mig_uuid]
+        assert len(first.preserved_foreign) == 1
+        assert states(sidecar) == {a.mig_uuid: pb.ACTIVE, b.mig_uuid: pb.IDLE}
 
 
 class TestForeignInstances:
