@@ -369,23 +369,28 @@ func (c *Client) withRecovery(ctx context.Context, op string, timeout time.Durat
 	if !IsReason(err, ReasonNotRecovered) {
 		return err
 	}
-	if rerr := c.recoverFor(ctx, op, err); rerr != nil {
+	if rerr := c.recoverFor(ctx, op, timeout, err); rerr != nil {
 		return rerr
 	}
 	return c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
 }
 
-// recoverFor runs Recover on behalf of op, within ctx. Only one Recover runs at a time; callers
-// that waited for it find the sidecar recovered and skip their own. A caller waits only as long
-// as ctx allows: one whose context ends first says it was waiting for that recovery rather
-// than blaming the sidecar (recoveryWaitError).
+// recoverFor runs Recover on behalf of op, within ctx, whose deadline is timeout long. Only one
+// Recover runs at a time; callers that waited for it find the sidecar recovered and skip their
+// own. A caller waits only as long as ctx allows: one whose context ends first says it was
+// waiting for that recovery rather than blaming the sidecar (recoveryWaitError).
 //
 // The pod list is fenced like a release: GetInfo before it and again after it. If the sidecar
 // restarted or its generation moved in between, the list may miss allocations made meanwhile,
-// so it is thrown away and the recovery starts over; if someone else recovered the sidecar
-// meanwhile, nothing is sent. Recover itself is not repeated with the same list: an UNAVAILABLE
-// answer (a restart during Recover) also starts over with a fresh list.
-func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
+// so it is thrown away and the recovery starts over at once; after recoverTries such passes it
+// fails with RECOVERY_FAILED. If someone else recovered the sidecar meanwhile, nothing is sent.
+//
+// Recover answered UNAVAILABLE (NVML_ERROR or STATE_WRITE_FAILED while the sidecar gathers or
+// records, or a connection lost to a restart) may succeed later, as the contract says. It is
+// never repeated with the same list: after a backoff the recovery starts over with a fresh one,
+// until ctx ends (or MaxAttempts Recover calls were made). The error then keeps the sidecar's
+// last answer, as finalError does for any call, so "NVML_ERROR after 60s" reaches the plugin.
+func (c *Client) recoverFor(ctx context.Context, op string, timeout time.Duration, cause error) error {
 	if c.opts.ListActive == nil {
 		return &Error{
 			Op: op, Code: codes.FailedPrecondition, Reason: ReasonNotRecovered, Attempts: 1, cause: cause,
@@ -398,17 +403,35 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 		return recoveryWaitError(ctx, op, cause)
 	}
 	defer func() { <-c.recovering }()
-	var lastErr error
-	for range recoverTries {
+	rop := "Recover (needed by " + op + ")"
+	var (
+		spoiled  error  // why the last pod list was thrown away
+		passes   int    // pod lists thrown away
+		attempts int    // Recover calls made
+		lastE    *Error // Recover's last UNAVAILABLE answer
+		last     *Error // the last of them that carried a reason
+	)
+	// gaveUp is the error of a step that failed: once Recover has answered UNAVAILABLE, a step
+	// that failed because ctx ended reports that answer with the deadline, not the step.
+	gaveUp := func(err error) error {
+		if lastE == nil || ctx.Err() == nil {
+			return err
+		}
+		return c.finalError(ctx, rop, timeout, lastE, attempts, last)
+	}
+	for passes < recoverTries {
 		before, err := c.getInfo(ctx)
 		if err != nil {
-			return err
+			return gaveUp(err)
 		}
 		if before.Recovered {
 			return nil
 		}
 		active, err := c.opts.ListActive(ctx)
 		if err != nil {
+			if lastE != nil && ctx.Err() != nil {
+				return gaveUp(err)
+			}
 			// Never a partial list: the sidecar would take a missing allocation for a released one.
 			return &Error{
 				Op: op, Code: codes.FailedPrecondition, Reason: ReasonPodListFailed, Attempts: 1, cause: err,
@@ -417,18 +440,20 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 		}
 		after, err := c.getInfo(ctx)
 		if err != nil {
-			return err
+			return gaveUp(err)
 		}
 		if after.Recovered {
 			return nil
 		}
 		if after.incarnation() != before.incarnation() || after.Generation != before.Generation {
-			lastErr = fmt.Errorf("the sidecar restarted or handed out generations while the pod list was taken "+
+			spoiled = fmt.Errorf("the sidecar restarted or handed out generations while the pod list was taken "+
 				"(boot %s generation %d -> boot %s generation %d)", before.BootID, before.Generation, after.BootID, after.Generation)
+			passes++
 			continue
 		}
 		req := &pb.RecoverRequest{Active: active}
-		err = c.call(ctx, "Recover (needed by "+op+")", c.opts.CallTimeout, func(ctx context.Context) error {
+		attempts++
+		err = c.call(ctx, rop, c.opts.CallTimeout, func(ctx context.Context) error {
 			_, err := c.rpc.Recover(ctx, req)
 			if CodeOf(err) == codes.Unavailable {
 				// Do not repeat this list on whatever answers next: start over instead.
@@ -438,14 +463,27 @@ func (c *Client) recoverFor(ctx context.Context, op string, cause error) error {
 		})
 		var stop *stopRetry
 		if !errors.As(err, &stop) {
-			return err
+			return gaveUp(err) // nil once recovered
 		}
-		lastErr = stop.err
+		lastE = fromRPC(rop, stop.err, attempts)
+		if lastE.Reason != "" {
+			last = lastE
+		}
+		if c.opts.MaxAttempts > 0 && attempts >= c.opts.MaxAttempts {
+			return c.finalError(ctx, rop, timeout, lastE, attempts, last)
+		}
+		t := time.NewTimer(c.delay(attempts))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return c.finalError(ctx, rop, timeout, lastE, attempts, last)
+		case <-t.C:
+		}
 	}
 	return &Error{
-		Op: op, Code: codes.Unavailable, Reason: ReasonRecoveryFailed, Attempts: recoverTries, cause: lastErr,
-		Message: fmt.Sprintf("the sidecar could not be recovered in %d tries, nothing was sent with a stale pod list: %v",
-			recoverTries, lastErr),
+		Op: op, Code: codes.Unavailable, Reason: ReasonRecoveryFailed, Attempts: recoverTries, cause: spoiled,
+		Message: fmt.Sprintf("the sidecar could not be recovered: it restarted or handed out generations during each of %d pod lists, "+
+			"and no Recover was sent with a list that could be stale: %v", recoverTries, spoiled),
 	}
 }
 
@@ -565,7 +603,7 @@ func (c *Client) GetInfo(ctx context.Context) (Info, error) {
 func (c *Client) recoverWithin(ctx context.Context, op string, cause error) error {
 	ctx, cancel := context.WithTimeout(ctx, c.opts.CallTimeout)
 	defer cancel()
-	return c.recoverFor(ctx, op, cause)
+	return c.recoverFor(ctx, op, c.opts.CallTimeout, cause)
 }
 
 // EnsureRecovered is what the plugin calls at startup before serving kubelet: it returns once

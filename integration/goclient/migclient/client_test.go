@@ -1102,3 +1102,125 @@ func TestReleaseByPodListReleasesNothingWhenTheSidecarRestartsDuringEveryList(t 
 		t.Fatalf("SyncActive sent with a fence from another run: %v", r.syncs)
 	}
 }
+
+// Recover answered UNAVAILABLE (an NVML error while the sidecar gathers the layout, a failed
+// record write, a restart during the call) may succeed later: it is repeated with backoff and a
+// fresh pod list until the call's deadline, not given up after a few quick tries.
+
+// expireAfterRecovers returns a dial option that ends ctx once the n-th Recover has been
+// answered, and waits until the call's own context has seen it, so the client finds the deadline
+// passed at a known point of the call.
+func expireAfterRecovers(n int, ctx *expiring) grpc.DialOption {
+	var mu sync.Mutex
+	answered := 0
+	return grpc.WithChainUnaryInterceptor(func(rctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
+		invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
+	) error {
+		err := invoker(rctx, method, req, reply, cc, opts...)
+		if method != pb.MigSidecar_Recover_FullMethodName {
+			return err
+		}
+		mu.Lock()
+		answered++
+		last := answered == n
+		mu.Unlock()
+		if last {
+			ctx.expire()
+			<-rctx.Done()
+		}
+		return err
+	})
+}
+
+func TestARecoverAnsweredUnavailableIsRepeatedWithAFreshListUntilItSucceeds(t *testing.T) {
+	opts := fastOptions()
+	opts.MaxAttempts = 0
+	opts.AllocateTimeout = time.Minute
+	lists := 0
+	opts.ListActive = func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		return annotated, nil
+	}
+	r, c := started(t, opts)
+	r.restart()
+	r.recoverErrs = []error{
+		sidecarError(codes.Unavailable, ReasonNvmlError, map[string]string{"operation": "get_gpu_instances"}),
+		sidecarError(codes.Unavailable, ReasonStateWriteFailed, nil),
+		status.Error(codes.Unavailable, "connection reset"),
+		sidecarError(codes.Unavailable, ReasonNvmlError, nil),
+	}
+	if _, err := c.Allocate(context.Background(), oneDevice); err != nil {
+		t.Fatalf("Allocate gave up on a recovery that succeeds within its deadline: %v", err)
+	}
+	if len(r.recovers) != 5 || lists != 5 {
+		t.Fatalf("%d Recover calls and %d pod lists, want 5 and 5 (a fresh list for each)", len(r.recovers), lists)
+	}
+	for _, req := range r.recovers {
+		if len(req.GetActive()) != 1 || !proto.Equal(req.GetActive()[0], annotated[0]) {
+			t.Fatalf("Recover not sent with the active list: %v", req)
+		}
+	}
+	if r.allocatesOf(oneDevice.Pod.UID) != 2 {
+		t.Fatalf("sidecar saw %d Allocate calls, want 2 (refused, then repeated once)", r.allocatesOf(oneDevice.Pod.UID))
+	}
+}
+
+func TestARecoverUnavailableUntilTheDeadlineReportsTheSidecarsLastReason(t *testing.T) {
+	ctx := newExpiring()
+	opts := fastOptions()
+	opts.MaxAttempts = 0
+	opts.AllocateTimeout = time.Minute
+	opts.ListActive = activeList(annotated, nil)
+	opts.DialOptions = []grpc.DialOption{expireAfterRecovers(3, ctx)}
+	r, c := started(t, opts)
+	r.restart()
+	r.recoverErr = sidecarError(codes.Unavailable, ReasonNvmlError, map[string]string{"gpu_uuid": "GPU-a"})
+	_, err := c.Allocate(ctx, oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Code != codes.Unavailable || e.Reason != ReasonNvmlError || e.Metadata["gpu_uuid"] != "GPU-a" {
+		t.Fatalf("want the sidecar's UNAVAILABLE NVML_ERROR naming the GPU, got %v", err)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || e.Attempts != 3 {
+		t.Fatalf("the error does not say the deadline ended 3 Recover attempts: %v", err)
+	}
+	if len(r.recovers) != 3 || r.allocatesOf(oneDevice.Pod.UID) != 1 {
+		t.Fatalf("%d Recover and %d Allocate calls, want 3 and 1 (not repeated unrecovered)",
+			len(r.recovers), r.allocatesOf(oneDevice.Pod.UID))
+	}
+}
+
+func TestMaxAttemptsAlsoCapsTheRecoverCallsOfOneRecovery(t *testing.T) {
+	opts := fastOptions()
+	opts.MaxAttempts = 2
+	opts.ListActive = activeList(annotated, nil)
+	r, c := started(t, opts)
+	r.restart()
+	r.recoverErr = sidecarError(codes.Unavailable, ReasonStateWriteFailed, map[string]string{"file": "x.json"})
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Code != codes.Unavailable || e.Reason != ReasonStateWriteFailed || e.Metadata["file"] != "x.json" {
+		t.Fatalf("want the sidecar's UNAVAILABLE STATE_WRITE_FAILED, got %v", err)
+	}
+	if len(r.recovers) != 2 || e.Attempts != 2 || errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("%d Recover calls, error %v; want 2 attempts and no deadline", len(r.recovers), err)
+	}
+}
+
+func TestARecoveryWhosePodListIsSpoiledByARestartEveryTimeFailsWithoutSendingIt(t *testing.T) {
+	opts := fastOptions()
+	r, c := started(t, opts)
+	lists := 0
+	c.opts.ListActive = func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		r.restart()
+		return annotated, nil
+	}
+	r.restart()
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if !IsReason(err, ReasonRecoveryFailed) || CodeOf(err) != codes.Unavailable {
+		t.Fatalf("want RECOVERY_FAILED, got %v", err)
+	}
+	if len(r.recovers) != 0 || lists != recoverTries {
+		t.Fatalf("%d Recover calls and %d lists, want 0 and %d", len(r.recovers), lists, recoverTries)
+	}
+}

@@ -60,10 +60,14 @@
 // (CANCELLED if its caller cancelled it). The pod list for Recover is fenced like a release:
 // GetInfo before and after it, and if the sidecar restarted or handed out generations in
 // between, the list is discarded and taken again; if another client recovered the sidecar
-// meanwhile, nothing is sent. A failed pod list is never sent, whatever part of it was read
-// (POD_LIST_FAILED). ReleaseByPodList reads GetInfo again after its pod list too and starts over
-// when the sidecar restarted, so a generation is only ever sent to the process that handed it
-// out.
+// meanwhile, nothing is sent. After three lists spoiled that way the call fails with
+// RECOVERY_FAILED. A Recover answered UNAVAILABLE (an NVML error while the sidecar reads the
+// layout, a failed record write, a restart during the call) may succeed later: it is repeated,
+// with backoff and a fresh pod list each time, until the call's deadline (or MaxAttempts Recover
+// calls); the error then keeps the sidecar's last reason, as above. A failed pod list is never
+// sent, whatever part of it was read (POD_LIST_FAILED). ReleaseByPodList reads GetInfo again
+// after its pod list too and starts over when the sidecar restarted, so a generation is only
+// ever sent to the process that handed it out.
 //
 // # Backend
 //

@@ -35,10 +35,12 @@ const (
 	// ReasonInvalidResponse: the sidecar answered, but the answer does not cover the request
 	// exactly (a device missing, an identity incomplete). The client refuses partial success.
 	ReasonInvalidResponse = "INVALID_RESPONSE"
-	// ReasonRecoveryFailed: the sidecar needed Recover, and every try was spoiled by a restart
-	// (or moved generation) while the pod list was taken, or by a restart during Recover; no
-	// Recover was sent with a list that could be stale, and the original call was not retried.
-	// A Recover the sidecar refused keeps the sidecar's reason (e.g. UNVERIFIABLE_STATE).
+	// ReasonRecoveryFailed: the sidecar needed Recover, and each pod list taken for it was
+	// spoiled by a restart (or a moved generation) while it was taken; no Recover was sent with a
+	// list that could be stale, and the original call was not retried. A Recover the sidecar
+	// refused keeps the sidecar's reason (e.g. UNVERIFIABLE_STATE); one it answered UNAVAILABLE
+	// until the deadline or MaxAttempts ended the recovery keeps its last reason (e.g.
+	// NVML_ERROR), as any call does.
 	ReasonRecoveryFailed = "RECOVERY_FAILED"
 	// ReasonSidecarRestarted: ReleaseByPodList gave up because the sidecar restarted during
 	// each of its passes; nothing was released, the next pass tries again.
