@@ -771,20 +771,41 @@ func (c *Client) SyncActive(ctx context.Context, generation uint64, active []*pb
 // ACTIVE even though the list does not show it yet. A failed list sends nothing.
 //
 // A generation belongs to one sidecar process. GetInfo is read again after the list: if the
-// sidecar restarted (or has not recovered) meanwhile, the pass starts over with a fresh
-// generation and a fresh list instead of sending a fence from another run; so does a
-// SyncActive answered NOT_RECOVERED (after recovering the sidecar). After recoverTries such
-// starts the pass fails with SIDECAR_RESTARTED and released nothing; the next pass retries.
+// sidecar restarted meanwhile (its boot id or start time changed), the pass starts over with a
+// fresh generation and a fresh list instead of sending a fence from another run; so does a
+// SyncActive answered NOT_RECOVERED (after recovering the sidecar), and a sidecar that restarted
+// again right after the first GetInfo recovered it (no list is taken then). After recoverTries
+// such restarts the pass fails with SIDECAR_RESTARTED and released nothing; the next pass
+// retries. A sidecar that has not recovered, with no ListActive callback to recover it, fails
+// the pass at once with NOT_RECOVERED before any pod list is taken.
 func (c *Client) ReleaseByPodList(ctx context.Context, listActive ListActiveFunc) (SyncResult, error) {
 	const op = "ReleaseByPodList"
 	if listActive == nil {
 		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback", nil)
+	}
+	notRecovered := func(info Info, why string) error {
+		return &Error{
+			Op: op, Code: codes.FailedPrecondition, Reason: ReasonNotRecovered, Attempts: 1,
+			Message: fmt.Sprintf("nothing released: the sidecar (boot %s started %s) has not recovered, %s",
+				info.BootID, info.StartedAt.Format(time.RFC3339Nano), why),
+		}
 	}
 	var lastErr error
 	for range recoverTries {
 		before, err := c.GetInfo(ctx)
 		if err != nil {
 			return SyncResult{}, err
+		}
+		if !before.Recovered {
+			if c.opts.ListActive == nil {
+				return SyncResult{}, notRecovered(before, "and this client has no ListActive callback to recover it; no pod list was taken")
+			}
+			// GetInfo recovered the sidecar, and it restarted again before GetInfo read it back
+			// (recover succeeded, so this is another process): start over and recover it again
+			// rather than take a list that SyncActive would refuse.
+			lastErr = fmt.Errorf("the sidecar restarted again right after its recovery (now boot %s started %s)",
+				before.BootID, before.StartedAt.Format(time.RFC3339Nano))
+			continue
 		}
 		active, err := listActive(ctx)
 		if err != nil {
@@ -797,10 +818,15 @@ func (c *Client) ReleaseByPodList(ctx context.Context, listActive ListActiveFunc
 		if err != nil {
 			return SyncResult{}, err
 		}
-		if after.incarnation() != before.incarnation() || !after.Recovered {
+		if after.incarnation() != before.incarnation() {
 			lastErr = fmt.Errorf("the sidecar restarted while the pod list was taken (boot %s started %s -> boot %s started %s, recovered=%t)",
 				before.BootID, before.StartedAt.Format(time.RFC3339Nano), after.BootID, after.StartedAt.Format(time.RFC3339Nano), after.Recovered)
 			continue
+		}
+		if !after.Recovered {
+			// The same process no longer says it recovered: a sidecar that contradicts itself
+			// gets nothing.
+			return SyncResult{}, notRecovered(after, "although it had before the pod list was taken; the list was not sent")
 		}
 		res, err := c.SyncActive(ctx, before.Generation, active)
 		if IsReason(err, ReasonNotRecovered) && c.opts.ListActive != nil {

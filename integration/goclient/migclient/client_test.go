@@ -1224,3 +1224,62 @@ func TestARecoveryWhosePodListIsSpoiledByARestartEveryTimeFailsWithoutSendingIt(
 		t.Fatalf("%d Recover calls and %d lists, want 0 and %d", len(r.recovers), lists, recoverTries)
 	}
 }
+
+// ReleaseByPodList on a sidecar that has not recovered: only a real restart starts a pass over.
+
+func TestReleaseByPodListWithoutAListCallbackFailsClosedOnAnUnrecoveredSidecar(t *testing.T) {
+	r, c := started(t, fastOptions()) // no ListActive: nothing can recover the sidecar
+	r.restart()
+	lists := 0
+	_, err := c.ReleaseByPodList(context.Background(), func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		return annotated, nil
+	})
+	if !IsReason(err, ReasonNotRecovered) || CodeOf(err) != codes.FailedPrecondition {
+		t.Fatalf("want FAILED_PRECONDITION NOT_RECOVERED, got %v", err)
+	}
+	if lists != 0 || len(r.syncs) != 0 || len(r.recovers) != 0 {
+		t.Fatalf("%d pod lists, %d SyncActive, %d Recover for a sidecar nobody can recover; want none", lists, len(r.syncs), len(r.recovers))
+	}
+}
+
+// restartAfterRecover returns a dial option that restarts the double once, right after its first
+// Recover has been answered: the sidecar is gone again before the caller can use the recovery.
+func restartAfterRecover(r *remote) grpc.DialOption {
+	var once sync.Once
+	return grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
+		invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
+	) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if method == pb.MigSidecar_Recover_FullMethodName && err == nil {
+			once.Do(r.restart)
+		}
+		return err
+	})
+}
+
+func TestReleaseByPodListTakesNoListWhileTheSidecarHasRestartedAgainSinceItsRecovery(t *testing.T) {
+	opts := fastOptions()
+	opts.ListActive = activeList(annotated, nil)
+	r := newRemote()
+	opts.DialOptions = []grpc.DialOption{restartAfterRecover(r)}
+	socket := filepath.Join(t.TempDir(), "sidecar.sock")
+	serve(t, socket, r)
+	c := connect(t, socket, opts)
+	r.restart()
+	r.restartGeneration = 4
+	lists := 0
+	res, err := c.ReleaseByPodList(context.Background(), func(context.Context) ([]*pb.ActiveAllocation, error) {
+		lists++
+		return annotated, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lists != 1 || len(r.recovers) != 2 {
+		t.Fatalf("%d pod lists and %d Recover calls, want 1 and 2 (no list taken from the restarted sidecar)", lists, len(r.recovers))
+	}
+	if len(r.syncs) != 1 || r.syncs[0].GetGeneration() != 4 || res.Generation != 4 {
+		t.Fatalf("SyncActive must carry the last run's generation 4: %v", r.syncs)
+	}
+}

@@ -66,8 +66,10 @@
 // with backoff and a fresh pod list each time, until the call's deadline (or MaxAttempts Recover
 // calls); the error then keeps the sidecar's last reason, as above. A failed pod list is never
 // sent, whatever part of it was read (POD_LIST_FAILED). ReleaseByPodList reads GetInfo again
-// after its pod list too and starts over when the sidecar restarted, so a generation is only
-// ever sent to the process that handed it out.
+// after its pod list too and starts over when the sidecar restarted (its boot id or start time
+// changed), so a generation is only ever sent to the process that handed it out. Without
+// ListActive nothing can recover the sidecar: ReleaseByPodList, like every mutating call, then
+// fails with NOT_RECOVERED, before any pod list is taken.
 //
 // # Backend
 //
