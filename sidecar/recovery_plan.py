@@ -21,9 +21,12 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    instance, or one key naming two reservations -> ``UnverifiableState``. In a Recover repeated once
    the sidecar has recovered, the table is newer than the pod list: an instance ACTIVE for another key
    now (released and reused since the list was taken) stays with that key, a key that holds another
-   instance now is not given a second one, and an instance IDLE now stays IDLE (released since the
+   instance now is not given a second one, an instance IDLE now stays IDLE (released since the
    list was taken, as far as a Recover without a generation can tell; SyncActive, which is fenced,
-   reactivates it for a pod that still holds it); each is reported in ``errors``.
+   reactivates it for a pod that still holds it), and an instance ERROR now (its destroy failed)
+   stays ERROR, never reused, unless its record's owner is the listed allocation (recovery's own
+   adoption of that pod, whose record could not be written); each is reported in ``errors``, and the
+   MIG UUIDs so refused do not guard ERROR instances from the reconciler.
 2. A valid record is matched against the live GI at *exactly* its placement. ``IDLE``/``ACTIVE`` records
    whose GI and CI verify are restored ``IDLE`` - except ``ACTIVE`` ones in a Recover repeated once
    the sidecar has recovered: those stay ``ACTIVE``. One that goes IDLE here (or is adopted IDLE by
@@ -220,7 +223,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     generation: int
     generation_ceiling: int = 0  # carried from ``Inputs``: apply raises it before any activation
     # MIG UUIDs the active allocations name: the plugin's view of what live pods hold, which guards
-    # ERROR instances from the reconciler until the first SyncActive brings a fresher view.
+    # ERROR instances from the reconciler until the first SyncActive brings a fresher view. A repeated
+    # Recover leaves out those it refused to the listed pod (the table knows it does not hold them).
     referenced_mig_uuids: frozenset[str] = frozenset()
 
     @property
@@ -281,6 +285,8 @@ class _Planner:
         self.removed_orphans: list[InstanceRef] = []
         self.dropped: list[str] = []
         self.errors: list[str] = []
+        # MIG UUIDs of listed allocations a repeated Recover did not give to the listed pod.
+        self.refused: set[str] = set()
         self.generation = max(
             [
                 inputs.generation,
@@ -367,9 +373,11 @@ class _Planner:
             ci = gi.compute_instances[0]
             name = record_name(gpu_uuid, alloc.reservation.placement)
             if self.inputs.recovered and (
-                self.held_by_another_key(alloc, existing.get(name), name)
+                self.stays_error(alloc, existing.get(name))
+                or self.held_by_another_key(alloc, existing.get(name), name)
                 or self.stays_idle(alloc, existing.get(name))
             ):
+                self.refused.add(alloc.identity.mig_uuid)
                 continue
             self.claimed.add((gpu_uuid, gi_id))
             if name in corrupt_names:
@@ -464,6 +472,31 @@ class _Planner:
         self.errors.append(
             f"allocation {alloc.key} names the instance {where}, but {alloc.key} holds {other.mig_uuid} at "
             f"{other.placement} now; one key never holds two instances, so it is not activated for it"
+        )
+        return True
+
+    def stays_error(self, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+        """True (and an error line) when a repeated Recover names an instance that is ERROR now.
+
+        ERROR is an instance whose destroy failed (a reclaim of an IDLE instance, an undo): the spec
+        keeps it ERROR, never reuses it, and the reconciler retries the destroy. The pod list of a
+        repeated Recover may predate the release after which it was reclaimed; adopting it ACTIVE
+        would stop those retries, and once a SyncActive idled it an Allocate would reuse an instance
+        whose destroy failed. So it stays ERROR (rule 2 keeps it) - unless its owner is the listed
+        allocation's: then it is recovery's own adoption of that pod whose record could not be
+        written (apply records the failed step ERROR with the allocation as owner), and the pod
+        really holds it. A refused MIG UUID is left out of the plan's referenced ones, so the
+        reconciler keeps retrying the destroy."""
+        if old is None or old.state is not State.ERROR or old.owner == alloc.owner:
+            return False
+        assert alloc.identity is not None
+        res = alloc.reservation
+        holder = f"it was {old.owner.key}'s" if old.owner is not None else "it had no owner"
+        self.errors.append(
+            f"allocation {alloc.key} names the ERROR instance {alloc.identity.mig_uuid} at {res.placement} "
+            f"on {res.gpu_uuid} (record {old.name}, {holder}); a repeated Recover never adopts an "
+            "instance whose destroy failed for another owner, since its pod list may predate the "
+            "release: it stays ERROR, is never reused, and the reconciler retries its destroy"
         )
         return True
 
@@ -885,7 +918,8 @@ class _Planner:
             generation_ceiling=self.inputs.generation_ceiling,
             referenced_mig_uuids=frozenset(
                 a.identity.mig_uuid for a in self.inputs.active if a.identity is not None
-            ),
+            )
+            - self.refused,
         )
 
 

@@ -130,6 +130,69 @@ class TestARepeatedRecoverNeverReownsAnInstanceAnotherPodHoldsNow:
         assert report.errors == ()
 
 
+class TestARepeatedRecoverNeverAdoptsAnInstanceWhoseDestroyFailed:
+    """The spec keeps an instance that cannot be destroyed in ERROR and never reuses it. A repeated
+    Recover whose pod list predates the release of an instance whose reclaim then failed adopted it
+    ACTIVE for the gone pod: the reconciler stopped retrying it, a later SyncActive idled it, and the
+    next Allocate reused an instance whose destroy had failed. Now it stays ERROR, the report says
+    why, and the reconciler keeps retrying it."""
+
+    FOREVER = 1000
+
+    def reclaim_fails(self, world: World) -> tuple[list[ActiveAllocation], str]:
+        """pod-a's instance, released; a reclaim of it for pod-b fails to destroy it. Returns the pod
+        list taken before the release, and the record name of the instance, now ERROR."""
+        first = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        old_pod_list = active_of("pod-a", first)
+        world.lifecycle.release("pod-a")
+        world.hw.inject_fault("nvmlComputeInstanceDestroy", NVML_ERROR_UNKNOWN, times=self.FOREVER)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-b", (0, "2g.20gb", 0, 2))
+        [name] = world.record_files()
+        assert world.states() == {name: State.ERROR}
+        return old_pod_list, name
+
+    def test_it_stays_error_unchanged_and_the_report_says_why(self, world: World) -> None:
+        old_pod_list, name = self.reclaim_fails(world)
+        before = world.everything()
+
+        report = recovery_of(world).recover(old_pod_list)
+
+        assert world.everything() == before
+        assert world.states() == {name: State.ERROR}
+        assert [r.state for r in world.lifecycle.instances()] == [State.ERROR]
+        assert report.adopted_active == report.restored_idle == ()
+        [line] = report.errors
+        assert str(old_pod_list[0].key) in line
+        assert old_pod_list[0].identity is not None
+        assert old_pod_list[0].identity.mig_uuid in line
+        assert "ERROR" in line
+
+    def test_no_sync_active_or_allocate_afterwards_reuses_it(self, world: World) -> None:
+        old_pod_list, name = self.reclaim_fails(world)
+        recovery_of(world).recover(old_pod_list)
+
+        world.lifecycle.sync_active(world.lifecycle.generation, [])
+
+        assert world.states() == {name: State.ERROR}
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-c", (0, "1g.10gb", 0, 1))
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "2g.20gb", 0, 2))
+
+    def test_the_reconciler_keeps_retrying_it_and_destroys_it_once_nvml_recovers(self, world: World) -> None:
+        """The old list's MIG UUID does not guard it: the table knows that pod released it."""
+        old_pod_list, _ = self.reclaim_fails(world)
+        recovery_of(world).recover(old_pod_list)
+        world.hw.clear_faults()
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.everything() == (set(), {}, set())
+        created = world.allocate("pod-b", (0, "2g.20gb", 0, 2)).devices[0]
+        assert created.outcome is Outcome.CREATED
+
+
 class TestRecoverIsIdempotent:
     """Pinned: two Recovers in a row (the second one repeated while serving) give the same table and
     files, report the same instances, and the second one drops and removes nothing."""

@@ -299,6 +299,55 @@ class TestActiveAllocationsAreAdoptedOnlyWhenTheyMatchTheHardwareExactly:
         assert str(listed.key) in line
         assert mig(2) in line
 
+    @pytest.mark.parametrize("holder", [None, owner("pod-a")], ids=["released", "another pod's"])
+    def test_in_a_repeated_recover_an_error_record_named_by_an_allocation_stays_error(
+        self, holder: Owner | None
+    ) -> None:
+        """Its destroy failed: never reused, and the listed pod does not guard it from the reconciler."""
+        failed = msgspec.structs.replace(
+            rec(GPU0, "3g.40gb", 4, 4, State.ERROR, 2, 0, mig(2), holder=holder), last_error="destroy failed"
+        )
+        listed = alloc("pod-b", GPU0, "3g.40gb", 4, 4, 2, 0, mig(2))
+        p = plan(
+            msgspec.structs.replace(
+                inputs(
+                    live_gpu(GPU0, live_gi(GPU0, 2, "3g.40gb", 4, 4, mig(2))),
+                    records=[failed],
+                    active=[listed],
+                    cdi_files=[mig(2)],
+                ),
+                recovered=True,
+            )
+        )
+        assert table(p) == {failed.name: failed}
+        assert p.actions == ()
+        assert p.report.adopted_active == p.report.restored_idle == ()
+        assert p.referenced_mig_uuids == frozenset()
+        [line] = p.report.errors
+        assert str(listed.key) in line
+        assert mig(2) in line
+
+    def test_in_a_repeated_recover_an_error_record_of_the_listed_owner_is_adopted(self) -> None:
+        """Recovery's own adoption of that pod whose record could not be written: the pod holds it."""
+        listed = alloc("pod-b", GPU0, "3g.40gb", 4, 4, 2, 0, mig(2))
+        failed = rec(GPU0, "3g.40gb", 4, 4, State.ERROR, 2, 0, mig(2), holder=listed.owner)
+        p = plan(
+            msgspec.structs.replace(
+                inputs(
+                    live_gpu(GPU0, live_gi(GPU0, 2, "3g.40gb", 4, 4, mig(2))),
+                    records=[failed],
+                    active=[listed],
+                ),
+                recovered=True,
+            )
+        )
+        record = table(p)[failed.name]
+        assert (record.state, record.owner) == (State.ACTIVE, listed.owner)
+        assert writes(p) == {failed.name: record}
+        assert [r.identity for r in p.report.adopted_active] == [Identity(2, 0, mig(2))]
+        assert p.referenced_mig_uuids == {mig(2)}
+        assert p.report.errors == ()
+
     def test_the_pod_annotation_wins_over_a_record_that_disagrees_with_the_hardware(self) -> None:
         stale = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 3, 0, mig(9))
         p = plan(
@@ -993,7 +1042,8 @@ class TestRecoveryIsIdempotent:
         assert table(second) == table(first)
         assert second.generation == first.generation
         assert all(isinstance(a, EnsureCdi) for a in second.actions)
-        assert second.report.removed_orphan_gis == second.report.dropped_stale_records == ()
+        assert second.report.removed_orphan_gis == ()
+        assert second.report.dropped_stale_records == ()
         assert second.report.adopted_active == first.report.adopted_active
 
 
