@@ -7,6 +7,7 @@ import (
 	"maps"
 	"math/rand/v2"
 	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 
@@ -680,8 +681,12 @@ func validateAllocate(req AllocateRequest) error {
 	return nil
 }
 
+// migUUIDPrefix starts every MIG UUID NVML hands out (MIG-<uuid>, and the legacy
+// MIG-GPU-<uuid>/<gi>/<ci>), as hami.io/vgpu-mig-allocations requires.
+const migUUIDPrefix = "MIG-"
+
 // allocateResult checks that the answer covers every requested device with the requested
-// reservation and a complete runtime identity.
+// reservation and a complete runtime identity whose MIG UUID is one.
 func allocateResult(req AllocateRequest, resp *pb.AllocateResponse) (AllocateResult, error) {
 	invalid := func(msg string, args ...any) (AllocateResult, error) {
 		return AllocateResult{}, newError("Allocate", codes.Internal, ReasonInvalidResponse, fmt.Sprintf(msg, args...), nil)
@@ -719,6 +724,11 @@ func allocateResult(req AllocateRequest, resp *pb.AllocateResponse) (AllocateRes
 		}
 		if dev.MigUUID == "" || dev.Outcome == OutcomeUnspecified {
 			return invalid("device %d: answer has no MIG UUID or no outcome", want.DeviceIndex)
+		}
+		if !strings.HasPrefix(dev.MigUUID, migUUIDPrefix) {
+			// The sidecar hands out only MIG-<uuid> (it fails closed on anything else the driver
+			// names a new instance); a GPU UUID here would give the container the whole GPU.
+			return invalid("device %d: %q is not a MIG UUID (want %s...)", want.DeviceIndex, dev.MigUUID, migUUIDPrefix)
 		}
 		out.Devices = append(out.Devices, dev)
 	}

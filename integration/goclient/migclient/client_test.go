@@ -50,6 +50,8 @@ type remote struct {
 	recovers   []*pb.RecoverRequest
 	syncs      []*pb.SyncActiveRequest
 	partial    bool
+	// migUUID, when set, is the MIG UUID every answered device gets.
+	migUUID string
 }
 
 func newRemote() *remote {
@@ -95,7 +97,7 @@ func (r *remote) Allocate(ctx context.Context, req *pb.AllocateRequest) (*pb.All
 		return nil, r.allocateAlways
 	}
 	r.generation++
-	partial := r.partial
+	partial, migUUID := r.partial, r.migUUID
 	r.mu.Unlock()
 	if hang {
 		select {
@@ -111,6 +113,9 @@ func (r *remote) Allocate(ctx context.Context, req *pb.AllocateRequest) (*pb.All
 			DeviceIndex: d.GetDeviceIndex(), GpuUuid: d.GetGpuUuid(), Profile: d.GetProfile(), Placement: d.GetPlacement(),
 			MigUuid: "MIG-" + d.GetGpuUuid(), GpuInstanceId: 3, ComputeInstanceId: 0, Outcome: pb.Outcome_CREATED,
 		})
+		if migUUID != "" {
+			resp.Devices[len(resp.Devices)-1].MigUuid = migUUID
+		}
 		if partial {
 			break
 		}
@@ -290,6 +295,17 @@ func TestAllocateRefusesAPartialAnswer(t *testing.T) {
 	_, err := c.Allocate(context.Background(), oneDevice)
 	if !IsReason(err, ReasonInvalidResponse) {
 		t.Fatalf("partial answer accepted: %v", err)
+	}
+}
+
+func TestAllocateRefusesAnAnswerWhoseMigUUIDIsNotAMigUUID(t *testing.T) {
+	for _, bad := range []string{"GPU-a", "3f1c2a4e-0000-4000-8000-000000000001", "mig-3f1c2a4e-0000-4000-8000-000000000001"} {
+		r, c := started(t, fastOptions())
+		r.migUUID = bad
+		_, err := c.Allocate(context.Background(), oneDevice)
+		if !IsReason(err, ReasonInvalidResponse) || !strings.Contains(err.Error(), bad) {
+			t.Fatalf("MIG UUID %q accepted or not named: %v", bad, err)
+		}
 	}
 }
 
