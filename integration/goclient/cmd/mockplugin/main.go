@@ -278,23 +278,36 @@ func (p *player) allocate(ctx context.Context, n int, a *AllocateStep) report {
 		return r
 	}
 	r.Devices, r.Reclaimed = res.Devices, res.Reclaimed
-	ids := make([]annotation.Identity, 0, len(res.Devices))
 	for _, d := range res.Devices {
-		ids = append(ids, annotation.Identity{DeviceIndex: d.DeviceIndex, MigUUID: d.MigUUID, GPUInstanceID: d.GPUInstanceID, ComputeInstanceID: d.ComputeInstanceID})
 		p.migs[n] = append(p.migs[n], d.MigUUID)
 	}
-	patched, err := annotation.WithRuntimeIdentity(pod.Allocations, a.Container, ids)
-	if err == nil {
-		var text string
-		text, err = annotation.Encode(patched)
-		sp.Annotation[annotation.Key] = text
-	}
-	if err != nil {
+	if err := recordIdentity(sp, pod.Allocations, a.Container, res.Devices); err != nil {
 		// The plugin fails Allocate when it cannot record the identity; the pod is then
 		// deleted and its instances come back through the next release.
 		r.Error = errReport(fmt.Errorf("annotate runtime identity: %w", err))
 	}
 	return r
+}
+
+// recordIdentity writes the runtime identity of one container's allocated devices into the
+// pod's annotation, as the plugin patches the pod. The annotation changes only when the new
+// value could be encoded: on an error the pod keeps the one it had, never an empty one, which
+// would read as a pod holding nothing and get its instances released by the next pass.
+func recordIdentity(sp *storedPod, allocs []annotation.Allocation, container uint32, devices []migclient.AllocatedDevice) error {
+	ids := make([]annotation.Identity, 0, len(devices))
+	for _, d := range devices {
+		ids = append(ids, annotation.Identity{DeviceIndex: d.DeviceIndex, MigUUID: d.MigUUID, GPUInstanceID: d.GPUInstanceID, ComputeInstanceID: d.ComputeInstanceID})
+	}
+	patched, err := annotation.WithRuntimeIdentity(allocs, container, ids)
+	if err != nil {
+		return err
+	}
+	text, err := annotation.Encode(patched)
+	if err != nil {
+		return err
+	}
+	sp.Annotation[annotation.Key] = text
+	return nil
 }
 
 func (p *player) release(ctx context.Context, r report) report {
