@@ -418,7 +418,11 @@ class Lifecycle:
         reactivated: list[InstanceRef] = []
         failures: list[SidecarError] = []
         gpus = [r.gpu_uuid for r in to_idle] + [r.gpu_uuid for r, _ in to_activate]
-        with self._gpu_locks_for(gpus):
+        # A reactivation gives an allocation key an instance, as Allocate does: it claims the key first
+        # (the same order Allocate takes), so an Allocate of that key on another GPU is either done (and
+        # the key holds its instance) or has not begun, never half-way past its key check.
+        keys = sorted({alloc.key for _, alloc in to_activate}, key=str)
+        with self._claim(keys), self._gpu_locks_for(gpus):
             for r in to_idle:
                 current = self.record(r.name)
                 if (
@@ -763,16 +767,21 @@ class Lifecycle:
 
     def _check_key_conflicts(self, validated: Sequence[_Validated]) -> None:
         for v in validated:
-            held = self._active_for_key(v.key)
-            if held is not None and held.reservation != v.device.reservation:
-                raise KeyConflict(
-                    f"allocation {v.key} already holds {held.reservation}, not {v.device.reservation}",
-                    {
-                        "key": str(v.key),
-                        "held": str(held.reservation),
-                        "requested": str(v.device.reservation),
-                    },
-                )
+            self._held_by_key(v)
+
+    def _held_by_key(self, v: _Validated) -> OwnershipRecord | None:
+        """What the device's key holds (ACTIVE or CREATING); KeyConflict when that is another reservation."""
+        held = self._active_for_key(v.key)
+        if held is not None and held.reservation != v.device.reservation:
+            raise KeyConflict(
+                f"allocation {v.key} already holds {held.reservation}, not {v.device.reservation}",
+                {
+                    "key": str(v.key),
+                    "held": str(held.reservation),
+                    "requested": str(v.device.reservation),
+                },
+            )
+        return held
 
     def _active_for_key(self, key: AllocationKey) -> OwnershipRecord | None:
         for r in self.instances():
@@ -782,7 +791,7 @@ class Lifecycle:
 
     # -- internals: one device -------------------------------------------------------------------------
     def _already_held(self, v: _Validated) -> OwnershipRecord | None:
-        held = self._active_for_key(v.key)
+        held = self._held_by_key(v)  # checked again here: never answer with another reservation
         if held is not None and held.state is State.ACTIVE and held.identity is not None:
             return held
         return None

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
-from lifecycle_world import World
+import pytest
+from lifecycle_world import World, active_of
 
 from sidecar import errors
-from sidecar.domain import State
+from sidecar.domain import Outcome, State
 
 THREADS = 32
 ROUNDS = 4
@@ -64,3 +66,66 @@ def test_concurrent_allocations_and_releases_never_share_an_instance(world: Worl
     records = world.record_files().values()
     assert {r.state for r in records} <= {State.IDLE}
     assert len({r.mig_uuid for r in records}) == len(records)
+
+
+class TestAReactivationWaitsForAnAllocateOfItsKey:
+    """SyncActive gives a key an instance, as Allocate does, so it claims the key as Allocate does: an
+    Allocate of the same key on another GPU is never overtaken half-way past its key check, which
+    would leave the key holding two instances (or answer the Allocate with the other reservation)."""
+
+    def test_a_reactivation_racing_an_allocate_of_the_same_key_on_another_gpu_gives_the_key_one_instance(
+        self, world: World, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        old = world.allocate("pod-a", (1, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        generation = world.lifecycle.generation
+        listed = active_of("pod-a", old)  # a pod list still naming the old instance
+        # The Allocate pauses where it judges the placement, past its key check, holding the key.
+        judging, resume = threading.Event(), threading.Event()
+        room_for = world.lifecycle._room_for
+
+        def paused_room_for(v: Any) -> Any:
+            judging.set()
+            assert resume.wait(60), "the test never resumed the Allocate"
+            return room_for(v)
+
+        monkeypatch.setattr(world.lifecycle, "_room_for", paused_room_for)
+        claim_waits = threading.Event()
+        keys = world.lifecycle._keys
+        wait = keys.wait
+
+        def noticed_wait(timeout: float | None = None) -> bool:
+            claim_waits.set()
+            return wait(timeout)
+
+        monkeypatch.setattr(keys, "wait", noticed_wait)
+        results: dict[str, Any] = {}
+
+        def run(name: str, call: Any) -> None:
+            try:
+                results[name] = call()
+            except Exception as exc:  # noqa: BLE001 - handed to the test thread
+                results[name] = exc
+
+        allocating = threading.Thread(
+            target=run, args=("allocate", lambda: world.allocate("pod-a", (0, "1g.10gb", 0, 1)))
+        )
+        allocating.start()
+        assert judging.wait(60)
+        syncing = threading.Thread(
+            target=run, args=("sync", lambda: world.lifecycle.sync_active(generation, listed))
+        )
+        syncing.start()
+        reached_the_claim = claim_waits.wait(10)
+        resume.set()
+        allocating.join()
+        syncing.join()
+
+        assert reached_the_claim, "SyncActive did not wait for the key the Allocate holds"
+        [created] = results["allocate"].devices
+        assert created.outcome is Outcome.CREATED
+        assert created.reservation.gpu_uuid == world.uuid(0)
+        assert results["sync"] == ([], [])  # the key holds the new instance: the old one stays IDLE
+        held = [r for r in world.record_files().values() if r.state is State.ACTIVE]
+        assert [r.mig_uuid for r in held] == [created.identity.mig_uuid]
+        world.assert_consistent()
