@@ -272,6 +272,9 @@ func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, ma
 func (c *Client) finalError(ctx context.Context, op string, timeout time.Duration, e *Error, attempts int, last *Error) error {
 	e.Attempts = attempts
 	if ctx.Err() == nil && e.Code != codes.DeadlineExceeded {
+		if e.Code == codes.Unavailable && e.Reason == "" {
+			return c.attemptsRanOut(op, e, attempts, last)
+		}
 		return e
 	}
 	if errors.Is(ctx.Err(), context.Canceled) {
@@ -316,6 +319,27 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 		e.cause = errors.Join(e.cause, timeUp)
 	}
 	return e
+}
+
+// attemptsRanOut is the error of a call whose MaxAttempts ran out on an UNAVAILABLE answer
+// without a reason: gRPC's own, for a connection lost or refused, or a sidecar shutting down.
+// As when time runs out, the sidecar's last reason wins; failing that, the sidecar never gave
+// one and is SIDECAR_UNREACHABLE, so the plugin can tell "the sidecar is down" from "the
+// sidecar said no" whichever limit ended the retries.
+func (c *Client) attemptsRanOut(op string, e *Error, attempts int, last *Error) *Error {
+	if last != nil {
+		out := *last
+		out.Op, out.Attempts = op, attempts
+		out.Metadata = maps.Clone(last.Metadata)
+		out.Message = fmt.Sprintf("%s (the sidecar's last reason; the attempts ran out on %s)", last.Message, e.detail())
+		out.cause = errors.Join(last.cause, e.cause)
+		return &out
+	}
+	return &Error{
+		Op: op, Code: codes.Unavailable, Reason: ReasonSidecarUnreachable, Attempts: attempts, cause: e.cause,
+		Message: fmt.Sprintf("the sidecar on %s answered UNAVAILABLE without a reason until the attempts ran out "+
+			"(connection lost or refused, or the sidecar shutting down): %s; the same request may succeed later", c.target, e.Message),
+	}
 }
 
 // cancelledError is the error of a call its caller cancelled: CANCELLED, which satisfies

@@ -278,6 +278,52 @@ func TestAllocateGivesUpOnUnavailableAfterMaxAttempts(t *testing.T) {
 	}
 }
 
+func TestAllocateAnsweredOnlyUnavailableWithoutAReasonUntilMaxAttemptsIsUnreachable(t *testing.T) {
+	r, c := started(t, fastOptions())
+	for range 10 {
+		r.allocateErrs = append(r.allocateErrs, status.Error(codes.Unavailable, "server shutting down"))
+	}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonSidecarUnreachable || e.Code != codes.Unavailable || !e.Retryable() {
+		t.Fatalf("want UNAVAILABLE SIDECAR_UNREACHABLE, got %v", err)
+	}
+	if e.Attempts != 4 || r.allocatesOf(oneDevice.Pod.UID) != 4 || errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want 4 attempts ended by MaxAttempts, not by the deadline; got %v after %d calls", err, r.allocatesOf(oneDevice.Pod.UID))
+	}
+	if status.Code(err) != codes.Unavailable || !strings.Contains(e.Message, "server shutting down") {
+		t.Fatalf("the error does not keep the last answer: %v", err)
+	}
+}
+
+func TestAllocateWhoseAttemptsRunOutOnAnAnswerWithoutAReasonKeepsTheSidecarsLastReason(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{sidecarError(codes.Unavailable, ReasonInstanceInUse, map[string]string{"mig_uuid": "MIG-busy"})}
+	for range 3 {
+		r.allocateErrs = append(r.allocateErrs, status.Error(codes.Unavailable, "connection reset"))
+	}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Code != codes.Unavailable || e.Metadata["mig_uuid"] != "MIG-busy" {
+		t.Fatalf("want INSTANCE_IN_USE naming the instance, got %v", err)
+	}
+	if e.Attempts != 4 || r.allocatesOf(oneDevice.Pod.UID) != 4 {
+		t.Fatalf("want 4 attempts, got %v after %d calls", err, r.allocatesOf(oneDevice.Pod.UID))
+	}
+}
+
+func TestABugInTheSidecarIsReportedAsInternalAndNotRetried(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{sidecarError(codes.Internal, ReasonInternal, nil)}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if !IsReason(err, ReasonInternal) || CodeOf(err) != codes.Internal {
+		t.Fatalf("want INTERNAL INTERNAL, got %v", err)
+	}
+	if r.allocatesOf(oneDevice.Pod.UID) != 1 {
+		t.Fatalf("a sidecar bug was retried: %d calls", r.allocatesOf(oneDevice.Pod.UID))
+	}
+}
+
 func TestAllocateFailsClosedWhenTheSidecarHangsPastTheDeadline(t *testing.T) {
 	opts := fastOptions()
 	opts.AllocateTimeout = 200 * time.Millisecond

@@ -46,7 +46,10 @@
 // reason and metadata (e.g. INSTANCE_IN_USE naming the instance), says that the deadline ran out,
 // and satisfies errors.Is(err, context.DeadlineExceeded); the plugin can log "instance in use"
 // rather than a bare deadline. Without any such answer it is SIDECAR_UNREACHABLE (the socket did
-// not answer) or DEADLINE_EXCEEDED (the sidecar did not answer in time).
+// not answer) or DEADLINE_EXCEEDED (the sidecar did not answer in time). When MaxAttempts ends
+// the retries instead, the error is the last answer if it carried a reason, else the last one
+// that did, else SIDECAR_UNREACHABLE (every answer was gRPC's UNAVAILABLE without a reason: a
+// connection lost or refused, a sidecar shutting down).
 //
 // A call its caller cancels fails with CANCELLED and satisfies errors.Is(err, context.Canceled);
 // it is never SIDECAR_UNREACHABLE or DEADLINE_EXCEEDED, since it says nothing about the sidecar.

@@ -31,6 +31,9 @@ const (
 	ReasonNvmlError         = "NVML_ERROR"
 	ReasonStateWriteFailed  = "STATE_WRITE_FAILED"
 	ReasonUnverifiableState = "UNVERIFIABLE_STATE"
+	// ReasonInternal: a bug in the sidecar (code INTERNAL; the sidecar logs its traceback).
+	// Not retried: the same request would meet the same bug.
+	ReasonInternal = "INTERNAL"
 
 	// ReasonInvalidResponse: the sidecar answered, but the answer does not cover the request
 	// exactly (a device missing, an identity incomplete). The client refuses partial success.
@@ -50,8 +53,11 @@ const (
 	ReasonSimulatedBackend = "SIMULATED_BACKEND"
 	// ReasonPodListFailed: the caller's pod-list callback failed; nothing was sent.
 	ReasonPodListFailed = "POD_LIST_FAILED"
-	// ReasonSidecarUnreachable: no answer within the call's deadline (the sidecar is down, or
-	// kept answering UNAVAILABLE until the attempts ran out).
+	// ReasonSidecarUnreachable: the sidecar gave no reason before the call's retries ended: no
+	// answer within the call's deadline while the connection was not ready (the sidecar is
+	// down), or only UNAVAILABLE answers without a reason (gRPC's, for a connection lost or
+	// refused, or a sidecar shutting down) until MaxAttempts ran out. Code UNAVAILABLE: the
+	// same request may succeed later.
 	ReasonSidecarUnreachable = "SIDECAR_UNREACHABLE"
 )
 
