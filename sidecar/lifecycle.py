@@ -934,6 +934,31 @@ class Lifecycle:
                 },
             )
 
+    def _drop_records_left_aside(self, gpu_uuid: str, wanted: Placement) -> None:
+        """Delete the record files recovery left aside at placements overlapping ``wanted``, with their specs.
+
+        Recovery keeps the records of a GPU NVML did not list on disk, out of the table, in case the
+        GPU comes back with its instances. When it comes back while the sidecar serves and a create
+        overlaps such a record, the live layout read under the GPU lock has just shown the placement
+        free: no GI of that record exists any more (one would overlap, and the request would be
+        PLACEMENT_BUSY). The record and its CDI spec go (a failed spec removal is queued), so neither
+        is overwritten silently nor left behind describing an instance that is gone. Call with the GPU
+        lock held, after the placement was proven free."""
+        valid, _ = self.records.load_all()
+        aside = [
+            r
+            for name, r in sorted(valid.items())
+            if r.gpu_uuid == gpu_uuid and r.placement.overlaps(wanted) and self.record(name) is None
+        ]
+        for r in aside:
+            _log.warning(
+                "dropping record %s, left aside while its GPU was not visible: its placement is free now",
+                r.name,
+            )
+            if self.cdi.enabled and r.mig_uuid is not None and MIG_UUID_RE.match(r.mig_uuid):
+                self.cdi.remove(r.mig_uuid)
+            self._delete(r.name)
+
     def _create(self, v: _Validated) -> OwnershipRecord:
         """Record CREATING -> GI -> record -> CI -> record -> CDI -> ACTIVE; undo on any failure."""
         res = v.device.reservation
@@ -949,6 +974,7 @@ class Lifecycle:
             boot_id=self.boot_id,
             since=now_rfc3339(),
         )
+        self._drop_records_left_aside(gpu, res.placement)
         self._put(rec)
         crashpoints.crashpoint("after-record-creating")
         known = rec

@@ -1,0 +1,47 @@
+"""Records recovery left aside for a GPU NVML did not list, when the GPU comes back while serving.
+
+Recovery keeps such records on disk, out of the table, in case the GPU returns with its instances.
+If it returns without them (reset while hidden) and a create overlaps one, the create must neither
+overwrite the record silently nor leave its CDI spec describing an instance that is gone."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import World, restart
+
+from sidecar.domain import Outcome, Placement
+from sidecar.records import record_name
+
+
+def hide_the_last_gpu_and_reset_it(world: World) -> None:
+    """A Recover that does not see the last GPU, which loses its instances meanwhile and comes back."""
+    recovery = restart(world)
+    with world.hw.store.transaction() as state:
+        hidden = state.gpus.pop()
+    report = recovery.recover([])
+    assert any("is not visible; record kept" in line for line in report.errors)
+    hidden.gis.clear()  # a GPU reset while it was hidden: its instances are gone
+    with world.hw.store.transaction() as state:
+        state.gpus.append(hidden)
+
+
+@pytest.mark.parametrize(
+    ("profile", "placement"),
+    [("1g.5gb", Placement(0, 1)), ("2g.10gb", Placement(0, 2))],
+    ids=["same", "overlapping"],
+)
+def test_a_create_over_a_record_left_aside_drops_it_with_its_cdi_spec(
+    world: World, profile: str, placement: Placement
+) -> None:
+    old = world.allocate("pod-a", (2, "1g.5gb", 0, 1)).devices[0]
+    world.lifecycle.release("pod-a")
+    aside = world.records.path(record_name(world.uuid(2), Placement(0, 1)))
+    hide_the_last_gpu_and_reset_it(world)
+    assert aside.exists()
+
+    created = world.allocate("pod-c", (2, profile, placement.start, placement.size)).devices[0]
+
+    assert created.outcome is Outcome.CREATED
+    assert [r.mig_uuid for r in world.record_files().values()] == [created.identity.mig_uuid]
+    assert not [name for name in world.cdi_files() if old.identity.mig_uuid in name]
+    world.assert_consistent()
