@@ -22,7 +22,10 @@ safety promise easy to hold: *nothing* is modified unless the whole picture was 
   failing step puts its instance in ``ERROR`` (never reused, retried by the reconciler) and recovery
   still succeeds - unless apply finds the instance is not ours to destroy after all (a CI in a GI
   recorded bare, a process on the GPU of an orphan): then it stays foreign. Finally
-  ``Lifecycle.install`` takes the table and opens the gate.
+  ``Lifecycle.install`` takes the table and opens the gate. The report it returns names only what
+  happened (``settle_report``): a step that failed or left its instance foreign is not listed as
+  adopted, restored, removed or dropped; its failure is in ``errors``, a foreign instance in
+  ``preserved_foreign``.
 
 The rules ``plan`` applies (spec "Restart recovery", the CDI lifecycle, the ownership requirement)
 are listed where they are implemented, in ``sidecar.recovery_plan``.
@@ -60,6 +63,7 @@ from sidecar.recovery_plan import (
     RemoveCdi,
     Step,
     plan,
+    settle_report,
 )
 
 log = logging.getLogger(__name__)
@@ -100,22 +104,6 @@ def _now() -> str:
 
 class _GpuBusyError(Exception):
     """``DestroyOwned.require_idle_gpu`` found the GPU busy: the step stops and its instance stays foreign."""
-
-
-def _with_foreign(report: RecoveryReport, steps: Sequence[Step]) -> RecoveryReport:
-    """``report`` with the instances of ``steps`` moved to ``preserved_foreign``, where apply left them."""
-    refs = [step.foreign_ref for step in steps if step.foreign_ref is not None]
-    if not refs:
-        return report
-    names = {step.record_name for step in steps if step.foreign_ref is not None}
-    return msgspec.structs.replace(
-        report,
-        restored_idle=tuple(r for r in report.restored_idle if r not in refs),
-        adopted_foreign=tuple(r for r in report.adopted_foreign if r not in refs),
-        removed_orphan_gis=tuple(r for r in report.removed_orphan_gis if r not in refs),
-        dropped_stale_records=tuple(n for n in report.dropped_stale_records if n not in names),
-        preserved_foreign=(*report.preserved_foreign, *refs),
-    )
 
 
 class Recovery:
@@ -212,6 +200,7 @@ class Recovery:
         self.lifecycle.reserve_generations(decided.generation, decided.generation_ceiling)
         table = {record.name: record for record in decided.table}
         failures: list[str] = []
+        done: list[Step] = []
         left_foreign: list[Step] = []
         now = _now()
 
@@ -226,21 +215,23 @@ class Recovery:
                     warning = self._run(action)
                     if warning:
                         failures.append(f"{step.subject}: {warning}")
+                done.append(step)
             except _GpuBusyError as exc:
                 event(log, logging.INFO, "recovery step skipped", step=step.subject, reason=str(exc))
                 leave_foreign(step)
             except (NvmlError, errors.SidecarError, RecordError, OSError) as exc:
                 message = f"{step.subject} failed: {exc}"
                 event(log, logging.WARNING, "recovery step failed", step=step.subject, error=str(exc))
-                failures.append(message)
                 if isinstance(exc, ComputeInstanceNotOurs) or step.on_failure is None:
                     # Not ours after all, or nothing to fall back to: the instance is foreign, not
                     # ERROR, and no record is written for it here.
+                    failures.append(message)
                     leave_foreign(step)
                     continue
                 failed = msgspec.structs.replace(
                     step.on_failure, state=State.ERROR, last_error=message, since=now
                 )
+                failures.append(f"{message}; {failed.name} is kept in ERROR and never reused")
                 try:
                     self.records.put(failed)
                 except (errors.SidecarError, RecordError, OSError) as write_exc:
@@ -251,10 +242,8 @@ class Recovery:
             decided.generation,
             referenced_mig_uuids=decided.referenced_mig_uuids,
         )
-        report = _with_foreign(decided.report, left_foreign)
-        if not failures:
-            return report
-        return msgspec.structs.replace(report, errors=(*report.errors, *failures))
+        # Only what happened: failed and foreign steps add nothing to the lists of what was done.
+        return settle_report(decided.report, done=done, left_foreign=left_foreign, failures=failures)
 
     def _run(self, action: Action) -> str | None:
         """Execute one action; a returned string is a problem that does not fail the step.

@@ -66,6 +66,8 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import Literal
 
 import msgspec
 
@@ -88,7 +90,12 @@ from sidecar.records import OwnershipRecord, record_name
 
 
 class RecoveryReport(msgspec.Struct, frozen=True):
-    """Mirrors RecoverResponse."""
+    """Mirrors RecoverResponse.
+
+    ``Plan.report`` says what the plan would do if every step succeeded; the report ``Recovery``
+    returns says what happened (``settle_report``): an instance is listed as adopted, restored,
+    removed or dropped only when that step succeeded. A step that failed is named in ``errors`` (its
+    instance is ERROR, or foreign), and an instance a step left foreign is in ``preserved_foreign``."""
 
     adopted_active: tuple[InstanceRef, ...] = ()
     restored_idle: tuple[InstanceRef, ...] = ()
@@ -196,6 +203,28 @@ class RemoveCdi(msgspec.Struct, frozen=True, tag=True):
 
 Action = PutRecord | DeleteRecord | DestroyOwned | EnsureCdi | RemoveCdi
 
+# The lists of the report that steps feed: each names what a step did, so it holds an entry only
+# once that step has succeeded. ``preserved_foreign`` and ``errors`` are fed by the planner directly
+# (and by apply, for steps that fail or leave their instance foreign).
+ReportList = Literal[
+    "adopted_active", "restored_idle", "adopted_foreign", "removed_orphan_gis", "dropped_stale_records"
+]
+_REPORT_LISTS: tuple[ReportList, ...] = (
+    "adopted_active",
+    "restored_idle",
+    "adopted_foreign",
+    "removed_orphan_gis",
+    "dropped_stale_records",
+)
+
+
+class Reported(msgspec.Struct, frozen=True):
+    """The entry a step adds to one list of the report (``into``) when every one of its actions succeeded:
+    an ``InstanceRef``, or a record name for ``dropped_stale_records``."""
+
+    into: ReportList
+    entry: InstanceRef | str
+
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
     """Actions about one subject, applied in order; the first failure stops the step.
@@ -206,14 +235,17 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     could not be recorded leaves the instance foreign). A step that finds its instance is not ours to
     destroy after all (``ComputeInstanceNotOurs``, a busy GPU under ``require_idle_gpu``) leaves it
     foreign either way. ``foreign_ref`` is how the report names the instance when the step leaves it
-    foreign: it moves to ``preserved_foreign`` from the list that named it (restored, adopted,
-    removed or dropped). The instance's ``EnsureCdi``, if any, is the step's last action."""
+    foreign: it is listed in ``preserved_foreign``. ``reported`` is the entry the step adds to the
+    report (adopted, restored, removed or dropped) once all its actions succeeded; a step that fails
+    or leaves its instance foreign adds none (``settle_report``). The instance's ``EnsureCdi``, if
+    any, is the step's last action."""
 
     subject: str
     actions: tuple[Action, ...] = ()
     record_name: str | None = None
     on_failure: OwnershipRecord | None = None
     foreign_ref: InstanceRef | None = None
+    reported: Reported | None = None
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -230,6 +262,34 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def actions(self) -> tuple[Action, ...]:
         return tuple(action for step in self.steps for action in step.actions)
+
+
+def settle_report(
+    report: RecoveryReport,
+    *,
+    done: Iterable[Step],
+    left_foreign: Iterable[Step] = (),
+    failures: Iterable[str] = (),
+) -> RecoveryReport:
+    """``report`` as it reads once steps have run: it lists only what actually happened.
+
+    The lists steps feed (adopted, restored, removed, dropped) are rebuilt from the ``reported`` entries
+    of the ``done`` steps (every action succeeded), in step order: a step that failed into ERROR adds
+    nothing there (its failure is in ``failures``), nor does one left foreign, which is listed in
+    ``preserved_foreign`` after the planner's foreign instances. Each step carries its own entry, so a
+    step that did not happen never takes away the entry of another one that names the same record or
+    instance. ``failures`` follow the planner's ``errors``. Pure; ``plan`` uses it with every step done."""
+    lists: dict[str, list[InstanceRef | str]] = {name: [] for name in _REPORT_LISTS}
+    for step in done:
+        if step.reported is not None:
+            lists[step.reported.into].append(step.reported.entry)
+    foreign = [step.foreign_ref for step in left_foreign if step.foreign_ref is not None]
+    return msgspec.structs.replace(
+        report,
+        **{name: tuple(entries) for name, entries in lists.items()},
+        preserved_foreign=(*report.preserved_foreign, *foreign),
+        errors=(*report.errors, *failures),
+    )
 
 
 # -- the pure planner -------------------------------------------------------------------------------
@@ -278,12 +338,8 @@ class _Planner:
         self.removed_cdi: set[str] = set()
         self.steps: list[Step] = []
         self.table: dict[str, OwnershipRecord] = {}
-        self.adopted_active: list[InstanceRef] = []
-        self.restored_idle: list[InstanceRef] = []
+        # The report's other lists come from the steps (``Step.reported``, ``settle_report``).
         self.preserved_foreign: list[InstanceRef] = []
-        self.adopted_foreign: list[InstanceRef] = []
-        self.removed_orphans: list[InstanceRef] = []
-        self.dropped: list[str] = []
         self.errors: list[str] = []
         # MIG UUIDs of listed allocations a repeated Recover did not give to the listed pod.
         self.refused: set[str] = set()
@@ -422,10 +478,15 @@ class _Planner:
             )
             actions: tuple[Action, ...] = () if old == record else (PutRecord(record),)
             self.steps.append(
-                Step(subject=f"adopt {alloc.key}", actions=actions, record_name=name, on_failure=record)
+                Step(
+                    subject=f"adopt {alloc.key}",
+                    actions=actions,
+                    record_name=name,
+                    on_failure=record,
+                    reported=Reported("adopted_active", _record_ref(record)),
+                )
             )
             self.table[name] = record
-            self.adopted_active.append(_record_ref(record))
 
     def held_by_another_key(self, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str) -> bool:
         """True (and an error line) when a repeated Recover must not hand this instance to ``alloc``.
@@ -654,8 +715,13 @@ class _Planner:
 
     def drop(self, record: OwnershipRecord, why: str) -> None:
         actions = (*self.remove_cdi(record.mig_uuid), DeleteRecord(record.name))
-        self.steps.append(Step(subject=f"drop {record.name}: {why}", actions=actions))
-        self.dropped.append(record.name)
+        self.steps.append(
+            Step(
+                subject=f"drop {record.name}: {why}",
+                actions=actions,
+                reported=Reported("dropped_stale_records", record.name),
+            )
+        )
 
     def keep_unseen(self, record: OwnershipRecord) -> None:
         """A record of this boot on a GPU NVML does not list stays on disk as it is, with its CDI spec.
@@ -711,10 +777,10 @@ class _Planner:
                 actions=actions,
                 record_name=record.name,
                 foreign_ref=ref,
+                reported=Reported("restored_idle", ref),
             )
         )
         self.table[record.name] = restored
-        self.restored_idle.append(ref)
 
     def keep_active(self, record: OwnershipRecord) -> None:
         """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""
@@ -750,9 +816,9 @@ class _Planner:
                 record_name=record.name,
                 on_failure=deleting,
                 foreign_ref=_ref(record.gpu_uuid, self.profile_name(record.gpu_uuid, gi.info.profile_id), gi),
+                reported=Reported("dropped_stale_records", record.name),
             )
         )
-        self.dropped.append(record.name)
 
     # -- rule 3: corrupt records ---------------------------------------------------------------------
     def preserve_corrupt(self) -> None:
@@ -840,10 +906,10 @@ class _Planner:
                 actions=(PutRecord(record),),
                 record_name=record.name,
                 foreign_ref=ref,
+                reported=Reported("adopted_foreign", ref),
             )
         )
         self.table[record.name] = record
-        self.adopted_foreign.append(ref)
 
     def remove_orphan(
         self, gpu: LiveGpu, profile: GpuInstanceProfile, gi: LiveGpuInstance, ref: InstanceRef
@@ -867,9 +933,9 @@ class _Planner:
                 record_name=record.name,
                 on_failure=record,
                 foreign_ref=ref,
+                reported=Reported("removed_orphan_gis", ref),
             )
         )
-        self.removed_orphans.append(ref)
 
     # -- rule 5: CDI ---------------------------------------------------------------------------------
     def reconcile_cdi(self) -> None:
@@ -901,14 +967,9 @@ class _Planner:
 
     def result(self) -> Plan:
         generation = self.fresh_generation if self.handed_out else self.generation
-        report = RecoveryReport(
-            adopted_active=tuple(self.adopted_active),
-            restored_idle=tuple(self.restored_idle),
-            preserved_foreign=tuple(self.preserved_foreign),
-            adopted_foreign=tuple(self.adopted_foreign),
-            removed_orphan_gis=tuple(self.removed_orphans),
-            dropped_stale_records=tuple(self.dropped),
-            errors=tuple(self.errors),
+        report = settle_report(
+            RecoveryReport(preserved_foreign=tuple(self.preserved_foreign), errors=tuple(self.errors)),
+            done=self.steps,
         )
         return Plan(
             steps=tuple(self.steps),
@@ -950,7 +1011,10 @@ __all__ = [
     "PutRecord",
     "RecoveryReport",
     "RemoveCdi",
+    "ReportList",
+    "Reported",
     "Step",
     "placement_from_record_name",
     "plan",
+    "settle_report",
 ]

@@ -503,6 +503,54 @@ class TestAnAdoptionOrRestoreWhoseRecordCannotBeWrittenPublishesNothing:
         assert world.cdi_spec_is_current(0, held.devices[0].identity)
 
 
+class TestTheReportNamesOnlyWhatHappened:
+    """A step that failed into ERROR was still listed as done: an orphan whose destroy failed in
+    ``removed_orphan_gis``, an interrupted create whose undo failed in ``dropped_stale_records``, an
+    adoption whose record could not be written in ``adopted_active``. Now the report lists what
+    actually happened; the failure is in ``errors`` and the instance is ERROR, never reused."""
+
+    def test_an_orphan_whose_destroy_fails_is_error_and_not_reported_removed(self, world: World) -> None:
+        world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+        world.hw.inject_fault("nvmlGpuInstanceDestroy", NVML_ERROR_UNKNOWN, times=FOREVER)
+
+        report = restart(world, adopt=True).recover([])
+
+        name = record_name(world.uuid(1), Placement(4, 4))
+        assert gis(world, 1) == {("4:4", 0)}
+        assert world.states() == {name: State.ERROR}
+        assert report.removed_orphan_gis == ()
+        assert any(name in line and "ERROR" in line for line in report.errors)
+
+    def test_an_undo_whose_destroy_fails_is_error_and_not_reported_dropped(self, world: World) -> None:
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
+        [record] = world.record_files().values()
+        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.CREATING}))
+        world.hw.inject_fault("nvmlComputeInstanceDestroy", NVML_ERROR_UNKNOWN, times=FOREVER)
+
+        report = restart(world).recover([])
+
+        assert world.states() == {record.name: State.ERROR}
+        assert held.identity.mig_uuid in world.live_mig_uuids()
+        assert report.dropped_stale_records == ()
+        assert any(record.name in line and "ERROR" in line for line in report.errors)
+
+    def test_an_adoption_whose_record_cannot_be_written_is_not_reported_adopted(self, world: World) -> None:
+        """The store refuses to overwrite a record file that turned corrupt between gather and apply."""
+        held = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")  # IDLE on disk: adopting it ACTIVE writes the record
+        recovery = restart(world)
+        decided = plan(recovery.gather(active_of("pod-a", held)))
+        assert [ref.identity for ref in decided.report.adopted_active] == [held.devices[0].identity]
+        name = record_name(world.uuid(0), Placement(0, 1))
+        world.records.path(name).write_bytes(b'{"version":1,"checksum":"sha256:00","record":{}}\n')
+
+        report = recovery.apply(decided)
+
+        assert [r.state for r in world.lifecycle.instances()] == [State.ERROR]
+        assert report.adopted_active == ()
+        assert any(name in line for line in report.errors)
+
+
 def unplug_the_last_gpu(world: World) -> SimGpu:
     """NVML stops listing the last GPU (the others keep their indexes); ``plug_back`` returns it."""
     with world.hw.store.transaction() as state:

@@ -305,6 +305,26 @@ class TestARecordFromAnEarlierBootNeverClaimsAnInstanceMadeSinceTheReboot:
             world.allocate("pod-b", (0, "3g.40gb", 0, 4))
         assert (0, gi_id) in {(g, i) for g, i, *_ in world.layout()}
 
+    def test_the_dropped_record_stays_reported_when_removing_the_gi_at_its_placement_is_skipped(
+        self, world: World
+    ) -> None:
+        """The drop and the orphan removal at the same placement share a record name. The report
+        filtered dropped records by the name of a step left foreign, so the drop, which happened,
+        vanished from it. Each step now carries its own report entry."""
+        interrupted, gi_id = self.interrupted_create_then_reboot(world, with_ci=False)
+        recovery = restart(world, adopt=True, boot_id=world.hw.boot_id)
+        decided = plan(recovery.gather([]))
+        assert len(decided.report.removed_orphan_gis) == 1
+        world.hw.set_busy(world.uuid(0), True)  # a process starts before the orphan's destroy
+
+        report = recovery.apply(decided)
+
+        assert world.record_files() == {}
+        assert (0, gi_id) in {(g, i) for g, i, *_ in world.layout()}
+        assert report.dropped_stale_records == (interrupted.name,)
+        assert report.removed_orphan_gis == ()
+        assert [ref.reservation.placement for ref in report.preserved_foreign] == [Placement(0, 4)]
+
     def test_with_adoption_a_complete_one_is_adopted_and_reused(self, world: World) -> None:
         interrupted, gi_id = self.interrupted_create_then_reboot(world, with_ci=True)
         [(*_, ((ci_id, mig_uuid),))] = world.layout()

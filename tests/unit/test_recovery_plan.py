@@ -1016,6 +1016,43 @@ def _after(p: Plan, before: Inputs) -> Inputs:
     return msgspec.structs.replace(before, records=p.table, gpus=gpus, cdi_files=tuple(sorted(files)))
 
 
+class TestTheAppliedReportNamesOnlyStepsThatSucceeded:
+    """``settle_report``: apply passes the steps that succeeded and those left foreign; every other
+    step failed (into ERROR, named in ``failures``)."""
+
+    @staticmethod
+    def stale_record_and_orphan_at_one_placement() -> Plan:
+        """After a reboot: a record of the earlier boot at 0:4 is dropped, and with adoption the bare
+        GI there is an orphan to remove - two steps about the same record name."""
+        old = rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot=OLD_BOOT)
+        return plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4)), records=[old], adopt=True))
+
+    def test_the_planned_report_names_every_step(self) -> None:
+        p = self.stale_record_and_orphan_at_one_placement()
+        assert p.report.dropped_stale_records == (name(GPU0, 0, 4),)
+        assert [r.reservation.placement for r in p.report.removed_orphan_gis] == [Placement(0, 4)]
+
+    def test_a_step_left_foreign_takes_nothing_from_a_done_step_about_the_same_record(self) -> None:
+        p = self.stale_record_and_orphan_at_one_placement()
+        drop, remove = p.steps
+
+        report = recovery_plan.settle_report(p.report, done=[drop], left_foreign=[remove])
+
+        assert report.dropped_stale_records == (name(GPU0, 0, 4),)
+        assert report.removed_orphan_gis == ()
+        assert report.preserved_foreign == (remove.foreign_ref,)
+
+    def test_a_failed_step_is_named_only_in_the_errors(self) -> None:
+        p = self.stale_record_and_orphan_at_one_placement()
+        drop, _ = p.steps
+
+        report = recovery_plan.settle_report(p.report, done=[drop], failures=["remove orphan failed"])
+
+        assert report.removed_orphan_gis == report.preserved_foreign == ()
+        assert report.dropped_stale_records == (name(GPU0, 0, 4),)
+        assert report.errors == ("remove orphan failed",)
+
+
 class TestRecoveryIsIdempotent:
     def test_a_second_plan_over_the_first_ones_outcome_changes_nothing(self) -> None:
         first_inputs = inputs(
