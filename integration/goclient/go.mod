@@ -2,10 +2,14 @@ module github.com/Project-HAMi/hami-mig-sidecar/integration/goclient
 
 go 1.26.0
 
+// Inside this repository the contract is built from ../../api. Go ignores this replace in a
+// module that imports this one and uses the api release required below instead: a release tags
+// the api module as api/vX.Y.Z and this one as integration/goclient/vX.Y.Z (see the README;
+// module_test.go resolves the requirement as such a consumer would).
 replace github.com/Project-HAMi/hami-mig-sidecar/api => ../../api
 
 require (
-	github.com/Project-HAMi/hami-mig-sidecar/api v0.0.0-00010101000000-000000000000
+	github.com/Project-HAMi/hami-mig-sidecar/api v0.1.0
 	github.com/opencontainers/runtime-spec v1.3.0
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1
 	google.golang.org/grpc v1.85.0
