@@ -41,6 +41,10 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    ``CREATING`` record may own a CI it never recorded (a crash between making the CI and recording
    it); any other record without a CI ID stands for a bare GI, and a CI in that GI is someone else's
    (the rule ``Lifecycle``'s destroy applies too).
+   A record without a boot ID (every writer stamps one: it was made or edited by hand) is kept
+   aside whatever its state: on disk untouched with its CDI file, out of the table, the GI at its
+   placement foreign, reported in ``errors``; nothing is destroyed or dropped on its word (an active
+   allocation that verifies against the live instance there still adopts it, by rule 1).
    A record of this boot on a GPU NVML does not list is kept on disk untouched with its CDI file,
    out of the table, and reported in ``errors``: the GPU may only be hidden and come back, and
    nothing verifies its instance is gone (one of an earlier boot there is dropped as stale). A
@@ -619,7 +623,10 @@ class _Planner:
         for record in sorted(self.inputs.records, key=lambda r: r.name):
             if record.name in self.table:
                 continue  # adopted by an active allocation
-            earlier_boot = bool(record.boot_id) and record.boot_id != self.inputs.boot_id
+            if not record.boot_id:
+                self.keep_unstamped(record)
+                continue
+            earlier_boot = record.boot_id != self.inputs.boot_id
             if record.gpu_uuid not in self.gpus:
                 if earlier_boot:
                     self.drop(record, "it is from an earlier boot and its GPU is not visible")
@@ -735,6 +742,32 @@ class _Planner:
         self.errors.append(
             f"GPU {record.gpu_uuid} is not visible; record kept: ownership record {record.name} "
             f"({record.state}) and its CDI spec stay as they are until a Recover sees the GPU again"
+        )
+
+    def keep_unstamped(self, record: OwnershipRecord) -> None:
+        """A record without a boot ID is kept aside, whatever its state, and never acted upon.
+
+        Every writer stamps the boot ID, so such a record was made or edited by hand: nothing tells
+        whether it is of this boot (then a CREATING or DELETING one would destroy the GI at its
+        placement) or of an earlier one (then it would be dropped as stale). On the safe side it is
+        neither: it stays on disk untouched with its CDI spec, out of the table, and the GI at its
+        placement (if any) is foreign - preserved, never reused, never adopted. ``records verify``
+        lists it apart (``no_boot_id``) for the operator, who removes or fixes it."""
+        if record.mig_uuid:
+            self.protected_cdi.add(record.mig_uuid)
+        gi = self.gi_at(record.gpu_uuid, record.placement)
+        kept = ""
+        if gi is not None and (record.gpu_uuid, gi.info.id) not in self.claimed:
+            self.claimed.add((record.gpu_uuid, gi.info.id))
+            self.protected_cdi.update(ci.mig_uuid for ci in gi.compute_instances)
+            self.preserved_foreign.append(
+                _ref(record.gpu_uuid, self.profile_name(record.gpu_uuid, gi.info.profile_id), gi)
+            )
+            kept = f"; the GPU instance {gi.info.id} at its placement is preserved as foreign"
+        self.errors.append(
+            f"ownership record {record.name} ({record.state}) carries no boot ID, so nothing tells which "
+            "boot wrote it (this sidecar stamps one in every record); it is left untouched for the "
+            f"operator{kept}"
         )
 
     def keep_aside(self, record: OwnershipRecord, gi: LiveGpuInstance, why: str) -> None:

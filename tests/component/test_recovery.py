@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
-from sidecar import errors
+from sidecar import errors, records
 from sidecar.domain import (
     ActiveAllocation,
     Identity,
@@ -252,6 +252,42 @@ class TestStaleAndBrokenRecords:
         assert any("kept for the operator" in e for e in report.errors)
         with pytest.raises(errors.PlacementBusy):
             world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+
+
+class TestARecordWithoutABootIdIsKeptAside:
+    """Every record the sidecar writes carries the boot ID, so one without it was made or edited by
+    hand. Recovery judged it as this boot's (a CREATING one had the instance at its placement
+    destroyed) while ``records verify`` called it stale; now recovery never acts on it, and verify
+    lists it apart."""
+
+    def test_its_instance_survives_as_foreign_and_every_file_stays(self, world: World) -> None:
+        world.allocate("pod-a", (0, "3g.40gb", 0, 4))
+        world.lifecycle.release("pod-a")
+        [record] = world.record_files().values()
+        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.CREATING, "boot_id": ""}))
+        before = world.everything()
+
+        report = restart(world, adopt=True).recover([])
+
+        assert world.everything() == before
+        assert world.lifecycle.instances() == []
+        assert refs(report.preserved_foreign) == {f"{world.uuid(0)}/3g.40gb@0:4"}
+        assert report.dropped_stale_records == report.adopted_foreign == ()
+        [line] = report.errors
+        assert record.name in line
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-b", (0, "3g.40gb", 0, 4))
+        assert world.everything() == before
+
+    def test_records_verify_lists_it_apart_not_as_stale(self, world: World) -> None:
+        world.allocate("pod-a", (0, "3g.40gb", 0, 4))
+        [record] = world.record_files().values()
+        world.records.put(OwnershipRecord(**{**_fields(record), "boot_id": ""}))
+
+        found = records.verify(world.records.directory, BOOT_ID)
+
+        assert (found.valid, found.no_boot_id, found.stale) == ((record.name,), (record.name,), ())
+        assert f"NO BOOT  {record.name}" in records.format_report(found)
 
 
 class TestInterruptedTransactionsAreFinished:

@@ -458,6 +458,26 @@ class TestVerify:
         assert report.stale == ()
         assert report.corrupt == {}
 
+    @pytest.mark.parametrize("boot_id", [BOOT, None], ids=["with the boot id", "without"])
+    def test_verify_lists_a_record_without_a_boot_id_apart_never_as_stale(
+        self, store: RecordStore, state_dir: Path, boot_id: str | None
+    ) -> None:
+        """Recovery keeps such a record aside (nothing tells its boot); verify agrees and says so."""
+        current = make_record(start=0)
+        unstamped = make_record(start=1, boot_id="")
+        store.put(current)
+        store.put(unstamped)
+
+        report = verify(state_dir, boot_id)
+
+        assert report.valid == (current.name, unstamped.name)
+        assert report.no_boot_id == (unstamped.name,)
+        assert report.stale == ()
+        text = format_report(report)
+        assert f"NO BOOT  {unstamped.name}" in text
+        assert f"valid    {current.name}" in text
+        assert "2 valid (0 stale), 0 corrupt, 1 without a boot id" in text
+
     def test_verify_does_not_need_the_lock_and_takes_none(self, store: RecordStore, state_dir: Path) -> None:
         store.put(make_record())
         assert verify(state_dir, BOOT).valid == (make_record().name,)

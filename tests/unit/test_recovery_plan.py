@@ -714,11 +714,79 @@ class TestARecordFromAnEarlierBootClaimsOnlyAnInstanceWithItsMigUuid:
         p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1))), records=[deleting]))
         assert destroyed(p) == {(GPU0, 1)}
 
-    def test_a_record_without_a_boot_id_is_judged_as_before(self) -> None:
-        """Records written before boot IDs were recorded carry none: nothing says they are stale."""
-        creating = rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot="")
-        p = plan(inputs(live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4)), records=[creating]))
-        assert destroyed(p) == {(GPU0, 1)}
+
+class TestARecordWithoutABootIdIsKeptAsideAndNeverActedUpon:
+    """Every writer stamps the boot ID, so a record without one was made or edited by hand. It was
+    judged as this boot's: a CREATING one had recovery destroy the bare GI at its placement, while
+    ``records verify`` called it stale. Now recovery keeps it aside - on disk untouched with its CDI
+    spec, out of the table, the GI at its placement foreign - and names it in the errors."""
+
+    @pytest.mark.parametrize(
+        ("record", "gi"),
+        [
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.CREATING, 1, boot=""),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="creating with GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.CREATING, boot=""),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4),
+                id="creating without GI ID, a bare GI",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.DELETING, 1, 0, mig(1), boot=""),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1)),
+                id="deleting",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.ERROR, 1, 0, mig(1), boot=""),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1)),
+                id="error",
+            ),
+            pytest.param(
+                rec(GPU0, "3g.40gb", 0, 4, State.IDLE, 1, 0, mig(1), boot=""),
+                live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1)),
+                id="idle, matching the live instance",
+            ),
+        ],
+    )
+    def test_nothing_is_destroyed_written_or_adopted_and_the_gi_is_foreign(
+        self, record: OwnershipRecord, gi: LiveGpuInstance
+    ) -> None:
+        specs = [record.mig_uuid] if record.mig_uuid else []
+        p = plan(inputs(live_gpu(GPU0, gi), records=[record], cdi_files=specs, adopt=True))
+        assert p.actions == ()  # its spec file, if any, stays too
+        assert table(p) == {}
+        assert foreign_gis(p) == {(GPU0, 0)}
+        assert p.report.adopted_foreign == p.report.restored_idle == ()
+        assert p.report.dropped_stale_records == ()
+        [line] = p.report.errors
+        assert record.name in line
+        assert "boot ID" in line
+
+    @pytest.mark.parametrize("gpu", [live_gpu(GPU0), live_gpu(GPU1)], ids=["GI gone", "GPU not listed"])
+    def test_it_is_kept_even_where_nothing_is_live(self, gpu: LiveGpu) -> None:
+        record = rec(GPU0, "1g.10gb", 2, 1, State.IDLE, 9, 0, mig(1), boot="")
+        p = plan(inputs(gpu, records=[record], cdi_files=[mig(1)]))
+        assert p.actions == ()
+        assert p.report.dropped_stale_records == ()
+        [line] = p.report.errors
+        assert record.name in line
+
+    def test_a_pod_that_verifies_against_the_live_instance_still_adopts_it(self) -> None:
+        """Rule 1 vouches for the instance by the pod's annotation, not by the record."""
+        record = rec(GPU0, "3g.40gb", 0, 4, State.IDLE, 1, 0, mig(1), boot="")
+        p = plan(
+            inputs(
+                live_gpu(GPU0, live_gi(GPU0, 1, "3g.40gb", 0, 4, mig(1))),
+                records=[record],
+                active=[alloc("pod-a", GPU0, "3g.40gb", 0, 4, 1, 0, mig(1))],
+            )
+        )
+        adopted = table(p)[record.name]
+        assert (adopted.state, adopted.boot_id) == (State.ACTIVE, BOOT)
+        assert p.report.errors == ()
 
 
 class TestInterruptedCreatesAreUndoneAndInterruptedDeletesFinished:
