@@ -40,6 +40,7 @@ from sidecar_process import (
     Sidecar,
     SidecarFactory,
     allocate_one,
+    annotation,
     error_info,
     failure,
     snapshot_dir,
@@ -655,18 +656,7 @@ class TestSyncActiveIsFencedByTheGeneration:
         then the SyncActive built from that list arrives: it must not hand the instance back."""
         a = allocate(car, "pod-a", (h100(car), "1g.10gb", 0, 1)).devices[0]
         generation = car.info().generation
-        listed = pb.ActiveAllocation(
-            pod=pb.PodRef(uid="pod-a", namespace="default", name="pod-a"),
-            container_name="main",
-            container_index=0,
-            device_index=0,
-            gpu_uuid=a.gpu_uuid,
-            profile=a.profile,
-            placement=a.placement,
-            mig_uuid=a.mig_uuid,
-            gpu_instance_id=a.gpu_instance_id,
-            compute_instance_id=a.compute_instance_id,
-        )
+        listed = annotation("pod-a", a)
         release(car, "pod-a")
 
         synced = car.stub.SyncActive(
