@@ -252,12 +252,8 @@ func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, ma
 		if e.Code != codes.Unavailable || maxAttempts > 0 && attempt >= maxAttempts {
 			return c.finalError(ctx, op, timeout, e, attempt, last)
 		}
-		t := time.NewTimer(c.delay(attempt))
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !c.pause(ctx, attempt) {
 			return c.finalError(ctx, op, timeout, e, attempt, last)
-		case <-t.C:
 		}
 	}
 }
@@ -374,6 +370,18 @@ func contextErrors(ctx context.Context) []error {
 		errs = append(errs, cause)
 	}
 	return errs
+}
+
+// pause waits out the backoff after the given attempt; false when ctx ended first.
+func (c *Client) pause(ctx context.Context, attempt int) bool {
+	t := time.NewTimer(c.delay(attempt))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
 }
 
 func (c *Client) delay(attempt int) time.Duration {
@@ -497,12 +505,8 @@ func (c *Client) recoverFor(ctx context.Context, op string, timeout time.Duratio
 		if c.opts.MaxAttempts > 0 && attempts >= c.opts.MaxAttempts {
 			return c.finalError(ctx, rop, timeout, lastE, attempts, last)
 		}
-		t := time.NewTimer(c.delay(attempts))
-		select {
-		case <-ctx.Done():
-			t.Stop()
+		if !c.pause(ctx, attempts) {
 			return c.finalError(ctx, rop, timeout, lastE, attempts, last)
-		case <-t.C:
 		}
 	}
 	return &Error{
