@@ -982,13 +982,15 @@ class Lifecycle:
             with nvml_errors(f"create GPU instance {res.profile} at {res.placement} on {gpu}"):
                 gi = self.port.create_gpu_instance(gpu, v.profile.id, res.placement)
             crashpoints.crashpoint("after-create-gi")
-            known = msgspec.structs.replace(known, gpu_instance_id=gi.id)
+            known = msgspec.structs.replace(known, gpu_instance_id=gi.id, ci_create_issued=True)
             self._put(known)
             crashpoints.crashpoint("after-record-gi")
             with nvml_errors(f"create compute instance {v.profile.ci_profile_id} in GI {gi.id} on {gpu}"):
                 ci = self.port.create_compute_instance(gpu, gi.id, v.profile.ci_profile_id)
             crashpoints.crashpoint("after-create-ci")
-            known = msgspec.structs.replace(known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid)
+            known = msgspec.structs.replace(
+                known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid, ci_create_issued=False
+            )
             self._put(known)
             crashpoints.crashpoint("after-record-ci")
             if not MIG_UUID_RE.match(ci.mig_uuid):
@@ -1093,11 +1095,12 @@ class Lifecycle:
         The live GI must match the record (ID, profile, placement) — the driver reuses IDs, so a GI
         with our ID elsewhere is someone else's and ours is gone. A CI with our ID but another MIG UUID
         means the instance was re-created behind our back: refuse (UnverifiableState) rather than
-        destroy what might be foreign. Without a recorded CI ID, a CREATING record's create may have
-        stopped between making the CI and recording it, so every CI in its GI is ours (its create or
-        recovery verified the GI as the one it made). Any other record without a CI ID stands for a
-        bare GI: a CI found there now refuses the destroy (``ComputeInstanceNotOurs``), whoever made it
-        between the decision and this call. Raises NvmlError for NVML failures.
+        destroy what might be foreign. Without a recorded CI ID, a record whose create issued the CI
+        create (CREATING, or ERROR after a failed undo: ``may_own_unrecorded_ci``) may have stopped
+        between making the CI and recording it, so every CI in its GI is ours (its create or recovery
+        verified the GI as the one it made). Any other record without a CI ID stands for a bare GI: a
+        CI found there now refuses the destroy (``ComputeInstanceNotOurs``), whoever made it between
+        the decision and this call. Raises NvmlError for NVML failures.
         """
         if rec.gpu_instance_id is None:
             return
@@ -1107,7 +1110,7 @@ class Lifecycle:
             return
         cis = self.port.compute_instances(gpu, gi.id)
         if rec.compute_instance_id is None:
-            if cis and rec.state is not State.CREATING:
+            if cis and not rec.may_own_unrecorded_ci:
                 found = ", ".join(f"{c.id} {c.mig_uuid}" for c in cis)
                 raise ComputeInstanceNotOurs(
                     f"GPU instance {gi.id} at {rec.placement} on {gpu} was recorded ({rec.name}, {rec.state})"

@@ -100,6 +100,10 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     last_error: str = ""
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when the instance was created
     since: str = ""  # RFC 3339 UTC time of the last state change
+    # Set in the record written just before the CI create is issued, cleared once the CI is recorded:
+    # a CI found in this GI without a recorded ID is this record's (its create may have made it and
+    # failed to report it).
+    ci_create_issued: bool = False
 
     @property
     def name(self) -> str:
@@ -108,6 +112,13 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     @property
     def reservation(self) -> Reservation:
         return Reservation(self.gpu_uuid, self.profile, self.placement)
+
+    @property
+    def may_own_unrecorded_ci(self) -> bool:
+        """Whether a CI in this record's GI without a recorded CI ID is its own: a CREATING record's, or
+        one whose create issued the CI create (an undo that failed leaves it ERROR). Any other record
+        without a CI ID stands for a bare GI, and a CI there was made by someone else."""
+        return self.state is State.CREATING or self.ci_create_issued
 
     @property
     def identity(self) -> Identity | None:

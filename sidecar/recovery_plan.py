@@ -37,10 +37,11 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
    allocations, restores, finishes and repairs all the rest.
    ``CREATING`` records are undone and ``DELETING`` ones finished, destroying only what verifies as
    theirs. ``ERROR`` records stay ``ERROR``, except one without a GI ID (a create made the GI, then
-   it and its undo failed to read it): its bare GI is destroyed as for ``CREATING``. Only a
-   ``CREATING`` record may own a CI it never recorded (a crash between making the CI and recording
-   it); any other record without a CI ID stands for a bare GI, and a CI in that GI is someone else's
-   (the rule ``Lifecycle``'s destroy applies too).
+   it and its undo failed to read it): its bare GI is destroyed as for ``CREATING``. Only a record
+   whose create issued the CI create (``CREATING``, or ``ERROR`` after a failed undo:
+   ``may_own_unrecorded_ci``) may own a CI it never recorded (the create stopped between making the
+   CI and recording it); any other record without a CI ID stands for a bare GI, and a CI in that GI
+   is someone else's (the rule ``Lifecycle``'s destroy applies too).
    A record without a boot ID (every writer stamps one: it was made or edited by hand) is kept
    aside whatever its state: on disk untouched with its CDI file, out of the table, the GI at its
    placement foreign, reported in ``errors``; nothing is destroyed or dropped on its word (an active
@@ -457,9 +458,11 @@ class _Planner:
                 and old.owner == alloc.owner
                 and old.identity == alloc.identity
             )
+            idled = 0
             if keep_activation:
                 assert old is not None
                 activated, since, boot = old.activated_generation, old.since, old.boot_id
+                idled = old.idled_generation
             else:
                 self.handed_out = True
                 activated, since = self.fresh_generation, self.inputs.now
@@ -476,6 +479,7 @@ class _Planner:
                 mig_uuid=ci.mig_uuid,
                 owner=alloc.owner,
                 activated_generation=activated,
+                idled_generation=idled,
                 cdi_device=self.cdi_name(ci.mig_uuid),
                 boot_id=boot or self.inputs.boot_id,
                 since=since,
@@ -695,12 +699,12 @@ class _Planner:
         if not cis:
             return None
         ci = cis[0]
-        if record.compute_instance_id is None and record.state is not State.CREATING:
-            # The rule lifecycle's destroy applies too (ComputeInstanceNotOurs): only a CREATING record
-            # may own a CI it never recorded. DELETING or ERROR without a CI ID is written only for a
-            # GI that had no CI when its destroy was decided (an orphan GI being removed, a bare GI a
-            # create left; a failed undo records the CI its create made). Nothing of ours creates a CI
-            # in such a GI, so this one was made since by someone else.
+        if record.compute_instance_id is None and not record.may_own_unrecorded_ci:
+            # The rule lifecycle's destroy applies too (ComputeInstanceNotOurs): only a record whose
+            # create issued the CI create (CREATING, or ERROR after a failed undo) may own a CI it never
+            # recorded. Any other record without a CI ID is written only for a GI that had no CI when
+            # its destroy was decided (an orphan GI being removed, a bare GI a create left). Nothing of
+            # ours creates a CI in such a GI, so this one was made since by someone else.
             return (
                 f"the live GPU instance has compute instance {ci.id} {ci.mig_uuid}, but the record "
                 f"({record.state}) stands for a bare GPU instance"

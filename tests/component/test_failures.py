@@ -295,6 +295,39 @@ class TestAFailedUndoRecordsTheComputeInstanceItsCreateMade:
         assert world.everything() == (set(), {}, set())
 
 
+class TestAnUndoThatFailsWhileLookingForTheComputeInstanceItsCreateMade:
+    """The driver made the CI and reading it failed; then one more NVML call fails somewhere in the
+    undo (here: the n-th GI listing after the fault is armed), so the undo may not even learn the
+    CI's ID. The record written before the CI create says it was issued, so whatever the undo left,
+    the reconciler (or recovery after a restart) destroys it as ours instead of keeping it foreign."""
+
+    @pytest.mark.parametrize("after", range(20))
+    def test_the_reconciler_leaves_nothing_behind(self, world: World, after: int) -> None:
+        self.fail_create_and_its_undo(world, after)
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.everything() == (set(), {}, set())
+
+    @pytest.mark.parametrize("after", range(20))
+    def test_recovery_after_a_restart_leaves_nothing_behind(self, world: World, after: int) -> None:
+        self.fail_create_and_its_undo(world, after)
+
+        report = restart(world).recover([])
+        Reconciler(world.lifecycle).run_once()
+
+        assert report.preserved_foreign == ()
+        assert world.everything() == (set(), {}, set())
+
+    @staticmethod
+    def fail_create_and_its_undo(world: World, after: int) -> None:
+        world.hw.inject_fault("nvmlComputeInstanceGetInfo_v2", NVML_ERROR_UNKNOWN)
+        world.hw.inject_fault("get-gpu-instances", NVML_ERROR_UNKNOWN, after=after)
+        with pytest.raises(errors.SidecarError):
+            world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.hw.clear_faults()
+
+
 class TestAFailedUndoThatCouldNotFindItsGpuInstanceKeepsItsRecord:
     """The driver made the GI, reading it failed, and the undo's search for it failed too: the ERROR
     record has no GI ID, yet the GI it stands for is on the GPU. The record goes only with the GI."""
