@@ -498,6 +498,7 @@ class Lifecycle:
                     )
             wanted = "enabled" if enabled else "disabled"
             with nvml_errors(f"set MIG mode of {gpu_uuid} to {wanted}"):
+                before = self.port.gpu(gpu_uuid)
                 try:
                     status = self.port.set_mig_mode(gpu_uuid, enabled)
                 finally:
@@ -506,11 +507,13 @@ class Lifecycle:
                     self._gpu_cache.pop(gpu_uuid, None)
                     self._profile_cache.pop(gpu_uuid, None)
                 after = self.port.gpu(gpu_uuid)
-                if status == NVML_ERROR_IN_USE and after.mig_pending != after.mig_current:
+                if status == NVML_ERROR_IN_USE and after.mig_pending != before.mig_pending:
                     # The driver refused to activate the change but still recorded it as pending (a
                     # later reset would apply it, and a pending disable already refuses allocations).
-                    # Withdraw it, so that the refusal means what UNAVAILABLE says: nothing changed.
-                    self.port.set_mig_mode(gpu_uuid, after.mig_current)
+                    # Put back the pending mode found before this call (a change pending from earlier,
+                    # say an Ampere enable awaiting its reset, stays), so that the refusal means what
+                    # UNAVAILABLE says: nothing changed.
+                    self.port.set_mig_mode(gpu_uuid, before.mig_pending)
                     after = self.port.gpu(gpu_uuid)
             self._check_mig_mode_status(gpu_uuid, wanted, status, after)
         return after.mig_current, after.mig_pending, after.mig_current != after.mig_pending

@@ -295,6 +295,22 @@ class TestValidation:
         world.hw.set_busy(gpu, False)
         assert world.lifecycle.set_mig_mode(gpu, False) == (False, False, False)  # H100: at once
 
+    @pytest.mark.parametrize("enabled", [True, False], ids=["enable", "disable"])
+    def test_a_refused_repeat_keeps_the_change_pending_from_before(self, world: World, enabled: bool) -> None:
+        """An A100 records a mode change as pending until a reset. A repeat refused with IN_USE (a
+        process started meanwhile) must leave that earlier, accepted change pending."""
+        gpu = world.uuid(2)
+        if enabled:
+            world.hw.set_mig_mode(2, False)
+        assert world.lifecycle.set_mig_mode(gpu, enabled) == (not enabled, enabled, True)
+        world.hw.set_busy(gpu)
+
+        with pytest.raises(errors.InstanceInUse):
+            world.lifecycle.set_mig_mode(gpu, enabled)
+
+        after = world.port.gpu(gpu)
+        assert (after.mig_current, after.mig_pending) == (not enabled, enabled)
+
     def test_after_a_mig_mode_change_the_gpu_facts_are_read_afresh(self, world: World) -> None:
         gpu = world.uuid(0)
         assert world.lifecycle.gpu_info(gpu).mig_current  # cached now
