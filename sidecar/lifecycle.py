@@ -53,8 +53,8 @@ from sidecar.domain import (
     Reservation,
     State,
 )
-from sidecar.errors import IllegalPlacement as IllegalPlacementError
 from sidecar.errors import (
+    Code,
     InstanceInUse,
     InvalidRequest,
     KeyConflict,
@@ -68,6 +68,7 @@ from sidecar.errors import (
     UnknownProfile,
     UnverifiableState,
 )
+from sidecar.errors import IllegalPlacement as IllegalPlacementError
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
     NVML_ERROR_RESET_REQUIRED,
@@ -122,9 +123,12 @@ def _corrupt(name: str, exc: CorruptRecord) -> UnverifiableState:
 
 
 def _raise_first(failures: Sequence[SidecarError]) -> None:
-    """The first failure of a batch, once every other instance of it has been dealt with."""
+    """The first failure of a batch, once every other instance of it has been dealt with.
+
+    A retryable one (UNAVAILABLE) comes first: the client repeats the call, which finishes the rest,
+    and the failure no retry clears (a corrupt record file) is answered once only it is left."""
     if failures:
-        first = failures[0]
+        first = next((f for f in failures if f.code is Code.UNAVAILABLE), failures[0])
         if len(failures) > 1:
             first.message = f"{first.message} (and {len(failures) - 1} more, logged)"
             first.args = (first.message,)

@@ -7,6 +7,7 @@ from lifecycle_world import World, active_of
 
 from sidecar import errors
 from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
+from sidecar.records import OwnershipRecord
 
 
 class TestRelease:
@@ -93,6 +94,35 @@ class TestSyncActive:
             d.identity.mig_uuid: State.IDLE for d in others
         }
         assert path.read_bytes() == b'{"version":1'
+
+    def test_a_write_that_may_succeed_later_is_answered_before_a_corrupt_file(
+        self, world: World, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """One instance's record file is corrupt (no retry clears it), another's write fails for now:
+        the answer is the retryable one, so the client repeats the call and the rest gets done."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (1, "1g.10gb", 0, 1))
+        by_gpu = {r.gpu_uuid: name for name, r in world.record_files().items()}
+        generation = world.lifecycle.generation
+        world.records.path(by_gpu[world.uuid(0)]).write_bytes(b'{"version":1')
+        put = world.records.put
+
+        def put_failing_on_gpu_1(record: OwnershipRecord) -> None:
+            if record.gpu_uuid == world.uuid(1):
+                raise errors.StateWriteFailed("the state directory is full, for now")
+            put(record)
+
+        monkeypatch.setattr(world.records, "put", put_failing_on_gpu_1)
+
+        with pytest.raises(errors.StateWriteFailed):
+            world.lifecycle.sync_active(generation, [])
+        monkeypatch.undo()
+        with pytest.raises(errors.UnverifiableState):
+            world.lifecycle.sync_active(generation, [])
+
+        valid, corrupt = world.records.load_all()
+        assert corrupt.keys() == {by_gpu[world.uuid(0)]}
+        assert [r.state for r in valid.values()] == [State.IDLE]
 
     def test_an_allocation_newer_than_the_pod_list_is_not_idled(self, world: World) -> None:
         generation = world.lifecycle.generation  # the client read this before listing pods
