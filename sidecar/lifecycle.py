@@ -30,6 +30,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 
 import msgspec
 
@@ -898,11 +899,11 @@ class Lifecycle:
     def _room_for(self, v: _Validated) -> tuple[OwnershipRecord, ...]:
         """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the corrupt record files, the live layout, the owned records and the process
+        Reads only: the record files left for the operator, the live layout, the owned records and the process
         counts of the candidates."""
         gpu = v.gpu.uuid
         res = v.device.reservation
-        self._require_no_corrupt_record(gpu, res.placement)
+        self._require_no_record_for_the_operator(gpu, res.placement)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = self.port.gpu_instances(gpu)
         owned = [r for r in self.instances() if r.gpu_uuid == gpu]
@@ -917,40 +918,47 @@ class Lifecycle:
             self._require_no_processes(r)
         return plan.reclaim
 
-    def _require_no_corrupt_record(self, gpu_uuid: str, wanted: Placement) -> None:
-        """PlacementBusy when a corrupt record file names a placement on the GPU that overlaps ``wanted``.
+    def _require_no_record_for_the_operator(self, gpu_uuid: str, wanted: Placement) -> None:
+        """PlacementBusy when a record file left for the operator names a placement on the GPU that
+        overlaps ``wanted``: a corrupt one, or one without a boot id (made or edited by hand).
 
-        A corrupt file is never overwritten or deleted automatically (records.py): a create at its
-        placement could not write its own record, a problem no retry clears, and the instance the file
-        stood for may still be live. Its name says which placement it was written for (recovery keeps
-        the GIs there foreign for the same reason), so the placement stays busy until the operator has
-        dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
-        _, corrupt = self.records.load_all()
-        for name, exc in sorted(corrupt.items()):
+        Neither is ever overwritten or deleted automatically (records.py, recovery): a create at its
+        placement could not write its own record, or would silently replace the operator's, a problem
+        no retry clears; and the instance the file stood for may still be live. Its name says which
+        placement it was written for (recovery keeps the GIs there foreign for the same reason), so the
+        placement stays busy until the operator has dealt with the file, and nothing is reclaimed for a
+        request that must fail anyway."""
+        valid, corrupt = self.records.load_all()
+        left: list[tuple[str, Path, str, str]] = [
+            (name, exc.path, exc.why, "corrupt_record") for name, exc in corrupt.items()
+        ]
+        left += [
+            (name, self.records.path(name), "it carries no boot id", "record_without_boot_id")
+            for name, r in valid.items()
+            if not r.boot_id and self.record(name) is None
+        ]
+        for name, path, why, blocker in sorted(left):
             where = placement_from_record_name(name)
             if where is None or where[0] != gpu_uuid or not where[1].overlaps(wanted):
                 continue
             raise PlacementBusy(
-                f"placement {wanted} on {gpu_uuid} overlaps {where[1]}, named by the corrupt ownership"
-                f" record {exc.path} ({exc.why}); it is left for the operator to inspect and remove",
-                {
-                    "blocker": "corrupt_record",
-                    "file": str(exc.path),
-                    "gpu_uuid": gpu_uuid,
-                    "placement": str(where[1]),
-                },
+                f"placement {wanted} on {gpu_uuid} overlaps {where[1]}, named by the ownership record"
+                f" {path} ({why}); it is left for the operator to inspect and remove",
+                {"blocker": blocker, "file": str(path), "gpu_uuid": gpu_uuid, "placement": str(where[1])},
             )
 
     def _drop_records_left_aside(self, gpu_uuid: str, wanted: Placement) -> None:
         """Delete the record files recovery left aside at placements overlapping ``wanted``, with their specs.
 
-        Recovery keeps the records of a GPU NVML did not list on disk, out of the table, in case the
-        GPU comes back with its instances. When it comes back while the sidecar serves and a create
-        overlaps such a record, the live layout read under the GPU lock has just shown the placement
-        free: no GI of that record exists any more (one would overlap, and the request would be
-        PLACEMENT_BUSY). The record and its CDI spec go (a failed spec removal is queued), so neither
-        is overwritten silently nor left behind describing an instance that is gone. Call with the GPU
-        lock held, after the placement was proven free."""
+        Recovery keeps some records on disk, out of the table: those of a GPU NVML did not list (in
+        case it comes back with its instances) and those that contradicted the live instance at their
+        placement. When a create overlaps such a record, the live layout read under the GPU lock has
+        just shown the placement free: no GI of that record exists any more (one would overlap, and
+        the request would be PLACEMENT_BUSY). Records without a boot id never get here: they keep
+        their placement busy (``_require_no_record_for_the_operator``). The record and its CDI spec
+        go (a failed spec removal is queued), so neither is overwritten silently nor left behind
+        describing an instance that is gone. Call with the GPU lock held, after the placement was
+        proven free."""
         valid, _ = self.records.load_all()
         aside = [
             r

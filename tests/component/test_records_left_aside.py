@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, restart
 
+from sidecar import errors
 from sidecar.domain import Outcome, Placement
-from sidecar.records import record_name
+from sidecar.records import OwnershipRecord, record_name
 
 
 def hide_the_last_gpu_and_reset_it(world: World) -> None:
@@ -45,3 +46,25 @@ def test_a_create_over_a_record_left_aside_drops_it_with_its_cdi_spec(
     assert [r.mig_uuid for r in world.record_files().values()] == [created.identity.mig_uuid]
     assert not [name for name in world.cdi_files() if old.identity.mig_uuid in name]
     world.assert_consistent()
+
+
+def test_a_record_without_a_boot_id_keeps_its_placement_busy_after_its_instance_is_gone(world: World) -> None:
+    """A record without a boot id was made or edited by hand and is the operator's: a create over its
+    placement neither overwrites nor deletes it, even once the instance it names is gone."""
+    world.allocate("pod-a", (0, "3g.40gb", 0, 4))
+    world.lifecycle.release("pod-a")
+    [record] = world.record_files().values()
+    fields = {f: getattr(record, f) for f in record.__struct_fields__}
+    world.records.put(OwnershipRecord(**{**fields, "boot_id": ""}))
+    assert record.gpu_instance_id is not None
+    world.hw.destroy_instance(0, record.gpu_instance_id)  # the operator removed the instance by hand
+    restart(world).recover([])
+    before = world.everything()
+
+    with pytest.raises(errors.PlacementBusy) as caught:
+        world.allocate("pod-b", (0, "1g.10gb", 0, 1))
+
+    assert caught.value.metadata["blocker"] == "record_without_boot_id"
+    assert caught.value.metadata["file"] == str(world.records.path(record.name))
+    assert world.everything() == before
+    assert world.allocate("pod-b", (0, "1g.10gb", 4, 1)).devices[0].outcome is Outcome.CREATED
