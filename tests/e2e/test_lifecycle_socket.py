@@ -341,6 +341,10 @@ class TestBlockersAreNeverTouched:
             assert meta["mig_uuid"] == blocker
         assert frozen(car) == before  # not even the reclaimable IDLE instance was destroyed
         assert {blocker, idle.mig_uuid} <= live_mig_uuids(car)
+        if cdi_on(car):
+            assert cdi_uuids(car) == {r["mig_uuid"] for r in car.records().values() if r["cdi_device"]}
+        else:
+            assert car.cdi_files() == []
 
 
 class TestAllOrNothing:
