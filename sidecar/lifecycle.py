@@ -139,14 +139,15 @@ def _raise_first(failures: Sequence[SidecarError]) -> None:
 class ComputeInstanceNotOurs(UnverifiableState):
     """A destroy found a CI in a GPU instance whose record stands for a bare GI: not ours to destroy.
 
-    A record without a CI ID that is not CREATING (an orphan GI being removed, a bare GI a crashed
-    create left, either of them in ERROR after a failed destroy) was written for a GI that had no CI
-    when its destroy was decided: a failed create's undo records the CI its create made
-    (``_with_created_ci``) before it destroys anything. Nothing of ours creates a CI in such a GI, so
-    one there now was made by someone else. The destroy leaves everything as it is: the record stays
-    on disk for the operator and the instance leaves the table (foreign: preserved, never reused,
-    blocking its placement), which is what recovery's planner decides by the same rule when it sees
-    such a CI at gather."""
+    A record without a CI ID that may not own an unrecorded CI (``may_own_unrecorded_ci``: not CREATING,
+    and its create's CI create not pending an answer; an orphan GI being removed, a bare GI a crashed
+    create left, either of them in ERROR after a failed destroy) was written for a GI that had no CI when
+    its destroy was decided: a failed create's undo records the CI its create made, or that there is none
+    (``_with_created_ci``), before it destroys anything. Nothing of ours creates a CI in such a GI, so one
+    there now was made by someone else. The destroy leaves everything as it is: the record stays on disk
+    for the operator and the instance leaves the table (foreign: preserved, never reused, blocking its
+    placement), which is what recovery's planner decides by the same rule when it sees such a CI at
+    gather."""
 
 
 class GpuSnapshot(msgspec.Struct, frozen=True):
@@ -639,9 +640,10 @@ class Lifecycle:
         attempt made. The GI is this record's (its create made it, the placement proven free under the
         GPU lock), and only this create makes a CI in it, so its one CI is ours. Recording it before
         the undo destroys anything means a failed undo leaves an ERROR record with the full identity,
-        which the reconciler destroys like any other: a record without a CI ID outside CREATING stands
-        for a bare GI, and a CI found in it later is refused as someone else's
-        (``ComputeInstanceNotOurs``). Raises NvmlError. Call with the GPU lock held.
+        which the reconciler destroys like any other. A GI seen without a CI clears
+        ``ci_create_issued``: from then on the record stands for a bare GI, and a CI found in it later
+        is refused as someone else's (``ComputeInstanceNotOurs``). Raises NvmlError. Call with the GPU
+        lock held.
         """
         if record.gpu_instance_id is None or record.compute_instance_id is not None:
             return record
@@ -651,9 +653,13 @@ class Lifecycle:
         if gi is None or not placement.owns(record, gi):
             return record
         cis = self.port.compute_instances(record.gpu_uuid, gi.id)
+        if not cis:
+            return msgspec.structs.replace(record, ci_create_issued=False)
         if len(cis) != 1 or cis[0].profile_id != record.ci_profile_id:
             return record  # not the one full-size CI this create makes: nothing to name it by
-        return msgspec.structs.replace(record, compute_instance_id=cis[0].id, mig_uuid=cis[0].mig_uuid)
+        return msgspec.structs.replace(
+            record, compute_instance_id=cis[0].id, mig_uuid=cis[0].mig_uuid, ci_create_issued=False
+        )
 
     def retry_error(self, name: str) -> InstanceRef | None:
         """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.

@@ -100,9 +100,9 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     last_error: str = ""
     boot_id: str = ""  # /proc/sys/kernel/random/boot_id when the instance was created
     since: str = ""  # RFC 3339 UTC time of the last state change
-    # Set in the record written just before the CI create is issued, cleared once the CI is recorded:
-    # a CI found in this GI without a recorded ID is this record's (its create may have made it and
-    # failed to report it).
+    # Set in the record written just before the CI create is issued; cleared once the CI is recorded
+    # or the GI has been seen without one. While set, a CI found in this GI without a recorded ID is
+    # this record's (its create may have made it and failed to report it).
     ci_create_issued: bool = False
 
     @property

@@ -841,6 +841,7 @@ class _Planner:
             gpu_instance_id=gi.info.id,
             compute_instance_id=ci.id if ci is not None else record.compute_instance_id,
             mig_uuid=ci.mig_uuid if ci is not None else record.mig_uuid,
+            ci_create_issued=False,
             since=record.since if record.state is State.DELETING else self.inputs.now,
         )
         if deleting.mig_uuid:

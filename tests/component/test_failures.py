@@ -9,11 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from lifecycle_world import World, gis, restart
+from lifecycle_world import BOOT_ID, World, gis, restart
 
 from sidecar import errors, records
-from sidecar.domain import Identity, Outcome, State
+from sidecar.domain import Identity, Outcome, Placement, State
 from sidecar.reconciler import Reconciler
+from sidecar.records import OwnershipRecord
+from sidecar.recovery_plan import plan
 
 NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_TIMEOUT = 10
@@ -407,3 +409,74 @@ class TestAFailedCreateLeavesNoCdiFile:
             world.allocate("pod-a", (0, "1g.10gb", 0, 1))
 
         assert world.everything() == (set(), {}, set())
+
+
+class TestACiMadeLaterInABareGpuInstanceOfOursIsNeverDestroyed:
+    """A record whose create issued the CI create owns an unrecorded CI in its GI only until the
+    sidecar has seen that GI without a CI: a CI that shows up there afterwards was made by someone
+    else, and destroying the instance must stop at it (the GI stays, foreign)."""
+
+    PLACEMENT = Placement(4, 4)
+
+    def test_after_an_undo_that_saw_no_ci_and_failed_to_destroy_the_gi(self, world: World) -> None:
+        world.hw.inject_fault("create-ci", NVML_ERROR_INSUFFICIENT_RESOURCES, times=FOREVER)
+        world.hw.inject_fault("destroy-gi", NVML_ERROR_UNKNOWN, times=FOREVER)
+        with pytest.raises(errors.SidecarError):
+            world.allocate("pod-a", (1, "3g.40gb", self.PLACEMENT.start, self.PLACEMENT.size))
+        world.hw.clear_faults()
+        [record] = world.record_files().values()
+        assert (record.state, record.compute_instance_id) == (State.ERROR, None)
+        assert record.gpu_instance_id is not None
+        self.someone_makes_a_ci(world, record.gpu_instance_id)
+        layout = world.layout()
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.layout() == layout
+
+    def test_after_recovery_saw_the_crashed_creates_gi_bare(self, world: World) -> None:
+        record = self.crashed_after_recording_the_gi(world)
+        recovery = restart(world)
+        decided = plan(recovery.gather([]))
+        self.someone_makes_a_ci(world, record.gpu_instance_id)
+        layout = world.layout()
+
+        recovery.apply(decided)
+
+        assert world.layout() == layout
+
+    def test_after_recovery_failed_to_destroy_the_crashed_creates_bare_gi(self, world: World) -> None:
+        record = self.crashed_after_recording_the_gi(world)
+        world.hw.inject_fault("destroy-gi", NVML_ERROR_UNKNOWN, times=FOREVER)
+        restart(world).recover([])
+        world.hw.clear_faults()
+        self.someone_makes_a_ci(world, record.gpu_instance_id)
+        layout = world.layout()
+
+        Reconciler(world.lifecycle).run_once()
+
+        assert world.layout() == layout
+
+    def crashed_after_recording_the_gi(self, world: World) -> OwnershipRecord:
+        """What a crash between recording the new GI and the CI create leaves."""
+        gi = world.hw.create_instance(1, "3g.40gb", self.PLACEMENT.start, self.PLACEMENT.size, with_ci=False)
+        [profile] = [p for p in world.port.gpu_instance_profiles(world.uuid(1)) if p.name == "3g.40gb"]
+        record = OwnershipRecord(
+            gpu_uuid=world.uuid(1),
+            profile="3g.40gb",
+            gi_profile_id=gi.profile_id,
+            ci_profile_id=profile.ci_profile_id,
+            placement=self.PLACEMENT,
+            state=State.CREATING,
+            gpu_instance_id=gi.id,
+            boot_id=BOOT_ID,
+            ci_create_issued=True,
+        )
+        world.records.put(record)
+        return record
+
+    @staticmethod
+    def someone_makes_a_ci(world: World, gpu_instance_id: int | None) -> None:
+        assert gpu_instance_id is not None
+        [profile] = [p for p in world.port.gpu_instance_profiles(world.uuid(1)) if p.name == "3g.40gb"]
+        world.port.create_compute_instance(world.uuid(1), gpu_instance_id, profile.ci_profile_id)
