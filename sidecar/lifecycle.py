@@ -321,9 +321,11 @@ class Lifecycle:
         with self._claim([v.key for v in validated]), self._gpu_locks_for(v.gpu.uuid for v in validated):
             # Validation ran before the locks: a SetMigMode(disable) may have finished in between, and
             # then the first NVML call would fail NOT_SUPPORTED (NVML_ERROR, retried by the client)
-            # where MIG_DISABLED is the truth. One cheap mode read per GPU, under its lock.
-            for gpu_uuid in sorted({v.gpu.uuid for v in validated}):
-                self._require_mig_enabled(gpu_uuid)
+            # where MIG_DISABLED is the truth. One cheap mode read per GPU, under its lock; its answer
+            # replaces the GPU facts validation read, since a mode change may renumber the device
+            # (the CDI spec is rendered from its minor number).
+            now = {uuid: self._require_mig_enabled(uuid) for uuid in sorted({v.gpu.uuid for v in validated})}
+            validated = [msgspec.structs.replace(v, gpu=now[v.gpu.uuid]) for v in validated]
             self._check_key_conflicts(validated)
             # Every device's placement is judged before any device changes anything: a request that
             # must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would otherwise have
@@ -765,8 +767,9 @@ class Lifecycle:
             )
         return out
 
-    def _require_mig_enabled(self, gpu_uuid: str) -> None:
-        """MigDisabled unless MIG is enabled now and stays enabled after the next reset."""
+    def _require_mig_enabled(self, gpu_uuid: str) -> GpuInfo:
+        """The GPU as NVML describes it now; MigDisabled unless MIG is enabled now and stays enabled
+        after the next reset."""
         with nvml_errors(f"read MIG mode of {gpu_uuid}"):
             live = self.port.gpu(gpu_uuid)
         if not (live.mig_current and live.mig_pending):
@@ -778,6 +781,7 @@ class Lifecycle:
                     "pending": str(live.mig_pending),
                 },
             )
+        return live
 
     def _check_key_conflicts(self, validated: Sequence[_Validated]) -> None:
         for v in validated:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lifecycle_world import BOOT_ID, World, gis, restart
@@ -195,6 +196,43 @@ class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
         [error] = outcome
         assert isinstance(error, errors.MigDisabled)
         assert world.everything() == (set(), {}, set())
+
+
+class TestAMigModeChangeWhileAnAllocateWaitsForItsGpu:
+    def test_the_allocate_renders_its_cdi_spec_with_the_minor_number_the_gpu_has_now(
+        self, cdi_world: World
+    ) -> None:
+        """A mode change may rebind the device under a new minor number; an Allocate validated before
+        it must not write a spec naming the old device nodes."""
+        world = cdi_world
+        gpu = world.uuid(0)
+        world.lifecycle.gpu_info(gpu)  # cached: the next mode read is validation's
+        outcome: list[Any] = []
+
+        def allocate() -> None:
+            try:
+                outcome.append(world.allocate("pod-a", (0, "3g.40gb", 4, 4)))
+            except Exception as exc:  # noqa: BLE001 - handed to the test thread
+                outcome.append(exc)
+
+        with world.lifecycle.exclusive([gpu]):  # what a SetMigMode holds while it runs
+            reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
+            worker = threading.Thread(target=allocate)
+            worker.start()
+            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+            while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
+                assert time.monotonic() < give_up, "the allocate never validated"
+                time.sleep(0.005)
+            with world.hw.store.transaction() as state:
+                state.gpus[0].minor = 3  # the driver rebound the device under another minor number
+            world.lifecycle.set_mig_mode(gpu, True)
+        worker.join()
+
+        [result] = outcome
+        [device] = result.devices
+        spec = world.cdi.spec_path(device.identity.mig_uuid).read_text()
+        assert "/dev/nvidia3" in spec
+        assert "/dev/nvidia0" not in spec
 
 
 class TestAFailedCreateLeavesNoUnrecordedInstance:
