@@ -58,6 +58,7 @@ FULL_CI_PROFILE_BY_SLICES: dict[int, int] = {
     8: CI_PROFILE_8_SLICE,
 }
 
+
 def full_ci_profile_id(slice_count: int) -> int | None:
     """The full-size CI profile of a GI with ``slice_count`` compute slices; None when unknown.
 
