@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar import errors, recovery_plan
@@ -1202,7 +1202,15 @@ def _scenarios(draw: st.DrawFn) -> tuple[Inputs, dict[tuple[str, Placement], Own
 
 
 class TestPlanNeverDestroysHardwareItCannotVouchFor:
-    @settings(max_examples=150, deadline=None, database=None)
+    # Derandomized: the gating run checks the same 150 scenarios every time, so a failure reproduces
+    # and a pass means the same thing on every machine; no health check fails it for being slow.
+    @settings(
+        max_examples=150,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(_scenarios())
     def test_every_destroyed_gi_is_a_verified_own_instance_or_an_adoptable_orphan(
         self, scenario: tuple[Inputs, dict[tuple[str, Placement], OwnershipRecord]]
