@@ -255,7 +255,7 @@ class TestAFailedCreateLeavesNoUnrecordedInstance:
 
 class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
     def test_an_instance_whose_record_could_not_be_deleted_after_its_destroy_is_finished_by_the_reconciler(
-        self, world: World
+        self, world: World, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """The reclaim destroyed the hardware, then deleting the record failed (the state directory
         was unavailable for a moment). The instance must not stay DELETING in the table for the rest
@@ -267,30 +267,30 @@ class TestARecordDeleteThatFailsAfterTheDestroyIsRetried:
         state_dir = world.records.directory
         away = state_dir.with_name("state-away")
         record_file = state_dir / f"{idle.name}.json"
-        # The simulated driver sleeps after destroying the GI: the window between the DELETING record
-        # and the record delete, in which the directory goes away.
-        world.hw.set_latency("destroy-gi", 1.0)
+        seen_on_disk: list[bytes] = []
+        destroy_gi = world.port.destroy_gpu_instance
 
-        def take_the_directory_away() -> None:
-            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
-            while b'"DELETING"' not in record_file.read_bytes():
-                if time.monotonic() > give_up:
-                    return
-                time.sleep(0.005)
-            state_dir.rename(away)
-            state_dir.write_text("not a directory")
+        def destroy_then_take_the_directory_away(gpu_uuid: str, gpu_instance_id: int) -> None:
+            # The window between the DELETING record and the record delete: the GI is gone, and the
+            # state directory goes away before the sidecar deletes the record.
+            destroy_gi(gpu_uuid, gpu_instance_id)
+            if not seen_on_disk:
+                seen_on_disk.append(record_file.read_bytes())
+                state_dir.rename(away)
+                state_dir.write_text("not a directory")
 
-        thief = threading.Thread(target=take_the_directory_away)
-        thief.start()
         try:
-            with pytest.raises(errors.StateWriteFailed):
-                world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+            with monkeypatch.context() as patch:
+                patch.setattr(world.port, "destroy_gpu_instance", destroy_then_take_the_directory_away)
+                with pytest.raises(errors.StateWriteFailed):
+                    world.allocate("pod-a", (0, "3g.40gb", 4, 4))
         finally:
-            thief.join()
-            world.hw.set_latency("destroy-gi", 0)
-            state_dir.unlink()
-            away.rename(state_dir)
+            if away.exists():
+                state_dir.unlink()
+                away.rename(state_dir)
 
+        [on_disk] = seen_on_disk  # the hook ran once, after the reclaim's destroy of the idle GI
+        assert b'"DELETING"' in on_disk  # the reclaim recorded DELETING before its destroy
         assert world.layout() == set()
         report = Reconciler(world.lifecycle).run_once()
         assert [ref.reservation for ref in report.destroyed] == [idle.reservation]
