@@ -250,11 +250,17 @@ class Sidecar:
         return doc
 
     def records(self) -> dict[str, dict[str, Any]]:
-        """Record file stem -> the record inside its envelope, read from the state directory."""
-        return {
-            path.stem: json.loads(path.read_bytes())["record"]
-            for path in sorted(self.state_dir.glob("*.json"))
-        }
+        """Record file stem -> the record inside its envelope, read from the state directory.
+
+        The reconciler may delete a record between the listing and its read (every 0.2 s by default):
+        that record is left out, as if the listing had come a moment later."""
+        found: dict[str, dict[str, Any]] = {}
+        for path in sorted(self.state_dir.glob("*.json")):
+            try:
+                found[path.stem] = json.loads(path.read_bytes())["record"]
+            except FileNotFoundError:
+                continue  # deleted between the listing and the read
+        return found
 
     def cdi_files(self) -> list[str]:
         """Names of the entries in the CDI directory ([] when it does not exist)."""
@@ -292,14 +298,20 @@ class Sidecar:
 
 def snapshot_dir(directory: Path) -> dict[str, bytes]:
     """Relative path -> bytes of every regular file under ``directory`` ({} when it does not exist):
-    equal snapshots mean nothing was written, renamed or removed there."""
+    equal snapshots mean nothing was written, renamed or removed there. A file deleted between the
+    listing and its read (a background round removing a record or spec) is left out, as if the
+    listing had come a moment later."""
     if not directory.exists():
         return {}
-    return {
-        str(path.relative_to(directory)): path.read_bytes()
-        for path in sorted(directory.rglob("*"))
-        if path.is_file()
-    }
+    found: dict[str, bytes] = {}
+    for path in sorted(directory.rglob("*")):
+        if not path.is_file():
+            continue
+        try:
+            found[str(path.relative_to(directory))] = path.read_bytes()
+        except FileNotFoundError:
+            continue  # deleted between the listing and the read
+    return found
 
 
 # -- what a plugin sends and reads, shared by the tests that talk about one device at a time ----------------
