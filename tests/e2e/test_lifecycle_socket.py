@@ -106,7 +106,7 @@ def h100(car: Sidecar, n: int = 0) -> str:
     return uuids[n]
 
 
-def allocate(car: Sidecar, pod: str, *devices: Device) -> Any:
+def allocate(car: Sidecar, pod: str, *devices: Device, timeout: float = CALL_TIMEOUT_S) -> Any:
     """Allocate for container 0 of ``pod``; checks the CDI name every device comes back with."""
     request = pb.AllocateRequest(
         pod=pb.PodRef(uid=pod, namespace="default", name=pod),
@@ -119,7 +119,7 @@ def allocate(car: Sidecar, pod: str, *devices: Device) -> Any:
             for i, (gpu, profile, start, size) in enumerate(devices)
         ],
     )
-    response = car.stub.Allocate(request, timeout=CALL_TIMEOUT_S)
+    response = car.stub.Allocate(request, timeout=timeout)
     for device in response.devices:
         if cdi_on(car):
             assert device.cdi_device.endswith("=" + device.mig_uuid)
@@ -135,8 +135,8 @@ def refused(car: Sidecar, pod: str, *devices: Device) -> tuple[grpc.StatusCode, 
     return error_info(caught.value)
 
 
-def release(car: Sidecar, pod: str) -> Any:
-    return car.stub.Release(pb.ReleaseRequest(pod_uid=pod), timeout=CALL_TIMEOUT_S)
+def release(car: Sidecar, pod: str, timeout: float = CALL_TIMEOUT_S) -> Any:
+    return car.stub.Release(pb.ReleaseRequest(pod_uid=pod), timeout=timeout)
 
 
 def get_state(car: Sidecar) -> Any:
@@ -559,6 +559,10 @@ RESERVATIONS = [
 PODS = 20  # 20 Allocates ...
 RELEASERS = 12  # ... and 12 Releases: 32 calls in flight together
 ATTEMPTS = 3  # per pod, while its Allocate is refused PLACEMENT_BUSY
+# The last of 32 calls queued behind per-GPU locks, each holding them for record and CDI fsyncs, may
+# wait long on a slow shared disk. The test is about exclusivity, not latency: a generous deadline, so
+# that DEADLINE_EXCEEDED never stands in for an answer.
+QUEUED_CALL_TIMEOUT_S = 120.0
 
 
 class TestConcurrency:
@@ -580,7 +584,9 @@ class TestConcurrency:
             device = None
             for _ in range(ATTEMPTS):  # a refused request tries again: more hand-overs between keys
                 try:
-                    device = allocate(car, pod, (gpus[g], profile, start_, size)).devices[0]
+                    device = allocate(
+                        car, pod, (gpus[g], profile, start_, size), timeout=QUEUED_CALL_TIMEOUT_S
+                    ).devices[0]
                     break
                 except grpc.RpcError as exc:
                     with lock:
@@ -596,7 +602,7 @@ class TestConcurrency:
                 # may legitimately have it; before it, the sidecar would have handed it out twice.
                 with lock:
                     del holder[device.mig_uuid]
-                refs = release(car, pod).released
+                refs = release(car, pod, timeout=QUEUED_CALL_TIMEOUT_S).released
                 with lock:
                     released[pod] = [r.mig_uuid for r in refs]
                 assert [r.mig_uuid for r in refs] == [device.mig_uuid]
