@@ -532,11 +532,14 @@ class TestCdiRemovalRetry:
         assert spec.is_dir()
 
         # Clear the obstacle: put the spec back as the file it was, atomically, so that every retry
-        # sees either the obstacle or the file; only the reconciler can then make it disappear.
+        # sees either the obstacle or the file; only the reconciler can then make it disappear. The
+        # file is checked before the swap: after it, the next retry may remove it at any moment.
         parked = car.cdi_dir / ".spec-back"
         parked.write_bytes(content)
+        assert parked.read_bytes() == content
         exchange(parked, spec)
-        assert spec.read_bytes() == content
+        assert (parked / "in-the-way").is_dir()  # the obstacle moved aside, under a name no retry touches
+        assert not spec.is_dir()  # the spec file, or nothing once the retry removed it
 
         wait_until("the reconciler removed the queued spec", lambda: not spec.exists())
         assert list(get_state(car).pending_cdi_removals) == []
