@@ -14,6 +14,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -324,10 +325,29 @@ func TestABugInTheSidecarIsReportedAsInternalAndNotRetried(t *testing.T) {
 	}
 }
 
+// warm makes one call and waits until the connection shows READY, so that a short deadline set
+// by the test bounds only the call under test, not dialling the socket and the backend check's
+// first GetInfo (on a busy machine those alone can outlast it, and the call then fails as
+// SIDECAR_UNREACHABLE instead).
+func warm(t *testing.T, c *Client) {
+	t.Helper()
+	if _, err := c.GetInfo(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for state := c.conn.GetState(); state != connectivity.Ready; state = c.conn.GetState() {
+		if !c.conn.WaitForStateChange(ctx, state) {
+			t.Fatalf("the connection answered GetInfo but never showed READY (still %s)", state)
+		}
+	}
+}
+
 func TestAllocateFailsClosedWhenTheSidecarHangsPastTheDeadline(t *testing.T) {
 	opts := fastOptions()
 	opts.AllocateTimeout = 200 * time.Millisecond
 	r, c := started(t, opts)
+	warm(t, c)
 	r.allocateHang = true
 	_, err := c.Allocate(context.Background(), oneDevice)
 	if CodeOf(err) != codes.DeadlineExceeded || !errors.Is(err, context.DeadlineExceeded) {
@@ -668,36 +688,77 @@ func TestByDefaultOnlyTheDeadlineBoundsTheRetriesOfAllocate(t *testing.T) {
 	}
 }
 
+// The deadlines below pass at a known point of the call (expiring, expireAt, whenHanging), not
+// on a timer, so the tests can count attempts exactly; their AllocateTimeout of a minute is never
+// reached.
+
 func TestAnAllocateThatRunsOutOfTimeReportsTheLastReasonAndTheDeadline(t *testing.T) {
+	ctx := newExpiring()
 	opts := fastOptions()
 	opts.MaxAttempts = 0
-	opts.AllocateTimeout = 300 * time.Millisecond
+	opts.AllocateTimeout = time.Minute
+	// The deadline passes as the third attempt starts: gRPC never sends it.
+	opts.DialOptions = []grpc.DialOption{expireAt(pb.MigSidecar_Allocate_FullMethodName, 3, beforeSending, ctx)}
 	r, c := started(t, opts)
+	r.allocateErrs = []error{sidecarError(codes.Unavailable, ReasonNvmlError, map[string]string{"gpu_uuid": "GPU-a"})}
 	r.allocateAlways = sidecarError(codes.Unavailable, ReasonInstanceInUse, map[string]string{"mig_uuid": "MIG-busy"})
-	_, err := c.Allocate(context.Background(), oneDevice)
+	_, err := c.Allocate(ctx, oneDevice)
 	var e *Error
 	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Code != codes.Unavailable || e.Metadata["mig_uuid"] != "MIG-busy" {
-		t.Fatalf("want INSTANCE_IN_USE naming the instance, got %v", err)
+		t.Fatalf("want the last answer, INSTANCE_IN_USE naming the instance, got %v", err)
 	}
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("the error does not say the deadline ran out: %v", err)
 	}
-	// The attempt the deadline cut short may not have reached the sidecar.
-	if seen := r.allocatesOf(oneDevice.Pod.UID); seen < 2 || e.Attempts < seen || e.Attempts > seen+1 {
-		t.Fatalf("error counts %d attempts, sidecar saw %d", e.Attempts, seen)
+	if seen := r.allocatesOf(oneDevice.Pod.UID); seen != 2 || e.Attempts != 3 {
+		t.Fatalf("error counts %d attempts and the sidecar saw %d; want 3, of which the last never reached it", e.Attempts, seen)
+	}
+}
+
+func TestADeadlinePassingWhileAllocateWaitsToRetryEndsTheWaitWithTheSidecarsReason(t *testing.T) {
+	ctx := newExpiring()
+	opts := fastOptions()
+	opts.MaxAttempts = 0
+	opts.AllocateTimeout = time.Minute
+	// Only the deadline can end a wait this long; it passes once the first answer is in.
+	opts.Backoff = Backoff{Initial: time.Hour, Max: time.Hour}
+	opts.DialOptions = []grpc.DialOption{expireAt(pb.MigSidecar_Allocate_FullMethodName, 1, onceAnswered, ctx)}
+	r, c := started(t, opts)
+	r.allocateAlways = sidecarError(codes.Unavailable, ReasonInstanceInUse, map[string]string{"mig_uuid": "MIG-busy"})
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Allocate(ctx, oneDevice)
+		done <- err
+	}()
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(time.Minute): // fail instead of hanging
+		t.Fatal("Allocate is still waiting out its backoff after its deadline passed")
+	}
+	var e *Error
+	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Code != codes.Unavailable || e.Metadata["mig_uuid"] != "MIG-busy" {
+		t.Fatalf("want INSTANCE_IN_USE naming the instance, got %v", err)
+	}
+	if !errors.Is(err, context.DeadlineExceeded) || e.Attempts != 1 || r.allocatesOf(oneDevice.Pod.UID) != 1 {
+		t.Fatalf("want the deadline after 1 attempt, got %v after %d calls", err, r.allocatesOf(oneDevice.Pod.UID))
 	}
 }
 
 func TestADeadlineFallingInsideAnAttemptStillReportsTheEarlierReason(t *testing.T) {
+	ctx := newExpiring()
 	opts := fastOptions()
-	opts.AllocateTimeout = 300 * time.Millisecond
+	opts.AllocateTimeout = time.Minute
 	r, c := started(t, opts)
 	r.allocateErrs = []error{sidecarError(codes.Unavailable, ReasonInstanceInUse, nil)}
-	r.allocateHang = true // the second attempt hangs until the deadline
-	_, err := c.Allocate(context.Background(), oneDevice)
+	whenHanging(t, r, ctx.expire) // the second attempt hangs, and the deadline passes while it does
+	_, err := c.Allocate(ctx, oneDevice)
 	var e *Error
 	if !errors.As(err, &e) || e.Reason != ReasonInstanceInUse || e.Attempts != 2 || !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("want INSTANCE_IN_USE after 2 attempts and the deadline, got %v", err)
+	}
+	if seen := r.allocatesOf(oneDevice.Pod.UID); seen != 2 {
+		t.Fatalf("the sidecar saw %d Allocate calls, want 2", seen)
 	}
 }
 
@@ -758,23 +819,32 @@ func TestADeadlineTheSidecarReportsBeforeTheConnectionShowsReadyIsADeadline(t *t
 
 // Cancellation: a caller that gives up is not a slow or absent sidecar.
 
-// cancelWhenHanging returns a context that is cancelled as soon as an Allocate starts to hang
-// on the double, so the call is cut short while the sidecar holds it.
-func cancelWhenHanging(t *testing.T, r *remote) context.Context {
+// whenHanging makes every Allocate that gets past the double's scripted answers hang, and runs
+// end as soon as one starts to, so the call is cut short while the sidecar holds it.
+func whenHanging(t *testing.T, r *remote, end func()) {
 	t.Helper()
 	hanging := make(chan struct{}, 1)
 	r.mu.Lock()
 	r.allocateHang, r.hanging = true, hanging
 	r.mu.Unlock()
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) })
 	go func() {
 		select {
 		case <-hanging:
-			cancel()
-		case <-ctx.Done():
+			end()
+		case <-stop:
 		}
 	}()
+}
+
+// cancelWhenHanging returns a context that is cancelled as soon as an Allocate starts to hang
+// on the double.
+func cancelWhenHanging(t *testing.T, r *remote) context.Context {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	whenHanging(t, r, cancel)
 	return ctx
 }
 
@@ -1169,26 +1239,42 @@ func TestReleaseByPodListReleasesNothingWhenTheSidecarRestartsDuringEveryList(t 
 // record write, a restart during the call) may succeed later: it is repeated with backoff and a
 // fresh pod list until the call's deadline, not given up after a few quick tries.
 
-// expireAfterRecovers returns a dial option that ends ctx once the n-th Recover has been
-// answered, and waits until the call's own context has seen it, so the client finds the deadline
-// passed at a known point of the call.
-func expireAfterRecovers(n int, ctx *expiring) grpc.DialOption {
+// expiryPoint is where in a call expireAt ends the deadline.
+type expiryPoint int
+
+const (
+	// beforeSending: the call has started but is not handed to gRPC yet, which then never sends it.
+	beforeSending expiryPoint = iota
+	// onceAnswered: the sidecar's answer is in, and the client finds the deadline passed after it.
+	onceAnswered
+)
+
+// expireAt returns a dial option that ends ctx at point of the n-th call of method, and waits
+// until the call's own context has seen it, so the client finds the deadline passed at a known
+// point of the call rather than after some time.
+func expireAt(method string, n int, point expiryPoint, ctx *expiring) grpc.DialOption {
 	var mu sync.Mutex
-	answered := 0
-	return grpc.WithChainUnaryInterceptor(func(rctx context.Context, method string, req, reply any, cc *grpc.ClientConn,
+	calls := 0
+	return grpc.WithChainUnaryInterceptor(func(rctx context.Context, m string, req, reply any, cc *grpc.ClientConn,
 		invoker grpc.UnaryInvoker, opts ...grpc.CallOption,
 	) error {
-		err := invoker(rctx, method, req, reply, cc, opts...)
-		if method != pb.MigSidecar_Recover_FullMethodName {
-			return err
+		if m != method {
+			return invoker(rctx, m, req, reply, cc, opts...)
 		}
 		mu.Lock()
-		answered++
-		last := answered == n
+		calls++
+		nth := calls == n
 		mu.Unlock()
-		if last {
+		end := func() {
 			ctx.expire()
 			<-rctx.Done()
+		}
+		if nth && point == beforeSending {
+			end()
+		}
+		err := invoker(rctx, m, req, reply, cc, opts...)
+		if nth && point == onceAnswered {
+			end()
 		}
 		return err
 	})
@@ -1233,7 +1319,7 @@ func TestARecoverUnavailableUntilTheDeadlineReportsTheSidecarsLastReason(t *test
 	opts.MaxAttempts = 0
 	opts.AllocateTimeout = time.Minute
 	opts.ListActive = activeList(annotated, nil)
-	opts.DialOptions = []grpc.DialOption{expireAfterRecovers(3, ctx)}
+	opts.DialOptions = []grpc.DialOption{expireAt(pb.MigSidecar_Recover_FullMethodName, 3, onceAnswered, ctx)}
 	r, c := started(t, opts)
 	r.restart()
 	r.recoverErr = sidecarError(codes.Unavailable, ReasonNvmlError, map[string]string{"gpu_uuid": "GPU-a"})
