@@ -11,6 +11,7 @@
 // Usage:
 //
 //	mockplugin --socket PATH --scenario FILE [--pods FILE] [--restart-cmd CMD] [--json] [--allow-simulated-backend]
+//	           [--call-timeout D] [--allocate-timeout D] [--max-attempts N]
 //
 // Like the real plugin, it refuses a sidecar on the simulated backend unless told otherwise.
 package main
@@ -47,6 +48,7 @@ type config struct {
 	json            bool
 	callTimeout     time.Duration
 	allocateTimeout time.Duration
+	maxAttempts     int
 	allowSimulated  bool
 }
 
@@ -60,6 +62,8 @@ func run(args []string, out io.Writer) error {
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per step instead of text")
 	fs.DurationVar(&cfg.callTimeout, "call-timeout", migclient.DefaultCallTimeout, "deadline of every RPC but Allocate")
 	fs.DurationVar(&cfg.allocateTimeout, "allocate-timeout", migclient.DefaultAllocateTimeout, "deadline of Allocate")
+	fs.IntVar(&cfg.maxAttempts, "max-attempts", 0,
+		"calls per RPC, the first included, before an UNAVAILABLE answer is given up; 0: no cap, the deadline alone bounds the retries")
 	fs.BoolVar(&cfg.allowSimulated, "allow-simulated-backend", false,
 		"work with a sidecar on the simulated backend (demos and tests); without it such a sidecar is refused")
 	if err := fs.Parse(args); err != nil {
@@ -67,6 +71,9 @@ func run(args []string, out io.Writer) error {
 	}
 	if cfg.scenario == "" {
 		return errors.New("--scenario is required")
+	}
+	if cfg.maxAttempts < 0 {
+		return fmt.Errorf("--max-attempts %d: want 0 (no cap) or more", cfg.maxAttempts)
 	}
 	sc, err := loadScenario(cfg.scenario)
 	if err != nil {
@@ -80,6 +87,7 @@ func run(args []string, out io.Writer) error {
 	client, err := migclient.New(ctx, cfg.socket, migclient.Options{
 		CallTimeout:           cfg.callTimeout,
 		AllocateTimeout:       cfg.allocateTimeout,
+		MaxAttempts:           cfg.maxAttempts,
 		ListActive:            store.listActive(false),
 		AllowSimulatedBackend: cfg.allowSimulated,
 	})
