@@ -374,6 +374,9 @@ func contextErrors(ctx context.Context) []error {
 
 // pause waits out the backoff after the given attempt; false when ctx ended first.
 func (c *Client) pause(ctx context.Context, attempt int) bool {
+	if ctx.Err() != nil {
+		return false // a select below would pick at random between a done ctx and a fired timer
+	}
 	t := time.NewTimer(c.delay(attempt))
 	defer t.Stop()
 	select {
