@@ -6,11 +6,12 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from lifecycle_world import BOOT_ID, World, gis, restart
+from lifecycle_world import BOOT_ID, Dev, World, gis, restart
 
 from sidecar import errors, records
 from sidecar.domain import Identity, Outcome, Placement, State
@@ -165,35 +166,46 @@ class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
         assert world.states() == {idle.name: State.ERROR}
 
 
+def allocate_past_validation(world: World, gpu: int, device: Dev, meanwhile: Callable[[], None]) -> Any:
+    """Allocate ``device`` on GPU ``gpu`` while the GPU's lock is held elsewhere (as a SetMigMode holds
+    it); ``meanwhile`` runs once validation has read the MIG mode, before the Allocate gets the lock.
+    Returns the Allocate's result or the exception it raised."""
+    world.lifecycle.gpu_info(
+        world.uuid(gpu)
+    )  # the static GPU list is cached: the next mode read is validation's
+    outcome: list[Any] = []
+
+    def allocate() -> None:
+        try:
+            outcome.append(world.allocate("pod-a", device))
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    with world.lifecycle.exclusive([world.uuid(gpu)]):
+        reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
+        worker = threading.Thread(target=allocate)
+        worker.start()
+        give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
+        while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
+            assert time.monotonic() < give_up, "the allocate never validated"
+            time.sleep(0.005)
+        meanwhile()
+    worker.join()
+    [result] = outcome
+    return result
+
+
 class TestMigDisabledWhileAnAllocateWaitsForItsGpu:
     """The MIG mode is checked again under the GPU lock, before the first change."""
 
     def test_an_allocate_that_raced_a_mig_disable_answers_mig_disabled_and_changes_nothing(
         self, world: World
     ) -> None:
-        gpu = world.uuid(1)
-        world.lifecycle.gpu_info(gpu)  # the static GPU list is cached: the next mode read is validation's
-        outcome: list[BaseException | None] = []
+        # Validation has seen MIG enabled; the lock is still held elsewhere.
+        error = allocate_past_validation(
+            world, 1, (1, "1g.10gb", 0, 1), lambda: world.hw.set_mig_mode(1, False)
+        )
 
-        def allocate() -> None:
-            try:
-                world.allocate("pod-a", (1, "1g.10gb", 0, 1))
-                outcome.append(None)
-            except Exception as exc:  # noqa: BLE001 - handed to the test thread
-                outcome.append(exc)
-
-        with world.lifecycle.exclusive([gpu]):  # what a SetMigMode holds while it disables MIG
-            reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
-            worker = threading.Thread(target=allocate)
-            worker.start()
-            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
-            while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
-                assert time.monotonic() < give_up, "the allocate never validated"
-                time.sleep(0.005)
-            world.hw.set_mig_mode(1, False)  # validation has seen MIG enabled; the lock is still ours
-        worker.join()
-
-        [error] = outcome
         assert isinstance(error, errors.MigDisabled)
         assert world.everything() == (set(), {}, set())
 
@@ -205,30 +217,14 @@ class TestAMigModeChangeWhileAnAllocateWaitsForItsGpu:
         """A mode change may rebind the device under a new minor number; an Allocate validated before
         it must not write a spec naming the old device nodes."""
         world = cdi_world
-        gpu = world.uuid(0)
-        world.lifecycle.gpu_info(gpu)  # cached: the next mode read is validation's
-        outcome: list[Any] = []
 
-        def allocate() -> None:
-            try:
-                outcome.append(world.allocate("pod-a", (0, "3g.40gb", 4, 4)))
-            except Exception as exc:  # noqa: BLE001 - handed to the test thread
-                outcome.append(exc)
-
-        with world.lifecycle.exclusive([gpu]):  # what a SetMigMode holds while it runs
-            reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
-            worker = threading.Thread(target=allocate)
-            worker.start()
-            give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
-            while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
-                assert time.monotonic() < give_up, "the allocate never validated"
-                time.sleep(0.005)
+        def rebind_under_another_minor() -> None:
             with world.hw.store.transaction() as state:
-                state.gpus[0].minor = 3  # the driver rebound the device under another minor number
-            world.lifecycle.set_mig_mode(gpu, True)
-        worker.join()
+                state.gpus[0].minor = 3
+            world.lifecycle.set_mig_mode(world.uuid(0), True)
 
-        [result] = outcome
+        result = allocate_past_validation(world, 0, (0, "3g.40gb", 4, 4), rebind_under_another_minor)
+
         [device] = result.devices
         spec = world.cdi.spec_path(device.identity.mig_uuid).read_text()
         assert "/dev/nvidia3" in spec
