@@ -143,6 +143,65 @@ func (InstanceState) EnumDescriptor() ([]byte, []int) {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{1}
 }
 
+type PlacementCost int32
+
+const (
+	PlacementCost_PLACEMENT_COST_UNSPECIFIED PlacementCost = 0
+	// An IDLE instance of exactly this profile sits there: no NVML create at all.
+	PlacementCost_REUSE PlacementCost = 1
+	// Nothing overlaps: one create.
+	PlacementCost_FREE PlacementCost = 2
+	// Only IDLE instances overlap (listed in reclaim): destroy them, then create.
+	PlacementCost_RECLAIM PlacementCost = 3
+	// An ACTIVE, ERROR, in-flight or foreign instance, or a record left for the operator, overlaps.
+	PlacementCost_BLOCKED PlacementCost = 4
+)
+
+// Enum value maps for PlacementCost.
+var (
+	PlacementCost_name = map[int32]string{
+		0: "PLACEMENT_COST_UNSPECIFIED",
+		1: "REUSE",
+		2: "FREE",
+		3: "RECLAIM",
+		4: "BLOCKED",
+	}
+	PlacementCost_value = map[string]int32{
+		"PLACEMENT_COST_UNSPECIFIED": 0,
+		"REUSE":                      1,
+		"FREE":                       2,
+		"RECLAIM":                    3,
+		"BLOCKED":                    4,
+	}
+)
+
+func (x PlacementCost) Enum() *PlacementCost {
+	p := new(PlacementCost)
+	*p = x
+	return p
+}
+
+func (x PlacementCost) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PlacementCost) Descriptor() protoreflect.EnumDescriptor {
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2].Descriptor()
+}
+
+func (PlacementCost) Type() protoreflect.EnumType {
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2]
+}
+
+func (x PlacementCost) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PlacementCost.Descriptor instead.
+func (PlacementCost) EnumDescriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
+}
+
 // A placement on the GPU's memory-slice axis: [start, start+size). size counts memory slices.
 type Placement struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -2087,9 +2146,11 @@ func (x *GetStateResponse) GetPendingCdiRemovals() []string {
 }
 
 type SetMigModeRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	GpuUuid       string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
-	Enabled       bool                   `protobuf:"varint,2,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	Enabled bool                   `protobuf:"varint,2,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// With enabled=false: destroy the GPU's IDLE instances first (as ReclaimIdle), then disable MIG.
+	ReclaimIdle   bool `protobuf:"varint,3,opt,name=reclaim_idle,json=reclaimIdle,proto3" json:"reclaim_idle,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2134,6 +2195,13 @@ func (x *SetMigModeRequest) GetGpuUuid() string {
 func (x *SetMigModeRequest) GetEnabled() bool {
 	if x != nil {
 		return x.Enabled
+	}
+	return false
+}
+
+func (x *SetMigModeRequest) GetReclaimIdle() bool {
+	if x != nil {
+		return x.ReclaimIdle
 	}
 	return false
 }
@@ -2189,6 +2257,395 @@ func (x *SetMigModeResponse) GetNeedsReset() bool {
 		return x.NeedsReset
 	}
 	return false
+}
+
+type UndoAllocateRequest struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	PodUid         string                 `protobuf:"bytes,1,opt,name=pod_uid,json=podUid,proto3" json:"pod_uid,omitempty"`
+	ContainerIndex uint32                 `protobuf:"varint,2,opt,name=container_index,json=containerIndex,proto3" json:"container_index,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *UndoAllocateRequest) Reset() {
+	*x = UndoAllocateRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UndoAllocateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UndoAllocateRequest) ProtoMessage() {}
+
+func (x *UndoAllocateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UndoAllocateRequest.ProtoReflect.Descriptor instead.
+func (*UndoAllocateRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{31}
+}
+
+func (x *UndoAllocateRequest) GetPodUid() string {
+	if x != nil {
+		return x.PodUid
+	}
+	return ""
+}
+
+func (x *UndoAllocateRequest) GetContainerIndex() uint32 {
+	if x != nil {
+		return x.ContainerIndex
+	}
+	return 0
+}
+
+type UndoAllocateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Instances that the undone Allocate created, now destroyed (record and CDI spec gone).
+	Destroyed []*InstanceRef `protobuf:"bytes,1,rep,name=destroyed,proto3" json:"destroyed,omitempty"`
+	// Instances that the undone Allocate reused, back to IDLE.
+	Idled         []*InstanceRef `protobuf:"bytes,2,rep,name=idled,proto3" json:"idled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UndoAllocateResponse) Reset() {
+	*x = UndoAllocateResponse{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UndoAllocateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UndoAllocateResponse) ProtoMessage() {}
+
+func (x *UndoAllocateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UndoAllocateResponse.ProtoReflect.Descriptor instead.
+func (*UndoAllocateResponse) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{32}
+}
+
+func (x *UndoAllocateResponse) GetDestroyed() []*InstanceRef {
+	if x != nil {
+		return x.Destroyed
+	}
+	return nil
+}
+
+func (x *UndoAllocateResponse) GetIdled() []*InstanceRef {
+	if x != nil {
+		return x.Idled
+	}
+	return nil
+}
+
+type ReclaimIdleRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	// MIG UUIDs of IDLE instances on that GPU; empty means every IDLE instance on it.
+	MigUuids      []string `protobuf:"bytes,2,rep,name=mig_uuids,json=migUuids,proto3" json:"mig_uuids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReclaimIdleRequest) Reset() {
+	*x = ReclaimIdleRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReclaimIdleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReclaimIdleRequest) ProtoMessage() {}
+
+func (x *ReclaimIdleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReclaimIdleRequest.ProtoReflect.Descriptor instead.
+func (*ReclaimIdleRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{33}
+}
+
+func (x *ReclaimIdleRequest) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
+}
+
+func (x *ReclaimIdleRequest) GetMigUuids() []string {
+	if x != nil {
+		return x.MigUuids
+	}
+	return nil
+}
+
+type ReclaimIdleResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Reclaimed     []*InstanceRef         `protobuf:"bytes,1,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReclaimIdleResponse) Reset() {
+	*x = ReclaimIdleResponse{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReclaimIdleResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReclaimIdleResponse) ProtoMessage() {}
+
+func (x *ReclaimIdleResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReclaimIdleResponse.ProtoReflect.Descriptor instead.
+func (*ReclaimIdleResponse) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{34}
+}
+
+func (x *ReclaimIdleResponse) GetReclaimed() []*InstanceRef {
+	if x != nil {
+		return x.Reclaimed
+	}
+	return nil
+}
+
+type RankPlacementsRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	// Full profile name, e.g. "1g.10gb".
+	Profile       string `protobuf:"bytes,2,opt,name=profile,proto3" json:"profile,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RankPlacementsRequest) Reset() {
+	*x = RankPlacementsRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RankPlacementsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RankPlacementsRequest) ProtoMessage() {}
+
+func (x *RankPlacementsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RankPlacementsRequest.ProtoReflect.Descriptor instead.
+func (*RankPlacementsRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{35}
+}
+
+func (x *RankPlacementsRequest) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
+}
+
+func (x *RankPlacementsRequest) GetProfile() string {
+	if x != nil {
+		return x.Profile
+	}
+	return ""
+}
+
+type RankedPlacement struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Placement *Placement             `protobuf:"bytes,1,opt,name=placement,proto3" json:"placement,omitempty"`
+	Cost      PlacementCost          `protobuf:"varint,2,opt,name=cost,proto3,enum=hami.migsidecar.v1.PlacementCost" json:"cost,omitempty"`
+	// With REUSE: the MIG UUID of the IDLE instance there.
+	IdleMigUuid string `protobuf:"bytes,3,opt,name=idle_mig_uuid,json=idleMigUuid,proto3" json:"idle_mig_uuid,omitempty"`
+	// With RECLAIM: the IDLE instances an Allocate there would destroy.
+	Reclaim []*InstanceRef `protobuf:"bytes,4,rep,name=reclaim,proto3" json:"reclaim,omitempty"`
+	// Memory slices left free on the GPU after this placement is taken (IDLE ones counted as free).
+	FreeSlicesAfter uint32 `protobuf:"varint,5,opt,name=free_slices_after,json=freeSlicesAfter,proto3" json:"free_slices_after,omitempty"`
+	// With BLOCKED: what blocks it (ACTIVE, ERROR, CREATING, DELETING, foreign, ...).
+	Blocker       string `protobuf:"bytes,6,opt,name=blocker,proto3" json:"blocker,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RankedPlacement) Reset() {
+	*x = RankedPlacement{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RankedPlacement) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RankedPlacement) ProtoMessage() {}
+
+func (x *RankedPlacement) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RankedPlacement.ProtoReflect.Descriptor instead.
+func (*RankedPlacement) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{36}
+}
+
+func (x *RankedPlacement) GetPlacement() *Placement {
+	if x != nil {
+		return x.Placement
+	}
+	return nil
+}
+
+func (x *RankedPlacement) GetCost() PlacementCost {
+	if x != nil {
+		return x.Cost
+	}
+	return PlacementCost_PLACEMENT_COST_UNSPECIFIED
+}
+
+func (x *RankedPlacement) GetIdleMigUuid() string {
+	if x != nil {
+		return x.IdleMigUuid
+	}
+	return ""
+}
+
+func (x *RankedPlacement) GetReclaim() []*InstanceRef {
+	if x != nil {
+		return x.Reclaim
+	}
+	return nil
+}
+
+func (x *RankedPlacement) GetFreeSlicesAfter() uint32 {
+	if x != nil {
+		return x.FreeSlicesAfter
+	}
+	return 0
+}
+
+func (x *RankedPlacement) GetBlocker() string {
+	if x != nil {
+		return x.Blocker
+	}
+	return ""
+}
+
+type RankPlacementsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Best first: REUSE, then FREE, then RECLAIM, then BLOCKED; ties by the free region left.
+	Placements    []*RankedPlacement `protobuf:"bytes,1,rep,name=placements,proto3" json:"placements,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RankPlacementsResponse) Reset() {
+	*x = RankPlacementsResponse{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RankPlacementsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RankPlacementsResponse) ProtoMessage() {}
+
+func (x *RankPlacementsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RankPlacementsResponse.ProtoReflect.Descriptor instead.
+func (*RankPlacementsResponse) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{37}
+}
+
+func (x *RankPlacementsResponse) GetPlacements() []*RankedPlacement {
+	if x != nil {
+		return x.Placements
+	}
+	return nil
 }
 
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
@@ -2352,14 +2809,40 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"generation\x18\x01 \x01(\x04R\n" +
 	"generation\x120\n" +
 	"\x04gpus\x18\x02 \x03(\v2\x1c.hami.migsidecar.v1.GpuStateR\x04gpus\x120\n" +
-	"\x14pending_cdi_removals\x18\x03 \x03(\tR\x12pendingCdiRemovals\"H\n" +
+	"\x14pending_cdi_removals\x18\x03 \x03(\tR\x12pendingCdiRemovals\"k\n" +
 	"\x11SetMigModeRequest\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
-	"\aenabled\x18\x02 \x01(\bR\aenabled\"m\n" +
+	"\aenabled\x18\x02 \x01(\bR\aenabled\x12!\n" +
+	"\freclaim_idle\x18\x03 \x01(\bR\vreclaimIdle\"m\n" +
 	"\x12SetMigModeResponse\x126\n" +
 	"\bmig_mode\x18\x01 \x01(\v2\x1b.hami.migsidecar.v1.MigModeR\amigMode\x12\x1f\n" +
 	"\vneeds_reset\x18\x02 \x01(\bR\n" +
-	"needsReset*R\n" +
+	"needsReset\"W\n" +
+	"\x13UndoAllocateRequest\x12\x17\n" +
+	"\apod_uid\x18\x01 \x01(\tR\x06podUid\x12'\n" +
+	"\x0fcontainer_index\x18\x02 \x01(\rR\x0econtainerIndex\"\x8c\x01\n" +
+	"\x14UndoAllocateResponse\x12=\n" +
+	"\tdestroyed\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\tdestroyed\x125\n" +
+	"\x05idled\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x05idled\"L\n" +
+	"\x12ReclaimIdleRequest\x12\x19\n" +
+	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x1b\n" +
+	"\tmig_uuids\x18\x02 \x03(\tR\bmigUuids\"T\n" +
+	"\x13ReclaimIdleResponse\x12=\n" +
+	"\treclaimed\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\"L\n" +
+	"\x15RankPlacementsRequest\x12\x19\n" +
+	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
+	"\aprofile\x18\x02 \x01(\tR\aprofile\"\xaa\x02\n" +
+	"\x0fRankedPlacement\x12;\n" +
+	"\tplacement\x18\x01 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x125\n" +
+	"\x04cost\x18\x02 \x01(\x0e2!.hami.migsidecar.v1.PlacementCostR\x04cost\x12\"\n" +
+	"\ridle_mig_uuid\x18\x03 \x01(\tR\vidleMigUuid\x129\n" +
+	"\areclaim\x18\x04 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\areclaim\x12*\n" +
+	"\x11free_slices_after\x18\x05 \x01(\rR\x0ffreeSlicesAfter\x12\x18\n" +
+	"\ablocker\x18\x06 \x01(\tR\ablocker\"]\n" +
+	"\x16RankPlacementsResponse\x12C\n" +
+	"\n" +
+	"placements\x18\x01 \x03(\v2#.hami.migsidecar.v1.RankedPlacementR\n" +
+	"placements*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +
@@ -2373,7 +2856,13 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x06ACTIVE\x10\x02\x12\b\n" +
 	"\x04IDLE\x10\x03\x12\f\n" +
 	"\bDELETING\x10\x04\x12\t\n" +
-	"\x05ERROR\x10\x052\xb6\x06\n" +
+	"\x05ERROR\x10\x05*^\n" +
+	"\rPlacementCost\x12\x1e\n" +
+	"\x1aPLACEMENT_COST_UNSPECIFIED\x10\x00\x12\t\n" +
+	"\x05REUSE\x10\x01\x12\b\n" +
+	"\x04FREE\x10\x02\x12\v\n" +
+	"\aRECLAIM\x10\x03\x12\v\n" +
+	"\aBLOCKED\x10\x042\xe2\b\n" +
 	"\n" +
 	"MigSidecar\x12R\n" +
 	"\aGetInfo\x12\".hami.migsidecar.v1.GetInfoRequest\x1a#.hami.migsidecar.v1.GetInfoResponse\x12U\n" +
@@ -2386,7 +2875,10 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\aRecover\x12\".hami.migsidecar.v1.RecoverRequest\x1a#.hami.migsidecar.v1.RecoverResponse\x12U\n" +
 	"\bGetState\x12#.hami.migsidecar.v1.GetStateRequest\x1a$.hami.migsidecar.v1.GetStateResponse\x12[\n" +
 	"\n" +
-	"SetMigMode\x12%.hami.migsidecar.v1.SetMigModeRequest\x1a&.hami.migsidecar.v1.SetMigModeResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
+	"SetMigMode\x12%.hami.migsidecar.v1.SetMigModeRequest\x1a&.hami.migsidecar.v1.SetMigModeResponse\x12a\n" +
+	"\fUndoAllocate\x12'.hami.migsidecar.v1.UndoAllocateRequest\x1a(.hami.migsidecar.v1.UndoAllocateResponse\x12^\n" +
+	"\vReclaimIdle\x12&.hami.migsidecar.v1.ReclaimIdleRequest\x1a'.hami.migsidecar.v1.ReclaimIdleResponse\x12g\n" +
+	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
 
 var (
 	file_hami_migsidecar_v1_migsidecar_proto_rawDescOnce sync.Once
@@ -2400,104 +2892,125 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescData
 }
 
-var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 31)
+var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(Outcome)(0),                     // 0: hami.migsidecar.v1.Outcome
 	(InstanceState)(0),               // 1: hami.migsidecar.v1.InstanceState
-	(*Placement)(nil),                // 2: hami.migsidecar.v1.Placement
-	(*PodRef)(nil),                   // 3: hami.migsidecar.v1.PodRef
-	(*DeviceRequest)(nil),            // 4: hami.migsidecar.v1.DeviceRequest
-	(*AllocateRequest)(nil),          // 5: hami.migsidecar.v1.AllocateRequest
-	(*AllocatedDevice)(nil),          // 6: hami.migsidecar.v1.AllocatedDevice
-	(*InstanceRef)(nil),              // 7: hami.migsidecar.v1.InstanceRef
-	(*AllocateResponse)(nil),         // 8: hami.migsidecar.v1.AllocateResponse
-	(*ReleaseRequest)(nil),           // 9: hami.migsidecar.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 10: hami.migsidecar.v1.ReleaseResponse
-	(*ActiveAllocation)(nil),         // 11: hami.migsidecar.v1.ActiveAllocation
-	(*SyncActiveRequest)(nil),        // 12: hami.migsidecar.v1.SyncActiveRequest
-	(*SyncActiveResponse)(nil),       // 13: hami.migsidecar.v1.SyncActiveResponse
-	(*RecoverRequest)(nil),           // 14: hami.migsidecar.v1.RecoverRequest
-	(*RecoverResponse)(nil),          // 15: hami.migsidecar.v1.RecoverResponse
-	(*GetInfoRequest)(nil),           // 16: hami.migsidecar.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),          // 17: hami.migsidecar.v1.GetInfoResponse
-	(*MigMode)(nil),                  // 18: hami.migsidecar.v1.MigMode
-	(*Gpu)(nil),                      // 19: hami.migsidecar.v1.Gpu
-	(*ListGpusRequest)(nil),          // 20: hami.migsidecar.v1.ListGpusRequest
-	(*ListGpusResponse)(nil),         // 21: hami.migsidecar.v1.ListGpusResponse
-	(*DiscoverProfilesRequest)(nil),  // 22: hami.migsidecar.v1.DiscoverProfilesRequest
-	(*Profile)(nil),                  // 23: hami.migsidecar.v1.Profile
-	(*DiscoverProfilesResponse)(nil), // 24: hami.migsidecar.v1.DiscoverProfilesResponse
-	(*Owner)(nil),                    // 25: hami.migsidecar.v1.Owner
-	(*Instance)(nil),                 // 26: hami.migsidecar.v1.Instance
-	(*ForeignInstance)(nil),          // 27: hami.migsidecar.v1.ForeignInstance
-	(*GpuState)(nil),                 // 28: hami.migsidecar.v1.GpuState
-	(*GetStateRequest)(nil),          // 29: hami.migsidecar.v1.GetStateRequest
-	(*GetStateResponse)(nil),         // 30: hami.migsidecar.v1.GetStateResponse
-	(*SetMigModeRequest)(nil),        // 31: hami.migsidecar.v1.SetMigModeRequest
-	(*SetMigModeResponse)(nil),       // 32: hami.migsidecar.v1.SetMigModeResponse
-	(*timestamppb.Timestamp)(nil),    // 33: google.protobuf.Timestamp
+	(PlacementCost)(0),               // 2: hami.migsidecar.v1.PlacementCost
+	(*Placement)(nil),                // 3: hami.migsidecar.v1.Placement
+	(*PodRef)(nil),                   // 4: hami.migsidecar.v1.PodRef
+	(*DeviceRequest)(nil),            // 5: hami.migsidecar.v1.DeviceRequest
+	(*AllocateRequest)(nil),          // 6: hami.migsidecar.v1.AllocateRequest
+	(*AllocatedDevice)(nil),          // 7: hami.migsidecar.v1.AllocatedDevice
+	(*InstanceRef)(nil),              // 8: hami.migsidecar.v1.InstanceRef
+	(*AllocateResponse)(nil),         // 9: hami.migsidecar.v1.AllocateResponse
+	(*ReleaseRequest)(nil),           // 10: hami.migsidecar.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 11: hami.migsidecar.v1.ReleaseResponse
+	(*ActiveAllocation)(nil),         // 12: hami.migsidecar.v1.ActiveAllocation
+	(*SyncActiveRequest)(nil),        // 13: hami.migsidecar.v1.SyncActiveRequest
+	(*SyncActiveResponse)(nil),       // 14: hami.migsidecar.v1.SyncActiveResponse
+	(*RecoverRequest)(nil),           // 15: hami.migsidecar.v1.RecoverRequest
+	(*RecoverResponse)(nil),          // 16: hami.migsidecar.v1.RecoverResponse
+	(*GetInfoRequest)(nil),           // 17: hami.migsidecar.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 18: hami.migsidecar.v1.GetInfoResponse
+	(*MigMode)(nil),                  // 19: hami.migsidecar.v1.MigMode
+	(*Gpu)(nil),                      // 20: hami.migsidecar.v1.Gpu
+	(*ListGpusRequest)(nil),          // 21: hami.migsidecar.v1.ListGpusRequest
+	(*ListGpusResponse)(nil),         // 22: hami.migsidecar.v1.ListGpusResponse
+	(*DiscoverProfilesRequest)(nil),  // 23: hami.migsidecar.v1.DiscoverProfilesRequest
+	(*Profile)(nil),                  // 24: hami.migsidecar.v1.Profile
+	(*DiscoverProfilesResponse)(nil), // 25: hami.migsidecar.v1.DiscoverProfilesResponse
+	(*Owner)(nil),                    // 26: hami.migsidecar.v1.Owner
+	(*Instance)(nil),                 // 27: hami.migsidecar.v1.Instance
+	(*ForeignInstance)(nil),          // 28: hami.migsidecar.v1.ForeignInstance
+	(*GpuState)(nil),                 // 29: hami.migsidecar.v1.GpuState
+	(*GetStateRequest)(nil),          // 30: hami.migsidecar.v1.GetStateRequest
+	(*GetStateResponse)(nil),         // 31: hami.migsidecar.v1.GetStateResponse
+	(*SetMigModeRequest)(nil),        // 32: hami.migsidecar.v1.SetMigModeRequest
+	(*SetMigModeResponse)(nil),       // 33: hami.migsidecar.v1.SetMigModeResponse
+	(*UndoAllocateRequest)(nil),      // 34: hami.migsidecar.v1.UndoAllocateRequest
+	(*UndoAllocateResponse)(nil),     // 35: hami.migsidecar.v1.UndoAllocateResponse
+	(*ReclaimIdleRequest)(nil),       // 36: hami.migsidecar.v1.ReclaimIdleRequest
+	(*ReclaimIdleResponse)(nil),      // 37: hami.migsidecar.v1.ReclaimIdleResponse
+	(*RankPlacementsRequest)(nil),    // 38: hami.migsidecar.v1.RankPlacementsRequest
+	(*RankedPlacement)(nil),          // 39: hami.migsidecar.v1.RankedPlacement
+	(*RankPlacementsResponse)(nil),   // 40: hami.migsidecar.v1.RankPlacementsResponse
+	(*timestamppb.Timestamp)(nil),    // 41: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
-	2,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
-	3,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
-	4,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
-	2,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
+	3,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
+	5,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
+	3,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
 	0,  // 4: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
-	2,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
-	6,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
-	7,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
-	2,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
-	11, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	7,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
-	11, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	7,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	7,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	33, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
-	18, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	19, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
-	2,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
-	23, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
-	3,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
-	2,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
+	3,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
+	7,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
+	8,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
+	4,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
+	3,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
+	12, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	8,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	8,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
+	41, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	19, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	20, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
+	3,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
+	24, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
+	4,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
+	3,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
 	1,  // 27: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
-	25, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	33, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
-	2,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
-	19, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
-	26, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
-	27, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
-	28, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
-	18, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	16, // 36: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	20, // 37: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	22, // 38: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	5,  // 39: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	9,  // 40: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	12, // 41: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	14, // 42: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	29, // 43: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	31, // 44: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	17, // 45: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	21, // 46: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	24, // 47: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	8,  // 48: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	10, // 49: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	13, // 50: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	15, // 51: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	30, // 52: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	32, // 53: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	45, // [45:54] is the sub-list for method output_type
-	36, // [36:45] is the sub-list for method input_type
-	36, // [36:36] is the sub-list for extension type_name
-	36, // [36:36] is the sub-list for extension extendee
-	0,  // [0:36] is the sub-list for field type_name
+	26, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
+	41, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	3,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
+	20, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
+	27, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
+	28, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
+	29, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
+	19, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	8,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	8,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	3,  // 39: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	2,  // 40: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
+	8,  // 41: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	39, // 42: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	17, // 43: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	21, // 44: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	23, // 45: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	6,  // 46: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	10, // 47: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	13, // 48: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	15, // 49: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	30, // 50: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	32, // 51: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	34, // 52: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	36, // 53: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	38, // 54: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	18, // 55: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	22, // 56: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	25, // 57: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	9,  // 58: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	11, // 59: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	14, // 60: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	16, // 61: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	31, // 62: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	33, // 63: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	35, // 64: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	37, // 65: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	40, // 66: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	55, // [55:67] is the sub-list for method output_type
+	43, // [43:55] is the sub-list for method input_type
+	43, // [43:43] is the sub-list for extension type_name
+	43, // [43:43] is the sub-list for extension extendee
+	0,  // [0:43] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -2510,8 +3023,8 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   31,
+			NumEnums:      3,
+			NumMessages:   38,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

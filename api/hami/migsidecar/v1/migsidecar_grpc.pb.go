@@ -39,6 +39,9 @@ const (
 	MigSidecar_Recover_FullMethodName          = "/hami.migsidecar.v1.MigSidecar/Recover"
 	MigSidecar_GetState_FullMethodName         = "/hami.migsidecar.v1.MigSidecar/GetState"
 	MigSidecar_SetMigMode_FullMethodName       = "/hami.migsidecar.v1.MigSidecar/SetMigMode"
+	MigSidecar_UndoAllocate_FullMethodName     = "/hami.migsidecar.v1.MigSidecar/UndoAllocate"
+	MigSidecar_ReclaimIdle_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/ReclaimIdle"
+	MigSidecar_RankPlacements_FullMethodName   = "/hami.migsidecar.v1.MigSidecar/RankPlacements"
 )
 
 // MigSidecarClient is the client API for MigSidecar service.
@@ -63,6 +66,13 @@ type MigSidecarClient interface {
 	GetState(ctx context.Context, in *GetStateRequest, opts ...grpc.CallOption) (*GetStateResponse, error)
 	// Enable or disable MIG mode on one GPU; refuses to disable while any GPU instance exists.
 	SetMigMode(ctx context.Context, in *SetMigModeRequest, opts ...grpc.CallOption) (*SetMigModeResponse, error)
+	// The plugin's rollback of an Allocate that succeeded but whose later step failed: instances that
+	// Allocate created for that key are destroyed, reused ones go back to IDLE. Idempotent.
+	UndoAllocate(ctx context.Context, in *UndoAllocateRequest, opts ...grpc.CallOption) (*UndoAllocateResponse, error)
+	// Destroy IDLE owned instances of one GPU (all of them, or the named ones). Never ACTIVE or foreign.
+	ReclaimIdle(ctx context.Context, in *ReclaimIdleRequest, opts ...grpc.CallOption) (*ReclaimIdleResponse, error)
+	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
+	RankPlacements(ctx context.Context, in *RankPlacementsRequest, opts ...grpc.CallOption) (*RankPlacementsResponse, error)
 }
 
 type migSidecarClient struct {
@@ -163,6 +173,36 @@ func (c *migSidecarClient) SetMigMode(ctx context.Context, in *SetMigModeRequest
 	return out, nil
 }
 
+func (c *migSidecarClient) UndoAllocate(ctx context.Context, in *UndoAllocateRequest, opts ...grpc.CallOption) (*UndoAllocateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UndoAllocateResponse)
+	err := c.cc.Invoke(ctx, MigSidecar_UndoAllocate_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *migSidecarClient) ReclaimIdle(ctx context.Context, in *ReclaimIdleRequest, opts ...grpc.CallOption) (*ReclaimIdleResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReclaimIdleResponse)
+	err := c.cc.Invoke(ctx, MigSidecar_ReclaimIdle_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *migSidecarClient) RankPlacements(ctx context.Context, in *RankPlacementsRequest, opts ...grpc.CallOption) (*RankPlacementsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RankPlacementsResponse)
+	err := c.cc.Invoke(ctx, MigSidecar_RankPlacements_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MigSidecarServer is the server API for MigSidecar service.
 // All implementations must embed UnimplementedMigSidecarServer
 // for forward compatibility.
@@ -185,6 +225,13 @@ type MigSidecarServer interface {
 	GetState(context.Context, *GetStateRequest) (*GetStateResponse, error)
 	// Enable or disable MIG mode on one GPU; refuses to disable while any GPU instance exists.
 	SetMigMode(context.Context, *SetMigModeRequest) (*SetMigModeResponse, error)
+	// The plugin's rollback of an Allocate that succeeded but whose later step failed: instances that
+	// Allocate created for that key are destroyed, reused ones go back to IDLE. Idempotent.
+	UndoAllocate(context.Context, *UndoAllocateRequest) (*UndoAllocateResponse, error)
+	// Destroy IDLE owned instances of one GPU (all of them, or the named ones). Never ACTIVE or foreign.
+	ReclaimIdle(context.Context, *ReclaimIdleRequest) (*ReclaimIdleResponse, error)
+	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
+	RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error)
 	mustEmbedUnimplementedMigSidecarServer()
 }
 
@@ -221,6 +268,15 @@ func (UnimplementedMigSidecarServer) GetState(context.Context, *GetStateRequest)
 }
 func (UnimplementedMigSidecarServer) SetMigMode(context.Context, *SetMigModeRequest) (*SetMigModeResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SetMigMode not implemented")
+}
+func (UnimplementedMigSidecarServer) UndoAllocate(context.Context, *UndoAllocateRequest) (*UndoAllocateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UndoAllocate not implemented")
+}
+func (UnimplementedMigSidecarServer) ReclaimIdle(context.Context, *ReclaimIdleRequest) (*ReclaimIdleResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReclaimIdle not implemented")
+}
+func (UnimplementedMigSidecarServer) RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RankPlacements not implemented")
 }
 func (UnimplementedMigSidecarServer) mustEmbedUnimplementedMigSidecarServer() {}
 func (UnimplementedMigSidecarServer) testEmbeddedByValue()                    {}
@@ -405,6 +461,60 @@ func _MigSidecar_SetMigMode_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MigSidecar_UndoAllocate_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UndoAllocateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MigSidecarServer).UndoAllocate(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MigSidecar_UndoAllocate_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MigSidecarServer).UndoAllocate(ctx, req.(*UndoAllocateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _MigSidecar_ReclaimIdle_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReclaimIdleRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MigSidecarServer).ReclaimIdle(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MigSidecar_ReclaimIdle_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MigSidecarServer).ReclaimIdle(ctx, req.(*ReclaimIdleRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _MigSidecar_RankPlacements_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RankPlacementsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MigSidecarServer).RankPlacements(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MigSidecar_RankPlacements_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MigSidecarServer).RankPlacements(ctx, req.(*RankPlacementsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MigSidecar_ServiceDesc is the grpc.ServiceDesc for MigSidecar service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -447,6 +557,18 @@ var MigSidecar_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SetMigMode",
 			Handler:    _MigSidecar_SetMigMode_Handler,
+		},
+		{
+			MethodName: "UndoAllocate",
+			Handler:    _MigSidecar_UndoAllocate_Handler,
+		},
+		{
+			MethodName: "ReclaimIdle",
+			Handler:    _MigSidecar_ReclaimIdle_Handler,
+		},
+		{
+			MethodName: "RankPlacements",
+			Handler:    _MigSidecar_RankPlacements_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

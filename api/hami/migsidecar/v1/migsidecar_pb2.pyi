@@ -25,6 +25,14 @@ class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     IDLE: _ClassVar[InstanceState]
     DELETING: _ClassVar[InstanceState]
     ERROR: _ClassVar[InstanceState]
+
+class PlacementCost(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_COST_UNSPECIFIED: _ClassVar[PlacementCost]
+    REUSE: _ClassVar[PlacementCost]
+    FREE: _ClassVar[PlacementCost]
+    RECLAIM: _ClassVar[PlacementCost]
+    BLOCKED: _ClassVar[PlacementCost]
 OUTCOME_UNSPECIFIED: Outcome
 CREATED: Outcome
 REUSED: Outcome
@@ -35,6 +43,11 @@ ACTIVE: InstanceState
 IDLE: InstanceState
 DELETING: InstanceState
 ERROR: InstanceState
+PLACEMENT_COST_UNSPECIFIED: PlacementCost
+REUSE: PlacementCost
+FREE: PlacementCost
+RECLAIM: PlacementCost
+BLOCKED: PlacementCost
 
 class Placement(_message.Message):
     __slots__ = ("start", "size")
@@ -375,12 +388,14 @@ class GetStateResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuState, _Mapping]]] = ..., pending_cdi_removals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetMigModeRequest(_message.Message):
-    __slots__ = ("gpu_uuid", "enabled")
+    __slots__ = ("gpu_uuid", "enabled", "reclaim_idle")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_IDLE_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     enabled: bool
-    def __init__(self, gpu_uuid: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
+    reclaim_idle: bool
+    def __init__(self, gpu_uuid: _Optional[str] = ..., enabled: _Optional[bool] = ..., reclaim_idle: _Optional[bool] = ...) -> None: ...
 
 class SetMigModeResponse(_message.Message):
     __slots__ = ("mig_mode", "needs_reset")
@@ -389,3 +404,63 @@ class SetMigModeResponse(_message.Message):
     mig_mode: MigMode
     needs_reset: bool
     def __init__(self, mig_mode: _Optional[_Union[MigMode, _Mapping]] = ..., needs_reset: _Optional[bool] = ...) -> None: ...
+
+class UndoAllocateRequest(_message.Message):
+    __slots__ = ("pod_uid", "container_index")
+    POD_UID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    pod_uid: str
+    container_index: int
+    def __init__(self, pod_uid: _Optional[str] = ..., container_index: _Optional[int] = ...) -> None: ...
+
+class UndoAllocateResponse(_message.Message):
+    __slots__ = ("destroyed", "idled")
+    DESTROYED_FIELD_NUMBER: _ClassVar[int]
+    IDLED_FIELD_NUMBER: _ClassVar[int]
+    destroyed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    idled: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, destroyed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., idled: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+
+class ReclaimIdleRequest(_message.Message):
+    __slots__ = ("gpu_uuid", "mig_uuids")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    mig_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpu_uuid: _Optional[str] = ..., mig_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReclaimIdleResponse(_message.Message):
+    __slots__ = ("reclaimed",)
+    RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    reclaimed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+
+class RankPlacementsRequest(_message.Message):
+    __slots__ = ("gpu_uuid", "profile")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    profile: str
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ...) -> None: ...
+
+class RankedPlacement(_message.Message):
+    __slots__ = ("placement", "cost", "idle_mig_uuid", "reclaim", "free_slices_after", "blocker")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLICES_AFTER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKER_FIELD_NUMBER: _ClassVar[int]
+    placement: Placement
+    cost: PlacementCost
+    idle_mig_uuid: str
+    reclaim: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    free_slices_after: int
+    blocker: str
+    def __init__(self, placement: _Optional[_Union[Placement, _Mapping]] = ..., cost: _Optional[_Union[PlacementCost, str]] = ..., idle_mig_uuid: _Optional[str] = ..., reclaim: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., free_slices_after: _Optional[int] = ..., blocker: _Optional[str] = ...) -> None: ...
+
+class RankPlacementsResponse(_message.Message):
+    __slots__ = ("placements",)
+    PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    placements: _containers.RepeatedCompositeFieldContainer[RankedPlacement]
+    def __init__(self, placements: _Optional[_Iterable[_Union[RankedPlacement, _Mapping]]] = ...) -> None: ...

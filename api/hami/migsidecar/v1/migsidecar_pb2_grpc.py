@@ -79,6 +79,21 @@ class MigSidecarStub:
                 request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeRequest.SerializeToString,
                 response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeResponse.FromString,
                 _registered_method=True)
+        self.UndoAllocate = channel.unary_unary(
+                '/hami.migsidecar.v1.MigSidecar/UndoAllocate',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateResponse.FromString,
+                _registered_method=True)
+        self.ReclaimIdle = channel.unary_unary(
+                '/hami.migsidecar.v1.MigSidecar/ReclaimIdle',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleResponse.FromString,
+                _registered_method=True)
+        self.RankPlacements = channel.unary_unary(
+                '/hami.migsidecar.v1.MigSidecar/RankPlacements',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
+                _registered_method=True)
 
 
 class MigSidecarServicer:
@@ -147,6 +162,30 @@ class MigSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UndoAllocate(self, request, context):
+        """Additions within v1 (architecture section 4.1); gated by Recover like the others.
+
+        The plugin's rollback of an Allocate that succeeded but whose later step failed: instances that
+        Allocate created for that key are destroyed, reused ones go back to IDLE. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReclaimIdle(self, request, context):
+        """Destroy IDLE owned instances of one GPU (all of them, or the named ones). Never ACTIVE or foreign.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RankPlacements(self, request, context):
+        """Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +233,21 @@ def add_MigSidecarServicer_to_server(servicer, server):
                     servicer.SetMigMode,
                     request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeRequest.FromString,
                     response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeResponse.SerializeToString,
+            ),
+            'UndoAllocate': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndoAllocate,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateResponse.SerializeToString,
+            ),
+            'ReclaimIdle': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReclaimIdle,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleResponse.SerializeToString,
+            ),
+            'RankPlacements': grpc.unary_unary_rpc_method_handler(
+                    servicer.RankPlacements,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +493,87 @@ class MigSidecar:
             '/hami.migsidecar.v1.MigSidecar/SetMigMode',
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeRequest.SerializeToString,
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.SetMigModeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndoAllocate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/UndoAllocate',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoAllocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReclaimIdle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/ReclaimIdle',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.ReclaimIdleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RankPlacements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/RankPlacements',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
             options,
             channel_credentials,
             insecure,
