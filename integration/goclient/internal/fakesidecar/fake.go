@@ -467,3 +467,21 @@ func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest
 	sort.SliceStable(out.Placements, func(i, j int) bool { return out.Placements[i].Cost < out.Placements[j].Cost })
 	return out, nil
 }
+
+func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := &pb.GetStateResponse{}
+	for i, g := range s.gpus {
+		gs := &pb.GpuState{Gpu: &pb.Gpu{Index: uint32(i), Uuid: g}}
+		for _, in := range s.instances {
+			if in.GPU == g {
+				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
+					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
+					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State})
+			}
+		}
+		out.Gpus = append(out.Gpus, gs)
+	}
+	return out, nil
+}
