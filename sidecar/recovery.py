@@ -36,15 +36,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-
-import msgspec
 
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
-from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle, nvml_errors
+from sidecar.errors import ComputeInstanceNotOurs, nvml_errors
+from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
 from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
 from sidecar.records import RecordError, RecordStore
@@ -65,6 +63,7 @@ from sidecar.recovery_plan import (
     plan,
     settle_report,
 )
+from sidecar.states import now_rfc3339, transition
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +95,6 @@ def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
                             "mig_uuid": ci.mig_uuid,
                         },
                     )
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _GpuBusyError(Exception):
@@ -178,7 +173,7 @@ class Recovery:
             recovered=self.lifecycle.recovered,
             generation=max(self.lifecycle.generation, ceiling),
             generation_ceiling=ceiling,
-            now=_now(),
+            now=now_rfc3339(),
         )
 
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:
@@ -202,7 +197,7 @@ class Recovery:
         failures: list[str] = []
         done: list[Step] = []
         left_foreign: list[Step] = []
-        now = _now()
+        now = now_rfc3339()
 
         def leave_foreign(step: Step) -> None:
             left_foreign.append(step)
@@ -228,9 +223,7 @@ class Recovery:
                     failures.append(message)
                     leave_foreign(step)
                     continue
-                failed = msgspec.structs.replace(
-                    step.on_failure, state=State.ERROR, last_error=message, since=now
-                )
+                failed = transition(step.on_failure, State.ERROR, since=now, last_error=message)
                 failures.append(f"{message}; {failed.name} is kept in ERROR and never reused")
                 try:
                     self.records.put(failed)

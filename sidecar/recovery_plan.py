@@ -70,7 +70,6 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import Literal
 
@@ -91,7 +90,7 @@ from sidecar.nvml.port import (
     GpuInstanceInfo,
     GpuInstanceProfile,
 )
-from sidecar.records import OwnershipRecord, record_name
+from sidecar.ownership import OwnershipRecord, parse_record_name, record_name
 
 
 class RecoveryReport(msgspec.Struct, frozen=True):
@@ -299,25 +298,10 @@ def settle_report(
 
 # -- the pure planner -------------------------------------------------------------------------------
 
-_RECORD_NAME_RE = re.compile(
-    r"^mig-(GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})-([0-9]+)-([0-9]+)$"
-)
-
 _LIVE_STATES = (State.ACTIVE, State.IDLE)
 
 
-def placement_from_record_name(name: str) -> tuple[str, Placement] | None:
-    """(GPU UUID, placement) encoded in a record file name, or None if the name is not one of ours.
-
-    Used for corrupt files: their content cannot be trusted, but their name was derived from validated
-    values when the file was written, so it still says which placement the instance had."""
-    match = _RECORD_NAME_RE.match(name)
-    if match is None:
-        return None
-    start, size = int(match.group(2)), int(match.group(3))
-    if size <= 0:
-        return None
-    return match.group(1), Placement(start, size)
+placement_from_record_name = parse_record_name
 
 
 def _ref(gpu_uuid: str, profile: str, gi: LiveGpuInstance) -> InstanceRef:

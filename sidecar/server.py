@@ -51,12 +51,13 @@ from sidecar.domain import (
     PodRef,
     Reservation,
 )
-from sidecar.errors import InvalidRequest, SidecarError, UnknownProfile
-from sidecar.lifecycle import Lifecycle, StateSnapshot, nvml_errors
+from sidecar.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
+from sidecar.inventory import StateSnapshot
+from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
 from sidecar.metrics import Metrics
 from sidecar.nvml.port import GpuInfo
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
 from sidecar.recovery import Recovery
 from sidecar.recovery_plan import RecoveryReport
 

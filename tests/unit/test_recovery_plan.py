@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from sidecar import errors, recovery_plan
 from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord, record_name
+from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.recovery_plan import (
     CorruptFile,
     DeleteRecord,
