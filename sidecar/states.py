@@ -45,7 +45,6 @@ RECOVERY_TRANSITIONS: dict[tuple[State | None, State], str] = {
     (None, I): "adopt_existing adopts a foreign instance with one full-size CI",
     (None, D): "adopt_existing removes a foreign GI without a CI",
     (A, A): "an active allocation names an instance recorded ACTIVE (owner kept or replaced)",
-    (C, A): "an active allocation names the instance a CREATING record describes",
     (D, A): "an active allocation names the instance a DELETING record describes",
     (E, A): "an active allocation names an ERROR instance recovery itself failed to record",
 }

@@ -17,7 +17,7 @@ from sidecar import errors, records
 from sidecar.domain import Identity, Outcome, Placement, State
 from sidecar.ownership import OwnershipRecord
 from sidecar.reconciler import Reconciler
-from sidecar.recovery_plan import plan
+from sidecar.recovery.plan import plan
 
 NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_TIMEOUT = 10

@@ -26,8 +26,8 @@ from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.nvml.simstate import SimGpu
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
-from sidecar.recovery import Recovery
-from sidecar.recovery_plan import plan
+from sidecar.recovery.apply import Recovery
+from sidecar.recovery.plan import plan
 
 FOREVER = 1000
 

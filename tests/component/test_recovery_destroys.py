@@ -18,7 +18,7 @@ from sidecar.domain import Identity, Outcome, Placement, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
-from sidecar.recovery_plan import plan
+from sidecar.recovery.plan import plan
 
 FOREVER = 1000  # more attempts than any bounded retry makes
 ORPHAN = Placement(4, 4)
