@@ -57,4 +57,5 @@ def test_anything_but_idle_in_the_way_is_busy_and_reclaims_nothing() -> None:
     blocker = Blocker(FOREIGN, Placement(0, 2), 3)
     decided = decide(RES, None, None, PlacementPlan(blockers=(blocker,)))
     assert decided == Busy((blocker,))
-    assert isinstance(decided, Busy) and decided.blocker == blocker
+    assert isinstance(decided, Busy)
+    assert decided.blocker == blocker
