@@ -75,6 +75,11 @@ GENERATION_FILE = "generation"
 TEMP_MARKER = ".tmp-"
 CHECKSUM_PREFIX = "sha256:"
 
+MAX_GENERATION = 2**63 - 1
+"""The largest generation a file may hold: a stored value above it is corrupt. Half of uint64 (and
+int64's maximum, for a Go reader), so the lifecycle's increments and ceiling blocks past any stored
+value still fit the contract's uint64 and never overflow it."""
+
 # The stem ``record_name`` produces; ``path`` accepts nothing else, so no name can escape the directory.
 NAME_RE = re.compile(
     r"^mig-GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}-(0|[1-9][0-9]*)-[1-9][0-9]*$"
@@ -207,12 +212,15 @@ def encode_record(record: OwnershipRecord) -> bytes:
     except msgspec.ValidationError as exc:
         raise ValueError(f"ownership record would not read back: {exc}") from exc
     record_name(record.gpu_uuid, record.placement)
+    why = _generation_out_of_range(record)
+    if why:
+        raise ValueError(f"ownership record would not read back: {why}")
     return _envelope(raw)
 
 
 def encode_generation(ceiling: int) -> bytes:
     """The exact content of the ``generation`` file for ``ceiling`` (a non-negative int)."""
-    if type(ceiling) is not int or ceiling < 0:
+    if type(ceiling) is not int or not 0 <= ceiling <= MAX_GENERATION:
         raise ValueError(f"not a generation ceiling: {ceiling!r}")
     return _envelope(_ENCODER.encode(GenerationCeiling(ceiling=ceiling)))
 
@@ -224,8 +232,10 @@ def decode_generation(path: Path, data: bytes) -> int:
         ceiling = _CEILING_DECODER.decode(raw).ceiling
     except msgspec.DecodeError as exc:
         raise CorruptRecord(GENERATION_FILE, path, f"generation ceiling does not decode: {exc}") from exc
-    if ceiling < 0:
-        raise CorruptRecord(GENERATION_FILE, path, f"negative generation ceiling {ceiling}")
+    if not 0 <= ceiling <= MAX_GENERATION:
+        raise CorruptRecord(
+            GENERATION_FILE, path, f"generation ceiling {ceiling} is out of range 0..{MAX_GENERATION}"
+        )
     return ceiling
 
 
@@ -276,7 +286,20 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
         raise CorruptRecord(name, path, f"record names no valid instance: {exc}") from exc
     if own_name != name:
         raise CorruptRecord(name, path, f"file name does not match the record (it names {own_name})")
+    why = _generation_out_of_range(record)
+    if why:
+        raise CorruptRecord(name, path, why)
     return record
+
+
+def _generation_out_of_range(record: OwnershipRecord) -> str:
+    """Why a generation of ``record`` is outside ``0..MAX_GENERATION`` ("" when none is): such a
+    value would overflow the contract's uint64 once the lifecycle counts past it."""
+    for field in ("activated_generation", "idled_generation"):
+        value = getattr(record, field)
+        if not 0 <= value <= MAX_GENERATION:
+            return f"{field} {value} is out of range 0..{MAX_GENERATION}"
+    return ""
 
 
 def fsync_dir(directory: Path) -> None:
@@ -487,7 +510,13 @@ class RecordStore:
         """Durably store ``ceiling`` unless the stored one is already at least that; returns the stored.
 
         Never lowers the ceiling, and refuses (CorruptRecord) to overwrite a corrupt file.
-        OSError -> StateWriteFailed."""
+        OSError -> StateWriteFailed; a ceiling past ``MAX_GENERATION`` -> StateWriteFailed (the
+        generation space is spent: refusing the change beats handing out a number that overflows)."""
+        if ceiling > MAX_GENERATION:
+            raise StateWriteFailed(
+                f"generation ceiling {ceiling} would pass the largest generation {MAX_GENERATION};"
+                " the change that needs it is refused"
+            )
         data = encode_generation(ceiling)
         stored: list[int] = []
 
@@ -589,6 +618,12 @@ def verify(directory: Path, boot_id: str | None) -> VerifyReport:
     )
 
 
+def corrupt_path(report: VerifyReport, name: str) -> Path:
+    """The file a corrupt entry of ``report`` stands for: the ``generation`` file or ``<name>.json``."""
+    filename = name if name == GENERATION_FILE else f"{name}{SUFFIX}"
+    return Path(report.directory) / filename
+
+
 def format_report(report: VerifyReport) -> str:
     """A human-readable summary of ``report``, one line per record, ending with the counts."""
     lines = [f"ownership records in {report.directory}:"]
@@ -600,7 +635,10 @@ def format_report(report: VerifyReport) -> str:
             )
         else:
             lines.append(f"  stale    {name}" if name in stale else f"  valid    {name}")
-    lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
+    # A corrupt file is the operator's to remove, so it is named by the path to remove, not its stem.
+    lines.extend(
+        f"  CORRUPT  {corrupt_path(report, name)}: {why}" for name, why in sorted(report.corrupt.items())
+    )
     if report.generation_ceiling is not None:
         lines.append(f"  valid    {GENERATION_FILE}: generation ceiling {report.generation_ceiling}")
     elif GENERATION_FILE not in report.corrupt:
@@ -614,6 +652,7 @@ def format_report(report: VerifyReport) -> str:
 
 __all__ = [
     "GENERATION_FILE",
+    "MAX_GENERATION",
     "RECORD_VERSION",
     "CorruptRecord",
     "GenerationCeiling",

@@ -446,7 +446,7 @@ class TestVerify:
         assert list(report.corrupt) == [broken.name]
         assert {p.name: p.read_bytes() for p in state_dir.iterdir()} == before
         text = format_report(report)
-        assert f"CORRUPT  {broken.name}" in text
+        assert f"CORRUPT  {store.path(broken.name)}: " in text
         assert f"stale    {old_boot.name}" in text
         assert "2 valid (1 stale), 1 corrupt" in text
 
