@@ -95,4 +95,98 @@ def status_size(err: grpc.RpcError) -> int:
     return len(status.SerializeToString())
 
 
-_ = error_info  # used by the limit tests below
+def refused(call: object) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """``call()`` fails; its (code, reason, metadata), after checking the error stays within budget."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call()  # type: ignore[operator]
+    assert status_size(caught.value) <= ERROR_BUDGET
+    return error_info(caught.value)
+
+
+MEGA = "c" * 1_000_000
+
+
+class TestNamesAreHeldToKubernetesLimits:
+    @pytest.mark.parametrize(
+        ("field", "value"),
+        [
+            ("uid", "u" * 129),
+            ("uid", "u" * 100_000),
+            ("namespace", "n" * 64),
+            ("namespace", "Not_A_Label"),
+            ("namespace", "-leading-dash"),
+            ("name", "p" * 254),
+            ("container_name", "c" * 64),
+            ("container_name", MEGA),
+        ],
+        ids=lambda v: v if len(v) < 20 else f"{len(v)} chars",
+    )
+    def test_a_name_past_its_limit_is_invalid_request_and_changes_nothing(
+        self, car: InProcessSidecar, field: str, value: str
+    ) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        before = car.world()
+        code, reason, _ = refused(lambda: allocate(car, "pod-a", **{field: value}))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+        assert car.world() == before
+
+    def test_names_at_their_limits_are_accepted(self, car: InProcessSidecar) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        uid = "u" * 128
+        allocate(car, uid, namespace="n" * 63, name="p" * 253, container_name="c" * 63)
+        owners = [i.owner for g in car.stub.GetState(pb.GetStateRequest()).gpus for i in g.instances]
+        assert [
+            (o.pod.uid, len(o.pod.namespace), len(o.pod.name), len(o.container_name)) for o in owners
+        ] == [(uid, 63, 253, 63)]
+
+    def test_a_megabyte_container_name_in_sync_active_is_refused(self, car: InProcessSidecar) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        active = pb.ActiveAllocation(
+            pod=pb.PodRef(uid="pod-a", namespace="default", name="pod-a"),
+            container_name=MEGA,
+            gpu_uuid=car.gpu_uuids()[0],
+            profile="1g.10gb",
+            placement=pb.Placement(start=0, size=1),
+        )
+        request = pb.SyncActiveRequest(generation=0, active=[active])
+        code, reason, metadata = refused(lambda: car.stub.SyncActive(request, timeout=CALL_TIMEOUT_S))
+        assert (code, reason, metadata) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_REQUEST",
+            {"field": "active[0].container_name"},
+        )
+
+
+class TestErrorsStaySmall:
+    def test_ten_thousand_unknown_profile_names_give_a_short_unknown_profile(
+        self, car: InProcessSidecar
+    ) -> None:
+        names = [f"{n}g.{n}gb" for n in range(10_000)]
+        request = pb.DiscoverProfilesRequest(gpu_uuid=car.gpu_uuids()[0], allowed_profiles=names)
+        code, reason, metadata = refused(lambda: car.stub.DiscoverProfiles(request, timeout=CALL_TIMEOUT_S))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE")
+        assert metadata["gpu_uuid"] == car.gpu_uuids()[0]
+
+    def test_a_long_pod_uid_in_release_is_invalid_request_within_budget(self, car: InProcessSidecar) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        request = pb.ReleaseRequest(pod_uid="\u00e9" * 50_000)
+        code, reason, _ = refused(lambda: car.stub.Release(request, timeout=CALL_TIMEOUT_S))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+
+
+class TestTheWireItself:
+    def test_an_undecodable_body_is_invalid_request_with_a_reason(self, car: InProcessSidecar) -> None:
+        raw = car.channel.unary_unary(
+            "/hami.migsidecar.v1.MigSidecar/Allocate",
+            request_serializer=lambda body: body,
+            response_deserializer=lambda body: body,
+        )
+        code, reason, _ = refused(lambda: raw(b"\x0a\xff\xff\xff", timeout=CALL_TIMEOUT_S))
+        assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+        assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"
+
+    def test_an_rpc_of_the_contract_not_built_yet_is_unimplemented(self, car: InProcessSidecar) -> None:
+        request = pb.UndoAllocateRequest(pod_uid="pod-a")
+        with pytest.raises(grpc.RpcError) as caught:
+            car.stub.UndoAllocate(request, timeout=CALL_TIMEOUT_S)
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
