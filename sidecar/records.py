@@ -41,6 +41,10 @@ Files in the directory:
   swept by ``open()`` (a crash between write and rename leaves one behind and the old record intact).
 
 Permissions: directory 0750, files 0600 (records name pods; nothing outside the node agent needs them).
+The sidecar runs as root and trusts these files to say which GPU instances it may destroy, so
+``open`` refuses (``UnsafeStateDir``) a directory or record file that another user owns or that is
+group- or world-writable, and a lock file that is a symlink, not a regular file, or hard-linked:
+anything there could have been planted, and the lock file is truncated on open.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import hashlib
 import os
 import re
 import secrets
+import stat
 import threading
 import types
 from collections.abc import Callable
@@ -168,6 +173,64 @@ class CorruptRecord(RecordError):  # noqa: N818 - the contract's name
 
 class StateDirLocked(Exception):  # noqa: N818 - the contract's name
     """Another process holds the state directory's lock (a second sidecar)."""
+
+
+class UnsafeStateDir(StateWriteFailed):
+    """The state directory, its lock file or a record file in it could have been planted or changed by
+    someone else (a symlink, a non-regular lock, group/world-writable, another owner): nothing in it
+    can be trusted, so the sidecar refuses to start on it. The message names the path."""
+
+
+def _check_owned(path: Path, st: os.stat_result, what: str) -> None:
+    """Refuse ``path`` unless this process's user owns it and nobody else may write it."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise UnsafeStateDir(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this sidecar's uid {uid};"
+            " refusing to trust it (chown it or use another --state-dir)"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeStateDir(
+            f"{what} {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}), so anyone"
+            " could have planted or changed what is in it; refusing to trust it (chmod go-w it)"
+        )
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (creating) the lock file without following a symlink; refuse anything but a regular file
+    of ours with one link: ``open`` truncates it, which must never reach a planted target."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeStateDir(f"lock file {path} is a symbolic link; refusing to open it") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeStateDir(f"lock file {path} is not a regular file; refusing to use it")
+        if st.st_nlink != 1:
+            raise UnsafeStateDir(f"lock file {path} has {st.st_nlink} hard links; refusing to use it")
+        _check_owned(path, st, "lock file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_files_owned(directory: Path) -> None:
+    """Refuse to start on record or generation files someone else owns or may write. Symlinks and
+    other non-regular entries are not followed here: reading reports them corrupt, never trusted."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if _is_temp(entry.name) or not (entry.name.endswith(SUFFIX) or entry.name == GENERATION_FILE):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the listing (a running sidecar's delete)
+            if stat.S_ISREG(st.st_mode):
+                _check_owned(Path(entry.path), st, "state file")
 
 
 class _Header(msgspec.Struct):
@@ -421,7 +484,9 @@ class RecordStore:
     def open(self) -> None:
         """Create the directory (0750) if needed and take an exclusive non-blocking flock on ``.lock``.
 
-        Raises ``StateDirLocked`` if another process holds it. Called before the socket is bound.
+        Raises ``StateDirLocked`` if another process holds it, ``UnsafeStateDir`` when the directory,
+        the lock file or a record file could have been planted by someone else (see the class). Called
+        before the socket is bound.
         Once locked, leftover temp files of writes that a crash interrupted are removed (no other
         writer can exist now). OSError -> StateWriteFailed. Opening an open store is a no-op."""
         with self._lock:
@@ -430,9 +495,12 @@ class RecordStore:
             self._closed = False
             try:
                 self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-                # mkdir's mode passes through the umask, and an existing hostPath may be wider.
+                # A directory others may write is refused, not narrowed: what is in it may be planted.
+                _check_owned(self.directory, self.directory.stat(), "state directory")
+                # mkdir's mode passes through the umask, and an existing hostPath may be readable wider.
                 self.directory.chmod(DIR_MODE)
-                fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+                _check_files_owned(self.directory)  # before the lock file is created or truncated
+                fd = _open_lock_file(self.directory / LOCK_NAME)
             except OSError as exc:
                 raise StateWriteFailed(f"opening state directory {self.directory} failed: {exc}") from exc
             try:
@@ -662,6 +730,7 @@ __all__ = [
     "RecordStore",
     "StateDirLocked",
     "StateWriteFailed",
+    "UnsafeStateDir",
     "VerifyReport",
     "atomic_write",
     "decode_generation",

@@ -23,6 +23,7 @@ from sidecar.records import (
     CorruptRecord,
     OwnershipRecord,
     RecordStore,
+    UnsafeStateDir,
     format_report,
     verify,
 )
@@ -138,8 +139,98 @@ class TestGenerationsOutOfRange:
         assert "0 valid (0 stale), 2 corrupt" in text
 
 
-def mode_of(path: Path) -> int:
-    return stat.S_IMODE(path.lstat().st_mode)
+def listing(directory: Path) -> dict[str, bytes | str]:
+    """Name -> bytes (regular files) or link target (symlinks): what a refusal must leave alone."""
+    found: dict[str, bytes | str] = {}
+    for path in sorted(directory.iterdir()):
+        found[path.name] = str(path.readlink()) if path.is_symlink() else path.read_bytes()
+    return found
 
 
-_ = os  # used by the hardening tests below
+class TestThePlantedLockFile:
+    def test_a_symlinked_lock_is_refused_and_its_target_is_untouched(
+        self, state_dir: Path, tmp_path: Path
+    ) -> None:
+        target = tmp_path / "precious"
+        target.write_bytes(b"do not truncate me\n")
+        (state_dir / ".lock").symlink_to(target)
+        with pytest.raises(UnsafeStateDir, match="symbolic link") as caught:
+            RecordStore(state_dir).open()
+        assert str(state_dir / ".lock") in str(caught.value)
+        assert target.read_bytes() == b"do not truncate me\n"
+
+    def test_a_lock_hard_linked_to_another_file_is_refused_and_that_file_is_untouched(
+        self, state_dir: Path, tmp_path: Path
+    ) -> None:
+        target = tmp_path / "precious"
+        target.write_bytes(b"keep\n")
+        target.chmod(0o600)
+        os.link(target, state_dir / ".lock")
+        with pytest.raises(UnsafeStateDir, match="hard links"):
+            RecordStore(state_dir).open()
+        assert target.read_bytes() == b"keep\n"
+
+    def test_a_lock_that_is_a_fifo_is_refused(self, state_dir: Path) -> None:
+        os.mkfifo(state_dir / ".lock", 0o600)
+        with pytest.raises(UnsafeStateDir, match="not a regular file"):
+            RecordStore(state_dir).open()
+
+    def test_a_lock_owned_by_another_user_is_refused(self, state_dir: Path) -> None:
+        lock = state_dir / ".lock"
+        lock.write_bytes(b"")
+        lock.chmod(0o600)
+        os.chown(lock, OTHER_UID, -1)
+        with pytest.raises(UnsafeStateDir, match="owned by uid"):
+            RecordStore(state_dir).open()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+class TestAStateDirectoryOthersCouldWrite:
+    @pytest.mark.parametrize("mode", [0o770, 0o757, 0o777])
+    def test_a_group_or_world_writable_directory_is_refused_not_narrowed(
+        self, state_dir: Path, mode: int
+    ) -> None:
+        plant_record(state_dir, record())
+        state_dir.chmod(mode)
+        before = listing(state_dir)
+        with pytest.raises(UnsafeStateDir, match="group- or world-writable") as caught:
+            RecordStore(state_dir).open()
+        assert str(state_dir) in str(caught.value)
+        assert stat.S_IMODE(state_dir.stat().st_mode) == mode
+        assert listing(state_dir) == before
+
+    def test_a_directory_owned_by_another_user_is_refused(self, state_dir: Path) -> None:
+        os.chown(state_dir, OTHER_UID, -1)
+        with pytest.raises(UnsafeStateDir, match="owned by uid 4242"):
+            RecordStore(state_dir).open()
+
+    @pytest.mark.parametrize("planted", ["record", "generation"])
+    @pytest.mark.parametrize("how", ["group-writable", "world-writable", "foreign-owned"])
+    def test_a_state_file_others_could_have_written_is_refused_by_name(
+        self, state_dir: Path, planted: str, how: str
+    ) -> None:
+        path = plant_record(state_dir, record()) if planted == "record" else plant_ceiling(state_dir, 7)
+        if how == "foreign-owned":
+            os.chown(path, OTHER_UID, -1)
+        else:
+            path.chmod(0o620 if how == "group-writable" else 0o602)
+        before = listing(state_dir)
+        with pytest.raises(UnsafeStateDir) as caught:
+            RecordStore(state_dir).open()
+        assert str(path) in str(caught.value)
+        assert listing(state_dir) == before
+        # Nothing was taken: once the operator fixes the file, the store opens.
+        os.chown(path, os.geteuid(), -1)
+        path.chmod(0o600)
+        with RecordStore(state_dir) as store:
+            assert store.load_all()[1] == {}
+
+    def test_a_symlinked_record_stays_corrupt_and_its_target_is_never_read_as_a_record(
+        self, state_dir: Path, tmp_path: Path
+    ) -> None:
+        elsewhere = plant_record(tmp_path, record())
+        (state_dir / elsewhere.name).symlink_to(elsewhere)
+        with RecordStore(state_dir) as store:
+            valid, corrupt = store.load_all()
+        assert valid == {}
+        assert "symbolic link" in corrupt[record().name].why
