@@ -7,7 +7,7 @@ Subcommands:
   foreign instances as a table, or the responses as JSON for machines;
 * ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
   exits 1 when any record is corrupt, so it can gate a maintenance script;
-* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.simcli``).
+* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.sim.cli``).
 
 Exit codes: 0 success, 1 failure (startup failed, sidecar unreachable, corrupt records), 2 bad usage
 or configuration.
@@ -219,7 +219,7 @@ def _cmd_records_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sidecar import config  # noqa: PLC0415
-    from sidecar.nvml import simcli  # noqa: PLC0415
+    from sidecar.nvml.sim import cli as simcli  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="hami-mig-sidecar",

@@ -2,7 +2,7 @@
 
 ``open_backend("nvml")`` loads the real ``libnvidia-ml.so.1`` and never falls back to the simulator:
 a node without a driver fails at startup, loudly. ``open_backend("simulated", sim_state=FILE)`` installs
-the simulated library (``simulated``) under pynvml; the very same adapter runs over it.
+the simulated library (``sidecar.nvml.sim``) under pynvml; the very same adapter runs over it.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def open_backend(
     if kind != "simulated":
         raise BackendUnavailableError(f"unknown NVML backend {kind!r}; expected one of {', '.join(KINDS)}")
 
-    from sidecar.nvml import simulated  # noqa: PLC0415
+    from sidecar.nvml import sim as simulated  # noqa: PLC0415
     from sidecar.nvml.profiles import parse_gpus  # noqa: PLC0415
 
     closers: list[Callable[[], None]] = []

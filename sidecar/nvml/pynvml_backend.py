@@ -1,6 +1,6 @@
 """The ``NvmlPort`` adapter over pynvml (nvidia-ml-py): the only domain-facing code that speaks pynvml.
 
-It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``simulated.SimulatedLibrary``. What it
+It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``sim.SimulatedLibrary``. What it
 takes care of, so that the domain never has to:
 
 * profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is

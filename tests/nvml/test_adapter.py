@@ -20,7 +20,7 @@ from sidecar.nvml.port import (
     NvmlError,
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 
 MakeHw = Callable[..., SimulatedHardware]
 

@@ -14,7 +14,7 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml import profiles
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 
 Layout = list[tuple[profiles.GiProfile, int]]
 

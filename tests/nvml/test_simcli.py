@@ -11,8 +11,8 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml.port import NVML_ERROR_IN_USE, NvmlError
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simcli import ENV_SIM_STATE, register
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim.cli import ENV_SIM_STATE, register
 
 
 def sim(state: Path, *argv: str) -> int:
