@@ -56,6 +56,7 @@ def _gi_profile_by_index(state: SimState, h: Any, index: Any) -> profiles.GiProf
     i = as_int(index)
     if not 0 <= i < profiles.GI_PROFILE_COUNT:
         raise SimError(NVML_ERROR_INVALID_ARGUMENT, f"GI profile index {i} out of range")
+    rules.require_mig(gpu)  # nvml.h: NOT_SUPPORTED "if device doesn't have MIG mode enabled"
     p = rules.model_of(gpu).profile_by_index(i)
     if p is None:
         raise SimError(NVML_ERROR_NOT_SUPPORTED, f"GI profile index {i} is not supported on this GPU")
@@ -85,7 +86,9 @@ def _gi_profile_info_v1(state: SimState, h: Any, index: Any, info: Any) -> int:
 def _gi_profile_info_by_id(state: SimState, h: Any, profile_id: Any, info: Any) -> int:
     out = target(info)
     _check_version(out, pynvml.nvmlGpuInstanceProfileInfo_v2)
-    p = rules.model_of(gpu_of(state, h)).profile_by_id(as_int(profile_id))
+    gpu = gpu_of(state, h)
+    rules.require_mig(gpu)
+    p = rules.model_of(gpu).profile_by_id(as_int(profile_id))
     if p is None:
         raise SimError(NVML_ERROR_NOT_SUPPORTED, f"GI profile ID {as_int(profile_id)} is not supported")
     _fill_gi_profile(out, p, with_name=True)
@@ -203,7 +206,7 @@ def _ci_profile_info(state: SimState, h: Any, index: Any, eng: Any, info: Any, *
     out.sliceCount = cp.slice_count
     out.instanceCount = cp.instance_count
     # SMs split evenly across compute slices (real drivers round a little differently).
-    out.multiprocessorCount = gp.multiprocessor_count * cp.slice_count // gp.slice_count
+    out.multiprocessorCount = cp.multiprocessor_count
     out.sharedCopyEngineCount = gp.copy_engines
     out.sharedDecoderCount = gp.decoders
     out.sharedEncoderCount = gp.encoders
