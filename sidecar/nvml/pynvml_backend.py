@@ -100,6 +100,10 @@ def _mapped(operation: str) -> Iterator[None]:
         raise NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc)) from exc
 
 
+class UnprovableMigUuidError(NvmlError):
+    """No MIG device reports a CI's GI and CI IDs: its MIG UUID cannot be proven (code UNKNOWN)."""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -277,7 +281,7 @@ class PynvmlBackend:
                 found = _text(pynvml.nvmlDeviceGetUUID(mig))
                 if found.startswith("MIG-"):
                     return found
-        raise NvmlError(
+        raise UnprovableMigUuidError(
             f"read the MIG UUID of CI {ci_id} in GI {gi_id} on {gpu_uuid}",
             NVML_ERROR_UNKNOWN,
             "no MIG device reports this GPU instance and compute instance",
@@ -484,9 +488,17 @@ class PynvmlBackend:
             return gi, pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
 
         gi, ci = self._run(operation, create)
-        return self._run(
-            f"{operation}: read back the new compute instance", lambda: self._ci_info(gpu_uuid, gi, ci)
-        )
+        try:
+            return self._run(
+                f"{operation}: read back the new compute instance", lambda: self._ci_info(gpu_uuid, gi, ci)
+            )
+        except UnprovableMigUuidError:
+            # A CI nobody can name is destroyed here, by the handle that made it: left in place it would
+            # fail every listing of its GI, the caller's undo included.
+            self._run(
+                f"{operation}: destroy the unidentifiable CI", lambda: pynvml.nvmlComputeInstanceDestroy(ci)
+            )
+            raise
 
     def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
         def destroy() -> None:

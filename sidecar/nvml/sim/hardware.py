@@ -228,6 +228,11 @@ class SimulatedHardware:
             else:
                 state.latency.pop(op, None)
 
+    def set_ci_info_device(self, parent: bool) -> None:
+        """``nvmlComputeInstanceGetInfo().device`` answers the parent GPU (``parent``) or the MIG device."""
+        with self.store.transaction() as state:
+            state.ci_info_device_is_parent = parent
+
     def lose_gpu(self, gpu_index: int) -> None:
         """The GPU falls off the bus: every call on it answers GPU_IS_LOST until ``reboot``."""
         with self.store.transaction() as state:

@@ -304,10 +304,16 @@ def _ci_by_id(state: SimState, h: Any, ci_id: Any, ci: Any) -> int:
 @cfunc("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
 def _ci_info(state: SimState, h: Any, info: Any) -> int:
     """``device`` is the MIG device handle (its UUID is the MIG UUID), as drivers that real-world
-    controllers were tested against return it, although nvml.h calls it the parent device."""
+    controllers were tested against return it, or the parent GPU as nvml.h documents it when the
+    hardware is switched so (``SimulatedHardware.set_ci_info_device``)."""
     gpu, gi, ci = ci_of(state, h)
     out = target(info)
-    out.device = ctypes.cast(handle(KIND_MIG, gpu.index, ci.serial), pynvml.c_nvmlDevice_t)
+    device = (
+        handle(KIND_GPU, gpu.index)
+        if state.ci_info_device_is_parent
+        else handle(KIND_MIG, gpu.index, ci.serial)
+    )
+    out.device = ctypes.cast(device, pynvml.c_nvmlDevice_t)
     out.gpuInstance = ctypes.cast(_gi_handle(gpu, gi), pynvml.c_nvmlGpuInstance_t)
     out.id = ci.id
     out.profileId = ci.profile_id

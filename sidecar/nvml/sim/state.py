@@ -88,6 +88,9 @@ class SimState(msgspec.Struct):
     busy: list[str] = msgspec.field(default_factory=list)  # MIG or GPU UUIDs with a running process
     faults: list[SimFault] = msgspec.field(default_factory=list)
     latency: dict[str, float] = msgspec.field(default_factory=dict)  # op (name or alias) -> seconds
+    # nvmlComputeInstanceGetInfo().device: the MIG device (what tested drivers return) or, when set,
+    # the parent GPU (what nvml.h documents)
+    ci_info_device_is_parent: bool = False
 
 
 # -- building and numbering ---------------------------------------------------------------------------
