@@ -138,7 +138,8 @@ def test_every_profile_creates_at_every_legal_placement(key: str) -> None:
         assert sorted(p.name for p in offered) == sorted(p.name for p in profiles.model(key).profiles)
         for p in offered:
             model_row = profiles.model(key).profile_by_id(p.id)
-            assert model_row is not None and p.ci_profile_id == model_row.full_ci_profile_id
+            assert model_row is not None
+            assert p.ci_profile_id == model_row.full_ci_profile_id
             for placement in p.placements:
                 gi = port.create_gpu_instance(gpu, p.id, placement)
                 ci = port.create_compute_instance(gpu, gi.id, p.ci_profile_id)
