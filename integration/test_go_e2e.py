@@ -189,6 +189,15 @@ GO_E2E_TESTS = [
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",
 ]
+# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): they need the 4.1 additions.
+GO_E2E_V1ADDITIONS_TESTS = [
+    "TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas",
+    "TestReclaimIdleRefusesAnActiveInstanceAndDestroysTheIdleOne",
+    "TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst",
+    "TestAPendingReservationInRecoverIsAccepted",
+]
+if go_harness.V1ADDITIONS:
+    GO_E2E_TESTS += GO_E2E_V1ADDITIONS_TESTS
 
 
 class TestGoEndToEndSuite:

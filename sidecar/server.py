@@ -280,7 +280,7 @@ def internal_status(method: str) -> Any:
 # -- the servicer ------------------------------------------------------------------------------------------
 
 
-class MigSidecarServicer:
+class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
     """Implements ``hami.migsidecar.v1.MigSidecar``. Registered by name (gRPC looks methods up)."""
 
     def __init__(

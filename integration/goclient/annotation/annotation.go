@@ -212,9 +212,10 @@ func WithRuntimeIdentity(allocs []Allocation, containerIndex uint32, ids []Ident
 }
 
 // ActiveAllocations converts the pod's annotation into the entries the sidecar receives in
-// Recover and SyncActive. Entries without runtime identity are included only when
-// includePending is set: Recover must get identities it can verify, while a release sync should
-// still name reservations whose Allocate is in flight.
+// Recover and SyncActive. An entry without runtime identity is a pending reservation (scheduled,
+// not yet allocated): it protects its placement from reclaim and the reconciler, so callers pass
+// includePending true. False drops them, only for a sidecar older than the 4.1 contract, whose
+// Recover refuses entries it cannot verify.
 func (p Pod) ActiveAllocations(includePending bool) ([]*pb.ActiveAllocation, error) {
 	var out []*pb.ActiveAllocation
 	for _, a := range p.Allocations {

@@ -31,6 +31,10 @@ const (
 	ReasonNvmlError         = "NVML_ERROR"
 	ReasonStateWriteFailed  = "STATE_WRITE_FAILED"
 	ReasonUnverifiableState = "UNVERIFIABLE_STATE"
+	// ReasonNotIdle: ReclaimIdle named an instance that is not IDLE (ACTIVE, ERROR, in flight).
+	ReasonNotIdle = "NOT_IDLE"
+	// ReasonUnknownInstance: ReclaimIdle named a MIG UUID the sidecar does not hold on that GPU.
+	ReasonUnknownInstance = "UNKNOWN_INSTANCE"
 	// ReasonInternal: a bug in the sidecar (code INTERNAL; the sidecar logs its traceback).
 	// Not retried: the same request would meet the same bug.
 	ReasonInternal = "INTERNAL"

@@ -30,9 +30,10 @@ var listNodePods = func(ctx context.Context) ([]nodePod, error) {
 	return nil, errors.New("wire the plugin's API client here")
 }
 
-// activeAllocations turns a fresh pod list into the entries Recover and SyncActive receive.
-// Recover gets verified identities only (includePending false); a release pass also names
-// reservations whose Allocate is still in flight, so they are not idled under it.
+// activeAllocations turns a fresh pod list into the entries Recover and SyncActive receive,
+// pending reservations included: a reservation whose Allocate has not come yet protects its
+// placement (architecture 4.1). includePending false is only for a sidecar older than 4.1,
+// whose Recover refuses entries without runtime identity.
 func activeAllocations(includePending bool) migclient.ListActiveFunc {
 	return func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
 		pods, err := listNodePods(ctx)
@@ -118,7 +119,7 @@ func Example() {
 		CallTimeout:     migclient.DefaultCallTimeout,
 		AllocateTimeout: migclient.DefaultAllocateTimeout,
 		// Lets the client recover a sidecar that restarted, from any call.
-		ListActive: activeAllocations(false),
+		ListActive: activeAllocations(true),
 		// AllowSimulatedBackend stays false on a real node.
 	})
 	if err != nil {

@@ -50,6 +50,7 @@ type config struct {
 	allocateTimeout time.Duration
 	maxAttempts     int
 	allowSimulated  bool
+	recoverPending  bool
 }
 
 func run(args []string, out io.Writer) error {
@@ -66,6 +67,8 @@ func run(args []string, out io.Writer) error {
 		"calls per RPC, the first included, before an UNAVAILABLE answer is given up; 0: no cap, the deadline alone bounds the retries")
 	fs.BoolVar(&cfg.allowSimulated, "allow-simulated-backend", false,
 		"work with a sidecar on the simulated backend (demos and tests); without it such a sidecar is refused")
+	fs.BoolVar(&cfg.recoverPending, "recover-pending", false,
+		"send pending reservations (scheduled, not yet allocated) in Recover; needs a sidecar with the 4.1 additions, an older one refuses them")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -88,7 +91,7 @@ func run(args []string, out io.Writer) error {
 		CallTimeout:           cfg.callTimeout,
 		AllocateTimeout:       cfg.allocateTimeout,
 		MaxAttempts:           cfg.maxAttempts,
-		ListActive:            store.listActive(false),
+		ListActive:            store.listActive(cfg.recoverPending),
 		AllowSimulatedBackend: cfg.allowSimulated,
 	})
 	if err != nil {
@@ -119,6 +122,7 @@ type report struct {
 	Devices   []migclient.AllocatedDevice `json:"devices,omitempty"`
 	Reclaimed []migclient.InstanceRef     `json:"reclaimed,omitempty"`
 	Idled     []migclient.InstanceRef     `json:"idled,omitempty"`
+	Destroyed []migclient.InstanceRef     `json:"destroyed,omitempty"`
 	Reactiv   []migclient.InstanceRef     `json:"reactivated,omitempty"`
 	Detail    string                      `json:"detail,omitempty"`
 	Error     *errorReport                `json:"error,omitempty"`
@@ -183,6 +187,12 @@ func (p *player) step(ctx context.Context, n int, st Step) report {
 		return p.release(ctx, report{Step: n, Event: "sync"})
 	case st.Restart != nil:
 		return p.restart(n)
+	case st.Undo != nil:
+		return p.undo(ctx, n, st.Undo)
+	case st.ReclaimIdle != nil:
+		return p.reclaimIdle(ctx, n, st.ReclaimIdle)
+	case st.DisableMig != nil:
+		return p.disableMig(ctx, n, st.DisableMig)
 	default:
 		return p.state(ctx, n)
 	}
@@ -399,6 +409,9 @@ func (p *player) check(n int, want *Expect, r report) string {
 	if want.Reclaimed != nil && len(r.Reclaimed) != *want.Reclaimed {
 		problems = append(problems, fmt.Sprintf("%d reclaimed, want %d", len(r.Reclaimed), *want.Reclaimed))
 	}
+	if want.Destroyed != nil && len(r.Destroyed) != *want.Destroyed {
+		problems = append(problems, fmt.Sprintf("%d destroyed, want %d", len(r.Destroyed), *want.Destroyed))
+	}
 	if want.Idled != nil && len(r.Idled) != *want.Idled {
 		problems = append(problems, fmt.Sprintf("%d idled, want %d", len(r.Idled), *want.Idled))
 	}
@@ -439,6 +452,9 @@ func (p *player) emit(r report) {
 	}
 	for _, x := range r.Reclaimed {
 		fmt.Fprintf(p.out, "     reclaimed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
+	}
+	for _, x := range r.Destroyed {
+		fmt.Fprintf(p.out, "     destroyed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
 	}
 	for _, x := range r.Idled {
 		fmt.Fprintf(p.out, "     idled: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)

@@ -24,6 +24,12 @@ type Step struct {
 	Sync *struct{} `json:"sync,omitempty"`
 	// Restart: the sidecar restarts (runs --restart-cmd); the next call recovers it.
 	Restart *struct{} `json:"restart,omitempty"`
+	// Undo: the plugin rolls back a container's successful Allocate (UndoAllocate).
+	Undo *AllocateStep `json:"undo,omitempty"`
+	// ReclaimIdle: destroy a GPU's IDLE instances (all, or those of the steps named).
+	ReclaimIdle *GPUStep `json:"reclaim-idle,omitempty"`
+	// DisableMig: switch a GPU to hami-core mode, destroying its IDLE instances first.
+	DisableMig *GPUStep `json:"disable-mig,omitempty"`
 	// State: print the sidecar's instance table.
 	State *struct{} `json:"state,omitempty"`
 	// Expect checks the step's result; a mismatch makes the run exit non-zero.
@@ -65,6 +71,13 @@ type AllocateStep struct {
 	Container uint32 `json:"container"`
 }
 
+// GPUStep names a GPU by index and, for reclaim-idle, the MIG UUIDs returned by earlier
+// allocate steps (1-based step numbers); none means every IDLE instance of the GPU.
+type GPUStep struct {
+	GPU       uint32 `json:"gpu"`
+	MigOfStep []int  `json:"migOfStep,omitempty"`
+}
+
 // PodStep names a pod.
 type PodStep struct {
 	Pod       string `json:"pod"`
@@ -80,6 +93,7 @@ type Expect struct {
 	// Reclaimed, Idled: counts of instances.
 	Reclaimed *int `json:"reclaimed,omitempty"`
 	Idled     *int `json:"idled,omitempty"`
+	Destroyed *int `json:"destroyed,omitempty"`
 	// SameMigAsStep: the allocation returned the MIG UUIDs of that earlier step (1-based).
 	SameMigAsStep int `json:"sameMigAsStep,omitempty"`
 }
@@ -95,13 +109,14 @@ func loadScenario(path string) (Scenario, error) {
 	}
 	for i, st := range s.Steps {
 		n := 0
-		for _, set := range []bool{st.Schedule != nil, st.Allocate != nil, st.Delete != nil, st.Sync != nil, st.Restart != nil, st.State != nil} {
+		for _, set := range []bool{st.Schedule != nil, st.Allocate != nil, st.Delete != nil, st.Sync != nil, st.Restart != nil, st.State != nil,
+			st.Undo != nil, st.ReclaimIdle != nil, st.DisableMig != nil} {
 			if set {
 				n++
 			}
 		}
 		if n != 1 {
-			return Scenario{}, fmt.Errorf("scenario %s: step %d must be exactly one of schedule, allocate, delete, sync, restart, state", path, i+1)
+			return Scenario{}, fmt.Errorf("scenario %s: step %d must be exactly one of schedule, allocate, delete, sync, restart, state, undo, reclaim-idle, disable-mig", path, i+1)
 		}
 	}
 	return s, nil

@@ -1,0 +1,487 @@
+// Package fakesidecar is an in-process MigSidecar server for unit tests of the Go client and the
+// HAMi adapter. It keeps an instance table with the contract's states and answers the v1
+// additions (UndoAllocate, ReclaimIdle, RankPlacements, SetMigMode.reclaim_idle) the way
+// architecture section 4.1 specifies, so tests can assert outcomes (what the table holds
+// afterwards) rather than calls. It is far simpler than the sidecar: no NVML, no records.
+package fakesidecar
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"path/filepath"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+)
+
+// Key is an allocation key: pod UID, container index, device index.
+type Key struct {
+	PodUID         string
+	ContainerIndex uint32
+	DeviceIndex    uint32
+}
+
+// Instance is one row of the fake's table.
+type Instance struct {
+	GPU       string
+	Profile   string
+	Start     uint32
+	Size      uint32
+	MigUUID   string
+	GI, CI    uint32
+	State     pb.InstanceState
+	Owner     *Key
+	Created   bool // the owning Allocate created it (UndoAllocate destroys it) rather than reused it
+	Processes bool // a process runs on it (ReclaimIdle answers INSTANCE_IN_USE)
+}
+
+// Server is the fake. Its fields are guarded by mu; tests use the methods.
+type Server struct {
+	pb.UnimplementedMigSidecarServer
+
+	mu        sync.Mutex
+	gpus      []string
+	migOn     map[string]bool
+	instances []*Instance
+	nextGI    uint32
+	recovered bool
+	recovers  []*pb.RecoverRequest
+	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
+	unavailable int
+}
+
+// profiles is the fake's profile table: name -> size and legal starts (an 8-slice GPU).
+var profiles = map[string]struct {
+	size   uint32
+	starts []uint32
+}{
+	"1g.10gb": {1, []uint32{0, 1, 2, 3, 4, 5, 6}},
+	"2g.20gb": {2, []uint32{0, 2, 4}},
+	"3g.40gb": {4, []uint32{0, 4}},
+	"7g.80gb": {8, []uint32{0}},
+}
+
+// Start serves a fake with the given GPU UUIDs (MIG enabled on each) on a socket in a temp dir
+// and returns it with the socket path.
+func Start(t *testing.T, gpus ...string) (*Server, string) {
+	t.Helper()
+	s := &Server{gpus: gpus, migOn: map[string]bool{}, nextGI: 1, recovered: true}
+	for _, g := range gpus {
+		s.migOn[g] = true
+	}
+	socket := filepath.Join(t.TempDir(), "fake.sock")
+	lis, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	pb.RegisterMigSidecarServer(srv, s)
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	return s, socket
+}
+
+func fail(code codes.Code, reason, msg string, md map[string]string) error {
+	st, err := status.New(code, msg).WithDetails(&errdetails.ErrorInfo{Reason: reason, Domain: "migsidecar.hami.io", Metadata: md})
+	if err != nil {
+		panic(err)
+	}
+	return st.Err()
+}
+
+// Put adds an instance to the table as it is (for IDLE or ERROR set-ups) and returns it.
+func (s *Server) Put(in Instance) *Instance {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if in.GI == 0 {
+		in.GI = s.nextGI
+		s.nextGI++
+	}
+	if in.MigUUID == "" {
+		in.MigUUID = fmt.Sprintf("MIG-fake-%s-%d", in.GPU, in.GI)
+	}
+	p := &in
+	s.instances = append(s.instances, p)
+	return p
+}
+
+// Instances returns a copy of the table, sorted by MIG UUID.
+func (s *Server) Instances() []Instance {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]Instance, 0, len(s.instances))
+	for _, in := range s.instances {
+		out = append(out, *in)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].MigUUID < out[j].MigUUID })
+	return out
+}
+
+// MigEnabled reports the fake's MIG mode of one GPU.
+func (s *Server) MigEnabled(gpu string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.migOn[gpu]
+}
+
+// Unrecover makes the fake answer NOT_RECOVERED until the next Recover.
+func (s *Server) Unrecover() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.recovered = false
+}
+
+// Recovers returns the Recover requests received.
+func (s *Server) Recovers() []*pb.RecoverRequest {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]*pb.RecoverRequest(nil), s.recovers...)
+}
+
+// FailNext makes the next n mutating calls answer UNAVAILABLE NVML_ERROR.
+func (s *Server) FailNext(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.unavailable = n
+}
+
+// gate is the check every mutating call passes first; the caller holds mu.
+func (s *Server) gate() error {
+	if !s.recovered {
+		return fail(codes.FailedPrecondition, "NOT_RECOVERED", "not recovered", nil)
+	}
+	if s.unavailable > 0 {
+		s.unavailable--
+		return fail(codes.Unavailable, "NVML_ERROR", "injected NVML error", nil)
+	}
+	return nil
+}
+
+func (s *Server) knownGPU(gpu string) error {
+	for _, g := range s.gpus {
+		if g == gpu {
+			return nil
+		}
+	}
+	return fail(codes.NotFound, "UNKNOWN_GPU", "unknown GPU "+gpu, nil)
+}
+
+func ref(in *Instance) *pb.InstanceRef {
+	return &pb.InstanceRef{GpuUuid: in.GPU, Profile: in.Profile, Placement: &pb.Placement{Start: in.Start, Size: in.Size},
+		MigUuid: in.MigUUID, GpuInstanceId: in.GI, ComputeInstanceId: in.CI}
+}
+
+func overlaps(in *Instance, start, size uint32) bool {
+	return in.Start < start+size && start < in.Start+in.Size
+}
+
+func (s *Server) remove(in *Instance) {
+	for i, x := range s.instances {
+		if x == in {
+			s.instances = append(s.instances[:i], s.instances[i+1:]...)
+			return
+		}
+	}
+}
+
+func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "fake", Recovered: s.recovered,
+		StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
+}
+
+func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := &pb.ListGpusResponse{}
+	for i, g := range s.gpus {
+		out.Gpus = append(out.Gpus, &pb.Gpu{Index: uint32(i), Uuid: g, Model: "NVIDIA H100 80GB HBM3",
+			MigMode: &pb.MigMode{Current: s.migOn[g], Pending: s.migOn[g]}})
+	}
+	return out, nil
+}
+
+func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesRequest) (*pb.DiscoverProfilesResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.knownGPU(req.GetGpuUuid()); err != nil {
+		return nil, err
+	}
+	names := make([]string, 0, len(profiles))
+	for n := range profiles {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	out := &pb.DiscoverProfilesResponse{}
+	for _, n := range names {
+		p := profiles[n]
+		prof := &pb.Profile{Name: n, SliceCount: p.size, MemoryMb: uint64(p.size) * 10000, CorePercent: p.size * 100 / 8,
+			InstanceCount: uint32(len(p.starts))}
+		for _, st := range p.starts {
+			prof.Placements = append(prof.Placements, &pb.Placement{Start: st, Size: p.size})
+		}
+		out.Profiles = append(out.Profiles, prof)
+	}
+	return out, nil
+}
+
+func (s *Server) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.RecoverResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.recovers = append(s.recovers, req)
+	s.recovered = true
+	return &pb.RecoverResponse{}, nil
+}
+
+func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.SyncActiveResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	listed := map[Key]bool{}
+	for _, a := range req.GetActive() {
+		listed[Key{a.GetPod().GetUid(), a.GetContainerIndex(), a.GetDeviceIndex()}] = true
+	}
+	out := &pb.SyncActiveResponse{}
+	for _, in := range s.instances {
+		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] {
+			in.State = pb.InstanceState_IDLE
+			out.Idled = append(out.Idled, ref(in))
+		}
+	}
+	return out, nil
+}
+
+func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.AllocateResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	out := &pb.AllocateResponse{}
+	for _, d := range req.GetDevices() {
+		key := Key{req.GetPod().GetUid(), req.GetContainerIndex(), d.GetDeviceIndex()}
+		start, size := d.GetPlacement().GetStart(), d.GetPlacement().GetSize()
+		if !s.migOn[d.GetGpuUuid()] {
+			return nil, fail(codes.FailedPrecondition, "MIG_DISABLED", "MIG disabled on "+d.GetGpuUuid(), nil)
+		}
+		var got *Instance
+		outcome := pb.Outcome_CREATED
+		for _, in := range s.instances {
+			if in.GPU != d.GetGpuUuid() || !overlaps(in, start, size) {
+				continue
+			}
+			same := in.Profile == d.GetProfile() && in.Start == start && in.Size == size
+			switch {
+			case same && in.State == pb.InstanceState_ACTIVE && in.Owner != nil && *in.Owner == key:
+				got, outcome = in, pb.Outcome_ALREADY_ALLOCATED
+			case same && in.State == pb.InstanceState_IDLE:
+				got, outcome = in, pb.Outcome_REUSED
+			}
+		}
+		if got == nil {
+			for _, in := range append([]*Instance(nil), s.instances...) {
+				if in.GPU != d.GetGpuUuid() || !overlaps(in, start, size) {
+					continue
+				}
+				if in.State != pb.InstanceState_IDLE {
+					return nil, fail(codes.FailedPrecondition, "PLACEMENT_BUSY", "placement busy",
+						map[string]string{"mig_uuid": in.MigUUID, "blocker": in.State.String()})
+				}
+				out.Reclaimed = append(out.Reclaimed, ref(in))
+				s.remove(in)
+			}
+			got = &Instance{GPU: d.GetGpuUuid(), Profile: d.GetProfile(), Start: start, Size: size, GI: s.nextGI}
+			got.MigUUID = fmt.Sprintf("MIG-fake-%s-%d", got.GPU, got.GI)
+			s.nextGI++
+			s.instances = append(s.instances, got)
+		}
+		if outcome != pb.Outcome_ALREADY_ALLOCATED {
+			got.Created = outcome == pb.Outcome_CREATED
+		}
+		got.State, got.Owner = pb.InstanceState_ACTIVE, &key
+		out.Devices = append(out.Devices, &pb.AllocatedDevice{DeviceIndex: d.GetDeviceIndex(), GpuUuid: got.GPU,
+			Profile: got.Profile, Placement: d.GetPlacement(), MigUuid: got.MigUUID, GpuInstanceId: got.GI,
+			ComputeInstanceId: got.CI, CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + got.MigUUID, Outcome: outcome})
+	}
+	return out, nil
+}
+
+func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*pb.UndoAllocateResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	out := &pb.UndoAllocateResponse{}
+	for _, in := range append([]*Instance(nil), s.instances...) {
+		if in.State != pb.InstanceState_ACTIVE || in.Owner == nil ||
+			in.Owner.PodUID != req.GetPodUid() || in.Owner.ContainerIndex != req.GetContainerIndex() {
+			continue
+		}
+		if in.Created {
+			s.remove(in)
+			out.Destroyed = append(out.Destroyed, ref(in))
+		} else {
+			in.State, in.Owner = pb.InstanceState_IDLE, nil
+			out.Idled = append(out.Idled, ref(in))
+		}
+	}
+	return out, nil
+}
+
+// reclaimable checks ReclaimIdle's preconditions on one GPU; the caller holds mu.
+func (s *Server) reclaimable(gpu string, named []string) ([]*Instance, error) {
+	var picked []*Instance
+	if len(named) == 0 {
+		for _, in := range s.instances {
+			if in.GPU == gpu && in.State == pb.InstanceState_IDLE {
+				picked = append(picked, in)
+			}
+		}
+	}
+	for _, m := range named {
+		var found *Instance
+		for _, in := range s.instances {
+			if in.GPU == gpu && in.MigUUID == m {
+				found = in
+			}
+		}
+		switch {
+		case found == nil:
+			return nil, fail(codes.NotFound, "UNKNOWN_INSTANCE", "no instance "+m+" on "+gpu, map[string]string{"mig_uuid": m})
+		case found.State != pb.InstanceState_IDLE:
+			return nil, fail(codes.FailedPrecondition, "NOT_IDLE", m+" is "+found.State.String(), map[string]string{"mig_uuid": m})
+		}
+		picked = append(picked, found)
+	}
+	for _, in := range picked {
+		if in.Processes {
+			return nil, fail(codes.Unavailable, "INSTANCE_IN_USE", in.MigUUID+" runs processes", map[string]string{"mig_uuid": in.MigUUID})
+		}
+	}
+	return picked, nil
+}
+
+func (s *Server) ReclaimIdle(_ context.Context, req *pb.ReclaimIdleRequest) (*pb.ReclaimIdleResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	if err := s.knownGPU(req.GetGpuUuid()); err != nil {
+		return nil, err
+	}
+	picked, err := s.reclaimable(req.GetGpuUuid(), req.GetMigUuids())
+	if err != nil {
+		return nil, err
+	}
+	out := &pb.ReclaimIdleResponse{}
+	for _, in := range picked {
+		s.remove(in)
+		out.Reclaimed = append(out.Reclaimed, ref(in))
+	}
+	return out, nil
+}
+
+func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.SetMigModeResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	gpu := req.GetGpuUuid()
+	if err := s.knownGPU(gpu); err != nil {
+		return nil, err
+	}
+	if !req.GetEnabled() {
+		for _, in := range s.instances {
+			if in.GPU == gpu && (in.State != pb.InstanceState_IDLE || !req.GetReclaimIdle()) {
+				return nil, fail(codes.FailedPrecondition, "PLACEMENT_BUSY", "GPU holds "+in.State.String()+" "+in.MigUUID,
+					map[string]string{"mig_uuid": in.MigUUID, "blocker": in.State.String()})
+			}
+		}
+		picked, err := s.reclaimable(gpu, nil)
+		if err != nil {
+			return nil, err
+		}
+		for _, in := range picked {
+			s.remove(in)
+		}
+	}
+	s.migOn[gpu] = req.GetEnabled()
+	return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: req.GetEnabled(), Pending: req.GetEnabled()}}, nil
+}
+
+func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest) (*pb.RankPlacementsResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.recovered {
+		return nil, fail(codes.FailedPrecondition, "NOT_RECOVERED", "not recovered", nil)
+	}
+	if err := s.knownGPU(req.GetGpuUuid()); err != nil {
+		return nil, err
+	}
+	p, ok := profiles[req.GetProfile()]
+	if !ok {
+		return nil, fail(codes.InvalidArgument, "UNKNOWN_PROFILE", "unknown profile "+req.GetProfile(), nil)
+	}
+	var used uint32
+	for _, in := range s.instances {
+		if in.GPU == req.GetGpuUuid() && in.State != pb.InstanceState_IDLE {
+			used += in.Size
+		}
+	}
+	out := &pb.RankPlacementsResponse{}
+	for _, st := range p.starts {
+		rp := &pb.RankedPlacement{Placement: &pb.Placement{Start: st, Size: p.size}, Cost: pb.PlacementCost_FREE,
+			FreeSlicesAfter: 8 - used - p.size}
+		for _, in := range s.instances {
+			if in.GPU != req.GetGpuUuid() || !overlaps(in, st, p.size) {
+				continue
+			}
+			switch {
+			case in.State != pb.InstanceState_IDLE:
+				rp.Cost, rp.Blocker = pb.PlacementCost_BLOCKED, in.State.String()
+			case in.Profile == req.GetProfile() && in.Start == st && rp.Cost != pb.PlacementCost_BLOCKED:
+				rp.Cost, rp.IdleMigUuid = pb.PlacementCost_REUSE, in.MigUUID
+			case rp.Cost == pb.PlacementCost_FREE || rp.Cost == pb.PlacementCost_RECLAIM:
+				rp.Cost = pb.PlacementCost_RECLAIM
+				rp.Reclaim = append(rp.Reclaim, ref(in))
+			}
+		}
+		out.Placements = append(out.Placements, rp)
+	}
+	sort.SliceStable(out.Placements, func(i, j int) bool { return out.Placements[i].Cost < out.Placements[j].Cost })
+	return out, nil
+}
+
+func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := &pb.GetStateResponse{}
+	for i, g := range s.gpus {
+		gs := &pb.GpuState{Gpu: &pb.Gpu{Index: uint32(i), Uuid: g}}
+		for _, in := range s.instances {
+			if in.GPU == g {
+				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
+					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
+					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State})
+			}
+		}
+		out.Gpus = append(out.Gpus, gs)
+	}
+	return out, nil
+}

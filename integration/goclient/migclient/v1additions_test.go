@@ -1,0 +1,178 @@
+package migclient_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakesidecar"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func fake(t *testing.T, list migclient.ListActiveFunc) (*fakesidecar.Server, *migclient.Client) {
+	t.Helper()
+	s, socket := fakesidecar.Start(t, "GPU-a", "GPU-b")
+	c, err := migclient.New(context.Background(), socket, migclient.Options{
+		CallTimeout: 5 * time.Second, AllocateTimeout: 5 * time.Second, MaxAttempts: 4, ListActive: list,
+		Backoff: migclient.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}, AllowSimulatedBackend: true,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return s, c
+}
+
+func req(uid string, container uint32, devs ...migclient.DeviceRequest) migclient.AllocateRequest {
+	for i := range devs {
+		devs[i].DeviceIndex = uint32(i)
+	}
+	return migclient.AllocateRequest{Pod: migclient.PodRef{UID: uid, Namespace: "ns", Name: uid}, ContainerName: "c",
+		ContainerIndex: container, Devices: devs}
+}
+
+func on(gpu, profile string, start, size uint32) migclient.DeviceRequest {
+	return migclient.DeviceRequest{GPUUUID: gpu, Profile: profile, Placement: migclient.Placement{Start: start, Size: size}}
+}
+
+func states(s *fakesidecar.Server) map[string]pb.InstanceState {
+	out := map[string]pb.InstanceState{}
+	for _, in := range s.Instances() {
+		out[in.MigUUID] = in.State
+	}
+	return out
+}
+
+func TestUndoAllocateDestroysWhatTheAllocateCreatedAndIdlesWhatItReused(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	res, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1), on("GPU-a", "1g.10gb", 1, 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Devices[0].Outcome != migclient.OutcomeReused || res.Devices[1].Outcome != migclient.OutcomeCreated {
+		t.Fatalf("outcomes %v %v", res.Devices[0].Outcome, res.Devices[1].Outcome)
+	}
+	undo, err := c.UndoAllocate(ctx, "p", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(undo.Destroyed) != 1 || undo.Destroyed[0].MigUUID != res.Devices[1].MigUUID ||
+		len(undo.Idled) != 1 || undo.Idled[0].MigUUID != cached.MigUUID {
+		t.Fatalf("undo %+v", undo)
+	}
+	if got := states(s); len(got) != 1 || got[cached.MigUUID] != pb.InstanceState_IDLE {
+		t.Fatalf("table after undo: %v", got)
+	}
+	again, err := c.UndoAllocate(ctx, "p", 0)
+	if err != nil || len(again.Destroyed)+len(again.Idled) != 0 {
+		t.Fatalf("a repeated undo changed something: %+v %v", again, err)
+	}
+}
+
+func TestUndoAllocateRetriesUnavailableAndRejectsAnEmptyPodUID(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	if _, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 2, 1))); err != nil {
+		t.Fatal(err)
+	}
+	s.FailNext(2)
+	undo, err := c.UndoAllocate(ctx, "p", 0)
+	if err != nil || len(undo.Destroyed) != 1 {
+		t.Fatalf("undo after two UNAVAILABLE answers: %+v %v", undo, err)
+	}
+	if _, err := c.UndoAllocate(ctx, "", 0); !migclient.IsReason(err, migclient.ReasonInvalidRequest) {
+		t.Fatalf("empty pod UID: %v", err)
+	}
+}
+
+func TestReclaimIdleRefusalsAreTypedAndDestroyNothing(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	idle := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	busy := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 1, Size: 1, State: pb.InstanceState_ACTIVE})
+	for _, tc := range []struct {
+		mig    string
+		code   codes.Code
+		reason string
+	}{
+		{busy.MigUUID, codes.FailedPrecondition, migclient.ReasonNotIdle},
+		{"MIG-nowhere", codes.NotFound, migclient.ReasonUnknownInstance},
+	} {
+		_, err := c.ReclaimIdle(ctx, "GPU-a", idle.MigUUID, tc.mig)
+		if migclient.CodeOf(err) != tc.code || !migclient.IsReason(err, tc.reason) {
+			t.Fatalf("ReclaimIdle %s: %v, want %s %s", tc.mig, err, tc.code, tc.reason)
+		}
+	}
+	if len(s.Instances()) != 2 {
+		t.Fatalf("a refused reclaim destroyed something: %v", states(s))
+	}
+	got, err := c.ReclaimIdle(ctx, "GPU-a")
+	if err != nil || len(got) != 1 || got[0].MigUUID != idle.MigUUID {
+		t.Fatalf("reclaim all idle: %+v %v", got, err)
+	}
+	if st := states(s); len(st) != 1 || st[busy.MigUUID] != pb.InstanceState_ACTIVE {
+		t.Fatalf("table after reclaim: %v", st)
+	}
+}
+
+func TestSetMigModeWithReclaimIdleDisablesAGPUThatOnlyCachesInstances(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "2g.20gb", Start: 0, Size: 2, State: pb.InstanceState_IDLE})
+	if _, err := c.SetMigMode(ctx, "GPU-b", false); !migclient.IsReason(err, migclient.ReasonPlacementBusy) {
+		t.Fatalf("disable without reclaim: %v", err)
+	}
+	if !s.MigEnabled("GPU-b") || len(s.Instances()) != 1 {
+		t.Fatal("a refused disable changed the GPU")
+	}
+	res, err := c.SetMigMode(ctx, "GPU-b", false, migclient.ReclaimIdle())
+	if err != nil || res.MigMode.Current {
+		t.Fatalf("disable with reclaim: %+v %v", res, err)
+	}
+	if s.MigEnabled("GPU-b") || len(s.Instances()) != 0 {
+		t.Fatalf("MIG still on or instances left: %v", states(s))
+	}
+}
+
+func TestRankPlacementsPutsReuseFirstAndBlockedLast(t *testing.T) {
+	s, c := fake(t, nil)
+	idle := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "2g.20gb", Start: 2, Size: 2, State: pb.InstanceState_IDLE})
+	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 4, Size: 1, State: pb.InstanceState_ACTIVE})
+	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	got, err := c.RankPlacements(context.Background(), "GPU-a", "2g.20gb")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var costs []string
+	for _, p := range got {
+		costs = append(costs, p.Placement.String()+"="+p.Cost.String())
+	}
+	want := []string{"2:2=REUSE", "0:2=RECLAIM", "4:2=BLOCKED"}
+	if len(costs) != len(want) || costs[0] != want[0] || costs[1] != want[1] || costs[2] != want[2] {
+		t.Fatalf("ranking %v, want %v", costs, want)
+	}
+	if got[0].IdleMigUUID != idle.MigUUID || len(got[1].Reclaim) != 1 {
+		t.Fatalf("advice details: %+v", got)
+	}
+}
+
+func TestRecoverSendsPendingReservationsTheListNames(t *testing.T) {
+	pending := &pb.ActiveAllocation{Pod: &pb.PodRef{Uid: "later"}, ContainerName: "c", GpuUuid: "GPU-a",
+		Profile: "1g.10gb", Placement: &pb.Placement{Start: 3, Size: 1}}
+	s, c := fake(t, func(context.Context) ([]*pb.ActiveAllocation, error) { return []*pb.ActiveAllocation{pending}, nil })
+	s.Unrecover()
+	if _, err := c.ReclaimIdle(context.Background(), "GPU-a"); err != nil {
+		t.Fatal(err)
+	}
+	recs := s.Recovers()
+	if len(recs) != 1 || len(recs[0].GetActive()) != 1 || recs[0].GetActive()[0].GetMigUuid() != "" ||
+		recs[0].GetActive()[0].GetPod().GetUid() != "later" {
+		t.Fatalf("Recover did not carry the pending reservation: %v", recs)
+	}
+}

@@ -1,0 +1,82 @@
+package register
+
+import (
+	"context"
+	"errors"
+	"reflect"
+	"testing"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func ranked(start, size uint32, cost migclient.PlacementCost) migclient.RankedPlacement {
+	return migclient.RankedPlacement{Placement: migclient.Placement{Start: start, Size: size}, Cost: cost}
+}
+
+var published = []Placement{{0, 2}, {2, 2}, {4, 2}, {6, 2}}
+
+var advice = []migclient.RankedPlacement{
+	ranked(4, 2, migclient.CostReuse), ranked(6, 2, migclient.CostFree),
+	ranked(2, 2, migclient.CostReclaim), ranked(0, 2, migclient.CostBlocked),
+}
+
+func TestOrderPublishesReuseFirstReclaimAfterFreeAndBlockedLast(t *testing.T) {
+	got := Order(published, advice, BlockedLast)
+	want := []Placement{{4, 2}, {6, 2}, {2, 2}, {0, 2}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("got %v, want %v", got, want)
+	}
+}
+
+func TestOrderCanDropBlockedPlacements(t *testing.T) {
+	got := Order(published, advice, BlockedDrop)
+	want := []Placement{{4, 2}, {6, 2}, {2, 2}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("got %v, want %v", got, want)
+	}
+}
+
+func TestAPlacementTheAdviceDoesNotRankGoesBeforeBlockedOnes(t *testing.T) {
+	got := Order(published, advice[1:], BlockedLast) // 4:2 unranked
+	want := []Placement{{6, 2}, {2, 2}, {4, 2}, {0, 2}}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("got %v, want %v", got, want)
+	}
+}
+
+type rankerFunc func(ctx context.Context, gpu, profile string) ([]migclient.RankedPlacement, error)
+
+func (f rankerFunc) RankPlacements(ctx context.Context, gpu, profile string) ([]migclient.RankedPlacement, error) {
+	return f(ctx, gpu, profile)
+}
+
+func TestAProfileWhoseAdviceFailsKeepsItsOrderAndTheOthersAreStillOrdered(t *testing.T) {
+	profiles := []MigProfile{{Name: "1g.10gb", Placements: []Placement{{0, 1}, {1, 1}}}, {Name: "2g.20gb", Placements: published}}
+	r := rankerFunc(func(_ context.Context, _, profile string) ([]migclient.RankedPlacement, error) {
+		if profile == "1g.10gb" {
+			return nil, errors.New("down")
+		}
+		return advice, nil
+	})
+	got, err := OrderProfiles(context.Background(), r, "GPU-a", profiles, BlockedLast)
+	if err == nil {
+		t.Fatal("the failed profile's error was not returned")
+	}
+	if !reflect.DeepEqual(got[0].Placements, profiles[0].Placements) || got[1].Placements[0] != (Placement{4, 2}) {
+		t.Fatalf("got %+v", got)
+	}
+}
+
+func TestTheIdleAnnotationIsStableForAnUnchangedInventory(t *testing.T) {
+	a := map[string][]IdleInstance{"GPU-b": {{Profile: "1g.10gb", Placement: Placement{3, 1}, MigUUID: "MIG-2"},
+		{Profile: "1g.10gb", Placement: Placement{1, 1}, MigUUID: "MIG-1"}}, "GPU-a": nil}
+	got, err := EncodeIdle(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := `{"GPU-b":[{"profile":"1g.10gb","placement":{"start":1,"size":1},"migUUID":"MIG-1"},` +
+		`{"profile":"1g.10gb","placement":{"start":3,"size":1},"migUUID":"MIG-2"}]}`
+	if got != want {
+		t.Fatalf("got %s\nwant %s", got, want)
+	}
+}
