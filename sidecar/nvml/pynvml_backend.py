@@ -10,6 +10,7 @@ takes care of, so that the domain never has to:
 * placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
   argument through untouched;
 * ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
+* the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
 * handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
   handles are cached by UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup
   can take seconds on a loaded node).
@@ -57,14 +58,13 @@ import pynvml
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
 
 from sidecar.domain import Placement
+from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
     NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_NOT_FOUND,
     NVML_ERROR_NOT_READY,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_TIMEOUT,
-    NVML_ERROR_UNKNOWN,
     ComputeInstanceInfo,
     GpuInfo,
     GpuInstanceInfo,
@@ -98,10 +98,6 @@ def _mapped(operation: str) -> Iterator[None]:
         raise NvmlError(operation, int(exc.value), str(exc)) from exc
     except pynvml.NVMLLibraryMismatchError as exc:
         raise NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc)) from exc
-
-
-class UnprovableMigUuidError(NvmlError):
-    """No MIG device reports a CI's GI and CI IDs: its MIG UUID cannot be proven (code UNKNOWN)."""
 
 
 def _text(value: Any) -> str:
@@ -254,52 +250,8 @@ class PynvmlBackend:
             gpu_instance_id=gi_id,
             id=ci_id,
             profile_id=int(info.profileId),
-            mig_uuid=self._mig_uuid(gpu_uuid, info.device, gi_id, ci_id),
+            mig_uuid=proven_mig_uuid(gpu_uuid, self._device(gpu_uuid), info.device, gi_id, ci_id),
         )
-
-    def _mig_uuid(self, gpu_uuid: str, device: Any, gi_id: int, ci_id: int) -> str:
-        """The MIG UUID of CI ``ci_id`` in GI ``gi_id``, proven, never guessed.
-
-        nvml.h documents ``nvmlComputeInstanceInfo_t.device`` as the *parent* device, while drivers
-        that DRA and others were tested on put the MIG device there. Its UUID is taken only when it
-        is a ``MIG-`` UUID whose device reports this GI and CI; otherwise the MIG devices of the GPU
-        are walked (``GetMigDeviceHandleByIndex``; empty indices answer NOT_FOUND) for the one with
-        these IDs. None matching -> NvmlError UNKNOWN: a create fails (and is undone) rather than
-        recording the parent GPU's UUID, or another instance's, as this instance's identity."""
-        uuid = _text(pynvml.nvmlDeviceGetUUID(device))
-        if uuid.startswith("MIG-") and self._mig_ids(device) == (gi_id, ci_id):
-            return uuid
-        parent = self._device(gpu_uuid)
-        for index in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
-            try:
-                mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, index)
-            except pynvml.NVMLError as exc:
-                if exc.value in (NVML_ERROR_NOT_FOUND, NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise
-            if self._mig_ids(mig) == (gi_id, ci_id):
-                found = _text(pynvml.nvmlDeviceGetUUID(mig))
-                if found.startswith("MIG-"):
-                    return found
-        raise UnprovableMigUuidError(
-            f"read the MIG UUID of CI {ci_id} in GI {gi_id} on {gpu_uuid}",
-            NVML_ERROR_UNKNOWN,
-            "no MIG device reports this GPU instance and compute instance",
-        )
-
-    @staticmethod
-    def _mig_ids(device: Any) -> tuple[int, int] | None:
-        """(GI ID, CI ID) of a MIG device handle; None for a handle that is not one."""
-        try:
-            if not pynvml.nvmlDeviceIsMigDeviceHandle(device).value:
-                return None
-            return int(pynvml.nvmlDeviceGetGpuInstanceId(device)), int(
-                pynvml.nvmlDeviceGetComputeInstanceId(device)
-            )
-        except pynvml.NVMLError as exc:
-            if exc.value in (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT):
-                return None
-            raise
 
     # -- NvmlPort ------------------------------------------------------------------------------------
 
