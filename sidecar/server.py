@@ -352,12 +352,40 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
-            current, pending, needs_reset = self.lifecycle.set_mig_mode(gpu_uuid, bool(request.enabled))
+            current, pending, needs_reset = self.lifecycle.set_mig_mode(
+                gpu_uuid, bool(request.enabled), reclaim_idle=bool(request.reclaim_idle)
+            )
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
             )
 
         return self._handle("SetMigMode", context, answer)
+
+    def UndoAllocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            _require(bool(request.pod_uid), "request: pod_uid is missing", field="pod_uid")
+            _require(
+                bool(POD_UID_RE.match(request.pod_uid)),
+                f"{request.pod_uid!r} is not a pod UID",
+                field="pod_uid",
+            )
+            destroyed, idled = self.lifecycle.undo_allocate(request.pod_uid, int(request.container_index))
+            return pb.UndoAllocateResponse(
+                destroyed=[encode_ref(ref) for ref in destroyed], idled=[encode_ref(ref) for ref in idled]
+            )
+
+        return self._handle("UndoAllocate", context, answer)
+
+    def ReclaimIdle(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
+            for position, mig in enumerate(request.mig_uuids):
+                where = f"mig_uuids[{position}]"
+                _require(bool(MIG_UUID_RE.match(mig)), f"{where}: {mig!r} is not a MIG UUID", field=where)
+            reclaimed = self.lifecycle.reclaim_idle(gpu_uuid, list(request.mig_uuids))
+            return pb.ReclaimIdleResponse(reclaimed=[encode_ref(ref) for ref in reclaimed])
+
+        return self._handle("ReclaimIdle", context, answer)
 
 
 class SidecarServer:
