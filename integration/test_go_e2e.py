@@ -188,12 +188,12 @@ GO_E2E_TESTS = [
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",
-]
-# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): they need the 4.1 additions.
-GO_E2E_V1ADDITIONS_TESTS = [
     "TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas",
     "TestReclaimIdleRefusesAnActiveInstanceAndDestroysTheIdleOne",
     "TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst",
+]
+# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): pending reservations in Recover.
+GO_E2E_V1ADDITIONS_TESTS = [
     "TestAPendingReservationInRecoverIsAccepted",
 ]
 if go_harness.V1ADDITIONS:
