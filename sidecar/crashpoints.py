@@ -27,6 +27,13 @@ POINTS: tuple[str, ...] = (
     "after-destroy-ci",
     "after-destroy-gi",
     "after-remove-cdi",
+    # UndoAllocate: after each created instance is destroyed, after each reused one is IDLE again
+    "after-undo-destroy-one",
+    "after-undo-idle-one",
+    # ReclaimIdle: after each IDLE instance is destroyed
+    "after-reclaim-idle-one",
+    # SetMigMode(enabled=false, reclaim_idle=true): the IDLE instances are gone, MIG not yet disabled
+    "after-reclaim-for-disable",
 )
 
 _armed = os.environ.get(ENV, "")

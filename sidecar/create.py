@@ -15,7 +15,7 @@ from sidecar import crashpoints
 from sidecar.context import Context
 from sidecar.domain import MIG_UUID_RE, Identity, Placement, State
 from sidecar.errors import PlacementBusy, UnverifiableState, nvml_errors
-from sidecar.ownership import OwnershipRecord, parse_record_name
+from sidecar.ownership import Origin, OwnershipRecord, parse_record_name
 from sidecar.states import enter, now_rfc3339
 from sidecar.teardown import undo_create
 from sidecar.validate import Validated
@@ -70,7 +70,7 @@ def create(ctx: Context, v: Validated) -> OwnershipRecord:
         identity = Identity(gi.id, ci.id, ci.mig_uuid)
         cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
         crashpoints.crashpoint("after-write-cdi")
-        active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner)
+        active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner, Origin.CREATED)
         ctx.table.put(active)
     except Exception as exc:
         undo_create(ctx, known, exc)
