@@ -45,7 +45,7 @@ from sidecar.metrics import MeteredPort, Metrics
 from sidecar.nvml.port import NvmlError, NvmlPort
 from sidecar.reconciler import Reconciler
 from sidecar.records import BOOT_ID_PATH, RecordStore, StateDirLocked, StateWriteFailed
-from sidecar.recovery import Recovery
+from sidecar.recovery.apply import Recovery
 from sidecar.server import MigSidecarServicer, ServerInfo, SidecarServer
 
 log = logging.getLogger(__name__)

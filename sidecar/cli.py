@@ -200,17 +200,17 @@ def _current_boot_id() -> str | None:
 
 
 def _cmd_records_verify(args: argparse.Namespace) -> int:
-    from sidecar import records  # noqa: PLC0415
+    from sidecar import record_verify  # noqa: PLC0415
 
     boot_id = args.boot_id if args.boot_id is not None else _current_boot_id()
     try:
-        report = records.verify(Path(args.state_dir), boot_id or None)
+        report = record_verify.verify(Path(args.state_dir), boot_id or None)
     except OSError as exc:
         print(
             f"hami-mig-sidecar records verify: cannot read {args.state_dir}: {exc.strerror}", file=sys.stderr
         )
         return EXIT_FAILED
-    sys.stdout.write(records.format_report(report))
+    sys.stdout.write(record_verify.format_report(report))
     return EXIT_FAILED if report.corrupt else EXIT_OK
 
 

@@ -13,18 +13,22 @@
     ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
     ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
     ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
-    │   └── lifecycle.ComputeInstanceNotOurs              (a CI in a GI recorded bare: never destroyed)
+    │   └── ComputeInstanceNotOurs                        (a CI in a GI recorded bare: never destroyed)
     ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
     ├── NvmlFailure                   UNAVAILABLE       NVML_ERROR        (wraps nvml.port.NvmlError)
     └── StateWriteFailed              UNAVAILABLE       STATE_WRITE_FAILED
 
 UNAVAILABLE means "the same call may succeed later, with the same key"; the client retries nothing else.
+``nvml_errors`` is the one boundary where the port's ``NvmlError`` becomes ``NvmlFailure``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+
+from sidecar.nvml.port import NvmlError
 
 
 class Code(enum.Enum):
@@ -102,3 +106,24 @@ class NvmlFailure(SidecarError):
 class StateWriteFailed(SidecarError):
     reason = "STATE_WRITE_FAILED"
     code = Code.UNAVAILABLE
+
+
+class ComputeInstanceNotOurs(UnverifiableState):
+    """A destroy found a CI in a GPU instance whose record stands for a bare GI: not ours to destroy.
+
+    Nothing of ours creates a CI in such a GI (see ``OwnershipRecord.may_own_unrecorded_ci``), so one
+    there now was made by someone else. The destroy leaves everything as it is: the record stays on
+    disk for the operator and the instance leaves the table (foreign: preserved, never reused,
+    blocking its placement), which is what recovery's planner decides by the same rule at gather."""
+
+
+@contextlib.contextmanager
+def nvml_errors(operation: str) -> Iterator[None]:
+    """The one boundary where ``NvmlError`` becomes the domain's ``NvmlFailure`` (cause kept)."""
+    try:
+        yield
+    except NvmlError as exc:
+        raise NvmlFailure(
+            f"{operation}: {exc.message} (nvml code {exc.code})",
+            {"nvml_code": str(exc.code), "operation": exc.operation},
+        ) from exc

@@ -34,7 +34,7 @@ from sidecar.nvml.port import (
     NvmlError,
     NvmlPort,
 )
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
 
 PREFIX = "hami_mig_sidecar"
 

@@ -25,7 +25,7 @@ import msgspec
 
 from sidecar.domain import Placement, State
 from sidecar.nvml.port import GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
 
 FOREIGN = "foreign"
 

@@ -50,7 +50,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import re
 import secrets
 import threading
 import types
@@ -59,8 +58,8 @@ from pathlib import Path
 
 import msgspec
 
-from sidecar.domain import GPU_UUID_RE, Identity, Owner, Placement, Reservation, State
 from sidecar.errors import StateWriteFailed
+from sidecar.ownership import OwnershipRecord, is_record_name, record_name
 
 RECORD_VERSION = 1
 
@@ -74,73 +73,6 @@ SUFFIX = ".json"
 GENERATION_FILE = "generation"
 TEMP_MARKER = ".tmp-"
 CHECKSUM_PREFIX = "sha256:"
-
-# The stem ``record_name`` produces; ``path`` accepts nothing else, so no name can escape the directory.
-NAME_RE = re.compile(
-    r"^mig-GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}-(0|[1-9][0-9]*)-[1-9][0-9]*$"
-)
-
-
-class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What the sidecar knows about one owned instance. Field names are the on-disk format."""
-
-    gpu_uuid: str
-    profile: str  # full profile name, "1g.10gb+me"
-    gi_profile_id: int
-    ci_profile_id: int
-    placement: Placement
-    state: State
-    gpu_instance_id: int | None = None  # set once the GI exists
-    compute_instance_id: int | None = None  # set once the CI exists
-    mig_uuid: str | None = None  # set once the CI exists
-    owner: Owner | None = None  # the holder while ACTIVE (and the creator while CREATING)
-    activated_generation: int = 0  # the generation at which it last became ACTIVE
-    idled_generation: int = 0  # the generation at which it last became IDLE (0: before the field existed)
-    cdi_device: str = ""  # qualified CDI name, "" with CDI disabled or before the file exists
-    last_error: str = ""
-    boot_id: str = ""  # /proc/sys/kernel/random/boot_id when the instance was created
-    since: str = ""  # RFC 3339 UTC time of the last state change
-    # Set in the record written just before the CI create is issued; cleared once the CI is recorded
-    # or the GI has been seen without one. While set, a CI found in this GI without a recorded ID is
-    # this record's (its create may have made it and failed to report it).
-    ci_create_issued: bool = False
-
-    @property
-    def name(self) -> str:
-        return record_name(self.gpu_uuid, self.placement)
-
-    @property
-    def reservation(self) -> Reservation:
-        return Reservation(self.gpu_uuid, self.profile, self.placement)
-
-    @property
-    def may_own_unrecorded_ci(self) -> bool:
-        """Whether a CI in this record's GI without a recorded CI ID is its own: a CREATING record's, or
-        one whose create issued the CI create (an undo that failed leaves it ERROR). Any other record
-        without a CI ID stands for a bare GI, and a CI there was made by someone else."""
-        return self.state is State.CREATING or self.ci_create_issued
-
-    @property
-    def identity(self) -> Identity | None:
-        """The live identity, or None while the instance is not complete."""
-        if self.gpu_instance_id is None or self.compute_instance_id is None or self.mig_uuid is None:
-            return None
-        return Identity(self.gpu_instance_id, self.compute_instance_id, self.mig_uuid)
-
-
-def record_name(gpu_uuid: str, placement: Placement) -> str:
-    """The record's file stem, ``mig-<gpu uuid>-<start>-<size>``, from validated values only.
-
-    Two live instances on one GPU never overlap, so (GPU, placement) names one instance at a time.
-    Raises ``ValueError`` for a GPU UUID that is not ``GPU-<uuid>`` or a negative/zero-size placement.
-    """
-    if not isinstance(gpu_uuid, str) or not GPU_UUID_RE.match(gpu_uuid):
-        raise ValueError(f"not a GPU UUID: {gpu_uuid!r}")
-    start, size = placement.start, placement.size
-    # bool is an int subclass; True/False as a slice number is a bug upstream, not a placement.
-    if type(start) is not int or type(size) is not int or start < 0 or size <= 0:
-        raise ValueError(f"not a placement: start={start!r} size={size!r}")
-    return f"mig-{gpu_uuid}-{start}-{size}"
 
 
 class RecordError(Exception):
@@ -317,7 +249,7 @@ def _is_temp(filename: str) -> bool:
     return filename.startswith(".") and TEMP_MARKER in filename
 
 
-def _scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
+def scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
     """Read every ``*.json`` in ``directory`` (dotfiles ignored). Opens nothing for writing.
 
     Raises FileNotFoundError/NotADirectoryError when ``directory`` is not there."""
@@ -329,7 +261,7 @@ def _scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, Corrup
         path = Path(entry.path)
         name = entry.name[: -len(SUFFIX)]
         try:
-            if not NAME_RE.match(name):
+            if not is_record_name(name):
                 raise CorruptRecord(name, path, "file name is not a record name")
             valid[name] = _read(name, path)
         except CorruptRecord as exc:
@@ -343,7 +275,7 @@ def _read(name: str, path: Path) -> OwnershipRecord:
     return decode_record(name, path, _read_bytes(name, path))
 
 
-def _read_generation(directory: Path) -> int | None:
+def read_generation(directory: Path) -> int | None:
     """The stored generation ceiling; None when there is no file (a first run); CorruptRecord."""
     path = directory / GENERATION_FILE
     try:
@@ -446,7 +378,7 @@ class RecordStore:
 
     def path(self, name: str) -> Path:
         """The file of record ``name``; ValueError for anything ``record_name`` could not have produced."""
-        if not NAME_RE.match(name):
+        if not is_record_name(name):
             raise ValueError(f"not an ownership record name: {name!r}")
         return self.directory / f"{name}{SUFFIX}"
 
@@ -460,7 +392,7 @@ class RecordStore:
         Any other ``*.json`` that is not a valid record (bad name, or a name that differs from the
         record inside) is reported as corrupt under its file stem. A missing directory holds nothing."""
         try:
-            return _scan(self.directory)
+            return scan(self.directory)
         except FileNotFoundError:
             return {}, {}
         except OSError as exc:
@@ -481,7 +413,7 @@ class RecordStore:
 
     def load_generation_ceiling(self) -> int | None:
         """The stored generation ceiling; None when there is no ``generation`` file; CorruptRecord."""
-        return _read_generation(self.directory)
+        return read_generation(self.directory)
 
     def raise_generation_ceiling(self, ceiling: int) -> int:
         """Durably store ``ceiling`` unless the stored one is already at least that; returns the stored.
@@ -492,7 +424,7 @@ class RecordStore:
         stored: list[int] = []
 
         def keep_higher() -> bool:
-            current = _read_generation(self.directory)
+            current = read_generation(self.directory)
             if current is not None and current >= ceiling:
                 stored.append(current)
                 return False
@@ -543,75 +475,6 @@ class RecordStore:
                 raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
 
 
-class VerifyReport(msgspec.Struct, frozen=True):
-    """What ``verify`` found: valid record names, corrupt ones with the reason, stale ones, and ones
-    without a boot ID.
-
-    ``stale`` is a subset of ``valid``: records written in another boot (GI/CI do not survive a reboot,
-    so their instances are gone; startup recovery drops them). ``no_boot_id`` is another subset of
-    ``valid``, never stale: records with an empty ``boot_id``. The sidecar stamps the boot ID in every
-    record it writes, so such a record was made or edited by hand; nothing tells which boot it
-    belongs to, so startup recovery neither acts on it nor drops it - it keeps it aside, untouched,
-    with the instance at its placement foreign - and the operator fixes or removes it."""
-
-    directory: str
-    valid: tuple[str, ...] = ()
-    corrupt: dict[str, str] = msgspec.field(default_factory=dict)
-    stale: tuple[str, ...] = ()
-    no_boot_id: tuple[str, ...] = ()
-    # The ``generation`` file's ceiling; None when it is missing or corrupt (then it is in ``corrupt``).
-    generation_ceiling: int | None = None
-
-
-def verify(directory: Path, boot_id: str | None) -> VerifyReport:
-    """Offline check of a state directory for ``records verify``: opens nothing for writing, takes no lock.
-
-    ``boot_id`` is the current boot id; None skips the staleness check (records without a boot ID are
-    reported either way). Raises OSError (for example FileNotFoundError) when the directory cannot be
-    listed, so a mistyped path is not reported as "no records, all fine"."""
-    valid, corrupt = _scan(directory)
-    ceiling: int | None = None
-    try:
-        ceiling = _read_generation(directory)
-    except CorruptRecord as exc:
-        corrupt[GENERATION_FILE] = exc
-    # The rule startup recovery applies: an empty boot ID is not another boot, it is no boot at all.
-    stale = tuple(
-        name for name, rec in valid.items() if boot_id is not None and rec.boot_id and rec.boot_id != boot_id
-    )
-    return VerifyReport(
-        directory=str(directory),
-        valid=tuple(valid),
-        corrupt={name: exc.why for name, exc in corrupt.items()},
-        stale=stale,
-        no_boot_id=tuple(name for name, rec in valid.items() if not rec.boot_id),
-        generation_ceiling=ceiling,
-    )
-
-
-def format_report(report: VerifyReport) -> str:
-    """A human-readable summary of ``report``, one line per record, ending with the counts."""
-    lines = [f"ownership records in {report.directory}:"]
-    stale, no_boot_id = set(report.stale), set(report.no_boot_id)
-    for name in report.valid:
-        if name in no_boot_id:
-            lines.append(
-                f"  NO BOOT  {name}: no boot id; recovery keeps it aside, untouched, its instance foreign"
-            )
-        else:
-            lines.append(f"  stale    {name}" if name in stale else f"  valid    {name}")
-    lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
-    if report.generation_ceiling is not None:
-        lines.append(f"  valid    {GENERATION_FILE}: generation ceiling {report.generation_ceiling}")
-    elif GENERATION_FILE not in report.corrupt:
-        lines.append(f"  missing  {GENERATION_FILE}: no generation ceiling yet (a first run)")
-    summary = f"{len(report.valid)} valid ({len(stale)} stale), {len(report.corrupt)} corrupt"
-    if no_boot_id:
-        summary += f", {len(no_boot_id)} without a boot id"
-    lines.append(summary)
-    return "\n".join(lines) + "\n"
-
-
 __all__ = [
     "GENERATION_FILE",
     "RECORD_VERSION",
@@ -623,13 +486,12 @@ __all__ = [
     "RecordStore",
     "StateDirLocked",
     "StateWriteFailed",
-    "VerifyReport",
     "atomic_write",
     "decode_generation",
     "decode_record",
     "encode_generation",
     "encode_record",
-    "format_report",
+    "read_generation",
     "record_name",
-    "verify",
+    "scan",
 ]

@@ -31,8 +31,9 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import GpuInfo
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.simulated import SimulatedHardware, install
-from sidecar.records import OwnershipRecord, RecordStore
-from sidecar.recovery import Recovery
+from sidecar.ownership import OwnershipRecord
+from sidecar.records import RecordStore
+from sidecar.recovery.apply import Recovery
 
 BOOT_ID = "0b5b8e4a-7a57-4a3b-9a57-6f2f0c1a0b1c"
 

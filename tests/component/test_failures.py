@@ -15,9 +15,9 @@ from lifecycle_world import BOOT_ID, Dev, World, gis, restart
 
 from sidecar import errors, records
 from sidecar.domain import Identity, Outcome, Placement, State
+from sidecar.ownership import OwnershipRecord
 from sidecar.reconciler import Reconciler
-from sidecar.records import OwnershipRecord
-from sidecar.recovery_plan import plan
+from sidecar.recovery.plan import plan
 
 NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_TIMEOUT = 10

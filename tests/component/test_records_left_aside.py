@@ -11,7 +11,7 @@ from lifecycle_world import World, restart
 
 from sidecar import errors
 from sidecar.domain import Outcome, Placement
-from sidecar.records import OwnershipRecord, record_name
+from sidecar.ownership import OwnershipRecord, record_name
 
 
 def hide_the_last_gpu_and_reset_it(world: World) -> None:

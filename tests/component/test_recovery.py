@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
-from sidecar import errors, records
+from sidecar import errors, record_verify
 from sidecar.domain import (
     ActiveAllocation,
     Identity,
@@ -24,10 +24,10 @@ from sidecar.domain import (
 )
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.nvml.simstate import SimGpu
+from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
-from sidecar.records import OwnershipRecord, record_name
-from sidecar.recovery import Recovery
-from sidecar.recovery_plan import plan
+from sidecar.recovery.apply import Recovery
+from sidecar.recovery.plan import plan
 
 FOREVER = 1000
 
@@ -284,10 +284,10 @@ class TestARecordWithoutABootIdIsKeptAside:
         [record] = world.record_files().values()
         world.records.put(OwnershipRecord(**{**_fields(record), "boot_id": ""}))
 
-        found = records.verify(world.records.directory, BOOT_ID)
+        found = record_verify.verify(world.records.directory, BOOT_ID)
 
         assert (found.valid, found.no_boot_id, found.stale) == ((record.name,), (record.name,), ())
-        assert f"NO BOOT  {record.name}" in records.format_report(found)
+        assert f"NO BOOT  {record.name}" in record_verify.format_report(found)
 
 
 class TestInterruptedTransactionsAreFinished:

@@ -16,9 +16,9 @@ from lifecycle_world import BOOT_ID, World, gis, recovery_of, restart
 from sidecar import errors
 from sidecar.domain import Identity, Outcome, Placement, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
-from sidecar.records import OwnershipRecord, record_name
-from sidecar.recovery_plan import plan
+from sidecar.recovery.plan import plan
 
 FOREVER = 1000  # more attempts than any bounded retry makes
 ORPHAN = Placement(4, 4)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, recovery_of, restart
 
-from sidecar import errors, records
+from sidecar import errors, record_verify
 from sidecar.domain import ActiveAllocation, Outcome, State
-from sidecar.lifecycle import GENERATION_BLOCK
+from sidecar.generation import GENERATION_BLOCK
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
 from sidecar.records import GENERATION_FILE
@@ -329,16 +329,16 @@ class TestTheGenerationNeverGoesBackAcrossARestart:
 
     def test_records_verify_reports_the_generation_file(self, world: World) -> None:
         world.allocate("pod-a", (0, "1g.10gb", 0, 1))
-        good = records.verify(world.records.directory, BOOT_ID)
+        good = record_verify.verify(world.records.directory, BOOT_ID)
         assert good.generation_ceiling is not None
         assert good.generation_ceiling >= world.lifecycle.generation
-        assert "generation ceiling" in records.format_report(good)
+        assert "generation ceiling" in record_verify.format_report(good)
 
         (world.records.directory / GENERATION_FILE).write_bytes(b"{")
-        bad = records.verify(world.records.directory, BOOT_ID)
+        bad = record_verify.verify(world.records.directory, BOOT_ID)
         assert bad.generation_ceiling is None
         assert bad.corrupt.keys() == {GENERATION_FILE}
-        assert "CORRUPT" in records.format_report(bad)
+        assert "CORRUPT" in record_verify.format_report(bad)
 
 
 class TestARepeatedRecoverNeverReleases:

@@ -7,7 +7,7 @@ from lifecycle_world import World, active_of
 
 from sidecar import errors
 from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
 
 
 class TestRelease:

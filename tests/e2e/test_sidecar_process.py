@@ -14,7 +14,8 @@ import pytest
 from sidecar_process import DEFAULT_SIM_GPUS, Sidecar, snapshot_dir
 
 from sidecar.domain import Placement, State
-from sidecar.records import OwnershipRecord, RecordStore
+from sidecar.ownership import OwnershipRecord
+from sidecar.records import RecordStore
 
 GPU = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 

@@ -10,7 +10,8 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar import cli
 from sidecar.domain import Placement, State
-from sidecar.records import OwnershipRecord, RecordStore
+from sidecar.ownership import OwnershipRecord
+from sidecar.records import RecordStore
 
 GPU = "GPU-4b4ce45e-7021-44ba-8aff-a13c0183670f"
 MIG = "MIG-2923e22f-df83-5d8f-88fe-e176c7516c96"

@@ -7,7 +7,7 @@ import pytest
 from sidecar import placement
 from sidecar.domain import Owner, Placement, PodRef, State
 from sidecar.nvml.port import GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 OTHER_GPU = "GPU-aaaaaaaa-2222-3333-4444-555555555555"

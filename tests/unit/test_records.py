@@ -19,16 +19,9 @@ import pytest
 
 from sidecar.domain import Owner, Placement, PodRef, State
 from sidecar.errors import StateWriteFailed
-from sidecar.records import (
-    CorruptRecord,
-    OwnershipRecord,
-    RecordNotFound,
-    RecordStore,
-    StateDirLocked,
-    format_report,
-    record_name,
-    verify,
-)
+from sidecar.ownership import OwnershipRecord, record_name
+from sidecar.record_verify import format_report, verify
+from sidecar.records import CorruptRecord, RecordNotFound, RecordStore, StateDirLocked
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 OTHER_GPU = "GPU-11111111-2222-3333-4444-555555555555"

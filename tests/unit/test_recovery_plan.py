@@ -7,20 +7,19 @@ report. A small H100-like profile table is enough; the rules do not depend on th
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterable
-from pathlib import Path
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar import errors, recovery_plan
+from sidecar import errors
 from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord, record_name
-from sidecar.recovery_plan import (
+from sidecar.ownership import OwnershipRecord, record_name
+from sidecar.recovery import plan as recovery_plan
+from sidecar.recovery.plan import (
     CorruptFile,
     DeleteRecord,
     DestroyOwned,
@@ -1261,26 +1260,3 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
             assert not gi.compute_instances
             assert gpu.processes == 0
             assert recorded is None or recorded.boot_id != BOOT
-
-
-class TestThePlannerModuleDoesNoIo:
-    """``sidecar.recovery_plan`` is the pure core: what it imports decides whether it can do I/O."""
-
-    IO_MODULES = frozenset({"os", "pathlib", "threading", "logging", "datetime", "time", "sidecar.cdi"})
-    IO_MODULES |= {"sidecar.lifecycle", "sidecar.recovery", "sidecar.nvml.pynvml_backend"}
-    IO_NAMES = frozenset({"RecordStore", "CdiSpecs", "Lifecycle", "NvmlPort"})
-
-    def test_it_imports_neither_an_io_module_nor_a_store_port_or_lifecycle(self) -> None:
-        source = Path(recovery_plan.__file__).read_text()
-        imported: set[str] = set()
-        names: set[str] = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module is not None:
-                imported.add(node.module)
-                names |= {alias.name for alias in node.names}
-
-        assert "msgspec" in imported  # the walk saw the imports
-        assert imported.isdisjoint(self.IO_MODULES)
-        assert names.isdisjoint(self.IO_NAMES)

@@ -1,54 +1,21 @@
-"""Startup recovery (architecture section 6): gather -> plan (pure) -> apply.
-
-The pure half - the values gather produces (``Inputs``), the values ``plan`` returns (``Plan``,
-``Step``, the ``Action``s, ``RecoveryReport``), ``plan`` itself and the rules it applies - lives in
-``sidecar.recovery_plan``, which does no I/O. This module is the imperative shell around it: ``gather``
-reads NVML, the record store and the CDI directory; ``apply`` writes records, destroys instances and
-writes or removes CDI specs; ``Recovery`` runs the three phases under the lifecycle's lock.
-
-Why three phases: recovery decides about hardware it did not just create, after a crash, with
-nothing but durable records, pod annotations and what NVML shows. Keeping the decision in one pure
-function (``plan``) over plain values makes every rule testable on plain data and makes the central
-safety promise easy to hold: *nothing* is modified unless the whole picture was read and verified.
-
-* ``gather`` reads everything (records valid and corrupt, every GPU's live GI/CI layout with MIG
-  UUIDs, profile tables, process counts, CDI files) and modifies nothing. Any NVML error ->
-  ``errors.NvmlFailure``.
-* ``plan`` applies the rules below, in order, and returns ``Step``s of primitive ``Action``s, the
-  resulting table of owned records and the report. An active allocation that does not match the live
-  hardware exactly raises ``errors.UnverifiableState`` before a single action exists.
-* ``apply`` runs the steps in order, records first (a ``DELETING`` record is written before anything
-  is destroyed, so a crash in the middle of recovery leaves work the next recovery can finish). A
-  failing step puts its instance in ``ERROR`` (never reused, retried by the reconciler) and recovery
-  still succeeds - unless apply finds the instance is not ours to destroy after all (a CI in a GI
-  recorded bare, a process on the GPU of an orphan): then it stays foreign. Finally
-  ``Lifecycle.install`` takes the table and opens the gate. The report it returns names only what
-  happened (``settle_report``): a step that failed or left its instance foreign is not listed as
-  adopted, restored, removed or dropped; its failure is in ``errors``, a foreign instance in
-  ``preserved_foreign``.
-
-The rules ``plan`` applies (spec "Restart recovery", the CDI lifecycle, the ownership requirement)
-are listed where they are implemented, in ``sidecar.recovery_plan``.
-"""
+"""Recovery's imperative shell: gather reads everything, apply runs the plan (see ``sidecar.recovery``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-
-import msgspec
 
 from sidecar import errors
 from sidecar.cdi import CdiSpecs
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
-from sidecar.lifecycle import ComputeInstanceNotOurs, Lifecycle, nvml_errors
+from sidecar.errors import ComputeInstanceNotOurs, nvml_errors
+from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
 from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
 from sidecar.records import RecordError, RecordStore
-from sidecar.recovery_plan import (
+from sidecar.recovery.plan import (
     Action,
     CorruptFile,
     DeleteRecord,
@@ -65,6 +32,7 @@ from sidecar.recovery_plan import (
     plan,
     settle_report,
 )
+from sidecar.states import now_rfc3339, transition
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +64,6 @@ def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
                             "mig_uuid": ci.mig_uuid,
                         },
                     )
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _GpuBusyError(Exception):
@@ -178,7 +142,7 @@ class Recovery:
             recovered=self.lifecycle.recovered,
             generation=max(self.lifecycle.generation, ceiling),
             generation_ceiling=ceiling,
-            now=_now(),
+            now=now_rfc3339(),
         )
 
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:
@@ -202,7 +166,7 @@ class Recovery:
         failures: list[str] = []
         done: list[Step] = []
         left_foreign: list[Step] = []
-        now = _now()
+        now = now_rfc3339()
 
         def leave_foreign(step: Step) -> None:
             left_foreign.append(step)
@@ -228,9 +192,7 @@ class Recovery:
                     failures.append(message)
                     leave_foreign(step)
                     continue
-                failed = msgspec.structs.replace(
-                    step.on_failure, state=State.ERROR, last_error=message, since=now
-                )
+                failed = transition(step.on_failure, State.ERROR, since=now, last_error=message)
                 failures.append(f"{message}; {failed.name} is kept in ERROR and never reused")
                 try:
                     self.records.put(failed)

@@ -1,0 +1,66 @@
+"""The parts every lifecycle transaction shares, built once by ``Lifecycle``.
+
+Each transaction module (``allocate``, ``create``, ``release``, ``teardown``, ``migmode``) takes
+this one value instead of reaching into a large class: what a transaction may touch is visible in
+what it reads from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import Owner, State
+from sidecar.errors import NotRecovered
+from sidecar.generation import Generations
+from sidecar.inventory import Inventory
+from sidecar.locks import Locks
+from sidecar.nvml.port import NvmlPort
+from sidecar.ownership import OwnershipRecord
+from sidecar.records import RecordStore
+from sidecar.states import now_rfc3339, transition
+from sidecar.table import Table
+
+
+@dataclass
+class Context:
+    port: NvmlPort
+    records: RecordStore
+    cdi: CdiSpecs
+    boot_id: str
+    locks: Locks = field(default_factory=Locks)
+    recovered: bool = False
+    table: Table = field(init=False)
+    generations: Generations = field(init=False)
+    inventory: Inventory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.table = Table(self.records)
+        self.generations = Generations(self.records)
+        self.inventory = Inventory(self.port)
+
+    def require_recovered(self) -> None:
+        """The gate of every transaction: nothing changes before startup recovery succeeded."""
+        if not self.recovered:
+            raise NotRecovered("startup recovery has not succeeded yet; call Recover first")
+
+    def activate(self, record: OwnershipRecord, owner: Owner) -> OwnershipRecord:
+        """``record`` ACTIVE for ``owner``, stamped with a fresh generation (StateWriteFailed as for
+        ``Generations.next``)."""
+        generation = self.generations.next()
+        return transition(
+            record,
+            State.ACTIVE,
+            since=now_rfc3339(),
+            owner=owner,
+            activated_generation=generation,
+            last_error="",
+        )
+
+    def idle(self, record: OwnershipRecord) -> OwnershipRecord:
+        """``record`` IDLE, stamped with a fresh generation: SyncActive reactivates it only for a pod
+        list taken after that generation was handed out (an older list still names the pod that is
+        gone). StateWriteFailed as for ``Generations.next``."""
+        return transition(
+            record, State.IDLE, since=now_rfc3339(), owner=None, idled_generation=self.generations.next()
+        )

@@ -1,0 +1,153 @@
+"""Domain values -> response protos and gRPC statuses (the encoding half of the gRPC edge)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, timestamp_pb2
+from google.rpc import error_details_pb2, status_pb2
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+
+from sidecar import domain
+from sidecar.domain import (
+    InstanceRef,
+    Placement,
+)
+from sidecar.errors import SidecarError
+from sidecar.inventory import StateSnapshot
+from sidecar.nvml.port import GpuInfo
+from sidecar.ownership import OwnershipRecord
+from sidecar.recovery.steps import RecoveryReport
+
+log = logging.getLogger(__name__)
+
+
+ERROR_DOMAIN = "migsidecar.hami.io"
+
+
+def pb_placement(placement: Placement) -> Any:
+    return pb.Placement(start=placement.start, size=placement.size)
+
+
+def encode_ref(ref: InstanceRef) -> Any:
+    message = pb.InstanceRef(
+        gpu_uuid=ref.reservation.gpu_uuid,
+        profile=ref.reservation.profile,
+        placement=pb_placement(ref.reservation.placement),
+    )
+    if ref.identity is not None:
+        message.mig_uuid = ref.identity.mig_uuid
+        message.gpu_instance_id = ref.identity.gpu_instance_id
+        message.compute_instance_id = ref.identity.compute_instance_id
+    return message
+
+
+def encode_gpu(gpu: GpuInfo, busy: bool) -> Any:
+    return pb.Gpu(
+        index=gpu.index,
+        uuid=gpu.uuid,
+        minor=gpu.minor,
+        model=gpu.model,
+        memory_mb=gpu.memory_mb,
+        mig_mode=pb.MigMode(current=gpu.mig_current, pending=gpu.mig_pending),
+        busy=busy,
+    )
+
+
+def _timestamp(text: str) -> Any:
+    stamp = timestamp_pb2.Timestamp()
+    if text:
+        try:
+            stamp.FromJsonString(text)
+        except ValueError:
+            return None  # an unparsable time is shown as unset rather than failing GetState
+        return stamp
+    return None
+
+
+def encode_instance(record: OwnershipRecord) -> Any:
+    message = pb.Instance(
+        gpu_uuid=record.gpu_uuid,
+        profile=record.profile,
+        placement=pb_placement(record.placement),
+        mig_uuid=record.mig_uuid or "",
+        gpu_instance_id=record.gpu_instance_id or 0,
+        compute_instance_id=record.compute_instance_id or 0,
+        state=record.state.value,
+        cdi_device=record.cdi_device,
+        last_error=record.last_error,
+    )
+    if record.owner is not None:
+        owner = record.owner
+        message.owner.CopyFrom(
+            pb.Owner(
+                pod=pb.PodRef(uid=owner.pod.uid, namespace=owner.pod.namespace, name=owner.pod.name),
+                container_name=owner.container_name,
+                container_index=owner.container_index,
+                device_index=owner.device_index,
+            )
+        )
+    since = _timestamp(record.since)
+    if since is not None:
+        message.since.CopyFrom(since)
+    return message
+
+
+def encode_foreign(foreign: domain.ForeignInstance) -> Any:
+    return pb.ForeignInstance(
+        profile=foreign.profile,
+        placement=pb_placement(foreign.placement),
+        gpu_instance_id=foreign.gpu_instance_id,
+        has_compute_instance=foreign.compute_instance_id is not None,
+        compute_instance_id=foreign.compute_instance_id or 0,
+        mig_uuid=foreign.mig_uuid or "",
+    )
+
+
+def encode_state(snapshot: StateSnapshot) -> Any:
+    return pb.GetStateResponse(
+        generation=snapshot.generation,
+        gpus=[
+            pb.GpuState(
+                gpu=encode_gpu(gpu.gpu, gpu.busy),
+                instances=[encode_instance(record) for record in gpu.instances],
+                foreign=[encode_foreign(foreign) for foreign in gpu.foreign],
+            )
+            for gpu in snapshot.gpus
+        ],
+        pending_cdi_removals=list(snapshot.pending_cdi_removals),
+    )
+
+
+def encode_report(report: RecoveryReport) -> Any:
+    return pb.RecoverResponse(
+        adopted_active=[encode_ref(r) for r in report.adopted_active],
+        restored_idle=[encode_ref(r) for r in report.restored_idle],
+        preserved_foreign=[encode_ref(r) for r in report.preserved_foreign],
+        adopted_foreign=[encode_ref(r) for r in report.adopted_foreign],
+        removed_orphan_gis=[encode_ref(r) for r in report.removed_orphan_gis],
+        dropped_stale_records=list(report.dropped_stale_records),
+        errors=list(report.errors),
+    )
+
+
+def error_status(err: SidecarError) -> Any:
+    """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata)."""
+    code = grpc.StatusCode[err.code.name]
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return status_pb2.Status(code=code.value[0], message=err.message, details=[detail])
+
+
+def internal_status(method: str) -> Any:
+    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN, metadata={"method": method})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = f"{method}: internal error in the sidecar (see its log)"
+    return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message, details=[detail])
+
+
+# -- the servicer ------------------------------------------------------------------------------------------

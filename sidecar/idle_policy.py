@@ -1,0 +1,131 @@
+"""Which IDLE instances the background reconciler destroys: the idle policy off the Allocate path, pure.
+
+The idle cache pays when a request lands on an idle instance, and costs the tail when a request has to
+destroy one before its create. This decision moves that destroy off the pod's critical path. It runs
+over plain values (the ``advice`` module's ``GpuView`` per GPU, the clock reading ``now``); the caller
+destroys what it returns through the same recorded, crash-safe teardown as any reclaim. Three causes,
+each opt-in (all off by default, so nothing is trimmed):
+
+* ``ttl`` — an instance idle for longer than ``ttl_s`` seconds;
+* ``max_idle`` — more than ``max_idle_per_gpu`` IDLE instances on one GPU: the least recently used go
+  until the count fits (instances that may not be trimmed still count);
+* ``reserve`` — for each profile the GPU's scheduler allows (``reserve``: GPU -> profile -> its legal
+  placements), when no placement is ready (REUSE or FREE in ``advice.rank_placements``), the idle
+  instances of one RECLAIM placement go, so the next request for that profile finds it FREE. The
+  placement chosen is the one whose most recently used victim is the oldest (least recently used
+  cache first), then the one with fewer victims, then the advice order.
+
+Causes apply in that order, each seeing the instances the earlier ones chose as gone; an instance is
+trimmed at most once, under the first cause that chose it. Never trimmed: anything not IDLE (ACTIVE,
+ERROR, CREATING, DELETING), foreign GIs (never in ``owned``), an IDLE instance marked ``busy`` (a
+process runs on it) and one protected by a pending reservation (``pending``, or the view's own).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping, Sequence
+
+import msgspec
+from msgspec.structs import replace
+
+from sidecar.advice import Cost, GpuView, OwnedInstance, rank_placements
+from sidecar.domain import Placement, Reservation, State
+
+
+class Cause(enum.StrEnum):
+    TTL = "ttl"
+    MAX_IDLE = "max_idle"
+    RESERVE = "reserve"
+
+
+class Trim(msgspec.Struct, frozen=True):
+    """Destroy ``instance`` on ``gpu_uuid`` because of ``cause`` (``profile``: the reserve it frees)."""
+
+    gpu_uuid: str
+    instance: OwnedInstance
+    cause: Cause
+    profile: str = ""
+
+
+def _protected(view: GpuView, pending: Collection[Reservation]) -> frozenset[Reservation]:
+    return frozenset(r for r in (*pending, *view.pending) if r.gpu_uuid == view.gpu_uuid)
+
+
+def trimmable(view: GpuView, inst: OwnedInstance, protected: Collection[Reservation]) -> bool:
+    """IDLE, no process on it, and no pending reservation names exactly its reservation."""
+    return (
+        inst.state is State.IDLE
+        and not inst.busy
+        and Reservation(view.gpu_uuid, inst.profile, inst.placement) not in protected
+    )
+
+
+def _lru(instances: Sequence[OwnedInstance]) -> list[OwnedInstance]:
+    """Least recently used first; the lower placement breaks ties so the answer is deterministic."""
+    return sorted(instances, key=lambda i: (i.last_used, i.placement.start, i.placement.size))
+
+
+def _reserve_trims(
+    view: GpuView, profile: str, placements: Sequence[Placement], protected: frozenset[Reservation]
+) -> tuple[OwnedInstance, ...]:
+    """The idle instances to destroy so that ``profile`` has a ready placement; () if it has one or none
+    can be made ready by destroying idle instances only."""
+    ranked = rank_placements(profile, placements, replace(view, pending=tuple(protected)))
+    if any(r.cost in (Cost.REUSE, Cost.FREE) for r in ranked):
+        return ()
+    options = [(i, r) for i, r in enumerate(ranked) if r.cost is Cost.RECLAIM]
+    if not options:
+        return ()
+    _, best = min(options, key=lambda o: (max(v.last_used for v in o[1].reclaim), len(o[1].reclaim), o[0]))
+    return best.reclaim
+
+
+def trim(
+    views: Sequence[GpuView],
+    now: float,
+    *,
+    ttl_s: float | None = None,
+    max_idle_per_gpu: int | None = None,
+    reserve: Mapping[str, Mapping[str, Sequence[Placement]]] | None = None,
+    pending: Collection[Reservation] = (),
+) -> list[Trim]:
+    """The IDLE instances to destroy now, per GPU in the order of ``views``, each with its cause."""
+    out: list[Trim] = []
+    for view in views:
+        mine = (reserve or {}).get(view.gpu_uuid, {})
+        out += _trim_gpu(view, now, ttl_s=ttl_s, max_idle=max_idle_per_gpu, reserve=mine, pending=pending)
+    return out
+
+
+def _trim_gpu(
+    view: GpuView,
+    now: float,
+    *,
+    ttl_s: float | None,
+    max_idle: int | None,
+    reserve: Mapping[str, Sequence[Placement]],
+    pending: Collection[Reservation],
+) -> list[Trim]:
+    protected = _protected(view, pending)
+    out: list[Trim] = []
+    gone: set[OwnedInstance] = set()
+    candidates = [i for i in view.owned if trimmable(view, i, protected)]
+    if ttl_s is not None:
+        out += [Trim(view.gpu_uuid, i, Cause.TTL) for i in _lru(candidates) if now - i.last_used > ttl_s]
+        gone |= {t.instance for t in out}
+    if max_idle is not None:
+        idle_left = [i for i in view.owned if i.state is State.IDLE and i not in gone]
+        excess = max(len(idle_left) - max(max_idle, 0), 0)
+        over = _lru([i for i in candidates if i not in gone])[:excess]
+        out += [Trim(view.gpu_uuid, i, Cause.MAX_IDLE) for i in over]
+        gone |= set(over)
+    for profile, placements in reserve.items():
+        left = replace(view, owned=tuple(i for i in view.owned if i not in gone))
+        victims = _reserve_trims(left, profile, placements, protected)
+        out += [Trim(view.gpu_uuid, i, Cause.RESERVE, profile) for i in victims]
+        gone |= set(victims)
+    return out
+
+
+__all__ = ["Cause", "Trim", "trim", "trimmable"]

@@ -1,0 +1,164 @@
+"""What the hardware is: cached GPU facts and profile tables, and the GetState snapshot.
+
+Foreign instances are never cached: every allocation reads the live GI layout of its GPU, so
+anything created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgspec
+
+from sidecar import placement
+from sidecar.cdi import CdiSpecs
+from sidecar.domain import ForeignInstance, State
+from sidecar.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
+from sidecar.generation import Generations
+from sidecar.locks import Locks
+from sidecar.nvml.port import GpuInfo, GpuInstanceProfile, NvmlError, NvmlPort
+from sidecar.ownership import OwnershipRecord
+from sidecar.table import Table
+
+_log = logging.getLogger(__name__)
+
+
+class GpuSnapshot(msgspec.Struct, frozen=True):
+    gpu: GpuInfo
+    busy: bool
+    instances: tuple[OwnershipRecord, ...]
+    foreign: tuple[ForeignInstance, ...]
+
+
+class StateSnapshot(msgspec.Struct, frozen=True):
+    generation: int
+    gpus: tuple[GpuSnapshot, ...]
+    pending_cdi_removals: tuple[str, ...]
+
+
+class Inventory:
+    """Static GPU facts and profile tables, cached; MIG mode is always read live."""
+
+    def __init__(self, port: NvmlPort) -> None:
+        self.port = port
+        self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
+        self._gpus: dict[str, GpuInfo] = {}
+
+    def gpu_info(self, gpu_uuid: str) -> GpuInfo:
+        """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
+
+        The MIG mode in the cached value is stale by design; callers that need it use ``port.gpu``."""
+        info = self._gpus.get(gpu_uuid)
+        if info is None:
+            with nvml_errors("list GPUs"):
+                gpus = self.port.gpus()
+            self._gpus = {g.uuid: g for g in gpus}
+            info = self._gpus.get(gpu_uuid)
+        if info is None:
+            raise UnknownGpu(f"no GPU with UUID {gpu_uuid!r} on this node", {"gpu_uuid": gpu_uuid})
+        return info
+
+    def profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        """The GPU's GI profiles (cached per GPU after the first successful read). UnknownGpu if absent."""
+        cached = self._profiles.get(gpu_uuid)
+        if cached is None:
+            self.gpu_info(gpu_uuid)
+            with nvml_errors(f"read GPU instance profiles of {gpu_uuid}"):
+                read = tuple(self.port.gpu_instance_profiles(gpu_uuid))
+            if read:  # an empty answer (driver not ready) is not worth remembering
+                self._profiles[gpu_uuid] = read
+            cached = read
+        return list(cached)
+
+    def resolve_profile(self, gpu_uuid: str, name: str) -> GpuInstanceProfile:
+        """Full profile name -> profile; UnknownProfile if the GPU has no such profile."""
+        for profile in self.profiles(gpu_uuid):
+            if profile.name == name:
+                return profile
+        raise UnknownProfile(
+            f"GPU {gpu_uuid} has no MIG profile {name!r}", {"gpu_uuid": gpu_uuid, "profile": name}
+        )
+
+    def profile_by_id(self, gpu_uuid: str, profile_id: int) -> GpuInstanceProfile | None:
+        for profile in self.profiles(gpu_uuid):
+            if profile.id == profile_id:
+                return profile
+        return None
+
+    def forget(self, gpu_uuid: str) -> None:
+        """A mode change may unbind or reset the device: its minor and profiles are read afresh."""
+        self._gpus.pop(gpu_uuid, None)
+        self._profiles.pop(gpu_uuid, None)
+
+    def require_mig_enabled(self, gpu_uuid: str) -> GpuInfo:
+        """The GPU as NVML describes it now; MigDisabled unless MIG is enabled now and stays enabled
+        after the next reset."""
+        with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+            live = self.port.gpu(gpu_uuid)
+        if not (live.mig_current and live.mig_pending):
+            raise MigDisabled(
+                f"MIG is not enabled on {gpu_uuid} (current={live.mig_current}, pending={live.mig_pending})",
+                {
+                    "gpu_uuid": gpu_uuid,
+                    "current": str(live.mig_current),
+                    "pending": str(live.mig_pending),
+                },
+            )
+        return live
+
+
+def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:
+    """An ACTIVE instance or a running process on the GPU; an NVML error counts as busy."""
+    if any(r.gpu_uuid == gpu_uuid and r.state is State.ACTIVE for r in table.instances()):
+        return True
+    try:
+        return port.gpu_processes(gpu_uuid) > 0
+    except NvmlError:
+        return True
+
+
+def snapshot(
+    inventory: Inventory, table: Table, locks: Locks, generations: Generations, cdi: CdiSpecs
+) -> StateSnapshot:
+    """Everything GetState shows. Each GPU is read under its lock so no half-done create shows up
+    as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged)."""
+    port = inventory.port
+    with nvml_errors("list GPUs"):
+        gpus = port.gpus()
+    out: list[GpuSnapshot] = []
+    for gpu in gpus:
+        with locks.gpu(gpu.uuid):
+            owned = tuple(sorted(table.on_gpu(gpu.uuid), key=lambda r: (r.placement.start, r.placement.size)))
+            foreign: list[ForeignInstance] = []
+            if gpu.mig_current:
+                try:
+                    foreign = _foreign(inventory, gpu.uuid, owned)
+                except (NvmlError, SidecarError) as exc:
+                    _log.warning("cannot list foreign instances of %s: %s", gpu.uuid, exc)
+            busy = gpu_busy(port, table, gpu.uuid)
+        out.append(GpuSnapshot(gpu=gpu, busy=busy, instances=owned, foreign=tuple(foreign)))
+    return StateSnapshot(
+        generation=generations.current,
+        gpus=tuple(out),
+        pending_cdi_removals=tuple(cdi.pending_removals()),
+    )
+
+
+def _foreign(inventory: Inventory, gpu_uuid: str, owned: Sequence[OwnershipRecord]) -> list[ForeignInstance]:
+    port = inventory.port
+    out: list[ForeignInstance] = []
+    for gi in placement.foreign_instances(port.gpu_instances(gpu_uuid), owned):
+        profile = inventory.profile_by_id(gpu_uuid, gi.profile_id)
+        cis = port.compute_instances(gpu_uuid, gi.id)
+        out.append(
+            ForeignInstance(
+                gpu_uuid=gpu_uuid,
+                profile=profile.name if profile else f"profile-id-{gi.profile_id}",
+                placement=gi.placement,
+                gpu_instance_id=gi.id,
+                compute_instance_id=cis[0].id if cis else None,
+                mig_uuid=cis[0].mig_uuid if cis else None,
+            )
+        )
+    return out

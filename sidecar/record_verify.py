@@ -1,0 +1,85 @@
+"""``records verify``: the offline check of a state directory (opens nothing for writing, no lock).
+
+Kept apart from the store in ``records`` because it serves the CLI only; it reads through the same
+decoders, so it judges a file exactly as the store does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from sidecar.records import GENERATION_FILE, CorruptRecord, read_generation, scan
+
+
+class VerifyReport(msgspec.Struct, frozen=True):
+    """What ``verify`` found: valid record names, corrupt ones with the reason, stale ones, and ones
+    without a boot ID.
+
+    ``stale`` is a subset of ``valid``: records written in another boot (GI/CI do not survive a reboot,
+    so their instances are gone; startup recovery drops them). ``no_boot_id`` is another subset of
+    ``valid``, never stale: records with an empty ``boot_id``. The sidecar stamps the boot ID in every
+    record it writes, so such a record was made or edited by hand; nothing tells which boot it
+    belongs to, so startup recovery neither acts on it nor drops it - it keeps it aside, untouched,
+    with the instance at its placement foreign - and the operator fixes or removes it."""
+
+    directory: str
+    valid: tuple[str, ...] = ()
+    corrupt: dict[str, str] = msgspec.field(default_factory=dict)
+    stale: tuple[str, ...] = ()
+    no_boot_id: tuple[str, ...] = ()
+    # The ``generation`` file's ceiling; None when it is missing or corrupt (then it is in ``corrupt``).
+    generation_ceiling: int | None = None
+
+
+def verify(directory: Path, boot_id: str | None) -> VerifyReport:
+    """Offline check of a state directory for ``records verify``: opens nothing for writing, takes no lock.
+
+    ``boot_id`` is the current boot id; None skips the staleness check (records without a boot ID are
+    reported either way). Raises OSError (for example FileNotFoundError) when the directory cannot be
+    listed, so a mistyped path is not reported as "no records, all fine"."""
+    valid, corrupt = scan(directory)
+    ceiling: int | None = None
+    try:
+        ceiling = read_generation(directory)
+    except CorruptRecord as exc:
+        corrupt[GENERATION_FILE] = exc
+    # The rule startup recovery applies: an empty boot ID is not another boot, it is no boot at all.
+    stale = tuple(
+        name for name, rec in valid.items() if boot_id is not None and rec.boot_id and rec.boot_id != boot_id
+    )
+    return VerifyReport(
+        directory=str(directory),
+        valid=tuple(valid),
+        corrupt={name: exc.why for name, exc in corrupt.items()},
+        stale=stale,
+        no_boot_id=tuple(name for name, rec in valid.items() if not rec.boot_id),
+        generation_ceiling=ceiling,
+    )
+
+
+def format_report(report: VerifyReport) -> str:
+    """A human-readable summary of ``report``, one line per record, ending with the counts."""
+    lines = [f"ownership records in {report.directory}:"]
+    stale, no_boot_id = set(report.stale), set(report.no_boot_id)
+    for name in report.valid:
+        if name in no_boot_id:
+            lines.append(
+                f"  NO BOOT  {name}: no boot id; recovery keeps it aside, untouched, its instance foreign"
+            )
+        else:
+            lines.append(f"  stale    {name}" if name in stale else f"  valid    {name}")
+    lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
+    if report.generation_ceiling is not None:
+        lines.append(f"  valid    {GENERATION_FILE}: generation ceiling {report.generation_ceiling}")
+    elif GENERATION_FILE not in report.corrupt:
+        lines.append(f"  missing  {GENERATION_FILE}: no generation ceiling yet (a first run)")
+    summary = f"{len(report.valid)} valid ({len(stale)} stale), {len(report.corrupt)} corrupt"
+    if no_boot_id:
+        summary += f", {len(no_boot_id)} without a boot id"
+    lines.append(summary)
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["VerifyReport", "format_report", "verify"]

@@ -1,0 +1,163 @@
+"""The idle policy's decision with a fake clock: TTL, the per-GPU cap and the free reserve."""
+
+from __future__ import annotations
+
+from sidecar.advice import GpuView, OwnedInstance
+from sidecar.domain import ForeignInstance, Placement, Reservation, State
+from sidecar.idle_policy import Cause, Trim, trim
+
+GPU = "GPU-11111111-2222-3333-4444-555555555555"
+GPU2 = "GPU-22222222-2222-3333-4444-555555555555"
+_SIZE_OF = {"1g.10gb": 1, "1g.20gb": 2, "2g.20gb": 2, "3g.40gb": 4}
+TWO_G = (Placement(0, 2), Placement(2, 2), Placement(4, 2))
+
+
+class FakeClock:
+    """Seconds that only move when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def inst(
+    profile: str, start: int, state: State = State.IDLE, *, used: float, busy: bool = False
+) -> OwnedInstance:
+    return OwnedInstance(
+        profile=profile,
+        placement=Placement(start, _SIZE_OF[profile]),
+        state=state,
+        mig_uuid=f"MIG-00000000-0000-0000-0000-{start:012d}",
+        last_used=used,
+        busy=busy,
+    )
+
+
+def chosen(trims: list[Trim]) -> list[tuple[str, str, Cause]]:
+    assert all(t.instance.state is State.IDLE for t in trims), "only IDLE instances are ever trimmed"
+    return [(t.gpu_uuid, str(t.instance.placement), t.cause) for t in trims]
+
+
+def test_nothing_is_trimmed_with_every_policy_off() -> None:
+    clock = FakeClock()
+    old = inst("1g.10gb", 0, used=clock.now)
+    clock.advance(10**6)
+    assert trim([GpuView(GPU, 8, owned=(old,))], clock.now) == []
+
+
+def test_ttl_expiry_trims_exactly_the_instance_idle_longer_than_the_ttl() -> None:
+    clock = FakeClock()
+    active = inst("1g.10gb", 0, State.ACTIVE, used=clock.now)  # as old as the expired one
+    expired = inst("1g.10gb", 1, used=clock.now)
+    clock.advance(50)
+    fresh = inst("1g.10gb", 2, used=clock.now)
+    views = [GpuView(GPU, 8, owned=(active, expired, fresh))]
+    clock.advance(50)
+    assert trim(views, clock.now, ttl_s=100) == []  # exactly the TTL is not longer than it
+    clock.advance(1)
+    assert chosen(trim(views, clock.now, ttl_s=100)) == [(GPU, "1:1", Cause.TTL)]
+    clock.advance(50)
+    assert chosen(trim(views, clock.now, ttl_s=100)) == [(GPU, "1:1", Cause.TTL), (GPU, "2:1", Cause.TTL)]
+
+
+def test_cap_overflow_trims_the_least_recently_used_and_counts_untrimmable_idle_ones() -> None:
+    clock = FakeClock()
+    busy = inst("1g.10gb", 0, used=clock.now, busy=True)  # oldest, but a process runs on it
+    lru = inst("1g.10gb", 1, used=clock.advance(10))
+    mid = inst("1g.10gb", 3, used=clock.advance(10))
+    recent = inst("1g.10gb", 2, used=clock.advance(10))
+    active = inst("3g.40gb", 4, State.ACTIVE, used=0.0)
+    views = [GpuView(GPU, 8, owned=(recent, active, busy, mid, lru))]
+    assert chosen(trim(views, clock.now, max_idle_per_gpu=3)) == [(GPU, "1:1", Cause.MAX_IDLE)]
+    assert chosen(trim(views, clock.now, max_idle_per_gpu=2)) == [
+        (GPU, "1:1", Cause.MAX_IDLE),
+        (GPU, "3:1", Cause.MAX_IDLE),
+    ]
+    assert trim(views, clock.now, max_idle_per_gpu=4) == []
+
+
+def test_cap_is_per_gpu() -> None:
+    clock = FakeClock()
+    a = GpuView(GPU, 8, owned=(inst("1g.10gb", 0, used=clock.now),))
+    b = GpuView(
+        GPU2, 8, owned=(inst("1g.10gb", 0, used=clock.advance(1)), inst("1g.10gb", 1, used=clock.advance(1)))
+    )
+    assert chosen(trim([a, b], clock.now, max_idle_per_gpu=1)) == [(GPU2, "0:1", Cause.MAX_IDLE)]
+
+
+def reserve_gpu(clock: FakeClock, *, busy_lru: bool = False) -> tuple[GpuView, OwnedInstance, OwnedInstance]:
+    """No FREE 2g.20gb placement: 0:2 under an ACTIVE 1g, 2:2 and 4:2 each under one IDLE 1g.20gb."""
+    lru = inst("1g.20gb", 4, used=clock.now, busy=busy_lru)
+    newer = inst("1g.20gb", 2, used=clock.advance(30))
+    owned = (
+        inst("1g.10gb", 0, State.ACTIVE, used=0.0),
+        newer,
+        lru,
+        inst("1g.20gb", 6, State.ACTIVE, used=0.0),
+    )
+    return GpuView(GPU, 8, owned=owned), lru, newer
+
+
+def test_reserve_trims_the_least_recently_used_blocker_of_a_profile_with_no_free_placement() -> None:
+    clock = FakeClock()
+    view, lru, _ = reserve_gpu(clock)
+    trims = trim([view], clock.now, reserve={GPU: {"2g.20gb": TWO_G}})
+    assert chosen(trims) == [(GPU, "4:2", Cause.RESERVE)]
+    assert trims[0].instance == lru
+    assert trims[0].profile == "2g.20gb"
+
+
+def test_reserve_skips_a_busy_or_reserved_blocker_and_takes_the_other() -> None:
+    clock = FakeClock()
+    view, _, newer = reserve_gpu(clock, busy_lru=True)
+    assert chosen(trim([view], clock.now, reserve={GPU: {"2g.20gb": TWO_G}})) == [(GPU, "2:2", Cause.RESERVE)]
+    view, lru, newer = reserve_gpu(FakeClock())
+    pending = {Reservation(GPU, lru.profile, lru.placement)}
+    trims = trim([view], clock.now, reserve={GPU: {"2g.20gb": TWO_G}}, pending=pending)
+    assert [t.instance for t in trims] == [newer]
+
+
+def test_reserve_does_nothing_while_a_placement_is_free_or_reusable() -> None:
+    clock = FakeClock()
+    free = GpuView(GPU, 8, owned=(inst("1g.20gb", 2, used=clock.now), inst("1g.20gb", 4, used=clock.now)))
+    assert trim([free], clock.now, reserve={GPU: {"2g.20gb": TWO_G}}) == []  # 0:2 is FREE
+    view, _, _ = reserve_gpu(clock)
+    # The ACTIVE 1g at 0:1 replaced by an IDLE 2g.20gb at 0:2: a REUSE placement is ready.
+    owned = tuple(o for o in view.owned if o.placement != Placement(0, 1))
+    reusable = GpuView(GPU, 8, owned=(*owned, inst("2g.20gb", 0, used=clock.now)))
+    assert trim([reusable], clock.now, reserve={GPU: {"2g.20gb": TWO_G}}) == []
+
+
+def test_reserve_sees_the_ttl_trims_first_and_never_trims_twice() -> None:
+    clock = FakeClock()
+    view, _, _ = reserve_gpu(clock)
+    clock.advance(1000)
+    trims = trim([view], clock.now, ttl_s=500, reserve={GPU: {"2g.20gb": TWO_G}})
+    assert chosen(trims) == [(GPU, "4:2", Cause.TTL), (GPU, "2:2", Cause.TTL)]
+
+
+def test_never_active_error_in_flight_busy_reserved_or_foreign_even_with_everything_on() -> None:
+    clock = FakeClock()
+    untouchable = (
+        inst("1g.10gb", 0, State.ACTIVE, used=0.0),
+        inst("1g.10gb", 1, State.ERROR, used=0.0),
+        inst("1g.10gb", 2, State.CREATING, used=0.0),
+        inst("1g.10gb", 3, State.DELETING, used=0.0),
+        inst("1g.10gb", 4, used=0.0, busy=True),
+        inst("1g.10gb", 5, used=0.0),  # protected by the pending reservation below
+    )
+    free_idle = inst("1g.10gb", 6, used=0.0)
+    view = GpuView(
+        GPU,
+        8,
+        owned=(*untouchable, free_idle),
+        foreign=(ForeignInstance(GPU, "1g.10gb", Placement(7, 1), 14),),
+        pending=(Reservation(GPU, "1g.10gb", Placement(5, 1)),),
+    )
+    clock.advance(10**6)
+    reserve = {GPU: {"1g.10gb": tuple(Placement(i, 1) for i in range(7)), "2g.20gb": TWO_G}}
+    trims = trim([view], clock.now, ttl_s=0, max_idle_per_gpu=0, reserve=reserve)
+    assert [t.instance for t in trims] == [free_idle]
