@@ -45,7 +45,9 @@ from sidecar.hami_files import (
     hami_record_hint,
 )
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord
+from sidecar.ownership import OwnershipRecord
+
+TAKEN_OVER_FROM = "hami"  # ``OwnershipRecord.taken_over_from`` of a converted record
 
 
 class LiveGpuInstanceView(Protocol):
@@ -288,6 +290,7 @@ class _Planner:
             cdi_device=inputs.cdi_devices.get(record.mig_uuid, ""),
             boot_id=inputs.boot_id,
             since=inputs.now,
+            taken_over_from=TAKEN_OVER_FROM,
         )
 
     def specs(self, converted: Sequence[Convert]) -> tuple[tuple[HamiSpec, ...], tuple[HamiSpec, ...]]:

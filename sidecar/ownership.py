@@ -47,6 +47,9 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Set in the record written just before the CI create is issued; cleared once the CI is recorded
     # or the GI has been seen without one. See ``may_own_unrecorded_ci``.
     ci_create_issued: bool = False
+    # "hami" when recovery took the instance over from HAMi's in-process lifecycle: its HAMi CDI spec
+    # may still be in use and goes with the instance (teardown removes it after the destroy).
+    taken_over_from: str = ""
 
     @property
     def name(self) -> str:
