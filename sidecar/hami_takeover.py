@@ -81,6 +81,13 @@ class HamiRecordFile(msgspec.Struct, frozen=True):
     why: str = ""
     hint: RecordHint = RecordHint()
 
+    @property
+    def pointer(self) -> RecordHint:
+        """Where the file points: its record's instance, or what an undecodable one still names."""
+        if self.record is None:
+            return self.hint
+        return RecordHint(self.record.mig_uuid, self.record.parent_gpu_uuid, self.record.where)
+
 
 def read_record_file(filename: str, data: bytes) -> HamiRecordFile:
     """The bytes of a HAMi record file, decoded strictly, or the reason and a lenient hint."""
@@ -163,6 +170,21 @@ class _Found(msgspec.Struct, frozen=True):
     ci_profile_id: int
 
 
+def pointed_at(gpus: Sequence[LiveGpuView], hint: RecordHint) -> list[tuple[str, int]]:
+    """The live GIs (GPU UUID, GI ID) a HAMi file may speak for: the one holding its MIG UUID, the
+    one at its placement on its GPU. A file that is kept leaves both foreign."""
+    gis: list[tuple[str, int]] = []
+    for gpu in gpus:
+        for gi in gpu.gpu_instances:
+            holds_uuid = bool(hint.mig_uuid) and any(
+                ci.mig_uuid == hint.mig_uuid for ci in gi.compute_instances
+            )
+            at_placement = gpu.info.uuid == hint.gpu_uuid and gi.info.placement == hint.placement
+            if holds_uuid or at_placement:
+                gis.append((gpu.info.uuid, gi.info.id))
+    return gis
+
+
 def plan_takeover(inputs: TakeoverInputs) -> TakeoverPlan:
     """Decide every HAMi record and spec (module docstring); pure."""
     return _Planner(inputs).run()
@@ -224,22 +246,11 @@ class _Planner:
         self.kept.append(Keep(filename, why, foreign))
 
     def hinted(self, hint: RecordHint) -> list[tuple[str, int]]:
-        """The live GIs an undecodable file may speak for: the one holding its MIG UUID, the one at
-        its placement on its GPU."""
-        gis: list[tuple[str, int]] = []
-        for gpu in self.inputs.gpus:
-            for gi in gpu.gpu_instances:
-                holds_uuid = bool(hint.mig_uuid) and any(
-                    ci.mig_uuid == hint.mig_uuid for ci in gi.compute_instances
-                )
-                at_placement = gpu.info.uuid == hint.gpu_uuid and gi.info.placement == hint.placement
-                if holds_uuid or at_placement:
-                    gis.append((gpu.info.uuid, gi.info.id))
-        return gis
+        return pointed_at(self.inputs.gpus, hint)
 
     def verify(self, file: HamiRecordFile, record: HamiRecord) -> _Found | None:
         """The verified instance, or None after keeping the file with the contradiction."""
-        related = self.hinted(RecordHint(record.mig_uuid, record.parent_gpu_uuid, record.where))
+        related = self.hinted(file.pointer)
         gpu = self.gpus.get(record.parent_gpu_uuid)
         if gpu is None:
             self.keep(file.filename, f"its GPU {record.parent_gpu_uuid} is not visible", related)
@@ -346,5 +357,6 @@ __all__ = [
     "TakeoverInputs",
     "TakeoverPlan",
     "plan_takeover",
+    "pointed_at",
     "read_record_file",
 ]

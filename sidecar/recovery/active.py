@@ -109,6 +109,11 @@ def adopt_active(b: Books) -> Books:
                 cdi_device=b.cdi_name(ci.mig_uuid),
                 boot_id=boot or b.inputs.boot_id,
                 since=since,
+                # The mark of an instance taken over from HAMi stays with it: teardown removes
+                # HAMi's spec of it after the destroy.
+                taken_over_from=old.taken_over_from
+                if old is not None and old.mig_uuid == ci.mig_uuid
+                else "",
             ),
             replacing=old,
             recovery=True,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.domain import State
-from sidecar.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover
+from sidecar.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover, pointed_at
 from sidecar.recovery.books import Books, live_ref
 from sidecar.recovery.steps import PutRecord, RemoveHamiRecord, RemoveHamiSpec, Reported, ReportList, Step
 
@@ -28,14 +28,12 @@ def take_over_hami(b: Books) -> Books:
     if not inputs.hami_records and not inputs.hami_specs:
         return b
     if not inputs.hami_takeover:
+        # Every instance a file points at stays foreign, an undecodable file's too (adoption of
+        # unowned instances must not take them either).
+        keep_reason = "the takeover of HAMi's files is turned off (--no-hami-takeover)"
         for file in inputs.hami_records:
-            hint = file.record
-            keep_reason = "the takeover of HAMi's files is turned off (--no-hami-takeover)"
             b.errors.append(f"HAMi ownership record {file.filename} is kept untouched: {keep_reason}")
-            if hint is not None:
-                gi = b.gi_at(hint.parent_gpu_uuid, hint.where)
-                if gi is not None:
-                    _foreign(b, Keep(file.filename, keep_reason, ((hint.parent_gpu_uuid, gi.info.id),)))
+            _foreign(b, Keep(file.filename, keep_reason, tuple(pointed_at(inputs.gpus, file.pointer))))
         return b
     owned_gis = {(r.gpu_uuid, r.gpu_instance_id) for r in b.table.values()}
     decided = plan_takeover(
