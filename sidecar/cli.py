@@ -5,8 +5,9 @@ Subcommands:
 * ``serve`` — run the sidecar (flags and their ``HAMI_MIG_SIDECAR_*`` variables: ``sidecar.config``);
 * ``status [--json]`` — ask a running sidecar (GetInfo + GetState) and print GPUs, owned instances and
   foreign instances as a table, or the responses as JSON for machines;
-* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
-  exits 1 when any record is corrupt, so it can gate a maintenance script;
+* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
+  and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
+  maintenance script;
 * ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.simcli``).
 
 Exit codes: 0 success, 1 failure (startup failed, sidecar unreachable, corrupt records), 2 bad usage
@@ -124,6 +125,7 @@ def format_status(info: Any, state: Any) -> str:
                     str(i.compute_instance_id),
                     i.mig_uuid or "-",
                     owner or "-",
+                    i.taken_over_from,
                     i.last_error or "",
                 ]
             )
@@ -139,7 +141,18 @@ def format_status(info: Any, state: Any) -> str:
                 ]
             )
     out += ["", "INSTANCES"]
-    headers = ["GPU", "STATE", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID", "OWNER", "ERROR"]
+    headers = [
+        "GPU",
+        "STATE",
+        "PROFILE",
+        "PLACEMENT",
+        "GI",
+        "CI",
+        "MIG UUID",
+        "OWNER",
+        "TAKEN OVER FROM",
+        "ERROR",
+    ]
     out.append(_table(headers, instance_rows) if instance_rows else "(none)")
     out += ["", "FOREIGN (not owned; never touched)"]
     foreign_headers = ["GPU", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID"]
