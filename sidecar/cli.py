@@ -7,8 +7,9 @@ Subcommands:
   foreign instances as a table, or the responses as JSON for machines;
 * ``reclaim --gpu N [--mig-uuid U ...]`` — ask a running sidecar to destroy IDLE instances of a GPU
   (ReclaimIdle): the named ones, or every IDLE one; exits 1 on a refusal, naming its reason;
-* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
-  exits 1 when any record is corrupt, so it can gate a maintenance script;
+* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
+  and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
+  maintenance script;
 * ``probe [--json] [--sim-state FILE]`` — read-only: print the GPUs' MIG tables and instances and diff
   them against the model of each GPU (``sidecar.nvml.probe``);
 * ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.sim.cli``).
@@ -128,6 +129,7 @@ def format_status(info: Any, state: Any) -> str:
                     str(i.compute_instance_id),
                     i.mig_uuid or "-",
                     owner or "-",
+                    i.taken_over_from,
                     i.last_error or "",
                 ]
             )
@@ -143,7 +145,18 @@ def format_status(info: Any, state: Any) -> str:
                 ]
             )
     out += ["", "INSTANCES"]
-    headers = ["GPU", "STATE", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID", "OWNER", "ERROR"]
+    headers = [
+        "GPU",
+        "STATE",
+        "PROFILE",
+        "PLACEMENT",
+        "GI",
+        "CI",
+        "MIG UUID",
+        "OWNER",
+        "TAKEN OVER FROM",
+        "ERROR",
+    ]
     out.append(_table(headers, instance_rows) if instance_rows else "(none)")
     out += ["", "FOREIGN (not owned; never touched)"]
     foreign_headers = ["GPU", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID"]

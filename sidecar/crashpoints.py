@@ -22,6 +22,10 @@ POINTS: tuple[str, ...] = (
     "after-create-ci",
     "after-record-ci",
     "after-write-cdi",
+    # takeover of a HAMi record at Recover: the sidecar's record is durable, HAMi's file not yet gone;
+    # then HAMi's file is gone too
+    "after-takeover-record",
+    "after-remove-hami-record",
     # reclaim (step 4)
     "after-record-deleting",
     "after-destroy-ci",

@@ -62,6 +62,9 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     ci_create_issued: bool = False
     # How the current holder got it (``Origin``); meaningful while ACTIVE, kept as it was otherwise.
     origin: Origin = Origin.REUSED
+    # "hami" when recovery took the instance over from HAMi's in-process lifecycle: its HAMi CDI spec
+    # may still be in use and goes with the instance (teardown removes it after the destroy).
+    taken_over_from: str = ""
 
     @property
     def name(self) -> str:

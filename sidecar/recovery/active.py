@@ -111,6 +111,11 @@ def adopt_active(b: Books) -> Books:
                 since=since,
                 # Kept for the same allocation; an adopted one may have been made by anyone.
                 origin=old.origin if keep_activation and old is not None else Origin.REUSED,
+                # The mark of an instance taken over from HAMi stays with it: teardown removes
+                # HAMi's spec of it after the destroy.
+                taken_over_from=old.taken_over_from
+                if old is not None and old.mig_uuid == ci.mig_uuid
+                else "",
             ),
             replacing=old,
             recovery=True,

@@ -25,6 +25,7 @@ from sidecar_process import (
     snapshot_dir,
     states,
 )
+from test_hami_takeover_e2e import TAKEOVER_POINTS  # armed by the takeover crash tests
 from test_recovery_e2e import assert_converged, crash_during
 
 from sidecar import crashpoints
@@ -207,7 +208,7 @@ DISABLE_POINT = "after-reclaim-for-disable"
 def test_every_crash_point_is_in_a_crash_matrix() -> None:
     """A point no test arms is a path no crash test covers."""
     creates = crashpoints.POINTS[: crashpoints.POINTS.index("after-write-cdi") + 1]
-    armed = {*creates, *DESTROY_POINTS, *UNDO_POINTS, *RECLAIM_POINTS, DISABLE_POINT}
+    armed = {*creates, *TAKEOVER_POINTS, *DESTROY_POINTS, *UNDO_POINTS, *RECLAIM_POINTS, DISABLE_POINT}
     assert armed == set(crashpoints.POINTS)
 
 
