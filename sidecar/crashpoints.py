@@ -5,12 +5,19 @@ flush) when the environment variable ``HAMI_MIG_SIDECAR_CRASH_AT`` names that po
 once at import; in production it is unset and a crash point costs one string comparison.
 
 The points, in the order a transaction meets them, are listed in ``POINTS``; tests iterate over it.
+
+``raising_at(name)`` is the in-process form for tests that run the lifecycle without a process of
+its own: the point raises ``Crashed`` instead of exiting. ``Crashed`` is a ``BaseException``, so no
+``except Exception`` (an undo, a rollback, an ERROR mark) runs on its way out, as none runs after a
+kill -9; what is left on disk and on the hardware is what the process would have left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 ENV = "HAMI_MIG_SIDECAR_CRASH_AT"
 
@@ -41,6 +48,11 @@ POINTS: tuple[str, ...] = (
 )
 
 _armed = os.environ.get(ENV, "")
+_raising = ""
+
+
+class Crashed(BaseException):
+    """The in-process crash ``raising_at`` arms: unwinds past every ``except Exception``."""
 
 
 def crashpoint(name: str) -> None:
@@ -49,3 +61,18 @@ def crashpoint(name: str) -> None:
         sys.stderr.write(f"crashpoint {name}: exiting\n")
         sys.stderr.flush()
         os._exit(137)
+    if _raising and name == _raising:
+        raise Crashed(name)
+
+
+@contextlib.contextmanager
+def raising_at(name: str) -> Iterator[None]:
+    """Within the block, reaching crash point ``name`` raises ``Crashed`` (tests only; one at a time)."""
+    global _raising  # noqa: PLW0603 - the one switch, read on every crash point
+    if name not in POINTS:
+        raise ValueError(f"unknown crash point {name!r}")
+    _raising = name
+    try:
+        yield
+    finally:
+        _raising = ""

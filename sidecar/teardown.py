@@ -1,9 +1,9 @@
 """Destroying owned instances, and the rules for what is ours to destroy.
 
 The order of a destroy, records first so a crash leaves work the next recovery can finish:
-DELETING recorded -> CI and GI destroyed (already gone counts as done) -> CDI spec removed (queued
-on failure) -> the record deleted (``delete_after_destroy``). A destroy that fails puts the record in
-ERROR; the reconciler retries it (``retry_error``).
+DELETING recorded -> CI and GI destroyed (already gone counts as done, once a fresh listing agrees) ->
+CDI spec removed (queued on failure) -> the record deleted (``delete_after_destroy``). A destroy
+that fails puts the record in ERROR; the reconciler retries it (``retry_error``).
 
 What is ours: a live GI is the record's only when ID, profile and placement match
 (``placement.owns``); a CI only when ``ci_targets`` says so.
@@ -12,7 +12,7 @@ What is ours: a live GI is the record's only when ID, profile and placement matc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -20,7 +20,7 @@ from sidecar import crashpoints, placement
 from sidecar.context import Context
 from sidecar.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.errors import ComputeInstanceNotOurs, SidecarError, UnverifiableState, nvml_errors
-from sidecar.nvml.port import ComputeInstanceInfo, NvmlError, NvmlPort
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceInfo, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord, instance_ref
 from sidecar.states import now_rfc3339, transition
 
@@ -60,7 +60,8 @@ def ci_targets(rec: OwnershipRecord, cis: Sequence[ComputeInstanceInfo]) -> list
 def destroy_hardware(port: NvmlPort, rec: OwnershipRecord) -> None:
     """Destroy the CI then the GI of an owned instance; what is already gone counts as done.
 
-    Only what verifies as the record's (``placement.owns``, ``ci_targets``). Raises NvmlError."""
+    Only what verifies as the record's (``placement.owns``, ``ci_targets``); "gone" as
+    ``_destroy_unless_gone`` judges it. Raises NvmlError."""
     if rec.gpu_instance_id is None:
         return
     gpu = rec.gpu_uuid
@@ -68,9 +69,9 @@ def destroy_hardware(port: NvmlPort, rec: OwnershipRecord) -> None:
     if gi is None or not placement.owns(rec, gi):
         return
     for ci in ci_targets(rec, port.compute_instances(gpu, gi.id)):
-        _tolerate_missing(port.destroy_compute_instance, gpu, gi.id, ci.id)
+        _destroy_unless_gone(port, gi, ci)
     crashpoints.crashpoint("after-destroy-ci")
-    _tolerate_missing(port.destroy_gpu_instance, gpu, gi.id)
+    _destroy_unless_gone(port, gi, None)
     crashpoints.crashpoint("after-destroy-gi")
 
 
@@ -259,10 +260,28 @@ def find_created_gi(ctx: Context, record: OwnershipRecord) -> OwnershipRecord:
     return found
 
 
-def _tolerate_missing(call: Callable[..., None], *args: object) -> None:
-    """Run a destroy; NOT_FOUND means it is already gone (the port looks objects up by ID afresh)."""
+def _destroy_unless_gone(port: NvmlPort, gi: GpuInstanceInfo, ci: ComputeInstanceInfo | None) -> None:
+    """Destroy ``ci`` (or, with None, ``gi``); NOT_FOUND counts as done only if a fresh listing agrees.
+
+    The one judge of "already gone" for every destroy path (reclaim, undo, the reconciler's retry,
+    recovery). NVML answers NOT_FOUND from the destroy itself or from the by-ID lookups before it
+    while the instance still exists; taken at its word, the record would go and the instance would
+    live on unowned. So the GPU is listed again: an instance still listed (same ID, profile and
+    placement; a CI also the same MIG UUID) fails the destroy, and the caller keeps it ERROR. A
+    failing listing proves nothing either and fails the destroy the same way."""
+    gpu = gi.gpu_uuid
     try:
-        call(*args)
+        if ci is None:
+            port.destroy_gpu_instance(gpu, gi.id)
+        else:
+            port.destroy_compute_instance(gpu, gi.id, ci.id)
     except NvmlError as exc:
         if not exc.not_found:
             raise
+        gi_listed = gi in port.gpu_instances(gpu)
+        still_there = gi_listed if ci is None else gi_listed and ci in port.compute_instances(gpu, gi.id)
+        if still_there:
+            what = f"GPU instance {gi.id}" if ci is None else f"compute instance {ci.id} of GI {gi.id}"
+            raise NvmlError(
+                exc.operation, exc.code, f"{exc.message}, but {what} on {gpu} is still listed: not destroyed"
+            ) from exc

@@ -1,0 +1,129 @@
+"""What the crash-point and NVML-fault matrices share: the pods a test holds and the invariants.
+
+The invariants, checked on the simulated hardware, the record files and the CDI files:
+
+* no leaked GI/CI: every live GI is claimed by a record (ID, placement) or was foreign before the
+  operation (then exactly as it was);
+* no lost record: every instance held ACTIVE before is ACTIVE after, with the same MIG UUID;
+* nothing unverified is kept reusable: an ACTIVE or IDLE record names exactly the live GI and its
+  one CI (ID and MIG UUID), and its CDI spec is the one ``CdiSpecs`` renders; no CDI file without a
+  record; after a settle no record is ERROR, CREATING or DELETING;
+* every IDLE instance is handed out as REUSED with its own MIG UUID, and a foreign GI blocks its GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from lifecycle_world import Dev, LiveGi, World, active_of
+
+from sidecar import errors
+from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, State
+from sidecar.reconciler import Reconciler
+
+FOREVER = 1000  # more attempts than any bounded retry makes
+# A foreign instance (made by an operator) on the A100 every scenario starts with, and the profile
+# that covers that whole GPU: an Allocate of it must be refused, never reclaim the foreign one.
+FOREIGN: Dev = (2, "1g.5gb", 0, 1)
+WHOLE_FOREIGN_GPU: Dev = (2, "7g.40gb", 0, 8)
+KEEP: Dev = (0, "1g.10gb", 0, 1)  # held ACTIVE by pod-keep through every scenario
+
+
+@dataclass
+class Held:
+    """The pods that hold allocations (what the plugin reads from pod annotations for Recover)."""
+
+    world: World
+    pods: dict[str, AllocateResult] = field(default_factory=dict)
+
+    def allocate(self, pod: str, *devices: Dev) -> AllocateResult:
+        result = self.world.allocate(pod, *devices)
+        self.pods[pod] = result
+        return result
+
+    def release(self, pod: str) -> None:
+        self.world.lifecycle.release(pod)
+        self.pods.pop(pod, None)
+
+    def active(self) -> list[ActiveAllocation]:
+        return [a for pod, result in self.pods.items() for a in active_of(pod, result)]
+
+
+@dataclass(frozen=True)
+class Before:
+    foreign: frozenset[LiveGi]
+    active: dict[str, str]  # record name -> MIG UUID of every ACTIVE instance a listed pod holds
+
+
+def standard_start(world: World) -> Held:
+    """A foreign instance on the A100 and pod-keep ACTIVE on GPU 0: what every scenario must keep."""
+    g, profile, start, size = FOREIGN
+    world.hw.create_instance(g, profile, start, size)
+    held = Held(world)
+    held.allocate("pod-keep", KEEP)
+    return held
+
+
+def before(world: World, held: Held) -> Before:
+    records = world.record_files().values()
+    claimed = {(r.gpu_uuid, r.gpu_instance_id) for r in records}
+    foreign = frozenset(gi for gi in world.layout() if (world.uuid(gi[0]), gi[1]) not in claimed)
+    listed = {a.identity.mig_uuid for a in held.active()}
+    active = {r.name: r.mig_uuid for r in records if r.state is State.ACTIVE and r.mig_uuid in listed}
+    return Before(foreign, {k: v for k, v in active.items() if v is not None})
+
+
+def check(world: World, was: Before, *, settled: bool) -> None:
+    """The invariants of the module docstring; ``settled``: faults cleared and the reconciler ran."""
+    files = world.record_files()
+    assert {r.name: r for r in world.lifecycle.instances()} == files, "table and files differ"
+    live = {(world.uuid(gi[0]), gi[1]): gi for gi in world.layout()}
+    claimed: set[tuple[str, int]] = set()
+    for r in files.values():
+        assert r.state in {State.ACTIVE, State.IDLE, State.ERROR}, f"{r.name} left {r.state}"
+        assert not settled or r.state is not State.ERROR, f"{r.name} still ERROR: {r.last_error}"
+        key = (r.gpu_uuid, r.gpu_instance_id)
+        if r.gpu_instance_id is None or key not in live:
+            assert r.state is State.ERROR, f"{r.name} ({r.state}) names no live GI"
+            continue
+        _, _, _, placement, cis = live[key]
+        assert placement == str(r.placement), f"{r.name} names GI {r.gpu_instance_id} at {placement}"
+        claimed.add(key)
+        if r.state is not State.ERROR:
+            assert cis == ((r.compute_instance_id, r.mig_uuid),), f"{r.name} does not match {cis}"
+    for key, gi in live.items():
+        assert key in claimed or gi in was.foreign, f"leaked GI {gi}"
+    for name, mig_uuid in was.active.items():
+        kept = files.get(name)
+        assert kept is not None, f"lost {name}"
+        assert (kept.state, kept.mig_uuid) == (State.ACTIVE, mig_uuid), f"{name} changed"
+    if world.cdi.enabled:
+        known = {world.cdi.spec_path(r.mig_uuid).name for r in files.values() if r.mig_uuid is not None}
+        assert world.cdi_files() <= known, f"stray CDI files {world.cdi_files() - known}"
+        for r in files.values():
+            if r.state is not State.ERROR and r.identity is not None:
+                g = next(gpu.index for gpu in world.gpus if gpu.uuid == r.gpu_uuid)
+                assert world.cdi_spec_is_current(g, r.identity), f"CDI spec of {r.name} is not current"
+
+
+def settle(world: World, was: Before) -> None:
+    """Faults gone: one reconciler round clears every ERROR instance; then the settled invariants."""
+    world.hw.clear_faults()
+    Reconciler(world.lifecycle).run_once()
+    check(world, was, settled=True)
+
+
+def probe_reuse(world: World, held: Held) -> None:
+    """Every IDLE instance comes back REUSED with its own MIG UUID; a foreign GI blocks its GPU."""
+    for n, r in enumerate(sorted(world.record_files().values(), key=lambda r: r.name)):
+        if r.state is not State.IDLE:
+            continue
+        g = next(gpu.index for gpu in world.gpus if gpu.uuid == r.gpu_uuid)
+        got = held.allocate(f"probe-{n}", (g, r.profile, r.placement.start, r.placement.size)).devices[0]
+        assert (got.outcome, got.identity.mig_uuid) == (Outcome.REUSED, r.mig_uuid)
+    if any(gi[0] == WHOLE_FOREIGN_GPU[0] for gi in before(world, held).foreign):
+        layout = world.layout()
+        with pytest.raises(errors.PlacementBusy):
+            held.allocate("probe-foreign", WHOLE_FOREIGN_GPU)
+        assert world.layout() == layout

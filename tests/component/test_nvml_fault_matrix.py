@@ -1,0 +1,200 @@
+"""Every NVML operation x {IN_USE, INSUFFICIENT_RESOURCES, NOT_FOUND, GPU_IS_LOST, UNKNOWN, TIMEOUT}
+x every RPC that reaches it: the invariants hold, and the same call works once the fault clears.
+
+An RPC is exercised through the lifecycle call its handler makes (``server`` only maps errors). The
+operations an RPC reaches are not listed by hand: the call runs once unfaulted on its own hardware
+and the simulator's call counts say which operations it made, and how often. Each case then starts
+again from the same setup with NVML failing from the n-th call of that operation on (for each of its
+first ``OCCURRENCES`` calls) until the fault is cleared, so every call site is the first to fail
+once. The call must succeed or fail with NVML_ERROR (UNAVAILABLE, retried by the client), never
+anything else, and leave the invariants of ``matrix_world``; cleared, one reconciler round and the
+same call again must work. A new RPC is one entry in ``RPCS``; an operation in ``OPERATIONS`` that
+no RPC reaches fails ``test_every_operation_is_reached_by_some_rpc``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from lifecycle_world import World, build_world, restart
+from matrix_world import Held, before, check, probe_reuse, settle, standard_start
+
+from sidecar import errors
+from sidecar.nvml.sim import OP_ALIASES, uninstall
+from sidecar.reconciler import Reconciler
+
+FOREVER = 1000
+OCCURRENCES = 3  # the first calls of an operation a case starts failing at; bounds the matrix
+CODES = ["IN_USE", "INSUFFICIENT_RESOURCES", "NOT_FOUND", "GPU_IS_LOST", "UNKNOWN", "TIMEOUT"]
+OPERATIONS = (
+    "create-gi",
+    "create-ci",
+    "destroy-ci",
+    "destroy-gi",
+    "get-gpu-instances",
+    "get-gpu-instance",
+    "get-compute-instances",
+    "get-compute-instance",
+    "processes",
+)
+
+Step = Callable[[World, Held], object]
+
+
+def nothing(world: World, held: Held) -> None:
+    """No setup beyond the standard start."""
+
+
+@dataclass(frozen=True)
+class Rpc:
+    name: str
+    setup: Step
+    call: Step  # the same call is the retry once the fault clears
+
+
+def idle_at_4_1(world: World, held: Held) -> None:
+    held.allocate("pod-old", (0, "1g.10gb", 4, 1))
+    held.release("pod-old")
+
+
+def allocate_3g(world: World, held: Held) -> None:
+    held.allocate("pod-new", (0, "3g.40gb", 4, 4))
+
+
+def allocate_reuse(world: World, held: Held) -> None:
+    held.allocate("pod-new", (0, "1g.10gb", 4, 1))
+
+
+def allocate_two(world: World, held: Held) -> None:
+    held.allocate("pod-two", (0, "3g.40gb", 4, 4), (1, "1g.10gb", 0, 1))
+
+
+def release_keep(world: World, held: Held) -> None:
+    held.release("pod-keep")
+
+
+def sync_active(world: World, held: Held) -> None:
+    world.lifecycle.sync_active(world.lifecycle.generation, held.active())
+
+
+def get_state(world: World, held: Held) -> None:
+    world.lifecycle.snapshot()
+
+
+def list_gpus(world: World, held: Held) -> None:
+    for gpu in world.port.gpus():
+        world.lifecycle.gpu_busy(gpu.uuid)
+
+
+def error_and_orphan(world: World, held: Held) -> None:
+    """An idle instance left ERROR by a failed reclaim, and an orphan GI for adoption to remove."""
+    idle_at_4_1(world, held)
+    world.hw.inject_fault("destroy-ci", "UNKNOWN", times=FOREVER)
+    with pytest.raises(errors.NvmlFailure):
+        allocate_3g(world, held)
+    world.hw.clear_faults()
+    world.hw.create_instance(1, "3g.40gb", 4, 4, with_ci=False)
+
+
+def recover(world: World, held: Held) -> None:
+    restart(world, adopt=True).recover(held.active())
+
+
+def reconcile(world: World, held: Held) -> None:
+    Reconciler(world.lifecycle).run_once()
+
+
+RPCS = [
+    Rpc("Allocate creating", nothing, allocate_3g),
+    Rpc("Allocate reclaiming", idle_at_4_1, allocate_3g),
+    Rpc("Allocate reusing", idle_at_4_1, allocate_reuse),
+    Rpc("Allocate two devices", nothing, allocate_two),
+    Rpc("Release", nothing, release_keep),
+    Rpc("SyncActive", idle_at_4_1, sync_active),
+    Rpc("GetState", idle_at_4_1, get_state),
+    Rpc("ListGpus", idle_at_4_1, list_gpus),
+    Rpc("Recover", error_and_orphan, recover),
+    Rpc("reconciler retry", error_and_orphan, reconcile),
+]
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Iterator[Path]:
+    """Where the cases' files go: memory-backed when the system has /dev/shm, because every record
+    write is fsynced and the matrix writes thousands of them."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        yield tmp_path
+        return
+    root = Path(tempfile.mkdtemp(prefix="hms-faults-", dir=shm))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def fresh(path: Path, rpc: Rpc) -> Iterator[tuple[World, Held]]:
+    path.mkdir(parents=True)
+    world = build_world(path, cdi_enabled=True)
+    try:
+        held = standard_start(world)
+        rpc.setup(world, held)
+        yield world, held
+    finally:
+        world.records.close()
+        uninstall()
+
+
+def calls_made(tmp_path: Path, rpc: Rpc) -> dict[str, int]:
+    """How often the unfaulted call makes each operation of ``OPERATIONS``."""
+    with fresh(tmp_path / "count", rpc) as (world, held):
+        world.hw.reset_call_counts()
+        rpc.call(world, held)
+        counts = world.hw.call_counts()
+    made = {op: sum(counts.get(fn, 0) for fn in OP_ALIASES[op]) for op in OPERATIONS}
+    return {op: n for op, n in made.items() if n}
+
+
+def test_every_operation_is_reached_by_some_rpc(scratch: Path) -> None:
+    reached = {op for n, rpc in enumerate(RPCS) for op in calls_made(scratch / str(n), rpc)}
+    assert set(OPERATIONS) - reached == set()
+
+
+def answer(rpc: Rpc, world: World, held: Held) -> tuple[str, errors.Code] | None:
+    """None when the call succeeds; the reason and code of the SidecarError it fails with."""
+    try:
+        rpc.call(world, held)
+    except errors.SidecarError as exc:
+        return exc.reason, exc.code
+    return None
+
+
+@pytest.mark.parametrize("code", CODES)
+@pytest.mark.parametrize("rpc", RPCS, ids=[r.name for r in RPCS])
+def test_a_fault_keeps_the_invariants_and_the_call_works_once_it_clears(
+    scratch: Path, rpc: Rpc, code: str
+) -> None:
+    for op, count in calls_made(scratch, rpc).items():
+        for n in range(min(count, OCCURRENCES)):
+            case = f"{rpc.name}: {op} answers {code} from its call {n} on"
+            with fresh(scratch / f"{op}-{n}", rpc) as (world, held):
+                was = before(world, held)
+                world.hw.inject_fault(op, code, after=n, times=FOREVER)
+                failed = answer(rpc, world, held)
+                assert failed in {None, ("NVML_ERROR", errors.Code.UNAVAILABLE)}, f"{case}: {failed}"
+                world.hw.clear_faults()
+                if world.lifecycle.recovered:
+                    check(world, was, settled=False)
+                else:
+                    recover(world, held)
+                settle(world, was)
+                rpc.call(world, held)
+                check(world, was, settled=True)
+                probe_reuse(world, held)
