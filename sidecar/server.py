@@ -50,6 +50,7 @@ from sidecar.domain import (
 )
 from sidecar.encode import (
     encode_gpu,
+    encode_ranked,
     encode_ref,
     encode_report,
     encode_state,
@@ -348,6 +349,15 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
 
     def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return self._handle("GetState", context, lambda: encode_state(self.lifecycle.snapshot()))
+
+    def RankPlacements(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
+            _require(bool(request.profile), "request: profile is missing", field="profile")
+            ranked = self.lifecycle.rank_placements(gpu_uuid, request.profile)
+            return pb.RankPlacementsResponse(placements=[encode_ranked(gpu_uuid, r) for r in ranked])
+
+        return self._handle("RankPlacements", context, answer)
 
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
