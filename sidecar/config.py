@@ -24,6 +24,8 @@ from typing import Literal
 import msgspec
 
 from sidecar.cdi import DEFAULT_KIND, parse_kind
+from sidecar.domain import PROFILE_NAME_RE
+from sidecar.idle_policy import IdleSettings
 from sidecar.nvml import profiles
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
@@ -155,6 +157,29 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         metavar="SECONDS",
     ),
     FlagSpec(
+        "--idle-ttl",
+        "idle_ttl",
+        "Idle policy: the reconciler destroys an IDLE instance once it has been idle longer than this "
+        "(off when unset).",
+        metavar="SECONDS",
+    ),
+    FlagSpec(
+        "--max-idle-per-gpu",
+        "max_idle_per_gpu",
+        "Idle policy: keep at most N IDLE instances per GPU; the reconciler destroys the least recently "
+        "used beyond that (off when unset; 0 destroys every IDLE instance in the background).",
+        metavar="N",
+    ),
+    FlagSpec(
+        "--idle-reserve",
+        "idle_reserve",
+        "Idle policy: the profiles the GPU's scheduler allows, for which a free placement is kept ready "
+        "on every GPU: when one has none left, the reconciler destroys the least recently used IDLE "
+        "instances that block one, so the next request finds it free instead of waiting for a destroy "
+        "(off when unset; profiles a GPU lacks are ignored on it).",
+        metavar="PROFILE[,PROFILE...]",
+    ),
+    FlagSpec(
         "--shutdown-grace",
         "shutdown_grace",
         "Seconds in-flight RPCs get to answer after SIGTERM; a call still running then is cancelled"
@@ -193,6 +218,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "INFO"
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    idle: IdleSettings = IdleSettings()
 
     @property
     def sim_gpus_text(self) -> str:
@@ -249,6 +275,34 @@ def _seconds(raw: str | None, where: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ConfigError(f"{where}: {raw!r} must be a positive number of seconds")
     return value
+
+
+def _count(raw: str | None, where: str) -> int:
+    text = (raw or "").strip()
+    if not text.isdigit():
+        raise ConfigError(f"{where}: {raw!r} is not a count (a whole number, 0 or more)")
+    return int(text)
+
+
+def parse_profiles(text: str, where: str) -> tuple[str, ...]:
+    """``1g.10gb,3g.40gb`` -> ("1g.10gb", "3g.40gb"): full GI profile names, each once."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if not PROFILE_NAME_RE.match(n)]
+    if bad or not names:
+        raise ConfigError(
+            f"{where}: {', '.join(bad) or repr(text)} is not a MIG profile name list (e.g. 1g.10gb,3g.40gb)"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> IdleSettings:
+    return IdleSettings(
+        ttl_s=_seconds(raw["idle_ttl"], origin["idle_ttl"]) if raw["idle_ttl"] else None,
+        max_idle_per_gpu=(
+            _count(raw["max_idle_per_gpu"], origin["max_idle_per_gpu"]) if raw["max_idle_per_gpu"] else None
+        ),
+        reserve=parse_profiles(raw["idle_reserve"], origin["idle_reserve"]) if raw["idle_reserve"] else (),
+    )
 
 
 def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
@@ -364,4 +418,5 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         log_level=log_level,
         reconcile_interval_s=_seconds(raw["reconcile_interval"], origin["reconcile_interval"]),
         shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
+        idle=_idle_settings(raw, origin),
     )

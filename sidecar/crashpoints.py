@@ -22,6 +22,9 @@ POINTS: tuple[str, ...] = (
     "after-create-ci",
     "after-record-ci",
     "after-write-cdi",
+    # the idle policy's background trim: chosen and re-checked under the GPU lock, before its destroy
+    # (the destroy itself then meets the reclaim points below)
+    "before-idle-trim",
     # reclaim (step 4)
     "after-record-deleting",
     "after-destroy-ci",

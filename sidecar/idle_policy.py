@@ -39,6 +39,21 @@ class Cause(enum.StrEnum):
     RESERVE = "reserve"
 
 
+class IdleSettings(msgspec.Struct, frozen=True):
+    """The opt-in idle policy (all off by default: nothing is trimmed, the seed's behaviour).
+
+    ``reserve`` names the profiles the GPU's scheduler allows, for which a free placement is kept
+    ready (profiles a GPU does not have are ignored on it)."""
+
+    ttl_s: float | None = None
+    max_idle_per_gpu: int | None = None
+    reserve: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s is not None or self.max_idle_per_gpu is not None or bool(self.reserve)
+
+
 class Trim(msgspec.Struct, frozen=True):
     """Destroy ``instance`` on ``gpu_uuid`` because of ``cause`` (``profile``: the reserve it frees)."""
 
@@ -128,4 +143,4 @@ def _trim_gpu(
     return out
 
 
-__all__ = ["Cause", "Trim", "trim", "trimmable"]
+__all__ = ["Cause", "IdleSettings", "Trim", "trim", "trimmable"]

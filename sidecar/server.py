@@ -173,6 +173,8 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
         self.info = info
         self.metrics = metrics
         self.on_recovered = on_recovered
+        # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
+        self.on_change: Callable[[], None] = lambda: None
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition()
         self._in_flight = 0
@@ -299,6 +301,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
                 self.metrics.reuse_hits.inc(reused)
             if result.reclaimed:
                 self.metrics.reclaims.inc(len(result.reclaimed))
+            self.on_change()
             return pb.AllocateResponse(
                 devices=[
                     pb.AllocatedDevice(
@@ -324,6 +327,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
             _require(bool(request.pod_uid), "request: pod_uid is missing", field="pod_uid")
             _require(bool(POD_UID_RE.match(request.pod_uid)), f"{request.pod_uid!r} is not a pod UID")
             released = self.lifecycle.release(request.pod_uid)
+            self.on_change()
             return pb.ReleaseResponse(released=[encode_ref(ref) for ref in released])
 
         return self._handle("Release", context, answer)
@@ -332,6 +336,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
         def answer() -> Any:
             active = decode_active(request.active)
             idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
+            self.on_change()
             return pb.SyncActiveResponse(
                 idled=[encode_ref(ref) for ref in idled], reactivated=[encode_ref(ref) for ref in reactivated]
             )
