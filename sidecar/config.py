@@ -173,11 +173,18 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
     FlagSpec(
         "--idle-reserve",
         "idle_reserve",
-        "Idle policy: the profiles the GPU's scheduler allows, for which a free placement is kept ready "
-        "on every GPU: when one has none left, the reconciler destroys the least recently used IDLE "
+        "Idle policy: the profiles the scheduler allows, for which a free placement is kept ready on "
+        "the node: when no GPU has one left, the reconciler destroys the least recently used IDLE "
         "instances that block one, so the next request finds it free instead of waiting for a destroy "
         "(off when unset; profiles a GPU lacks are ignored on it).",
         metavar="PROFILE[,PROFILE...]",
+    ),
+    FlagSpec(
+        "--idle-reserve-per-gpu",
+        "idle_reserve_per_gpu",
+        "With --idle-reserve: keep the free placement ready on every GPU, not once on the node (for a "
+        "scheduler that picks the GPU blind to the sidecar's advice; destroys much more idle cache).",
+        switch=True,
     ),
     FlagSpec(
         "--shutdown-grace",
@@ -302,6 +309,7 @@ def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> 
             _count(raw["max_idle_per_gpu"], origin["max_idle_per_gpu"]) if raw["max_idle_per_gpu"] else None
         ),
         reserve=parse_profiles(raw["idle_reserve"], origin["idle_reserve"]) if raw["idle_reserve"] else (),
+        reserve_per_gpu=_switch(raw["idle_reserve_per_gpu"], origin["idle_reserve_per_gpu"]),
     )
 
 

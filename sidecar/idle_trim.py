@@ -26,7 +26,7 @@ from sidecar.advice import GpuView
 from sidecar.context import Context
 from sidecar.domain import InstanceRef, State
 from sidecar.errors import SidecarError, nvml_errors
-from sidecar.idle_policy import IdleSettings, Trim, trim
+from sidecar.idle_policy import IdleSettings, Trim, node_reserve, trim
 from sidecar.nvml.port import NvmlError
 from sidecar.ownership import record_name
 from sidecar.teardown import destroy
@@ -56,59 +56,90 @@ class IdleTrimmer:
         self.on_trim = on_trim
 
     def run_once(self) -> list[Trimmed]:
-        """Trim what the policy chooses now; a GPU whose view or destroy fails is skipped (logged)."""
+        """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
         if not self.settings.enabled or not self.ctx.recovered:
             return []
-        out: list[Trimmed] = []
-        for gpu in sorted({r.gpu_uuid for r in self.ctx.table.instances()}):
-            try:
-                out += self._trim_gpu(gpu)
-            except SidecarError as exc:
-                _log.warning("idle trim on %s stopped: %s", gpu, exc)
-        return out
-
-    def _trim_gpu(self, gpu: str) -> list[Trimmed]:
-        if self.settings.reserve:
-            views.refresh_foreign(self.ctx, gpu)  # the reserve ranks placements: foreign GIs count
+        gpus = self._gpus()
         busy: set[str] = set()
         out: list[Trimmed] = []
-        # Each round destroys one instance at most, and an instance found busy is never chosen again,
-        # so the loop ends within (IDLE instances + 1) rounds.
-        while True:
-            with self.ctx.locks.gpu(gpu):
-                chosen = self._decide(gpu, busy)
-                if chosen is None:
-                    return out
-                record = self.ctx.table.get(chosen_name(gpu, chosen))
-                if record is None or record.state is not State.IDLE:  # decided under this lock: never
-                    return out
-                if self._runs_processes(record.mig_uuid):
-                    busy.add(record.mig_uuid or "")
-                    continue
-                crashpoints.crashpoint("before-idle-trim")
-                _log.info("trimming idle instance %s (%s)", record.name, chosen.cause)
-                ref = destroy(self.ctx, record, mark_deleting=True)
-            self.on_trim(str(chosen.cause))
-            out.append(Trimmed(ref, str(chosen.cause)))
+        # Every round destroys one instance, or marks one busy, or finds the choice changed under the
+        # lock; the bound only guards against a choice that keeps changing.
+        for _ in range(2 * len(self.ctx.table.instances()) + 2):
+            first = self._decide(gpus, busy)
+            if not first:
+                break
+            try:
+                done = self._apply(first[0], gpus, busy)
+            except SidecarError as exc:
+                _log.warning("idle trim of %s failed: %s", first[0].instance.describe(), exc)
+                break
+            if done is not None:
+                self.on_trim(done.cause)
+                out.append(done)
+        return out
 
-    def _decide(self, gpu: str, busy: set[str]) -> Trim | None:
-        """The first instance the policy trims on ``gpu`` now (call with its lock held)."""
-        view: GpuView = views.gpu_view(self.ctx, gpu, busy=busy)
-        pending = views.pending_reservations(self.ctx)
+    def _gpus(self) -> list[str]:
+        """The GPUs to look at: with a reserve every MIG-enabled one (an empty GPU is where a profile
+        is ready), its foreign view listed afresh; otherwise those with owned instances."""
+        if not self.settings.reserve:
+            return sorted({r.gpu_uuid for r in self.ctx.table.instances()})
+        out: list[str] = []
+        try:
+            with nvml_errors("list GPUs"):
+                gpus = self.ctx.port.gpus()
+        except SidecarError as exc:
+            _log.warning("idle trim skipped: %s", exc)
+            return []
+        for gpu in sorted(g.uuid for g in gpus if g.mig_current):
+            try:
+                views.refresh_foreign(self.ctx, gpu)
+            except SidecarError as exc:
+                _log.warning("idle trim leaves %s out: %s", gpu, exc)
+                continue
+            out.append(gpu)
+        return out
+
+    def _apply(self, chosen: Trim, gpus: list[str], busy: set[str]) -> Trimmed | None:
+        """Destroy the chosen instance if, under its GPU lock, it is still the first choice, still
+        IDLE and runs no process. None when it was spared."""
+        with self.ctx.locks.gpu(chosen.gpu_uuid):
+            again = self._decide(gpus, busy)
+            if not again or again[0] != chosen:
+                return None
+            record = self.ctx.table.get(record_name(chosen.gpu_uuid, chosen.instance.placement))
+            if record is None or record.state is not State.IDLE:  # decided under this lock: never
+                return None
+            if self._runs_processes(record.mig_uuid):
+                busy.add(record.mig_uuid or "")
+                return None
+            crashpoints.crashpoint("before-idle-trim")
+            _log.info("trimming idle instance %s (%s)", record.name, chosen.cause)
+            ref = destroy(self.ctx, record, mark_deleting=True)
+        return Trimmed(ref, str(chosen.cause))
+
+    def _decide(self, gpus: list[str], busy: set[str]) -> list[Trim]:
+        """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
+        then the node's reserve."""
         s = self.settings
+        gpu_views: list[GpuView] = [views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
+        pending = views.pending_reservations(self.ctx)
         reserve = {}
         if s.reserve:
-            profiles = self.ctx.inventory.profiles(gpu)
-            reserve = {gpu: {p.name: p.placements for p in profiles if p.name in s.reserve}}
-        chosen = trim(
-            [view],
+            reserve = {
+                g: {p.name: p.placements for p in self.ctx.inventory.profiles(g) if p.name in s.reserve}
+                for g in gpus
+            }
+        per_gpu = trim(
+            gpu_views,
             self.clock(),
             ttl_s=s.ttl_s,
             max_idle_per_gpu=s.max_idle_per_gpu,
-            reserve=reserve,
+            reserve=reserve if s.reserve_per_gpu else None,
             pending=pending,
         )
-        return chosen[0] if chosen else None
+        if per_gpu or not s.reserve or s.reserve_per_gpu:
+            return per_gpu
+        return node_reserve(gpu_views, reserve, pending=pending)
 
     def _runs_processes(self, mig_uuid: str | None) -> bool:
         """A process on the instance (a pod in its grace period) spares it; an NVML error too."""
@@ -120,11 +151,6 @@ class IdleTrimmer:
         except (SidecarError, NvmlError) as exc:
             _log.warning("cannot count processes on %s, not trimming it: %s", mig_uuid, exc)
             return True
-
-
-def chosen_name(gpu: str, chosen: Trim) -> str:
-    """The record name of the instance a ``Trim`` names (one record per GPU and placement)."""
-    return record_name(gpu, chosen.instance.placement)
 
 
 __all__ = ["IdleTrimmer", "Trimmed"]

@@ -125,20 +125,37 @@ class TestFreeReserve:
         aside = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
         blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
 
-        trimmed = reconcile(world, IdleSettings(reserve=("3g.40gb",)), went_idle_at(world, blocker))
+        per_gpu = IdleSettings(reserve=("3g.40gb",), reserve_per_gpu=True)
+
+        trimmed = reconcile(world, per_gpu, went_idle_at(world, blocker))
 
         assert trimmed == [blocker.mig_uuid]
         assert gone(world, blocker)
         assert states(world) == {active.mig_uuid: State.ACTIVE, aside.mig_uuid: State.IDLE}
         world.assert_consistent()
-        assert reconcile(world, IdleSettings(reserve=("3g.40gb",)), FAR_FUTURE) == []  # the reserve holds
+        assert reconcile(world, per_gpu, FAR_FUTURE) == []  # the reserve holds
+
+    def test_on_the_node_one_ready_placement_is_enough_and_the_last_one_is_restored(
+        self, world: World
+    ) -> None:
+        """The same GPU 0; the other H100 has 3g.40gb free at first (the A100 has no such profile)."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+        node = IdleSettings(reserve=("3g.40gb",))
+        assert reconcile(world, node, FAR_FUTURE) == []
+        world.allocate("pod-d", (1, "1g.10gb", 0, 1))
+        world.allocate("pod-e", (1, "1g.10gb", 4, 1))  # no 3g.40gb fits on GPU 1 any more
+
+        assert reconcile(world, node, FAR_FUTURE) == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        world.assert_consistent()
 
     def test_a_reserve_that_only_an_active_instance_blocks_destroys_nothing(self, world: World) -> None:
         world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         world.allocate("pod-b", (0, "1g.10gb", 4, 1))
         idle = idle_instance(world, "pod-c", (0, "1g.10gb", 5, 1))
 
-        assert reconcile(world, IdleSettings(reserve=("3g.40gb",)), FAR_FUTURE) == []
+        assert reconcile(world, IdleSettings(reserve=("3g.40gb",), reserve_per_gpu=True), FAR_FUTURE) == []
         assert idle.mig_uuid in world.live_mig_uuids()
 
 
