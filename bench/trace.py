@@ -52,7 +52,7 @@ from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from sidecar.advice import GpuView, OwnedInstance
 from sidecar.domain import ForeignInstance, Placement, State
 from sidecar.idle_policy import node_reserve
-from sidecar.nvml.simulated import OP_ALIASES, SimulatedHardware
+from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8
 MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
