@@ -3,6 +3,9 @@ recorded teardown, so a kill -9 at any point of a trim leaves nothing leaked aft
 
 from __future__ import annotations
 
+import contextlib
+
+import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from sidecar_process import CALL_TIMEOUT_S, SidecarFactory, allocate_one, layouts
@@ -23,7 +26,9 @@ def test_a_kill_9_during_a_background_trim_leaves_nothing_leaked_after_recover(
     car.recover()
     active = allocate_one(car, "pod-a", 0, "1g.10gb", 0, 1)
     idle = allocate_one(car, "pod-b", 0, "1g.10gb", 4, 1)
-    car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=CALL_TIMEOUT_S)  # wakes the trim
+    # The release wakes the trim, which may end the process before the answer is out.
+    with contextlib.suppress(grpc.RpcError):
+        car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=CALL_TIMEOUT_S)
     assert car.proc is not None
     assert car.proc.wait(timeout=60) == 137
 
