@@ -49,6 +49,9 @@ import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
+from sidecar.advice import GpuView, OwnedInstance
+from sidecar.domain import ForeignInstance, Placement, State
+from sidecar.idle_policy import node_reserve
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8
@@ -59,9 +62,10 @@ MEAN_LIFETIME = 600.0  # trace seconds; only ratios of trace times matter
 # Real-scale latency model (seconds) by simulator operation; every other call takes OTHER_S.
 MODEL_S = {"create-gi": 0.800, "create-ci": 0.200, "destroy-ci": 0.200, "destroy-gi": 0.400}
 OTHER_S = 0.001
-# Server flags of the background free reserve. They do not exist yet: when they do, name them here.
+# Server flags of the background free reserve: keep a free placement ready for every profile of the mix.
 RESERVE_FLAG = "--idle-reserve"
-RESERVE_ARGS = [RESERVE_FLAG]
+RESERVE_ARGS = [RESERVE_FLAG, ",".join(p for p, _ in MIX)]
+SETTLE_TIMEOUT_S = 30.0
 
 
 class NotServedError(Exception):
@@ -226,6 +230,7 @@ class Result:
     created: int = 0
     reused: int = 0
     reclaimed: int = 0
+    unsettled: int = 0  # events after which the background reserve did not settle in time
     latency: list[float] = field(default_factory=list)  # seconds at real scale
     wall: float = 0.0
 
@@ -305,6 +310,45 @@ def release(car: Sidecar, policy: str, pod: Pod, gpu: str, mig_uuid: str) -> Non
         raise
 
 
+def _view(gpu: Any) -> GpuView:
+    def place(p: Any) -> Placement:
+        return Placement(p.start, p.size)
+
+    return GpuView(
+        gpu_uuid=gpu.gpu.uuid,
+        memory_slices=MEMORY_SLICES,
+        owned=tuple(
+            OwnedInstance(i.profile, place(i.placement), State(pb.InstanceState.Name(i.state)), i.mig_uuid)
+            for i in gpu.instances
+        ),
+        foreign=tuple(
+            ForeignInstance(gpu.gpu.uuid, f.profile, place(f.placement), f.gpu_instance_id)
+            for f in gpu.foreign
+        ),
+    )
+
+
+def settle(car: Sidecar, placements: dict[str, dict[str, list[Any]]]) -> bool:
+    """Wait (bounded) until the sidecar's background reserve has nothing left to do.
+
+    In the trace's own time about 30 s pass between two events, far more than a trim takes; replayed
+    back to back, the next event would otherwise race the trim the last one woke. Nothing is in
+    flight and the reserve decision (the sidecar's own pure function, over GetState) chooses nothing.
+    False if that did not happen within ``SETTLE_TIMEOUT_S``."""
+    reserve = {
+        uuid: {name: [Placement(p.start, p.size) for p in ps] for name, ps in by_profile.items()}
+        for uuid, by_profile in placements.items()
+    }
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        gpus = car.stub.GetState(pb.GetStateRequest()).gpus
+        busy = any(i.state in (pb.CREATING, pb.DELETING) for g in gpus for i in g.instances)
+        if not busy and not node_reserve([_view(g) for g in gpus], reserve):
+            return True
+        time.sleep(0.002)
+    return False
+
+
 def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Path) -> Result:
     result = Result(variant)
     missing = [a for a in variant.sidecar_args if a.startswith("--") and not serves_flag(a)]
@@ -325,6 +369,12 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             for u in uuids
         }
         scheduler = SCHEDULERS[variant.scheduler](car.stub, placements)
+        mix = {p for p, _ in MIX}
+        reserve = (
+            {u: {name: ps for name, ps in by.items() if name in mix} for u, by in placements.items()}
+            if RESERVE_FLAG in variant.sidecar_args
+            else None
+        )
         events: list[tuple[float, int, int]] = [(p.arrive, 1, i) for i, p in enumerate(trace)]
         heapq.heapify(events)
         live: dict[int, tuple[str, str]] = {}
@@ -334,6 +384,8 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             if kind == 0:
                 gpu, mig = live.pop(i)
                 release(car, variant.policy, pod, gpu, mig)
+                if reserve and not settle(car, reserve):
+                    result.unsettled += 1
                 continue
             choice = scheduler.choose(pod.profile)
             if choice is None:
@@ -343,6 +395,8 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             if mig_uuid is not None:
                 live[i] = (choice[0], mig_uuid)
                 heapq.heappush(events, (pod.leave, 0, i))  # releases sort before arrivals at one time
+            if reserve and not settle(car, reserve):
+                result.unsettled += 1
     except NotServedError as why:
         result.skipped = str(why)
     finally:
@@ -394,6 +448,7 @@ def report(results: list[Result]) -> None:
         if not r.skipped:
             print(
                 f"{r.variant.name}: {r.wall:.0f} s wall, {r.unschedulable} unschedulable, {r.failed} failed"
+                + (f", {r.unsettled} unsettled" if r.unsettled else "")
             )
 
 

@@ -62,6 +62,7 @@ class OwnedInstance(msgspec.Struct, frozen=True):
     gpu_instance_id: int | None = None
     last_used: float = 0.0
     busy: bool = False
+    compute_instance_id: int | None = None
 
     def describe(self) -> str:
         return f"{self.state} {self.profile}@{self.placement} ({self.mig_uuid or 'no MIG UUID'})"

@@ -40,6 +40,7 @@ from typing import Protocol
 from sidecar import nvml, unixsocket
 from sidecar.cdi import CdiSpecs
 from sidecar.config import ServeConfig
+from sidecar.idle_trim import IdleTrimmer
 from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
 from sidecar.metrics import MeteredPort, Metrics
@@ -213,7 +214,12 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         adopt_existing=config.adopt_existing,
         hami_takeover=config.hami_takeover,
     )
-    reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s)
+    idle = None
+    if config.idle.enabled:
+        idle = IdleTrimmer(
+            lifecycle.ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc()
+        )
+    reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle)
     metrics.watch(lifecycle.instances, cdi.pending_removals)
     info = ServerInfo(
         backend=backend.kind,
@@ -236,6 +242,8 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         server=server,
     )
     servicer.on_recovered = app.on_recovered
+    if idle is not None:
+        servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
     return app
 
 

@@ -24,6 +24,8 @@ from typing import Literal
 import msgspec
 
 from sidecar.cdi import DEFAULT_KIND, parse_kind
+from sidecar.domain import PROFILE_NAME_RE
+from sidecar.idle_policy import IdleSettings
 from sidecar.nvml import profiles
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
@@ -162,6 +164,36 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         metavar="SECONDS",
     ),
     FlagSpec(
+        "--idle-ttl",
+        "idle_ttl",
+        "Idle policy: the reconciler destroys an IDLE instance once it has been idle longer than this "
+        "(off when unset).",
+        metavar="SECONDS",
+    ),
+    FlagSpec(
+        "--max-idle-per-gpu",
+        "max_idle_per_gpu",
+        "Idle policy: keep at most N IDLE instances per GPU; the reconciler destroys the least recently "
+        "used beyond that (off when unset; 0 destroys every IDLE instance in the background).",
+        metavar="N",
+    ),
+    FlagSpec(
+        "--idle-reserve",
+        "idle_reserve",
+        "Idle policy: the profiles the scheduler allows, for which a free placement is kept ready on "
+        "the node: when no GPU has one left, the reconciler destroys the least recently used IDLE "
+        "instances that block one, so the next request finds it free instead of waiting for a destroy "
+        "(off when unset; profiles a GPU lacks are ignored on it).",
+        metavar="PROFILE[,PROFILE...]",
+    ),
+    FlagSpec(
+        "--idle-reserve-per-gpu",
+        "idle_reserve_per_gpu",
+        "With --idle-reserve: keep the free placement ready on every GPU, not once on the node (for a "
+        "scheduler that picks the GPU blind to the sidecar's advice; destroys much more idle cache).",
+        switch=True,
+    ),
+    FlagSpec(
         "--shutdown-grace",
         "shutdown_grace",
         "Seconds in-flight RPCs get to answer after SIGTERM; a call still running then is cancelled"
@@ -201,6 +233,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "INFO"
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    idle: IdleSettings = IdleSettings()
 
     @property
     def sim_gpus_text(self) -> str:
@@ -257,6 +290,35 @@ def _seconds(raw: str | None, where: str) -> float:
     if not value > 0 or value == float("inf"):
         raise ConfigError(f"{where}: {raw!r} must be a positive number of seconds")
     return value
+
+
+def _count(raw: str | None, where: str) -> int:
+    text = (raw or "").strip()
+    if not text.isdigit():
+        raise ConfigError(f"{where}: {raw!r} is not a count (a whole number, 0 or more)")
+    return int(text)
+
+
+def parse_profiles(text: str, where: str) -> tuple[str, ...]:
+    """``1g.10gb,3g.40gb`` -> ("1g.10gb", "3g.40gb"): full GI profile names, each once."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [n for n in names if not PROFILE_NAME_RE.match(n)]
+    if bad or not names:
+        raise ConfigError(
+            f"{where}: {', '.join(bad) or repr(text)} is not a MIG profile name list (e.g. 1g.10gb,3g.40gb)"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> IdleSettings:
+    return IdleSettings(
+        ttl_s=_seconds(raw["idle_ttl"], origin["idle_ttl"]) if raw["idle_ttl"] else None,
+        max_idle_per_gpu=(
+            _count(raw["max_idle_per_gpu"], origin["max_idle_per_gpu"]) if raw["max_idle_per_gpu"] else None
+        ),
+        reserve=parse_profiles(raw["idle_reserve"], origin["idle_reserve"]) if raw["idle_reserve"] else (),
+        reserve_per_gpu=_switch(raw["idle_reserve_per_gpu"], origin["idle_reserve_per_gpu"]),
+    )
 
 
 def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
@@ -373,4 +435,5 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         log_level=log_level,
         reconcile_interval_s=_seconds(raw["reconcile_interval"], origin["reconcile_interval"]),
         shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
+        idle=_idle_settings(raw, origin),
     )

@@ -33,6 +33,9 @@ POINTS: tuple[str, ...] = (
     # then HAMi's file is gone too
     "after-takeover-record",
     "after-remove-hami-record",
+    # the idle policy's background trim: chosen and re-checked under the GPU lock, before its destroy
+    # (the destroy itself then meets the reclaim points below)
+    "before-idle-trim",
     # reclaim (step 4)
     "after-record-deleting",
     "after-destroy-ci",

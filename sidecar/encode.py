@@ -12,6 +12,7 @@ from google.protobuf import timestamp_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar import domain
+from sidecar.advice import OwnedInstance, RankedPlacement
 from sidecar.domain import InstanceRef, Placement
 from sidecar.inventory import StateSnapshot
 from sidecar.nvml.port import GpuInfo
@@ -34,6 +35,26 @@ def encode_ref(ref: InstanceRef) -> Any:
         message.gpu_instance_id = ref.identity.gpu_instance_id
         message.compute_instance_id = ref.identity.compute_instance_id
     return message
+
+
+def encode_ranked(gpu_uuid: str, ranked: RankedPlacement) -> Any:
+    """One RankPlacements entry, its reclaim victims as InstanceRefs with their identity."""
+
+    def victim(inst: OwnedInstance) -> Any:
+        ref = pb.InstanceRef(gpu_uuid=gpu_uuid, profile=inst.profile, placement=pb_placement(inst.placement))
+        ref.mig_uuid = inst.mig_uuid
+        ref.gpu_instance_id = inst.gpu_instance_id or 0
+        ref.compute_instance_id = inst.compute_instance_id or 0
+        return ref
+
+    return pb.RankedPlacement(
+        placement=pb_placement(ranked.placement),
+        cost=pb.PlacementCost.Name(int(ranked.cost)),
+        idle_mig_uuid=ranked.idle_mig_uuid,
+        reclaim=[victim(i) for i in ranked.reclaim],
+        free_slices_after=ranked.free_slices_after,
+        blocker=ranked.blocker,
+    )
 
 
 def encode_gpu(gpu: GpuInfo, busy: bool) -> Any:

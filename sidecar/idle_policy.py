@@ -39,6 +39,23 @@ class Cause(enum.StrEnum):
     RESERVE = "reserve"
 
 
+class IdleSettings(msgspec.Struct, frozen=True):
+    """The opt-in idle policy (all off by default: nothing is trimmed, the seed's behaviour).
+
+    ``reserve`` names the profiles the scheduler allows, for which a free placement is kept ready:
+    somewhere on the node (``node_reserve``), or on every GPU with ``reserve_per_gpu`` (profiles a
+    GPU does not have are ignored on it)."""
+
+    ttl_s: float | None = None
+    max_idle_per_gpu: int | None = None
+    reserve: tuple[str, ...] = ()
+    reserve_per_gpu: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s is not None or self.max_idle_per_gpu is not None or bool(self.reserve)
+
+
 class Trim(msgspec.Struct, frozen=True):
     """Destroy ``instance`` on ``gpu_uuid`` because of ``cause`` (``profile``: the reserve it frees)."""
 
@@ -128,4 +145,50 @@ def _trim_gpu(
     return out
 
 
-__all__ = ["Cause", "Trim", "trim", "trimmable"]
+def node_reserve(
+    views: Sequence[GpuView],
+    reserve: Mapping[str, Mapping[str, Sequence[Placement]]],
+    *,
+    pending: Collection[Reservation] = (),
+) -> list[Trim]:
+    """The free reserve over a whole node: per profile (``reserve``: GPU -> profile -> placements),
+    trim only when *no* GPU has a ready placement (REUSE or FREE) for it, and then the idle instances
+    of one RECLAIM placement on the node, chosen as ``_reserve_trims`` chooses within a GPU (the
+    oldest most recently used victim, then fewer victims, then the lower GPU in ``views`` order).
+
+    A reuse-aware scheduler picks among the node's GPUs, so one ready placement per profile on the
+    node keeps its next request off the destroy-then-create path; keeping one on every GPU destroys
+    far more idle cache for the same effect (the trace benchmark measures both)."""
+    out: list[Trim] = []
+    gone: set[tuple[str, OwnedInstance]] = set()
+    profiles = dict.fromkeys(name for by_profile in reserve.values() for name in by_profile)
+    for profile in profiles:
+        options: list[tuple[tuple[float, int, int, int], str, tuple[OwnedInstance, ...]]] = []
+        ready = False
+        for g, view in enumerate(views):
+            placements = reserve.get(view.gpu_uuid, {}).get(profile)
+            if not placements:
+                continue
+            protected = _protected(view, pending)
+            left = replace(
+                view,
+                owned=tuple(i for i in view.owned if (view.gpu_uuid, i) not in gone),
+                pending=tuple(protected),
+            )
+            ranked = rank_placements(profile, placements, left)
+            if any(r.cost in (Cost.REUSE, Cost.FREE) for r in ranked):
+                ready = True
+                break
+            for n, r in enumerate(ranked):
+                if r.cost is Cost.RECLAIM:
+                    key = (max(v.last_used for v in r.reclaim), len(r.reclaim), g, n)
+                    options.append((key, view.gpu_uuid, r.reclaim))
+        if ready or not options:
+            continue
+        _, gpu, victims = min(options, key=lambda o: o[0])
+        out += [Trim(gpu, v, Cause.RESERVE, profile) for v in victims]
+        gone |= {(gpu, v) for v in victims}
+    return out
+
+
+__all__ = ["Cause", "IdleSettings", "Trim", "node_reserve", "trim", "trimmable"]

@@ -1,7 +1,10 @@
 """What the hardware is: cached GPU facts and profile tables, and the GetState snapshot.
 
-Foreign instances are never cached: every allocation reads the live GI layout of its GPU, so
-anything created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once.
+Allocations never trust a cached foreign view: each reads the live GI layout of its GPU, so anything
+created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. Only the read-only advice
+(``RankPlacements``) and the idle policy use the foreign GIs of the last listing (``foreign_view``),
+refreshed by the reconciler each round: advice may lag an operator's change by one round, never an
+allocation.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from sidecar.domain import ForeignInstance, State
 from sidecar.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 from sidecar.generation import Generations
 from sidecar.locks import Locks
-from sidecar.nvml.port import GpuInfo, GpuInstanceProfile, NvmlError, NvmlPort
+from sidecar.nvml.port import GpuInfo, GpuInstanceInfo, GpuInstanceProfile, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord
 from sidecar.table import Table
 
@@ -44,6 +47,7 @@ class Inventory:
         self.port = port
         self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
         self._gpus: dict[str, GpuInfo] = {}
+        self._foreign: dict[str, tuple[ForeignInstance, ...]] = {}
 
     def gpu_info(self, gpu_uuid: str) -> GpuInfo:
         """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
@@ -86,10 +90,36 @@ class Inventory:
                 return profile
         return None
 
+    def profile_name(self, gpu_uuid: str, profile_id: int) -> str:
+        profile = self.profile_by_id(gpu_uuid, profile_id)
+        return profile.name if profile else f"profile-id-{profile_id}"
+
     def forget(self, gpu_uuid: str) -> None:
         """A mode change may unbind or reset the device: its minor and profiles are read afresh."""
         self._gpus.pop(gpu_uuid, None)
         self._profiles.pop(gpu_uuid, None)
+        self._foreign.pop(gpu_uuid, None)
+
+    def foreign_view(self, gpu_uuid: str) -> tuple[ForeignInstance, ...] | None:
+        """The foreign GIs of the GPU's last listing (``note_foreign``); None before the first."""
+        return self._foreign.get(gpu_uuid)
+
+    def note_foreign(
+        self, gpu_uuid: str, live: Sequence[GpuInstanceInfo], owned: Sequence[OwnershipRecord]
+    ) -> tuple[ForeignInstance, ...]:
+        """Remember the GIs of a listing that no record claims. Call with the GPU lock held, so no
+        half-done create of ours (a GI not recorded yet) is taken for a foreign one. No CI lookups:
+        advice needs the placement only."""
+        foreign = tuple(
+            ForeignInstance(gpu_uuid, self.profile_name(gpu_uuid, gi.profile_id), gi.placement, gi.id)
+            for gi in placement.foreign_instances(live, owned)
+        )
+        self._foreign[gpu_uuid] = foreign
+        return foreign
+
+    def forget_foreign(self) -> None:
+        """Recovery may adopt foreign GIs or leave records aside: the next advice lists afresh."""
+        self._foreign.clear()
 
     def require_mig_enabled(self, gpu_uuid: str) -> GpuInfo:
         """The GPU as NVML describes it now; MigDisabled unless MIG is enabled now and stays enabled

@@ -2,9 +2,9 @@
 
 It only wires the parts together; every rule lives in the module named beside its method:
 ``allocate`` (Allocate), ``release`` (Release, SyncActive), ``undo`` (UndoAllocate), ``reclaim``
-(ReclaimIdle), ``migmode`` (SetMigMode),
-``teardown`` (destroys, the reconciler's retry), ``inventory`` (caches, GetState), ``table``
-(the in-memory table, disk first), ``generation`` (the fence), ``locks`` (the lock order).
+(ReclaimIdle), ``migmode`` (SetMigMode), ``teardown`` (destroys, the reconciler's retry),
+``inventory`` (caches, GetState), ``views`` (RankPlacements), ``table`` (the in-memory table, disk
+first), ``generation`` (the fence), ``locks`` (the lock order).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
-from sidecar import inventory, migmode, reclaim, release, teardown, undo
+from sidecar import inventory, migmode, reclaim, release, teardown, undo, views
+from sidecar.advice import RankedPlacement
 from sidecar.allocate import Allocator
 from sidecar.cdi import CdiSpecs
 from sidecar.context import Context
@@ -62,6 +63,9 @@ class Lifecycle:
     def record(self, name: str) -> OwnershipRecord | None:
         return self.ctx.table.get(name)
 
+    def rank_placements(self, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
+        return views.rank(self.ctx, gpu_uuid, profile)
+
     def snapshot(self) -> StateSnapshot:
         c = self.ctx
         return inventory.snapshot(c.inventory, c.table, c.locks, c.generations, c.cdi)
@@ -109,6 +113,7 @@ class Lifecycle:
         the current one and every record's generations, so it never goes backwards across restarts."""
         with self.exclusive(r.gpu_uuid for r in records):
             self.ctx.table.replace(records, referenced_mig_uuids)
+            self.ctx.inventory.forget_foreign()
             self.ctx.generations.install(
                 [
                     generation,

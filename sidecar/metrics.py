@@ -10,13 +10,17 @@ Where the numbers come from:
 * creations, destructions and NVML errors by operation and code are counted at the hardware port by
   ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
   every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
-* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses.
+* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses;
+* idle instances and the age of the oldest per GPU are read from the table at scrape time, trims of
+  the idle policy are counted by cause as the reconciler makes them.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
@@ -35,6 +39,7 @@ from sidecar.nvml.port import (
     NvmlPort,
 )
 from sidecar.ownership import OwnershipRecord
+from sidecar.views import last_used
 
 PREFIX = "hami_mig_sidecar"
 
@@ -98,6 +103,12 @@ class Metrics:
             ["operation", "code"],
             registry=self.registry,
         )
+        self.idle_trims = prometheus_client.Counter(
+            f"{PREFIX}_idle_trims",
+            "IDLE instances the idle policy destroyed in the background, by cause (ttl, max_idle, reserve).",
+            ["cause"],
+            registry=self.registry,
+        )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -105,9 +116,11 @@ class Metrics:
         self,
         instances: Callable[[], Sequence[OwnershipRecord]],
         pending_cdi_removals: Callable[[], Sequence[str]],
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        """Expose instances by GPU and state and the reconciler backlog, computed at every scrape."""
-        self.registry.register(_StateCollector(instances, pending_cdi_removals))
+        """Expose instances by GPU and state, idle ones and their age, and the reconciler backlog,
+        computed at every scrape."""
+        self.registry.register(_StateCollector(instances, pending_cdi_removals, clock))
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (``/metrics``) on a daemon thread."""
@@ -134,20 +147,45 @@ class _StateCollector:
         self,
         instances: Callable[[], Sequence[OwnershipRecord]],
         pending_cdi_removals: Callable[[], Sequence[str]],
+        clock: Callable[[], float],
     ) -> None:
         self._instances = instances
         self._pending = pending_cdi_removals
+        self._clock = clock
 
     def describe(self) -> Iterable[Metric]:
-        return self._families({}, 0)
+        return [*self._families({}, 0), *self._idle({}, {})]
 
     def collect(self) -> Iterable[Metric]:
         counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        idle: collections.Counter[str] = collections.Counter()
+        oldest: dict[str, float] = {}
         errors = 0
+        now = self._clock()
         for record in self._instances():
             counts[(record.gpu_uuid, record.state.value)] += 1
             errors += record.state is State.ERROR
-        return self._families(counts, errors + len(self._pending()))
+            if record.state is State.IDLE:
+                idle[record.gpu_uuid] += 1
+                used = last_used(record)
+                age = 0.0 if math.isinf(used) else max(now - used, 0.0)
+                oldest[record.gpu_uuid] = max(oldest.get(record.gpu_uuid, 0.0), age)
+        return [*self._families(counts, errors + len(self._pending())), *self._idle(idle, oldest)]
+
+    @staticmethod
+    def _idle(idle: dict[str, int], oldest: dict[str, float]) -> list[Metric]:
+        count = GaugeMetricFamily(
+            f"{PREFIX}_idle_instances", "IDLE owned instances per GPU (the idle cache).", labels=["gpu"]
+        )
+        age = GaugeMetricFamily(
+            f"{PREFIX}_idle_oldest_age_seconds",
+            "Seconds since the least recently used IDLE instance of the GPU went IDLE.",
+            labels=["gpu"],
+        )
+        for gpu in sorted(idle):
+            count.add_metric([gpu], idle[gpu])
+            age.add_metric([gpu], oldest[gpu])
+        return [count, age]
 
     @staticmethod
     def _families(counts: dict[tuple[str, str], int], backlog: int) -> list[Metric]:

@@ -8,8 +8,9 @@ races an allocation on the same GPU. An instance is *referenced* when the plugin
 (before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
 live pod: it is left alone then, because destroying a device under a
 running container is worse than keeping a broken one. A destroy that still fails leaves the instance
-ERROR with the new ``last_error``; the next round tries again. ``run_once`` is the whole algorithm; the
-thread only repeats it, so tests call ``run_once`` directly.
+ERROR with the new ``last_error``; the next round tries again. With an idle policy configured, each
+round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
+repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import msgspec
 
 from sidecar.domain import InstanceRef, State
 from sidecar.errors import SidecarError
+from sidecar.idle_trim import IdleTrimmer
 from sidecar.lifecycle import Lifecycle
 
 _log = logging.getLogger(__name__)
@@ -30,13 +32,18 @@ class ReconcileReport(msgspec.Struct, frozen=True):
     destroyed: tuple[InstanceRef, ...] = ()
     still_failing: tuple[str, ...] = ()
     cdi_removed: tuple[str, ...] = ()
+    trimmed: tuple[InstanceRef, ...] = ()
 
 
 class Reconciler:
-    def __init__(self, lifecycle: Lifecycle, interval_s: float = 10.0) -> None:
+    def __init__(
+        self, lifecycle: Lifecycle, interval_s: float = 10.0, idle: IdleTrimmer | None = None
+    ) -> None:
         self.lifecycle = lifecycle
         self.interval_s = interval_s
+        self.idle = idle
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     def run_once(self) -> ReconcileReport:
@@ -61,9 +68,19 @@ class Reconciler:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
         cdi_removed = self.lifecycle.cdi.retry_removals()
+        trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
         return ReconcileReport(
-            destroyed=tuple(destroyed), still_failing=tuple(failing), cdi_removed=tuple(cdi_removed)
+            destroyed=tuple(destroyed),
+            still_failing=tuple(failing),
+            cdi_removed=tuple(cdi_removed),
+            trimmed=tuple(trimmed),
         )
+
+    def kick(self) -> None:
+        """Run the next round now rather than at the end of the interval (after a release or an
+        allocation, the idle policy may have work: the free reserve is restored off the next
+        request's path)."""
+        self._wake.set()
 
     def start(self) -> None:
         """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
@@ -76,12 +93,17 @@ class Reconciler:
     def stop(self) -> None:
         """Ask the loop to end and wait for it; prompt because the loop sleeps on an Event."""
         self._stop.set()
+        self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.run_once()
             except Exception:  # noqa: BLE001 - one bad round must not end background retries for good

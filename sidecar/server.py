@@ -139,6 +139,8 @@ class MigSidecarServicer:
         self.info = info
         self.metrics = metrics
         self.on_recovered = on_recovered
+        # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
+        self.on_change: Callable[[], None] = lambda: None
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition()
         self._in_flight = 0
@@ -287,6 +289,7 @@ class MigSidecarServicer:
                 self.metrics.reuse_hits.inc(reused)
             if result.reclaimed:
                 self.metrics.reclaims.inc(len(result.reclaimed))
+            self.on_change()
             return pb.AllocateResponse(
                 devices=[
                     pb.AllocatedDevice(
@@ -311,6 +314,7 @@ class MigSidecarServicer:
         def answer() -> Any:
             decode.pod_uid(request.pod_uid, "request", "pod_uid")
             released = self.lifecycle.release(request.pod_uid)
+            self.on_change()
             return pb.ReleaseResponse(released=[encode.encode_ref(ref) for ref in released])
 
         return self._handle("Release", context, answer)
@@ -319,6 +323,7 @@ class MigSidecarServicer:
         def answer() -> Any:
             active = decode.active(request.active)
             idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
+            self.on_change()
             return pb.SyncActiveResponse(
                 idled=[encode.encode_ref(ref) for ref in idled],
                 reactivated=[encode.encode_ref(ref) for ref in reactivated],
@@ -337,6 +342,15 @@ class MigSidecarServicer:
 
     def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
+
+    def RankPlacements(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            profile = decode.profile_name(request.profile, "request", "profile")
+            ranked = self.lifecycle.rank_placements(gpu_uuid, profile)
+            return pb.RankPlacementsResponse(placements=[encode.encode_ranked(gpu_uuid, r) for r in ranked])
+
+        return self._handle("RankPlacements", context, answer)
 
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:

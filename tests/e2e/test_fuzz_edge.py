@@ -212,6 +212,10 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
         pb.ReclaimIdleRequest,
         st.builds(pb.ReclaimIdleRequest, gpu_uuid=gpu_uuids(), mig_uuids=st.lists(MIG_UUIDS, max_size=3)),
     ),
+    "RankPlacements": (
+        pb.RankPlacementsRequest,
+        st.builds(pb.RankPlacementsRequest, gpu_uuid=gpu_uuids(), profile=PROFILES),
+    ),
 }
 
 

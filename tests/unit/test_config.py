@@ -11,6 +11,7 @@ import pytest
 from sidecar import config
 from sidecar.cdi import CdiSpecs
 from sidecar.config import ConfigError, MetricsAddress, ServeConfig, SimGpu
+from sidecar.idle_policy import IdleSettings
 from sidecar.nvml import profiles
 
 
@@ -173,6 +174,42 @@ class TestValidation:
     def test_an_unknown_log_level_is_refused(self) -> None:
         with pytest.raises(ConfigError, match="--log-level"):
             parse(["--log-level", "chatty"])
+
+
+class TestIdlePolicy:
+    def test_the_idle_policy_is_off_by_default(self) -> None:
+        assert parse([]).idle == IdleSettings()
+        assert not parse([]).idle.enabled
+
+    def test_flags_set_ttl_cap_and_reserve(self) -> None:
+        settings = parse(
+            ["--idle-ttl", "300", "--max-idle-per-gpu", "0", "--idle-reserve", "1g.10gb, 3g.40gb,1g.10gb"]
+        ).idle
+        assert settings == IdleSettings(ttl_s=300.0, max_idle_per_gpu=0, reserve=("1g.10gb", "3g.40gb"))
+        assert settings.enabled
+
+    def test_the_environment_sets_them_too(self) -> None:
+        environ = {
+            "HAMI_MIG_SIDECAR_IDLE_TTL": "60",
+            "HAMI_MIG_SIDECAR_MAX_IDLE_PER_GPU": "2",
+            "HAMI_MIG_SIDECAR_IDLE_RESERVE": "2g.20gb",
+        }
+        assert parse([], environ).idle == IdleSettings(ttl_s=60.0, max_idle_per_gpu=2, reserve=("2g.20gb",))
+
+    @pytest.mark.parametrize(
+        ("argv", "named"),
+        [
+            (["--idle-ttl", "0"], "--idle-ttl"),
+            (["--idle-ttl", "soon"], "--idle-ttl"),
+            (["--max-idle-per-gpu", "-1"], "--max-idle-per-gpu"),
+            (["--max-idle-per-gpu", "1.5"], "--max-idle-per-gpu"),
+            (["--idle-reserve", "1g.10gb,large"], "--idle-reserve"),
+            (["--idle-reserve", ","], "--idle-reserve"),
+        ],
+    )
+    def test_bad_values_are_refused_naming_the_flag(self, argv: list[str], named: str) -> None:
+        with pytest.raises(ConfigError, match=named):
+            parse(argv)
 
 
 class TestHelp:

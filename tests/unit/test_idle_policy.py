@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sidecar.advice import GpuView, OwnedInstance
 from sidecar.domain import ForeignInstance, Placement, Reservation, State
-from sidecar.idle_policy import Cause, Trim, trim
+from sidecar.idle_policy import Cause, Trim, node_reserve, trim
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 GPU2 = "GPU-22222222-2222-3333-4444-555555555555"
@@ -161,3 +161,30 @@ def test_never_active_error_in_flight_busy_reserved_or_foreign_even_with_everyth
     reserve = {GPU: {"1g.10gb": tuple(Placement(i, 1) for i in range(7)), "2g.20gb": TWO_G}}
     trims = trim([view], clock.now, ttl_s=0, max_idle_per_gpu=0, reserve=reserve)
     assert [t.instance for t in trims] == [free_idle]
+
+
+THREE_G = (Placement(0, 4), Placement(4, 4))
+
+
+class TestNodeReserve:
+    def test_one_ready_placement_anywhere_on_the_node_is_enough(self) -> None:
+        blocked = GpuView(
+            GPU, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("2g.20gb", 4, used=2))
+        )
+        empty = GpuView(GPU2, 8)
+        reserve = {GPU: {"3g.40gb": THREE_G}, GPU2: {"3g.40gb": THREE_G}}
+
+        assert node_reserve([blocked, empty], reserve) == []
+
+    def test_with_no_ready_placement_the_oldest_victims_on_the_node_go(self) -> None:
+        newer = GpuView(GPU, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("2g.20gb", 4, used=50)))
+        older = GpuView(GPU2, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("1g.10gb", 5, used=9)))
+        reserve = {GPU: {"3g.40gb": THREE_G}, GPU2: {"3g.40gb": THREE_G}}
+
+        assert chosen(node_reserve([newer, older], reserve)) == [(GPU2, "5:1", Cause.RESERVE)]
+
+    def test_a_pending_reservation_protects_its_idle_instance(self) -> None:
+        view = GpuView(GPU, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("2g.20gb", 4, used=2)))
+        pending = [Reservation(GPU, "2g.20gb", Placement(4, 2))]
+
+        assert node_reserve([view], {GPU: {"3g.40gb": THREE_G}}, pending=pending) == []

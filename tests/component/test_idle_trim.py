@@ -1,0 +1,178 @@
+"""The idle policy in the reconciler, on a fake clock: each cause destroys exactly the instance it
+should, through the recorded teardown (hardware, record and CDI spec all gone), and never an ACTIVE,
+ERROR, busy or foreign one."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import Dev, World
+
+from sidecar import errors
+from sidecar.domain import Identity, State
+from sidecar.idle_policy import IdleSettings
+from sidecar.idle_trim import IdleTrimmer
+from sidecar.metrics import Metrics
+from sidecar.reconciler import Reconciler
+from sidecar.views import last_used
+
+TTL = 600.0
+FAR_FUTURE = 1e12
+NVML_ERROR_UNKNOWN = 999
+
+
+def idle_instance(world: World, pod: str, device: Dev) -> Identity:
+    identity = world.allocate(pod, device).devices[0].identity
+    world.lifecycle.release(pod)
+    return identity
+
+
+def went_idle_at(world: World, identity: Identity) -> float:
+    [record] = [r for r in world.lifecycle.instances() if r.mig_uuid == identity.mig_uuid]
+    return last_used(record)
+
+
+def reconcile(world: World, settings: IdleSettings, now: float, metrics: Metrics | None = None) -> list[str]:
+    """One reconciler round with the idle policy at clock ``now``; the MIG UUIDs it trimmed."""
+    on_trim = (lambda cause: metrics.idle_trims.labels(cause).inc()) if metrics else (lambda cause: None)
+    trimmer = IdleTrimmer(world.lifecycle.ctx, settings, clock=lambda: now, on_trim=on_trim)
+    report = Reconciler(world.lifecycle, idle=trimmer).run_once()
+    return [r.identity.mig_uuid for r in report.trimmed if r.identity is not None]
+
+
+def gone(world: World, identity: Identity) -> bool:
+    """No GI/CI with its MIG UUID, no record naming it, no CDI spec for it."""
+    return (
+        identity.mig_uuid not in world.live_mig_uuids()
+        and all(r.mig_uuid != identity.mig_uuid for r in world.record_files().values())
+        and not any(identity.mig_uuid in name for name in world.cdi_files())
+    )
+
+
+def states(world: World) -> dict[str, State]:
+    return {r.mig_uuid or r.name: r.state for r in world.record_files().values()}
+
+
+class TestTtl:
+    def test_only_the_instance_idle_longer_than_the_ttl_is_destroyed(self, world: World) -> None:
+        active = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0].identity
+        older = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        newer = idle_instance(world, "pod-c", (0, "1g.10gb", 2, 1))
+        between = (went_idle_at(world, older) + went_idle_at(world, newer)) / 2
+
+        trimmed = reconcile(world, IdleSettings(ttl_s=TTL), between + TTL)
+
+        assert trimmed == [older.mig_uuid]
+        assert gone(world, older)
+        assert states(world) == {active.mig_uuid: State.ACTIVE, newer.mig_uuid: State.IDLE}
+        assert newer.mig_uuid in world.live_mig_uuids()
+        world.assert_consistent()
+
+    def test_far_past_any_ttl_active_error_busy_and_foreign_instances_all_stay(self, world: World) -> None:
+        active = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0].identity
+        busy = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        world.hw.set_busy(busy.mig_uuid)
+        doomed = idle_instance(world, "pod-c", (0, "1g.10gb", 2, 1))
+        world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN, times=1000)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-d", (0, "2g.20gb", 2, 2))  # its reclaim fails: ERROR
+        world.hw.clear_faults()
+        world.hw.create_instance(1, "3g.40gb", 0, 4)  # foreign, on the other H100
+        layout_before = world.layout()
+        # The trimmer alone: the reconciler's own ERROR retry would destroy the ERROR instance.
+        trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
+
+        assert trimmer.run_once() == []
+        assert states(world) == {
+            active.mig_uuid: State.ACTIVE,
+            busy.mig_uuid: State.IDLE,
+            doomed.mig_uuid: State.ERROR,
+        }
+        assert world.layout() == layout_before
+
+    def test_with_no_policy_nothing_is_ever_trimmed(self, world: World) -> None:
+        idle = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == []
+        assert idle.mig_uuid in world.live_mig_uuids()
+
+
+class TestMaxIdlePerGpu:
+    def test_the_least_recently_used_beyond_the_cap_is_destroyed(self, world: World) -> None:
+        first = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        second = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        active = world.allocate("pod-c", (0, "1g.10gb", 2, 1)).devices[0].identity
+        elsewhere = idle_instance(world, "pod-d", (1, "1g.10gb", 0, 1))  # alone on its GPU: within the cap
+
+        trimmed = reconcile(world, IdleSettings(max_idle_per_gpu=1), went_idle_at(world, elsewhere))
+
+        assert trimmed == [first.mig_uuid]
+        assert gone(world, first)
+        assert states(world) == {
+            second.mig_uuid: State.IDLE,
+            active.mig_uuid: State.ACTIVE,
+            elsewhere.mig_uuid: State.IDLE,
+        }
+        world.assert_consistent()
+
+
+class TestFreeReserve:
+    def test_the_idle_instance_blocking_the_last_placement_of_a_reserved_profile_is_destroyed(
+        self, world: World
+    ) -> None:
+        """H100: 3g.40gb fits at 0:4 or 4:4. An ACTIVE 1g holds 0:4, an IDLE 2g blocks 4:4: the 2g
+        goes so a 3g request finds 4:4 free; the IDLE 1g at 1 blocks nothing that could be freed."""
+        active = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0].identity
+        aside = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+
+        per_gpu = IdleSettings(reserve=("3g.40gb",), reserve_per_gpu=True)
+
+        trimmed = reconcile(world, per_gpu, went_idle_at(world, blocker))
+
+        assert trimmed == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        assert states(world) == {active.mig_uuid: State.ACTIVE, aside.mig_uuid: State.IDLE}
+        world.assert_consistent()
+        assert reconcile(world, per_gpu, FAR_FUTURE) == []  # the reserve holds
+
+    def test_on_the_node_one_ready_placement_is_enough_and_the_last_one_is_restored(
+        self, world: World
+    ) -> None:
+        """The same GPU 0; the other H100 has 3g.40gb free at first (the A100 has no such profile)."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+        node = IdleSettings(reserve=("3g.40gb",))
+        assert reconcile(world, node, FAR_FUTURE) == []
+        world.allocate("pod-d", (1, "1g.10gb", 0, 1))
+        world.allocate("pod-e", (1, "1g.10gb", 4, 1))  # no 3g.40gb fits on GPU 1 any more
+
+        assert reconcile(world, node, FAR_FUTURE) == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        world.assert_consistent()
+
+    def test_a_reserve_that_only_an_active_instance_blocks_destroys_nothing(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (0, "1g.10gb", 4, 1))
+        idle = idle_instance(world, "pod-c", (0, "1g.10gb", 5, 1))
+
+        assert reconcile(world, IdleSettings(reserve=("3g.40gb",), reserve_per_gpu=True), FAR_FUTURE) == []
+        assert idle.mig_uuid in world.live_mig_uuids()
+
+
+class TestMetrics:
+    def test_idle_count_and_age_per_gpu_and_trims_by_cause(self, world: World) -> None:
+        first = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        metrics = Metrics()
+        now = went_idle_at(world, first) + 100
+        metrics.watch(world.lifecycle.instances, world.cdi.pending_removals, clock=lambda: now)
+        gpu = {"gpu": world.uuid(0)}
+
+        assert metrics.registry.get_sample_value("hami_mig_sidecar_idle_instances", gpu) == 2
+        assert metrics.registry.get_sample_value("hami_mig_sidecar_idle_oldest_age_seconds", gpu) == 100
+
+        reconcile(world, IdleSettings(max_idle_per_gpu=1), now, metrics)
+
+        assert metrics.registry.get_sample_value("hami_mig_sidecar_idle_instances", gpu) == 1
+        trims = metrics.registry.get_sample_value("hami_mig_sidecar_idle_trims_total", {"cause": "max_idle"})
+        assert trims == 1
