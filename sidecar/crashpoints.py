@@ -20,7 +20,6 @@ POINTS: tuple[str, ...] = (
     "after-create-gi",
     "after-record-gi",
     "after-create-ci",
-    "after-record-ci",
     "after-write-cdi",
     # reclaim (step 4)
     "after-record-deleting",

@@ -1,7 +1,8 @@
 """Creating one instance: records first, and what record files left on disk mean for a placement.
 
-The order: CREATING recorded -> GI created -> GI recorded -> CI created -> CI recorded -> CDI spec
--> ACTIVE recorded. Any failure undoes what was made (``teardown.undo_create``).
+The order: CREATING recorded -> GI created -> GI recorded (with ``ci_create_issued``) -> CI created
+-> CDI spec -> ACTIVE recorded: three record writes, intent before each NVML mutation and the
+completion after it. Any failure undoes what was made (``teardown.undo_create``).
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ def create(ctx: Context, v: Validated) -> OwnershipRecord:
         with nvml_errors(f"create compute instance {v.profile.ci_profile_id} in GI {gi.id} on {gpu}"):
             ci = ctx.port.create_compute_instance(gpu, gi.id, v.profile.ci_profile_id)
         crashpoints.crashpoint("after-create-ci")
+        # Known in memory only: ACTIVE records it. A crash before that leaves the GI record with
+        # ``ci_create_issued``, which tells recovery that the one CI in that GI is ours (as for a crash
+        # right after the CI create), so this write would buy nothing but a third of a create's fsyncs.
         known = msgspec.structs.replace(
             known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid, ci_create_issued=False
         )
-        ctx.table.put(known)
-        crashpoints.crashpoint("after-record-ci")
         if not MIG_UUID_RE.match(ci.mig_uuid):
             # R450/R460 drivers answer MIG-GPU-<uuid>/<gi>/<ci>: built from reused IDs, it cannot
             # prove "same instance" later, and it is no valid CDI name. Fail closed; undo below.
@@ -87,14 +89,14 @@ def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Plac
     instance the file stood for may still be live. Its name says which placement it was written for
     (recovery keeps the GIs there foreign for the same reason), so the placement stays busy until the
     operator has dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
-    valid, corrupt = ctx.records.load_all()
+    valid, corrupt = ctx.table.left_aside()
     left: list[tuple[str, Path, str, str]] = [
         (name, exc.path, exc.why, "corrupt_record") for name, exc in corrupt.items()
     ]
     left += [
         (name, ctx.records.path(name), "it carries no boot id", "record_without_boot_id")
         for name, r in valid.items()
-        if not r.boot_id and ctx.table.get(name) is None
+        if not r.boot_id
     ]
     for name, path, why, blocker in sorted(left):
         where = parse_record_name(name)
@@ -117,11 +119,11 @@ def drop_records_left_aside(ctx: Context, gpu_uuid: str, wanted: Placement) -> N
     record and its CDI spec go (a failed spec removal is queued), so neither is overwritten silently
     nor left behind describing an instance that is gone. Call with the GPU lock held, after the
     placement was proven free."""
-    valid, _ = ctx.records.load_all()
+    valid, _ = ctx.table.left_aside()
     aside = [
         r
-        for name, r in sorted(valid.items())
-        if r.gpu_uuid == gpu_uuid and r.placement.overlaps(wanted) and ctx.table.get(name) is None
+        for _, r in sorted(valid.items())
+        if r.gpu_uuid == gpu_uuid and r.placement.overlaps(wanted) and r.boot_id
     ]
     for r in aside:
         _log.warning(

@@ -45,12 +45,10 @@ Permissions: directory 0750, files 0600 (records name pods; nothing outside the 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import hashlib
 import os
-import secrets
 import threading
 import types
 from collections.abc import Callable
@@ -58,6 +56,7 @@ from pathlib import Path
 
 import msgspec
 
+from sidecar.durable import TEMP_MARKER, atomic_write, fsync_dir
 from sidecar.errors import StateWriteFailed
 from sidecar.ownership import OwnershipRecord, is_record_name, record_name
 
@@ -71,7 +70,6 @@ FILE_MODE = 0o600
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
 GENERATION_FILE = "generation"
-TEMP_MARKER = ".tmp-"
 CHECKSUM_PREFIX = "sha256:"
 
 
@@ -211,40 +209,6 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
     return record
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data``: temp file in the same directory -> fsync -> rename -> fsync dir.
-
-    The temp name ``.<name>.tmp-<random>`` starts with a dot and does not end in ``.json``, so neither
-    this module nor a CDI scanner ever reads a half-written file. ``fchmod`` sets ``mode`` exactly,
-    whatever the umask. Raises OSError; the temp file is removed on failure."""
-    tmp = path.with_name(f".{path.stem}{TEMP_MARKER}{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
-
-
 def _is_temp(filename: str) -> bool:
     return filename.startswith(".") and TEMP_MARKER in filename
 
@@ -306,12 +270,16 @@ def _read_bytes(name: str, path: Path) -> bytes:
 class RecordStore:
     """The records of one state directory. ``open()`` takes the directory's flock for the process life.
 
-    Every mutation goes through ``_mutate``: one ``threading.Lock`` inside the process-wide flock,
-    read the current file (refuse if corrupt), then write or unlink atomically. Reads need neither."""
+    Every mutation goes through ``_mutate``: under the lock of that one file, inside the process-wide
+    flock, read the current file (refuse if corrupt), then write or unlink atomically. Reads need
+    neither. No lock shared between files is held across an fsync, so GPUs write in parallel."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the fd, ``_closed``, ``_writing``, ``_file_locks``; no fsync under it
+        self._idle = threading.Condition(self._lock)  # close() waits on it for ``_writing`` mutations
+        self._writing = 0
+        self._file_locks: dict[Path, threading.Lock] = {}
         self._lock_fd: int | None = None
         self._closed = False  # after close(): the flock may be another process's now
 
@@ -372,6 +340,8 @@ class RecordStore:
         released, a successor sidecar may own the directory."""
         with self._lock:
             self._closed = True
+            while self._writing:
+                self._idle.wait()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -448,31 +418,37 @@ class RecordStore:
         self._mutate_file(path, exists, data, "ownership record")
 
     def _mutate_file(self, path: Path, check: Callable[[], bool], data: bytes | None, what: str) -> None:
-        """The one function that changes the directory: under the lock, ``check`` reads the current file
-        (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says whether a
-        change is due; then ``data`` replaces the file atomically, or the file goes (``data`` None).
-
-        A store that was never opened is opened here, so no mutation ever happens outside the flock; a
-        closed one raises StateWriteFailed and writes nothing."""
+        """The one function that changes the directory: under the file's lock, ``check`` reads the
+        current file (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says
+        whether a change is due; then ``data`` replaces the file atomically, or it goes (``data`` None).
+        A store never opened is opened here (no mutation outside the flock); a closed one refuses."""
         if self._lock_fd is None and not self._closed:
             self.open()
         with self._lock:
-            if self._lock_fd is None:
+            if self._lock_fd is None or self._closed:
                 raise StateWriteFailed(
                     f"the record store {self.directory} is closed (the sidecar is stopping);"
                     f" {what} {path.name} was not written"
                 )
-            if not check():
-                return
-            try:
-                if data is None:
-                    path.unlink(missing_ok=True)
-                    fsync_dir(self.directory)
-                else:
-                    atomic_write(path, data, FILE_MODE)
-            except OSError as exc:
-                action = "deleting" if data is None else "writing"
-                raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
+            self._writing += 1
+            file_lock = self._file_locks.setdefault(path, threading.Lock())
+        try:
+            with file_lock:
+                if not check():
+                    return
+                try:
+                    if data is None:
+                        path.unlink(missing_ok=True)
+                        fsync_dir(self.directory)
+                    else:
+                        atomic_write(path, data, FILE_MODE)
+                except OSError as exc:
+                    action = "deleting" if data is None else "writing"
+                    raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
+        finally:
+            with self._lock:
+                self._writing -= 1
+                self._idle.notify_all()
 
 
 __all__ = [
