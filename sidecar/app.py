@@ -9,7 +9,8 @@ Order matters and is the point of this module (architecture section 10):
    gRPC server silently takes over an existing socket path);
 3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
    sweep the CDI temp files a crash inside a write left (the lock says no write of ours runs);
-4. only while holding the lock: remove a stale socket file, bind, chmod 0660;
+4. only while holding the lock: remove a stale socket file (one that no process answers on: a
+   sidecar of another state directory may be serving there), bind, chmod 0660;
 5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
    which also starts the reconciler (before recovery the table does not describe the hardware).
 
@@ -36,7 +37,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from sidecar import nvml
+from sidecar import nvml, unixsocket
 from sidecar.cdi import CdiSpecs
 from sidecar.config import ServeConfig
 from sidecar.lifecycle import Lifecycle
@@ -168,7 +169,13 @@ class Application:
             return
         if not stat.S_ISSOCK(mode):
             raise StartupError(f"{socket} exists and is not a socket; refusing to replace it")
-        # We hold the state directory lock, so no live sidecar of this state directory owns it.
+        # The state directory lock keeps out a sidecar of this directory only; one with another
+        # --state-dir and the same --socket would lose its socket here, and stay unreachable.
+        if unixsocket.probe(socket) is unixsocket.Probe.ANSWERS:
+            raise StartupError(
+                f"another process is serving on the socket {socket}; refusing to remove it"
+                " (a second sidecar with another --state-dir? stop it or choose another --socket)"
+            )
         socket.unlink()
         event(log, logging.INFO, "removed stale socket", socket=str(socket))
 

@@ -371,7 +371,7 @@ def _signature(path: Path) -> tuple[int, int, int, int] | None:
 
     Any rewrite (a rename onto the name, an edit in place) changes the inode or the times."""
     try:
-        st = os.stat(path)
+        st = path.stat()
     except OSError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns

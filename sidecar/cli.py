@@ -149,18 +149,34 @@ def format_status(info: Any, state: Any) -> str:
     return "\n".join(out) + "\n"
 
 
+def _socket_trouble(socket: Path) -> str:
+    """Why nothing can be asked on ``socket``, as one line; "" when something answers there."""
+    from sidecar.unixsocket import Probe, probe  # noqa: PLC0415
+
+    try:
+        found = probe(socket)
+    except OSError as exc:
+        return f"cannot connect to {socket}: {exc.strerror or exc}"
+    if found is Probe.MISSING:
+        return f"no sidecar socket at {socket} (is the sidecar running?)"
+    if found is Probe.REFUSED:
+        return f"nothing answers on {socket}: connection refused (a stale socket; is the sidecar running?)"
+    if found is Probe.NOT_A_SOCKET:
+        return f"{socket} is not a socket (is --socket right?)"
+    return ""
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from google.protobuf import json_format  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc  # noqa: PLC0415
 
-    socket = Path(args.socket)
-    if not socket.exists():
-        print(
-            f"hami-mig-sidecar status: no sidecar socket at {socket} (is the sidecar running?)",
-            file=sys.stderr,
-        )
+    # gRPC takes only an absolute path after unix://; a relative one is resolved here, as a shell would.
+    socket = Path(args.socket).absolute()
+    trouble = _socket_trouble(socket)
+    if trouble:
+        print(f"hami-mig-sidecar status: {trouble}", file=sys.stderr)
         return EXIT_FAILED
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.MigSidecarStub(channel)

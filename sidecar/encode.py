@@ -1,30 +1,22 @@
-"""Domain values -> response protos and gRPC statuses (the encoding half of the gRPC edge)."""
+"""Domain values -> response protos: how the gRPC edge writes what the lifecycle answered.
+
+Pure functions with no gRPC state; ``server`` calls them. A value that cannot be shown faithfully (an
+unparsable time) is left unset rather than failing the whole answer.
+"""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import grpc
-from google.protobuf import any_pb2, timestamp_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.protobuf import timestamp_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar import domain
-from sidecar.domain import (
-    InstanceRef,
-    Placement,
-)
-from sidecar.errors import SidecarError
+from sidecar.domain import InstanceRef, Placement
 from sidecar.inventory import StateSnapshot
 from sidecar.nvml.port import GpuInfo
 from sidecar.ownership import OwnershipRecord
 from sidecar.recovery.steps import RecoveryReport
-
-log = logging.getLogger(__name__)
-
-
-ERROR_DOMAIN = "migsidecar.hami.io"
 
 
 def pb_placement(placement: Placement) -> Any:
@@ -131,23 +123,3 @@ def encode_report(report: RecoveryReport) -> Any:
         dropped_stale_records=list(report.dropped_stale_records),
         errors=list(report.errors),
     )
-
-
-def error_status(err: SidecarError) -> Any:
-    """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata)."""
-    code = grpc.StatusCode[err.code.name]
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    return status_pb2.Status(code=code.value[0], message=err.message, details=[detail])
-
-
-def internal_status(method: str) -> Any:
-    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN, metadata={"method": method})
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    message = f"{method}: internal error in the sidecar (see its log)"
-    return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message, details=[detail])
-
-
-# -- the servicer ------------------------------------------------------------------------------------------

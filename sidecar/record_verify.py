@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from sidecar.records import GENERATION_FILE, CorruptRecord, read_generation, scan
+from sidecar.records import GENERATION_FILE, SUFFIX, CorruptRecord, read_generation, scan
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -59,6 +59,12 @@ def verify(directory: Path, boot_id: str | None) -> VerifyReport:
     )
 
 
+def corrupt_path(report: VerifyReport, name: str) -> Path:
+    """The file a corrupt entry of ``report`` stands for: the ``generation`` file or ``<name>.json``."""
+    filename = name if name == GENERATION_FILE else f"{name}{SUFFIX}"
+    return Path(report.directory) / filename
+
+
 def format_report(report: VerifyReport) -> str:
     """A human-readable summary of ``report``, one line per record, ending with the counts."""
     lines = [f"ownership records in {report.directory}:"]
@@ -70,7 +76,10 @@ def format_report(report: VerifyReport) -> str:
             )
         else:
             lines.append(f"  stale    {name}" if name in stale else f"  valid    {name}")
-    lines.extend(f"  CORRUPT  {name}: {why}" for name, why in sorted(report.corrupt.items()))
+    # A corrupt file is the operator's to remove, so it is named by the path to remove, not its stem.
+    lines.extend(
+        f"  CORRUPT  {corrupt_path(report, name)}: {why}" for name, why in sorted(report.corrupt.items())
+    )
     if report.generation_ceiling is not None:
         lines.append(f"  valid    {GENERATION_FILE}: generation ceiling {report.generation_ceiling}")
     elif GENERATION_FILE not in report.corrupt:
@@ -82,4 +91,4 @@ def format_report(report: VerifyReport) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["VerifyReport", "format_report", "verify"]
+__all__ = ["VerifyReport", "corrupt_path", "format_report", "verify"]

@@ -41,26 +41,40 @@ Files in the directory:
   swept by ``open()`` (a crash between write and rename leaves one behind and the old record intact).
 
 Permissions: directory 0750, files 0600 (records name pods; nothing outside the node agent needs them).
+The sidecar runs as root and trusts these files to say which GPU instances it may destroy, so
+``open`` refuses (``UnsafeStateDir``) a directory or record file that another user owns or that is
+group- or world-writable, and a lock file that is a symlink, not a regular file, or hard-linked:
+anything there could have been planted, and the lock file is truncated on open.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
-import hashlib
 import os
+import secrets
+import stat
 import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
-from sidecar.durable import TEMP_MARKER, atomic_write, fsync_dir
 from sidecar.errors import StateWriteFailed
 from sidecar.ownership import OwnershipRecord, is_record_name, record_name
-
-RECORD_VERSION = 1
+from sidecar.record_format import (
+    GENERATION_FILE,
+    MAX_GENERATION,
+    RECORD_VERSION,
+    CorruptRecord,
+    GenerationCeiling,
+    RecordError,
+    RecordNotFound,
+    decode_generation,
+    decode_record,
+    encode_generation,
+    encode_record,
+)
 
 BOOT_ID_PATH = Path("sys/kernel/random/boot_id")
 """Under a /proc root: changes on every boot, which is when GI/CI vanish; records store it to tell."""
@@ -69,144 +83,103 @@ DIR_MODE = 0o750
 FILE_MODE = 0o600
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
-GENERATION_FILE = "generation"
-CHECKSUM_PREFIX = "sha256:"
-
-
-class RecordError(Exception):
-    """Base of record read errors."""
-
-
-class RecordNotFound(RecordError):  # noqa: N818 - the contract's name; "not found" reads better than "Error"
-    """No file for that record name: start empty, this is not a failure."""
-
-
-class CorruptRecord(RecordError):  # noqa: N818 - the contract's name
-    """A record file exists but cannot be trusted: truncated, bad checksum, unknown field, wrong version."""
-
-    def __init__(self, name: str, path: Path, why: str) -> None:
-        super().__init__(f"ownership record {path} is corrupt: {why}")
-        self.name = name
-        self.path = path
-        self.why = why
+TEMP_MARKER = ".tmp-"
 
 
 class StateDirLocked(Exception):  # noqa: N818 - the contract's name
     """Another process holds the state directory's lock (a second sidecar)."""
 
 
-class _Header(msgspec.Struct):
-    """Only the version, decoded leniently first, so a newer format reports "unsupported version"
-    rather than whatever its other fields happen to trip over."""
-
-    version: int
-
-
-class _EnvelopeV1(msgspec.Struct, forbid_unknown_fields=True):
-    version: int
-    checksum: str
-    record: msgspec.Raw  # the exact stored bytes of the record: what the checksum covers
+class UnsafeStateDir(StateWriteFailed):
+    """The state directory, its lock file or a record file in it could have been planted or changed by
+    someone else (a symlink, a non-regular lock, group/world-writable, another owner): nothing in it
+    can be trusted, so the sidecar refuses to start on it. The message names the path."""
 
 
-class GenerationCeiling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The payload of the ``generation`` file: the highest generation that may have been handed out."""
-
-    ceiling: int
-
-
-_HEADER_DECODER = msgspec.json.Decoder(_Header)
-_ENVELOPE_DECODER = msgspec.json.Decoder(_EnvelopeV1)
-_RECORD_DECODER = msgspec.json.Decoder(OwnershipRecord)  # strict: no int<->str coercion
-_CEILING_DECODER = msgspec.json.Decoder(GenerationCeiling)
-_ENCODER = msgspec.json.Encoder()
-
-
-def _checksum(data: bytes) -> str:
-    return CHECKSUM_PREFIX + hashlib.sha256(data).hexdigest()
-
-
-def encode_record(record: OwnershipRecord) -> bytes:
-    """The exact file content for ``record``: the envelope around the record bytes, newline-terminated.
-
-    Constructing a Struct does not check field types, so the encoded record is decoded again here;
-    a record that would not read back (a str where an int belongs, a bad GPU UUID) raises ValueError
-    instead of reaching the disk."""
-    raw = _ENCODER.encode(record)
-    try:
-        _RECORD_DECODER.decode(raw)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"ownership record would not read back: {exc}") from exc
-    record_name(record.gpu_uuid, record.placement)
-    return _envelope(raw)
-
-
-def encode_generation(ceiling: int) -> bytes:
-    """The exact content of the ``generation`` file for ``ceiling`` (a non-negative int)."""
-    if type(ceiling) is not int or ceiling < 0:
-        raise ValueError(f"not a generation ceiling: {ceiling!r}")
-    return _envelope(_ENCODER.encode(GenerationCeiling(ceiling=ceiling)))
-
-
-def decode_generation(path: Path, data: bytes) -> int:
-    """The ceiling stored in the bytes of the ``generation`` file; CorruptRecord on any doubt."""
-    raw = _verified_payload(GENERATION_FILE, path, data)
-    try:
-        ceiling = _CEILING_DECODER.decode(raw).ceiling
-    except msgspec.DecodeError as exc:
-        raise CorruptRecord(GENERATION_FILE, path, f"generation ceiling does not decode: {exc}") from exc
-    if ceiling < 0:
-        raise CorruptRecord(GENERATION_FILE, path, f"negative generation ceiling {ceiling}")
-    return ceiling
-
-
-def _envelope(payload: bytes) -> bytes:
-    """The file content around the exact ``payload`` bytes: version, checksum over them, newline."""
-    return (
-        b'{"version":'
-        + str(RECORD_VERSION).encode()
-        + b',"checksum":"'
-        + _checksum(payload).encode()
-        + b'","record":'
-        + payload
-        + b"}\n"
-    )
-
-
-def _verified_payload(name: str, path: Path, data: bytes) -> bytes:
-    """Decode the envelope of a file and verify its checksum; the exact payload bytes or CorruptRecord."""
-    try:
-        header = _HEADER_DECODER.decode(data)
-    except msgspec.DecodeError as exc:
-        raise CorruptRecord(name, path, f"not a record envelope: {exc}") from exc
-    if header.version != RECORD_VERSION:
-        raise CorruptRecord(
-            name, path, f"unsupported version {header.version} (this build reads {RECORD_VERSION})"
+def _check_owned(path: Path, st: os.stat_result, what: str) -> None:
+    """Refuse ``path`` unless this process's user owns it and nobody else may write it."""
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise UnsafeStateDir(
+            f"{what} {path} is owned by uid {st.st_uid}, not by this sidecar's uid {uid};"
+            " refusing to trust it (chown it or use another --state-dir)"
         )
-    try:
-        envelope = _ENVELOPE_DECODER.decode(data)
-    except msgspec.DecodeError as exc:
-        raise CorruptRecord(name, path, f"not a version {RECORD_VERSION} envelope: {exc}") from exc
-    raw = bytes(envelope.record)
-    actual = _checksum(raw)
-    if envelope.checksum != actual:
-        raise CorruptRecord(name, path, f"checksum mismatch: stored {envelope.checksum}, computed {actual}")
-    return raw
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeStateDir(
+            f"{what} {path} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o}), so anyone"
+            " could have planted or changed what is in it; refusing to trust it (chmod go-w it)"
+        )
 
 
-def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
-    """Decode and verify the bytes of the file ``path`` named ``name``; CorruptRecord on any doubt."""
-    raw = _verified_payload(name, path, data)
+def _open_lock_file(path: Path) -> int:
+    """Open (creating) the lock file without following a symlink; refuse anything but a regular file
+    of ours with one link: ``open`` truncates it, which must never reach a planted target."""
     try:
-        record = _RECORD_DECODER.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise CorruptRecord(name, path, f"record does not decode: {exc}") from exc
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeStateDir(f"lock file {path} is a symbolic link; refusing to open it") from exc
+        raise
     try:
-        own_name = record.name
-    except ValueError as exc:
-        raise CorruptRecord(name, path, f"record names no valid instance: {exc}") from exc
-    if own_name != name:
-        raise CorruptRecord(name, path, f"file name does not match the record (it names {own_name})")
-    return record
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeStateDir(f"lock file {path} is not a regular file; refusing to use it")
+        if st.st_nlink != 1:
+            raise UnsafeStateDir(f"lock file {path} has {st.st_nlink} hard links; refusing to use it")
+        _check_owned(path, st, "lock file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_files_owned(directory: Path) -> None:
+    """Refuse to start on record or generation files someone else owns or may write. Symlinks and
+    other non-regular entries are not followed here: reading reports them corrupt, never trusted."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if _is_temp(entry.name) or not (entry.name.endswith(SUFFIX) or entry.name == GENERATION_FILE):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the listing (a running sidecar's delete)
+            if stat.S_ISREG(st.st_mode):
+                _check_owned(Path(entry.path), st, "state file")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, mode: int) -> None:
+    """Replace ``path`` with ``data``: temp file in the same directory -> fsync -> rename -> fsync dir.
+
+    The temp name ``.<name>.tmp-<random>`` starts with a dot and does not end in ``.json``, so neither
+    this module nor a CDI scanner ever reads a half-written file. ``fchmod`` sets ``mode`` exactly,
+    whatever the umask. Raises OSError; the temp file is removed on failure."""
+    tmp = path.with_name(f".{path.stem}{TEMP_MARKER}{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
 
 
 def _is_temp(filename: str) -> bool:
@@ -298,7 +271,9 @@ class RecordStore:
     def open(self) -> None:
         """Create the directory (0750) if needed and take an exclusive non-blocking flock on ``.lock``.
 
-        Raises ``StateDirLocked`` if another process holds it. Called before the socket is bound.
+        Raises ``StateDirLocked`` if another process holds it, ``UnsafeStateDir`` when the directory,
+        the lock file or a record file could have been planted by someone else (see the class). Called
+        before the socket is bound.
         Once locked, leftover temp files of writes that a crash interrupted are removed (no other
         writer can exist now). OSError -> StateWriteFailed. Opening an open store is a no-op."""
         with self._lock:
@@ -307,9 +282,12 @@ class RecordStore:
             self._closed = False
             try:
                 self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-                # mkdir's mode passes through the umask, and an existing hostPath may be wider.
+                # A directory others may write is refused, not narrowed: what is in it may be planted.
+                _check_owned(self.directory, self.directory.stat(), "state directory")
+                # mkdir's mode passes through the umask, and an existing hostPath may be readable wider.
                 self.directory.chmod(DIR_MODE)
-                fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+                _check_files_owned(self.directory)  # before the lock file is created or truncated
+                fd = _open_lock_file(self.directory / LOCK_NAME)
             except OSError as exc:
                 raise StateWriteFailed(f"opening state directory {self.directory} failed: {exc}") from exc
             try:
@@ -389,7 +367,13 @@ class RecordStore:
         """Durably store ``ceiling`` unless the stored one is already at least that; returns the stored.
 
         Never lowers the ceiling, and refuses (CorruptRecord) to overwrite a corrupt file.
-        OSError -> StateWriteFailed."""
+        OSError -> StateWriteFailed; a ceiling past ``MAX_GENERATION`` -> StateWriteFailed (the
+        generation space is spent: refusing the change beats handing out a number that overflows)."""
+        if ceiling > MAX_GENERATION:
+            raise StateWriteFailed(
+                f"generation ceiling {ceiling} would pass the largest generation {MAX_GENERATION};"
+                " the change that needs it is refused"
+            )
         data = encode_generation(ceiling)
         stored: list[int] = []
 
@@ -421,7 +405,9 @@ class RecordStore:
         """The one function that changes the directory: under the file's lock, ``check`` reads the
         current file (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says
         whether a change is due; then ``data`` replaces the file atomically, or it goes (``data`` None).
-        A store never opened is opened here (no mutation outside the flock); a closed one refuses."""
+
+        A store that was never opened is opened here, so no mutation ever happens outside the flock; a
+        closed one raises StateWriteFailed and writes nothing (``close`` waits for the writes in flight)."""
         if self._lock_fd is None and not self._closed:
             self.open()
         with self._lock:
@@ -453,6 +439,7 @@ class RecordStore:
 
 __all__ = [
     "GENERATION_FILE",
+    "MAX_GENERATION",
     "RECORD_VERSION",
     "CorruptRecord",
     "GenerationCeiling",
@@ -462,6 +449,7 @@ __all__ = [
     "RecordStore",
     "StateDirLocked",
     "StateWriteFailed",
+    "UnsafeStateDir",
     "atomic_write",
     "decode_generation",
     "decode_record",

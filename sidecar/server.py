@@ -1,6 +1,7 @@
 """The gRPC edge: decode request protos into domain values, call the lifecycle, encode the answers.
 
-This is the only module that speaks gRPC (style habit 1). It validates requests before anything else
+This is the only module that speaks gRPC (style habit 1); ``decode`` and ``encode`` hold the pure
+proto <-> domain translations it uses. It validates requests before anything else
 sees them (a malformed request never reaches the lifecycle, so INVALID_REQUEST wins over the
 lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), and maps every
 ``SidecarError`` to the contract's error model (architecture section 4): the status code from
@@ -21,42 +22,22 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
 import msgspec
+from google.protobuf import any_pb2, message_factory
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
-from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
 import sidecar
-from sidecar import domain
-from sidecar.domain import (
-    GPU_UUID_RE,
-    MIG_UUID_RE,
-    POD_UID_RE,
-    ActiveAllocation,
-    AllocateRequest,
-    DeviceRequest,
-    Identity,
-    Owner,
-    Placement,
-    PodRef,
-    Reservation,
-)
-from sidecar.encode import (
-    encode_gpu,
-    encode_ref,
-    encode_report,
-    encode_state,
-    error_status,
-    internal_status,
-    pb_placement,
-)
+from sidecar import decode, domain, encode
 from sidecar.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
@@ -65,9 +46,16 @@ from sidecar.recovery.apply import Recovery
 
 log = logging.getLogger(__name__)
 
+ERROR_DOMAIN = "migsidecar.hami.io"
 API_VERSION = "v1"
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MigSidecar"].full_name
 DEFAULT_WORKERS = 16
+# An error's message and ErrorInfo metadata together stay under about 1 KB (see ``error_status``).
+MAX_MESSAGE_BYTES = 448
+MAX_METADATA_KEY_BYTES = 32
+MAX_METADATA_VALUE_BYTES = 128
+MAX_METADATA_BYTES = 448
+UNKNOWN_SHOWN = 8  # unknown profile names quoted in an UNKNOWN_PROFILE error; the rest are counted
 
 _T = TypeVar("_T")
 
@@ -82,81 +70,60 @@ class ServerInfo(msgspec.Struct, frozen=True):
     started_at: dt.datetime
 
 
-# -- decoding (request proto -> domain values), validating at the edge ----------------------------------
+# -- errors -------------------------------------------------------------------------------------------
 
 
-def _require(condition: bool, message: str, **metadata: str) -> None:
-    if not condition:
-        raise InvalidRequest(message, metadata)
+def _cut(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes (cut at a character boundary, marked with "...")."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "..."
 
 
-def _placement(message: Any, where: str) -> Placement:
-    _require(message.HasField("placement"), f"{where}: placement is missing", field=f"{where}.placement")
-    placement = Placement(int(message.placement.start), int(message.placement.size))
-    _require(placement.size > 0, f"{where}: placement size must be at least 1", field=f"{where}.placement")
-    return placement
+def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """The ErrorInfo metadata of an error, each value cut and the whole within ``MAX_METADATA_BYTES``:
+    the entries that no longer fit are left out (the message and the log still say everything)."""
+    kept: dict[str, str] = {}
+    used = 0
+    for key, value in metadata.items():
+        entry = {_cut(key, MAX_METADATA_KEY_BYTES): _cut(value, MAX_METADATA_VALUE_BYTES)}
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in entry.items())
+        if used + size > MAX_METADATA_BYTES:
+            break
+        kept.update(entry)
+        used += size
+    return kept
 
 
-def _gpu_uuid(value: str, where: str) -> str:
-    _require(bool(value), f"{where}: gpu_uuid is missing", field=f"{where}.gpu_uuid")
-    _require(
-        bool(GPU_UUID_RE.match(value)), f"{where}: {value!r} is not a GPU UUID", field=f"{where}.gpu_uuid"
+def error_status(err: SidecarError) -> Any:
+    """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata).
+
+    Message and metadata are bounded so an error stays near 1 KB whatever a request repeated into
+    them: gRPC carries both in the trailers, and a client's header limit (8 KB in grpcio) would turn
+    a longer one into RESOURCE_EXHAUSTED without a reason."""
+    code = grpc.StatusCode[err.code.name]
+    info = error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=ERROR_DOMAIN, metadata=bounded_metadata(err.metadata)
     )
-    return value
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = _cut(err.message, MAX_MESSAGE_BYTES)
+    return status_pb2.Status(code=code.value[0], message=message, details=[detail])
 
 
-def _reservation(message: Any, where: str) -> Reservation:
-    gpu_uuid = _gpu_uuid(message.gpu_uuid, where)
-    _require(bool(message.profile), f"{where}: profile is missing", field=f"{where}.profile")
-    return Reservation(gpu_uuid, message.profile, _placement(message, where))
+def internal_status(method: str) -> Any:
+    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN, metadata={"method": method})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = f"{method}: internal error in the sidecar (see its log)"
+    return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message, details=[detail])
 
 
-def _pod(message: Any, has_pod: bool, where: str) -> PodRef:
-    _require(has_pod and bool(message.uid), f"{where}: pod uid is missing", field=f"{where}.pod.uid")
-    _require(
-        bool(POD_UID_RE.match(message.uid)), f"{where}: {message.uid!r} is not a pod UID", field="pod.uid"
-    )
-    return PodRef(message.uid, message.namespace, message.name)
+# -- the servicer ------------------------------------------------------------------------------------------
 
 
-def decode_allocate(request: Any) -> AllocateRequest:
-    pod = _pod(request.pod, request.HasField("pod"), "request")
-    _require(len(request.devices) > 0, "request: devices is empty", field="devices")
-    devices: list[DeviceRequest] = []
-    seen: set[int] = set()
-    for position, device in enumerate(request.devices):
-        where = f"devices[{position}]"
-        _require(device.device_index not in seen, f"{where}: device_index {device.device_index} repeats")
-        seen.add(device.device_index)
-        devices.append(DeviceRequest(int(device.device_index), _reservation(device, where)))
-    return AllocateRequest(pod, request.container_name, int(request.container_index), tuple(devices))
-
-
-def decode_active(messages: Sequence[Any]) -> list[ActiveAllocation]:
-    """ActiveAllocation protos -> domain. An empty ``mig_uuid`` means "no runtime identity known"."""
-    active: list[ActiveAllocation] = []
-    for position, message in enumerate(messages):
-        where = f"active[{position}]"
-        pod = _pod(message.pod, message.HasField("pod"), where)
-        owner = Owner(pod, message.container_name, int(message.container_index), int(message.device_index))
-        identity = None
-        if message.mig_uuid:
-            _require(
-                bool(MIG_UUID_RE.match(message.mig_uuid)),
-                f"{where}: {message.mig_uuid!r} is not a MIG UUID",
-                field=f"{where}.mig_uuid",
-            )
-            identity = Identity(
-                int(message.gpu_instance_id), int(message.compute_instance_id), message.mig_uuid
-            )
-        active.append(ActiveAllocation(owner, _reservation(message, where), identity))
-    return active
-
-
-# -- encoding (domain values -> response protos) ---------------------------------------------------------
-
-
-class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
+class MigSidecarServicer:
     """Implements ``hami.migsidecar.v1.MigSidecar``. Registered by name (gRPC looks methods up)."""
 
     def __init__(
@@ -191,6 +158,25 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
             event(log, logging.INFO, "waiting for in-flight calls", calls=running)
         with self._calls:
             self._calls.wait_for(lambda: self._in_flight == 0)
+
+    def refusing_undecodable(
+        self, method: str, behaviour: Callable[[Any, grpc.ServicerContext], Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """``behaviour``, answering INVALID_REQUEST for a body that did not decode (``Undecodable``)."""
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            if not isinstance(request, Undecodable):
+                return behaviour(request, context)
+            why = request.why
+
+            def refuse() -> Any:
+                raise InvalidRequest(
+                    f"{method}: the request body does not decode: {decode.clip(why, 200)}", {"field": ""}
+                )
+
+            return self._handle(method, context, refuse)
+
+        return call
 
     # Every RPC goes through here: one place for error mapping, the INTERNAL fallback and latency.
     def _handle(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
@@ -249,23 +235,26 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
             with nvml_errors("listing GPUs failed"):
                 gpus = self.lifecycle.port.gpus()
             return pb.ListGpusResponse(
-                gpus=[encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
+                gpus=[encode.encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
             )
 
         return self._handle("ListGpus", context, answer)
 
     def DiscoverProfiles(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            requested = decode.allowed_profiles(request.allowed_profiles)
             profiles = self.lifecycle.profiles(gpu_uuid)
             known = {profile.name for profile in profiles}
-            unknown = sorted(set(request.allowed_profiles) - known)
+            unknown = sorted(set(requested) - known)
             if unknown:
+                listed = ", ".join(decode.clip(name) for name in unknown[:UNKNOWN_SHOWN])
+                more = f" and {len(unknown) - UNKNOWN_SHOWN} more" if len(unknown) > UNKNOWN_SHOWN else ""
                 raise UnknownProfile(
-                    f"GPU {gpu_uuid} has no profile {', '.join(unknown)}",
-                    {"gpu_uuid": gpu_uuid, "profile": ",".join(unknown)},
+                    f"GPU {gpu_uuid} has no profile {listed}{more}",
+                    {"gpu_uuid": gpu_uuid, "profile": ",".join(unknown[:UNKNOWN_SHOWN])},
                 )
-            allowed = set(request.allowed_profiles) or known
+            allowed = set(requested) or known
             max_sms = max((profile.multiprocessor_count for profile in profiles), default=0)
             return pb.DiscoverProfilesResponse(
                 profiles=[
@@ -280,7 +269,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
                         if max_sms
                         else 0,
                         instance_count=profile.instance_count,
-                        placements=[pb_placement(p) for p in profile.placements],
+                        placements=[encode.pb_placement(p) for p in profile.placements],
                     )
                     for profile in profiles
                     if profile.name in allowed
@@ -291,7 +280,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            decoded = decode_allocate(request)
+            decoded = decode.allocate(request)
             result = self.lifecycle.allocate(decoded)
             reused = sum(device.outcome is domain.Outcome.REUSED for device in result.devices)
             if reused:
@@ -304,7 +293,7 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
                         device_index=device.device_index,
                         gpu_uuid=device.reservation.gpu_uuid,
                         profile=device.reservation.profile,
-                        placement=pb_placement(device.reservation.placement),
+                        placement=encode.pb_placement(device.reservation.placement),
                         mig_uuid=device.identity.mig_uuid,
                         gpu_instance_id=device.identity.gpu_instance_id,
                         compute_instance_id=device.identity.compute_instance_id,
@@ -313,51 +302,94 @@ class MigSidecarServicer(pb_grpc.MigSidecarServicer):  # type: ignore[misc]
                     )
                     for device in result.devices
                 ],
-                reclaimed=[encode_ref(ref) for ref in result.reclaimed],
+                reclaimed=[encode.encode_ref(ref) for ref in result.reclaimed],
             )
 
         return self._handle("Allocate", context, answer)
 
     def Release(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            _require(bool(request.pod_uid), "request: pod_uid is missing", field="pod_uid")
-            _require(bool(POD_UID_RE.match(request.pod_uid)), f"{request.pod_uid!r} is not a pod UID")
+            decode.pod_uid(request.pod_uid, "request", "pod_uid")
             released = self.lifecycle.release(request.pod_uid)
-            return pb.ReleaseResponse(released=[encode_ref(ref) for ref in released])
+            return pb.ReleaseResponse(released=[encode.encode_ref(ref) for ref in released])
 
         return self._handle("Release", context, answer)
 
     def SyncActive(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            active = decode_active(request.active)
+            active = decode.active(request.active)
             idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
             return pb.SyncActiveResponse(
-                idled=[encode_ref(ref) for ref in idled], reactivated=[encode_ref(ref) for ref in reactivated]
+                idled=[encode.encode_ref(ref) for ref in idled],
+                reactivated=[encode.encode_ref(ref) for ref in reactivated],
             )
 
         return self._handle("SyncActive", context, answer)
 
     def Recover(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            active = decode_active(request.active)
+            active = decode.active(request.active)
             report = self.recovery.recover(active)  # recovery logs its own summary
             self.on_recovered()
-            return encode_report(report)
+            return encode.encode_report(report)
 
         return self._handle("Recover", context, answer)
 
     def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        return self._handle("GetState", context, lambda: encode_state(self.lifecycle.snapshot()))
+        return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
 
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            gpu_uuid = _gpu_uuid(request.gpu_uuid, "request")
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             current, pending, needs_reset = self.lifecycle.set_mig_mode(gpu_uuid, bool(request.enabled))
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
             )
 
         return self._handle("SetMigMode", context, answer)
+
+
+class Undecodable:
+    """What a request body that does not parse as its message turns into; the handler refuses it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that hands an unparsable body on as ``Undecodable``: grpcio answers a
+    raising deserializer with a bare INTERNAL, and the contract says INVALID_REQUEST."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return parse
+
+
+def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
+    """Serve every RPC of the contract that ``servicer`` implements, with tolerant deserializers.
+
+    Built from the service descriptor instead of the generated ``add_..._to_server``, which demands a
+    method for every RPC of the proto: one the servicer does not implement yet is left out, and
+    gRPC answers it UNIMPLEMENTED."""
+    service = pb.DESCRIPTOR.services_by_name["MigSidecar"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name, None)
+        if behaviour is None:
+            continue
+        response_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            servicer.refusing_undecodable(method.name, behaviour),
+            request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # grpcio's own registered-method fast path (what the generated code calls); not in grpc-stubs yet.
+    server.add_registered_method_handlers(service.full_name, handlers)  # type: ignore[attr-defined]
 
 
 class SidecarServer:
@@ -374,7 +406,7 @@ class SidecarServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         )
-        pb_grpc.add_MigSidecarServicer_to_server(servicer, self._server)
+        register(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server

@@ -169,8 +169,8 @@ class TestFilesOnDisk:
         assert stat.S_IMODE((state_dir / f"{make_record().name}.json").stat().st_mode) == 0o600
 
     def test_an_existing_wider_directory_is_narrowed_to_0750(self, state_dir: Path) -> None:
-        state_dir.mkdir(mode=0o777)
-        state_dir.chmod(0o777)
+        state_dir.mkdir(mode=0o755)
+        state_dir.chmod(0o755)
         with RecordStore(state_dir):
             pass
         assert stat.S_IMODE(state_dir.stat().st_mode) == 0o750
@@ -439,7 +439,7 @@ class TestVerify:
         assert list(report.corrupt) == [broken.name]
         assert {p.name: p.read_bytes() for p in state_dir.iterdir()} == before
         text = format_report(report)
-        assert f"CORRUPT  {broken.name}" in text
+        assert f"CORRUPT  {store.path(broken.name)}: " in text
         assert f"stale    {old_boot.name}" in text
         assert "2 valid (1 stale), 1 corrupt" in text
 

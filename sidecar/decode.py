@@ -1,0 +1,158 @@
+"""Request protos -> validated domain values: what the gRPC edge lets through, and nothing more.
+
+A malformed request never reaches the lifecycle: every check here raises ``InvalidRequest``
+(INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. Names are held to
+Kubernetes' own limits, because a name is stored in a record and repeated in every GetState: a pod
+UID of at most 128 bytes, a namespace that is a DNS label (at most 63), a pod name of at most 253
+bytes and a container name of at most 63. Error messages quote an input through ``clip``, so an
+answer never grows with the request (a client's header limit would turn it into a reasonless
+RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar.domain import (
+    GPU_UUID_RE,
+    MIG_UUID_RE,
+    POD_UID_RE,
+    ActiveAllocation,
+    AllocateRequest,
+    DeviceRequest,
+    Identity,
+    Owner,
+    Placement,
+    PodRef,
+    Reservation,
+)
+from sidecar.errors import InvalidRequest
+
+MAX_POD_UID_BYTES = 128
+MAX_NAMESPACE_BYTES = 63
+MAX_POD_NAME_BYTES = 253
+MAX_CONTAINER_NAME_BYTES = 63
+MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
+CLIP_CHARS = 64
+DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def clip(value: str, limit: int = CLIP_CHARS) -> str:
+    """``value`` quoted as ``ascii()`` does (no control or non-ASCII bytes reach a message), cut to
+    about ``limit`` characters with its full length said, so a quote never grows with the input."""
+    quoted = ascii(value)
+    if len(quoted) <= limit:
+        return quoted
+    return f"{quoted[:limit]}... ({len(value)} characters)"
+
+
+def require(condition: bool, message: str, **metadata: str) -> None:
+    if not condition:
+        raise InvalidRequest(message, metadata)
+
+
+def _at_most(value: str, limit: int, what: str, field: str) -> None:
+    size = len(value.encode())
+    require(size <= limit, f"{what} is {size} bytes, more than {limit}: {clip(value)}", field=field)
+
+
+def placement(message: Any, where: str) -> Placement:
+    require(message.HasField("placement"), f"{where}: placement is missing", field=f"{where}.placement")
+    value = Placement(int(message.placement.start), int(message.placement.size))
+    require(value.size > 0, f"{where}: placement size must be at least 1", field=f"{where}.placement")
+    return value
+
+
+def gpu_uuid(value: str, where: str) -> str:
+    require(bool(value), f"{where}: gpu_uuid is missing", field=f"{where}.gpu_uuid")
+    require(
+        bool(GPU_UUID_RE.match(value)), f"{where}: {clip(value)} is not a GPU UUID", field=f"{where}.gpu_uuid"
+    )
+    return value
+
+
+def profile_name(value: str, where: str, field: str) -> str:
+    require(bool(value), f"{where}: profile is missing", field=field)
+    _at_most(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
+    return value
+
+
+def reservation(message: Any, where: str) -> Reservation:
+    gpu = gpu_uuid(message.gpu_uuid, where)
+    profile = profile_name(message.profile, where, f"{where}.profile")
+    return Reservation(gpu, profile, placement(message, where))
+
+
+def pod_uid(value: str, where: str, field: str) -> str:
+    require(bool(value), f"{where}: pod uid is missing", field=field)
+    _at_most(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
+    require(bool(POD_UID_RE.match(value)), f"{where}: {clip(value)} is not a pod UID", field=field)
+    return value
+
+
+def pod(message: Any, has_pod: bool, where: str) -> PodRef:
+    require(has_pod, f"{where}: pod uid is missing", field=f"{where}.pod.uid")
+    uid = pod_uid(message.uid, where, f"{where}.pod.uid")
+    # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
+    namespace_field = f"{where}.pod.namespace"
+    _at_most(message.namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", namespace_field)
+    require(
+        not message.namespace or bool(DNS_LABEL_RE.match(message.namespace)),
+        f"{where}: pod namespace {clip(message.namespace)} is not a DNS label",
+        field=namespace_field,
+    )
+    _at_most(message.name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
+    return PodRef(uid, message.namespace, message.name)
+
+
+def container_name(value: str, where: str) -> str:
+    _at_most(value, MAX_CONTAINER_NAME_BYTES, f"{where}: container name", f"{where}.container_name")
+    return value
+
+
+def allocate(request: Any) -> AllocateRequest:
+    owner = pod(request.pod, request.HasField("pod"), "request")
+    container = container_name(request.container_name, "request")
+    require(len(request.devices) > 0, "request: devices is empty", field="devices")
+    devices: list[DeviceRequest] = []
+    seen: set[int] = set()
+    for position, device in enumerate(request.devices):
+        where = f"devices[{position}]"
+        require(
+            device.device_index not in seen,
+            f"{where}: device_index {device.device_index} repeats",
+            field=f"{where}.device_index",
+        )
+        seen.add(device.device_index)
+        devices.append(DeviceRequest(int(device.device_index), reservation(device, where)))
+    return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
+
+
+def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
+    """ActiveAllocation protos -> domain. An empty ``mig_uuid`` means "no runtime identity known"."""
+    decoded: list[ActiveAllocation] = []
+    for position, message in enumerate(messages):
+        where = f"active[{position}]"
+        ref = pod(message.pod, message.HasField("pod"), where)
+        container = container_name(message.container_name, where)
+        owner = Owner(ref, container, int(message.container_index), int(message.device_index))
+        identity = None
+        if message.mig_uuid:
+            require(
+                bool(MIG_UUID_RE.match(message.mig_uuid)),
+                f"{where}: {clip(message.mig_uuid)} is not a MIG UUID",
+                field=f"{where}.mig_uuid",
+            )
+            identity = Identity(
+                int(message.gpu_instance_id), int(message.compute_instance_id), message.mig_uuid
+            )
+        decoded.append(ActiveAllocation(owner, reservation(message, where), identity))
+    return decoded
+
+
+def allowed_profiles(names: Sequence[str]) -> list[str]:
+    for position, name in enumerate(names):
+        profile_name(name, f"allowed_profiles[{position}]", f"allowed_profiles[{position}]")
+    return list(names)
