@@ -14,17 +14,17 @@ import msgspec
 
 from sidecar import placement
 from sidecar.context import Context
-from sidecar.create import create, require_no_record_for_the_operator
+from sidecar.create import create, placement_busy, require_no_record_for_the_operator
 from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
 from sidecar.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome
 from sidecar.errors import (
     InstanceInUse,
     KeyConflict,
-    PlacementBusy,
     SidecarError,
     UnverifiableState,
     nvml_errors,
 )
+from sidecar.nvml.port import GpuInstanceInfo
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.teardown import destroy
 from sidecar.validate import Validated, validate
@@ -39,6 +39,18 @@ class _Done(msgspec.Struct, frozen=True):
     record_name: str
 
 
+class Room(msgspec.Struct, frozen=True):
+    """What a Create device needs, judged once under the GPU lock and handed to its create.
+
+    ``live``: the GI listing it was judged on, handed on to the destroys (None: the records alone
+    showed the placement free, or covered only by IDLE instances ``proven`` live by their MIG UUID,
+    so the create goes ahead and a refusal of the driver names the blocker)."""
+
+    reclaim: tuple[OwnershipRecord, ...] = ()
+    live: tuple[GpuInstanceInfo, ...] | None = None
+    proven: bool = False
+
+
 class Allocator:
     """The Allocate transaction over the shared lifecycle parts."""
 
@@ -51,29 +63,30 @@ class Allocator:
         ctx.require_recovered()
         validated = validate(ctx.inventory, request)
         with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
-            # A SetMigMode(disable) may have finished between validation and the locks: the mode is
-            # read again under the lock (MIG_DISABLED, not an NVML error later), and its answer
-            # replaces the GPU facts, since a mode change may renumber the device (the CDI spec is
-            # rendered from its minor number).
+            held = [
+                isinstance(self.decide_without_room(v), AlreadyHeld) for v in validated
+            ]  # KEY_CONFLICT first
+            # The mode is read once under the lock, by the GPUs of devices that need hardware (a
+            # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
+            # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
+            # the CDI spec is rendered from its minor number. An instance the key holds needs neither.
             now = {
                 uuid: ctx.inventory.require_mig_enabled(uuid)
-                for uuid in sorted({v.gpu.uuid for v in validated})
+                for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
             }
-            validated = [msgspec.structs.replace(v, gpu=now[v.gpu.uuid]) for v in validated]
-            for v in validated:
-                self.decide_without_room(v)  # KEY_CONFLICT before anything else
-            self.judge_all(validated)
+            validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
+            rooms = self.judge_all(validated)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
-                for v in validated:
-                    done.append(self.allocate_one(v, reclaimed))
+                for i, v in enumerate(validated):
+                    done.append(self.allocate_one(v, rooms.get(i), reclaimed))
             except Exception:
                 self.undo_allocation(done)
                 raise
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
-    def judge_all(self, validated: Sequence[Validated]) -> None:
+    def judge_all(self, validated: Sequence[Validated]) -> dict[int, Room]:
         """Judge every device's placement before any device changes anything.
 
         A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
@@ -81,15 +94,17 @@ class Allocator:
         bring those back. The devices of one request never overlap (validated), so what an earlier
         device creates or reclaims cannot change the verdict for a later one. A reusable instance
         that still runs processes is checked too when some device reclaims (``reuse`` checks it
-        again after verifying the instance live)."""
-        reclaims = False
-        for v in validated:
-            if isinstance(self.decide_without_room(v), Create) and self.room_for(v):
-                reclaims = True
-        for v in validated if reclaims else ():
+        again after verifying the instance live). Returns the room of each Create device by index."""
+        rooms = {
+            i: self.room_for(v)
+            for i, v in enumerate(validated)
+            if isinstance(self.decide_without_room(v), Create)
+        }
+        for v in validated if any(r.reclaim for r in rooms.values()) else ():
             decided = self.decide_without_room(v)
             if isinstance(decided, Reuse):
                 self.require_no_processes(decided.record)
+        return rooms
 
     def decide_without_room(self, v: Validated) -> Decision:
         """The decision from the table alone (``Create()`` means: the placement must be gathered)."""
@@ -103,32 +118,35 @@ class Allocator:
             )
         return decided
 
-    def room_for(self, v: Validated) -> tuple[OwnershipRecord, ...]:
+    def room_for(self, v: Validated) -> Room:
         """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the record files left for the operator, the live layout, the owned records and
-        the process counts of the candidates."""
+        Reads only: the record files left for the operator, the owned records, and, unless the
+        records alone show the placement free (then the create itself is the check, ``create``),
+        the live layout and the process counts of the candidates."""
         ctx = self.ctx
         gpu = v.gpu.uuid
         res = v.device.reservation
         require_no_record_for_the_operator(ctx, gpu, res.placement)
+        aside, _ = ctx.table.left_aside()
+        if not any(
+            r.gpu_uuid == gpu and r.placement.overlaps(res.placement)
+            for r in [*ctx.table.on_gpu(gpu), *aside.values()]
+        ):
+            return Room()
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
         decided = decide(res, None, None, plan)
         if isinstance(decided, Busy):
-            first = decided.blocker
-            raise PlacementBusy(
-                f"placement {res.placement} on {gpu} is held by {first.describe()}",
-                {**first.metadata(), "gpu_uuid": gpu, "blockers": str(len(decided.blockers))},
-            )
+            raise placement_busy(gpu, res.placement, decided)
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self.require_no_processes(r)
-        return decided.reclaim
+        return Room(reclaim=decided.reclaim, live=tuple(live))
 
-    def allocate_one(self, v: Validated, reclaimed: list[InstanceRef]) -> _Done:
-        """Apply the decision for one device."""
+    def allocate_one(self, v: Validated, room: Room | None, reclaimed: list[InstanceRef]) -> _Done:
+        """Apply the decision for one device (``room``: its ``judge_all`` verdict when it creates)."""
         decided = self.decide_without_room(v)
         if isinstance(decided, AlreadyHeld):
             held = decided.record
@@ -136,9 +154,10 @@ class Allocator:
         if isinstance(decided, Reuse):
             same_spot = decided.record
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
-        for r in self.room_for(v):
-            reclaimed.append(destroy(self.ctx, r, mark_deleting=True))
-        created = create(self.ctx, v)
+        assert room is not None
+        for r in room.reclaim:
+            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live))
+        created = create(self.ctx, v, listed=room.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
 
     @staticmethod

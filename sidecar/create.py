@@ -12,10 +12,12 @@ from pathlib import Path
 
 import msgspec
 
-from sidecar import crashpoints
+from sidecar import crashpoints, placement
 from sidecar.context import Context
+from sidecar.decision import Busy
 from sidecar.domain import MIG_UUID_RE, Identity, Placement, State
-from sidecar.errors import PlacementBusy, UnverifiableState, nvml_errors
+from sidecar.errors import NvmlFailure, PlacementBusy, SidecarError, UnverifiableState, nvml_errors
+from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
 from sidecar.ownership import OwnershipRecord, parse_record_name
 from sidecar.states import enter, now_rfc3339
 from sidecar.teardown import undo_create
@@ -24,8 +26,12 @@ from sidecar.validate import Validated
 _log = logging.getLogger(__name__)
 
 
-def create(ctx: Context, v: Validated) -> OwnershipRecord:
-    """Create the device's instance (see the module docstring); undo on any failure."""
+def create(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecord:
+    """Create the device's instance (see the module docstring); undo on any failure.
+
+    ``listed``: the placement was proven free on a live listing. Without one (the records showed it
+    free), the driver's refusal (INSUFFICIENT_RESOURCES) is the proof that something is in the way:
+    nothing was made, the record goes, and one listing names the blocker (PlacementBusy)."""
     res = v.device.reservation
     gpu = v.gpu.uuid
     rec = enter(
@@ -46,8 +52,13 @@ def create(ctx: Context, v: Validated) -> OwnershipRecord:
     crashpoints.crashpoint("after-record-creating")
     known = rec
     try:
-        with nvml_errors(f"create GPU instance {res.profile} at {res.placement} on {gpu}"):
+        try:
             gi = ctx.port.create_gpu_instance(gpu, v.profile.id, res.placement)
+        except NvmlError as exc:
+            if exc.code == NVML_ERROR_INSUFFICIENT_RESOURCES and not listed:
+                raise _Refused from exc
+            with nvml_errors(f"create GPU instance {res.profile} at {res.placement} on {gpu}"):
+                raise
         crashpoints.crashpoint("after-create-gi")
         known = msgspec.structs.replace(known, gpu_instance_id=gi.id, ci_create_issued=True)
         ctx.table.put(known)
@@ -74,10 +85,47 @@ def create(ctx: Context, v: Validated) -> OwnershipRecord:
         crashpoints.crashpoint("after-write-cdi")
         active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner)
         ctx.table.put(active)
+    except _Refused as refused:
+        # Nothing was made, so there is nothing to undo: the search for a GI this create made would
+        # take whatever is in the way for ours.
+        try:
+            ctx.table.delete(rec.name)
+        except SidecarError as exc:  # a CREATING record without a GI: recovery deletes it
+            _log.error("cannot delete record %s after the driver refused its create: %s", rec.name, exc)
+            ctx.table.forget(rec.name)
+        raise _blocker_of(ctx, gpu, res.placement) from refused.__cause__
     except Exception as exc:
         undo_create(ctx, known, exc)
         raise
     return active
+
+
+class _Refused(Exception):  # noqa: N818 - internal signal, never raised out of ``create``
+    """The driver refused the GPU instance create of an unlisted placement: something is in the way."""
+
+
+def placement_busy(gpu_uuid: str, wanted: Placement, busy: Busy) -> PlacementBusy:
+    """The PLACEMENT_BUSY error naming the first blocker of ``wanted``."""
+    first = busy.blocker
+    return PlacementBusy(
+        f"placement {wanted} on {gpu_uuid} is held by {first.describe()}",
+        {**first.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(busy.blockers))},
+    )
+
+
+def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
+    """What the driver's refusal of a create at ``wanted`` met: one listing names it. A listing that
+    shows nothing in the way (it went meanwhile) still fails the request, as NVML_ERROR: retryable."""
+    with nvml_errors(f"list GPU instances of {gpu_uuid}"):
+        live = ctx.port.gpu_instances(gpu_uuid)
+    plan = placement.plan_placement(wanted, live, ctx.table.on_gpu(gpu_uuid))
+    if plan.busy:
+        return placement_busy(gpu_uuid, wanted, Busy(plan.blockers))
+    return NvmlFailure(
+        f"the driver refused a GPU instance at {wanted} on {gpu_uuid} (insufficient resources),"
+        " but nothing is in the way now",
+        {"nvml_code": str(NVML_ERROR_INSUFFICIENT_RESOURCES), "gpu_uuid": gpu_uuid},
+    )
 
 
 def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:

@@ -20,7 +20,7 @@ from sidecar import crashpoints, placement
 from sidecar.context import Context
 from sidecar.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.errors import ComputeInstanceNotOurs, SidecarError, UnverifiableState, nvml_errors
-from sidecar.nvml.port import ComputeInstanceInfo, NvmlError, NvmlPort
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceInfo, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord, instance_ref
 from sidecar.states import now_rfc3339, transition
 
@@ -57,14 +57,18 @@ def ci_targets(rec: OwnershipRecord, cis: Sequence[ComputeInstanceInfo]) -> list
     return targets
 
 
-def destroy_hardware(port: NvmlPort, rec: OwnershipRecord) -> None:
+def destroy_hardware(
+    port: NvmlPort, rec: OwnershipRecord, live: Sequence[GpuInstanceInfo] | None = None
+) -> None:
     """Destroy the CI then the GI of an owned instance; what is already gone counts as done.
 
-    Only what verifies as the record's (``placement.owns``, ``ci_targets``). Raises NvmlError."""
+    Only what verifies as the record's (``placement.owns``, ``ci_targets``). ``live``: the GI listing
+    read under the same GPU lock hold, if the caller has one. Raises NvmlError."""
     if rec.gpu_instance_id is None:
         return
     gpu = rec.gpu_uuid
-    gi = next((g for g in port.gpu_instances(gpu) if g.id == rec.gpu_instance_id), None)
+    listing = port.gpu_instances(gpu) if live is None else live
+    gi = next((g for g in listing if g.id == rec.gpu_instance_id), None)
     if gi is None or not placement.owns(rec, gi):
         return
     for ci in ci_targets(rec, port.compute_instances(gpu, gi.id)):
@@ -139,7 +143,13 @@ def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
         raise
 
 
-def destroy(ctx: Context, record: OwnershipRecord, *, mark_deleting: bool) -> InstanceRef:
+def destroy(
+    ctx: Context,
+    record: OwnershipRecord,
+    *,
+    mark_deleting: bool,
+    live: Sequence[GpuInstanceInfo] | None = None,
+) -> InstanceRef:
     """Destroy an owned instance in the order of the module docstring. Call with the GPU lock held.
 
     DELETING is not recorded for an ERROR record or with ``mark_deleting=False``. A failure puts the
@@ -152,7 +162,7 @@ def destroy(ctx: Context, record: OwnershipRecord, *, mark_deleting: bool) -> In
         crashpoints.crashpoint("after-record-deleting")
     try:
         with nvml_errors(f"destroy instance {rec.profile}@{rec.placement} on {rec.gpu_uuid}"):
-            destroy_hardware(ctx.port, rec)
+            destroy_hardware(ctx.port, rec, live)
     except ComputeInstanceNotOurs as exc:
         # Not ERROR: the reconciler would retry a destroy that must never happen. The record on
         # disk stays as it is for the operator; the next recovery preserves the GI as foreign too.

@@ -236,6 +236,28 @@ class TestBlockers:
         assert corrupt.read_bytes() == b"{"
         assert world.layout() == set()  # the GI of the refused create never came to be
 
+    @pytest.mark.parametrize(
+        ("profile", "start", "size", "with_ci"),
+        [("1g.10gb", 5, 1, True), ("3g.40gb", 4, 4, False)],
+        ids=["overlapping", "bare-at-exactly-the-placement"],
+    )
+    def test_a_foreign_instance_the_records_do_not_know_is_named_after_the_driver_refuses(
+        self, world: World, profile: str, start: int, size: int, with_ci: bool
+    ) -> None:
+        """No record overlaps, so the create goes ahead without a listing; the driver's refusal is met
+        by one listing that names the blocker. A bare foreign GI of the same profile at exactly the
+        placement is not taken for one this create made: it is left alone."""
+        world.hw.create_instance(0, profile, start, size, with_ci=with_ci)
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "foreign"
+        assert caught.value.metadata["placement"] == f"{start}:{size}"
+        assert world.everything() == before
+        assert world.lifecycle.instances() == []
+
     def test_a_corrupt_record_file_elsewhere_blocks_nothing(self, world: World) -> None:
         world.records.path(record_name(world.uuid(0), Placement(0, 1))).write_bytes(b"{")
         world.records.path(record_name(world.uuid(1), Placement(4, 4))).write_bytes(b"{")
