@@ -45,7 +45,7 @@ import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
-from sidecar.nvml.simulated import SimulatedHardware
+from sidecar.nvml.sim import SimulatedHardware
 
 DECISIONS = (
     "GetInfo",

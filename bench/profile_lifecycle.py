@@ -24,7 +24,7 @@ from sidecar.cdi import CdiSpecs
 from sidecar.domain import AllocateRequest, DeviceRequest, Placement, PodRef, Reservation
 from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.records import RecordStore
 
 

@@ -49,7 +49,7 @@ import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
-from sidecar.nvml.simulated import OP_ALIASES, SimulatedHardware
+from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8
 MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis

@@ -7,7 +7,9 @@ Subcommands:
   foreign instances as a table, or the responses as JSON for machines;
 * ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
   exits 1 when any record is corrupt, so it can gate a maintenance script;
-* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.simcli``).
+* ``probe [--json] [--sim-state FILE]`` — read-only: print the GPUs' MIG tables and instances and diff
+  them against the model of each GPU (``sidecar.nvml.probe``);
+* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.sim.cli``).
 
 Exit codes: 0 success, 1 failure (startup failed, sidecar unreachable, corrupt records), 2 bad usage
 or configuration.
@@ -235,7 +237,7 @@ def _cmd_records_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sidecar import config  # noqa: PLC0415
-    from sidecar.nvml import simcli  # noqa: PLC0415
+    from sidecar.nvml.sim import cli as simcli  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="hami-mig-sidecar",
@@ -292,8 +294,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(func=_cmd_records_verify)
 
+    probe = commands.add_parser(
+        "probe",
+        help="read-only: print the GPUs' MIG tables and diff them against the model of each GPU",
+        description="Read the real GPUs' GI and CI profile tables, placements and instances (MIG UUID "
+        "derived both ways) and diff them against the model of each GPU name. Never creates, destroys or "
+        "changes a mode.",
+    )
+    probe.add_argument("--json", action="store_true", help="print one JSON document")
+    probe.add_argument("--sim-state", default=None, metavar="FILE", help="probe this simulated node instead")
+    probe.set_defaults(func=_cmd_probe)
+
     simcli.register(commands)
     return parser
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from sidecar import nvml  # noqa: PLC0415
+    from sidecar.nvml import probe  # noqa: PLC0415
+
+    kind, state = ("simulated", Path(args.sim_state)) if args.sim_state else ("nvml", None)
+    try:
+        backend = nvml.open_backend(kind, state, retry_wait=False)  # nvmlInit through the adapter
+    except nvml.BackendUnavailableError as exc:
+        print(f"hami-mig-sidecar probe: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        return probe.run(args.json)
+    finally:
+        backend.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,13 +2,11 @@
 
 ``open_backend("nvml")`` loads the real ``libnvidia-ml.so.1`` and never falls back to the simulator:
 a node without a driver fails at startup, loudly. ``open_backend("simulated", sim_state=FILE)`` installs
-the simulated library (``simulated``) under pynvml; the very same adapter runs over it.
+the simulated library (``sidecar.nvml.sim``) under pynvml; the very same adapter runs over it.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +58,7 @@ def open_backend(
     if kind != "simulated":
         raise BackendUnavailableError(f"unknown NVML backend {kind!r}; expected one of {', '.join(KINDS)}")
 
-    from sidecar.nvml import simulated  # noqa: PLC0415
+    from sidecar.nvml import sim as simulated  # noqa: PLC0415
     from sidecar.nvml.profiles import parse_gpus  # noqa: PLC0415
 
     closers: list[Callable[[], None]] = []
@@ -72,6 +70,9 @@ def open_backend(
                 raise BackendUnavailableError(
                     "an in-memory simulated backend needs sim_gpus, e.g. h100-80gb:2"
                 )
+            import shutil  # noqa: PLC0415 - the port's package stays free of file I/O at import time
+            import tempfile  # noqa: PLC0415
+
             tmp = Path(tempfile.mkdtemp(prefix="sim-proc-"))
             closers.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
             hardware = simulated.SimulatedHardware.create(parse_gpus(sim_gpus), proc_root=tmp)

@@ -5,7 +5,7 @@ Two things implement it side by side:
 
 * ``pynvml_backend.PynvmlBackend`` — the adapter over ``pynvml`` (the only module importing it). On a
   real node it talks to ``libnvidia-ml.so.1``; with ``--backend simulated`` the very same adapter runs
-  over ``simulated.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
+  over ``sim.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
 
 The port is stateless and addressed by IDs (GPU UUID, GI ID, CI ID), never by NVML handles: handles go
 stale after a destroy and the driver reuses IDs, so every call looks its objects up afresh and the MIG

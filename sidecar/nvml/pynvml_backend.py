@@ -1,6 +1,6 @@
 """The ``NvmlPort`` adapter over pynvml (nvidia-ml-py): the only domain-facing code that speaks pynvml.
 
-It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``simulated.SimulatedLibrary``. What it
+It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``sim.SimulatedLibrary``. What it
 takes care of, so that the domain never has to:
 
 * profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is
@@ -10,6 +10,7 @@ takes care of, so that the domain never has to:
 * placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
   argument through untouched;
 * ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
+* the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
 * handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
   handles are cached by UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup
   can take seconds on a loaded node).
@@ -57,6 +58,7 @@ import pynvml
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
 
 from sidecar.domain import Placement
+from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
     NVML_ERROR_INVALID_ARGUMENT,
@@ -69,7 +71,7 @@ from sidecar.nvml.port import (
     GpuInstanceProfile,
     NvmlError,
 )
-from sidecar.nvml.profiles import full_ci_profile_id
+from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
 
 T = TypeVar("T")
 
@@ -113,7 +115,8 @@ class PynvmlBackend:
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
         self._profile_ids: dict[str, list[tuple[int, int]]] = {}
-        self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        # (GPU, GI profile ID) -> (CI profile ID, instance count, compute slices, SMs) of every CI profile
+        self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
         with _mapped("nvmlInit"):
             pynvml.nvmlInit()
         self._open = True
@@ -221,16 +224,33 @@ class PynvmlBackend:
             placement=Placement(int(info.placement.start), int(info.placement.size)),
         )
 
-    @staticmethod
-    def _ci_info(gpu_uuid: str, gi_id: int, ci: Any) -> ComputeInstanceInfo:
+    def _full_ci(self, gpu_uuid: str, info: Any, plain_sms: int) -> int | None:
+        """The full-size CI profile of a GI profile, by ``profile_model.pick_full_ci``.
+
+        Read from the CI profiles of a real GI of this profile once one has been seen (``_ci_profile_table``
+        is filled by every create and listing). Before that, NVML offers no way to ask (CI profiles are
+        queried on a GI), so it is told from the GI profile alone: the CI of as many slices, except that
+        a 1-slice GI with more SMs than the plain 1-slice profile (the double-memory 1g on Hopper and
+        Blackwell) spans its SMs with CI 7 (1_SLICE_REV1); A100's double-memory 1g has a plain slice's
+        SMs and keeps CI 0. The probe (``sidecar.nvml.probe``) shows a real GPU's CI tables to check it."""
+        slices = int(info.sliceCount)
+        with self._lock:
+            seen = self._ci_profile_ids.get((gpu_uuid, int(info.id)))
+        if seen is not None:
+            return pick_full_ci(slices, [(cid, s, sms) for cid, _, s, sms in seen])
+        if slices == 1 and plain_sms and int(info.multiprocessorCount) > plain_sms:
+            return CI_PROFILE_1_SLICE_REV1
+        return full_ci_profile_id(slices)
+
+    def _ci_info(self, gpu_uuid: str, gi: Any, ci: Any) -> ComputeInstanceInfo:
         info = pynvml.nvmlComputeInstanceGetInfo(ci)
-        # ``device`` is the MIG device handle; its UUID is the MIG UUID that proves identity.
+        gi_id, ci_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).id), int(info.id)
         return ComputeInstanceInfo(
             gpu_uuid=gpu_uuid,
             gpu_instance_id=gi_id,
-            id=int(info.id),
+            id=ci_id,
             profile_id=int(info.profileId),
-            mig_uuid=_text(pynvml.nvmlDeviceGetUUID(info.device)),
+            mig_uuid=proven_mig_uuid(gpu_uuid, self._device(gpu_uuid), info.device, gi_id, ci_id),
         )
 
     # -- NvmlPort ------------------------------------------------------------------------------------
@@ -280,10 +300,18 @@ class PynvmlBackend:
         def read() -> list[GpuInstanceProfile]:
             handle = self._device(gpu_uuid)
             result = []
-            for index, info in self._profile_infos(handle):
-                # CI profile index = CI profile ID; the full-size CI is not index 0. A slice count
-                # with no known full-size CI profile is left out: it could never be created right.
-                ci_profile_id = full_ci_profile_id(int(info.sliceCount))
+            infos = self._profile_infos(handle)
+            plain_sms = next(
+                (
+                    int(i.multiprocessorCount)
+                    for x, i in infos
+                    if x == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE
+                ),
+                0,
+            )
+            for index, info in infos:
+                # A profile whose full-size CI cannot be told is left out: it could never be created right.
+                ci_profile_id = self._full_ci(gpu_uuid, info, plain_sms)
                 if ci_profile_id is None:
                     continue
                 count = c_uint(0)
@@ -337,8 +365,8 @@ class PynvmlBackend:
 
         return self._run(operation, read)
 
-    def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> list[tuple[int, int]]:
-        """(CI profile ID, instance count) of every CI profile a GI of this GI's profile supports.
+    def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> list[tuple[int, int, int, int]]:
+        """(CI profile ID, instance count, slices, SMs) of every CI profile a GI of this profile has.
 
         Cached per (GPU, GI profile ID), not per GI: GI IDs are reused by the driver for GIs of other
         profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver. The GI's
@@ -358,7 +386,9 @@ class PynvmlBackend:
                 if exc.value in _SKIP_PROFILE:
                     continue
                 raise
-            table.append((int(info.id), int(info.instanceCount)))
+            table.append(
+                (int(info.id), int(info.instanceCount), int(info.sliceCount), int(info.multiprocessorCount))
+            )
         if table:  # never remember "no CI profiles": the CIs of this GI would be hidden for good
             with self._lock:
                 self._ci_profile_ids[(gpu_uuid, gi_profile_id)] = table
@@ -373,11 +403,11 @@ class PynvmlBackend:
             if not table:  # every GI offers at least its full-size CI profile; "no CIs" is unverifiable
                 raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, "no compute instance profile answered")
             result: list[ComputeInstanceInfo] = []
-            for ci_profile_id, instance_count in table:
+            for ci_profile_id, instance_count, _, _ in table:
                 array = (pynvml.c_nvmlComputeInstance_t * max(1, instance_count))()
                 count = c_uint(len(array))
                 pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, array, byref(count))
-                result.extend(self._ci_info(gpu_uuid, gpu_instance_id, array[i]) for i in range(count.value))
+                result.extend(self._ci_info(gpu_uuid, gi, array[i]) for i in range(count.value))
             return sorted(result, key=lambda c: c.id)
 
         return self._run(operation, read)
@@ -405,15 +435,22 @@ class PynvmlBackend:
     ) -> ComputeInstanceInfo:
         operation = f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}"
 
-        def create() -> Any:
+        def create() -> tuple[Any, Any]:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
-            return pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
+            return gi, pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
 
-        ci = self._run(operation, create)
-        return self._run(
-            f"{operation}: read back the new compute instance",
-            lambda: self._ci_info(gpu_uuid, gpu_instance_id, ci),
-        )
+        gi, ci = self._run(operation, create)
+        try:
+            return self._run(
+                f"{operation}: read back the new compute instance", lambda: self._ci_info(gpu_uuid, gi, ci)
+            )
+        except UnprovableMigUuidError:
+            # A CI nobody can name is destroyed here, by the handle that made it: left in place it would
+            # fail every listing of its GI, the caller's undo included.
+            self._run(
+                f"{operation}: destroy the unidentifiable CI", lambda: pynvml.nvmlComputeInstanceDestroy(ci)
+            )
+            raise
 
     def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
         def destroy() -> None:

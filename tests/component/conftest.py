@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from lifecycle_world import World, build_world
 
-from sidecar.nvml.simulated import uninstall
+from sidecar.nvml.sim import uninstall
 
 
 @pytest.fixture(params=[True, False], ids=["cdi", "no-cdi"])

@@ -30,7 +30,7 @@ from sidecar.domain import (
 from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import GpuInfo
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install
+from sidecar.nvml.sim import SimulatedHardware, install
 from sidecar.ownership import OwnershipRecord
 from sidecar.records import RecordStore
 from sidecar.recovery.apply import Recovery

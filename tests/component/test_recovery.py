@@ -23,7 +23,7 @@ from sidecar.domain import (
     State,
 )
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.nvml.simstate import SimGpu
+from sidecar.nvml.sim.state import SimGpu
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
 from sidecar.recovery.apply import Recovery

@@ -22,7 +22,7 @@ from sidecar_process import snapshot_dir
 
 from sidecar.app import Application, open_app
 from sidecar.config import ServeConfig, SimGpu
-from sidecar.nvml.simulated import SimulatedHardware
+from sidecar.nvml.sim import SimulatedHardware
 
 CALL_TIMEOUT_S = 30.0
 

@@ -46,7 +46,7 @@ from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
-from sidecar.nvml.simulated import GpuLayout, SimulatedHardware
+from sidecar.nvml.sim import GpuLayout, SimulatedHardware
 
 DEFAULT_SIM_GPUS = "h100-80gb:2,a100-40gb:1"
 START_TIMEOUT_S = 60.0  # generous: two shared cores, a cold interpreter importing grpc and pynvml

@@ -47,7 +47,7 @@ from sidecar_process import (
     states,
 )
 
-from sidecar.nvml.simulated import OP_ALIASES
+from sidecar.nvml.sim import OP_ALIASES
 
 pytestmark = pytest.mark.e2e
 

@@ -28,7 +28,7 @@ from sidecar_process import (
 )
 
 from sidecar import crashpoints
-from sidecar.nvml.simulated import SimulatedHardware
+from sidecar.nvml.sim import SimulatedHardware
 
 pytestmark = pytest.mark.e2e
 

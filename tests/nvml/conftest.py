@@ -13,7 +13,7 @@ import pynvml
 import pytest
 
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 
 
 def _real_driver_present() -> bool:

@@ -20,7 +20,7 @@ from sidecar.nvml.port import (
     NvmlError,
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 
 MakeHw = Callable[..., SimulatedHardware]
 
@@ -78,8 +78,32 @@ class TestProfilesBeyondTheModelledGpus:
     def board(self, monkeypatch: pytest.MonkeyPatch, make_hw: MakeHw) -> SimulatedHardware:
         def gi(index: int, profile_id: int, name: str, slices: int, size: int) -> profiles.GiProfile:
             starts = tuple(range(0, 8 - size + 1, size))
+            ci = profiles.full_ci_profile_id(slices)
+            cis = (
+                ()
+                if ci is None
+                else (
+                    profiles.CiProfile(
+                        id=ci, slice_count=slices, instance_count=1, starts=(0,), multiprocessor_count=slices
+                    ),
+                )
+            )
             return profiles.GiProfile(
-                index, profile_id, name, slices, size, len(starts), starts, size * 1024, slices
+                index=index,
+                id=profile_id,
+                name=name,
+                slice_count=slices,
+                size=size,
+                instance_count=len(starts),
+                starts=starts,
+                memory_mb=size * 1024,
+                multiprocessor_count=slices,
+                copy_engines=1,
+                decoders=0,
+                encoders=0,
+                jpegs=0,
+                ofas=0,
+                ci_profiles=cis,
             )
 
         board = profiles.GpuModel(

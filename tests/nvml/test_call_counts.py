@@ -15,8 +15,8 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml.port import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simcli import register
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim.cli import register
 
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 CREATE_CI = "nvmlGpuInstanceCreateComputeInstance"
@@ -104,7 +104,7 @@ class TestCountsSharedThroughTheStateFile:
             f"""
             from pathlib import Path
             from sidecar.nvml.pynvml_backend import PynvmlBackend
-            from sidecar.nvml.simulated import SimulatedHardware, install
+            from sidecar.nvml.sim import SimulatedHardware, install
             install(SimulatedHardware.open(Path({str(state)!r})))
             port = PynvmlBackend(retry_wait=False)
             port.gpu_instances(port.gpus()[0].uuid)

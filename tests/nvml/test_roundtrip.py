@@ -14,7 +14,7 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml import profiles
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 
 Layout = list[tuple[profiles.GiProfile, int]]
 
@@ -70,6 +70,11 @@ def test_the_enumeration_finds_the_known_number_of_full_layouts() -> None:
         "h100-80gb": 239,
         "h100-94gb": 239,
         "h200-141gb": 239,
+        "h20": 239,
+        "gh200-96gb": 239,
+        "gh200-144gb": 239,
+        "b200": 239,
+        "rtx-pro-6000": 606,  # four 1-slice and two 2-slice variants on a 4-slice axis
     }
     assert [(p.name, s) for p, s in full_layouts(profiles.model("a30"))[-1]] == [("4g.24gb", 0)]
 

@@ -10,8 +10,8 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml.port import NVML_ERROR_IN_USE
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simstate import SimError
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim.state import SimError
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 from sidecar.domain import Placement
 from sidecar.nvml.port import NVML_ERROR_IN_USE, NvmlError
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.simcli import ENV_SIM_STATE, register
-from sidecar.nvml.simulated import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim.cli import ENV_SIM_STATE, register
 
 
 def sim(state: Path, *argv: str) -> int:
@@ -115,3 +115,22 @@ class TestOperatingTheSimulatedNode:
         args = parser.parse_args(["sim", "lose", "--gpu", "0"])
         assert args.func(args) == 0
         assert SimulatedHardware.open(state).layout(0).lost
+
+
+def test_init_takes_the_newer_models_and_lists_them_in_its_help(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "new.json"
+    assert sim(path, "init", "--gpus", "b200:1,h20:1,gh200-144gb:1,rtx-pro-6000:1,gh200-96gb:1") == 0
+    names = [g.name for g in SimulatedHardware.open(path).layouts()]
+    assert names == [
+        "NVIDIA B200",
+        "NVIDIA H20",
+        "NVIDIA GH200 144G HBM3e",
+        "NVIDIA RTX PRO 6000 Blackwell Server Edition",
+        "NVIDIA GH200 480GB",
+    ]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        sim(path, "init", "--help")
+    assert "b200, rtx-pro-6000" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pynvml as nv
 import pytest
 
-from sidecar.nvml.simulated import SimError, SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import SimError, SimulatedHardware, install, uninstall
 
 MakeHw = Callable[..., SimulatedHardware]
 

@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 PLANNERS = (
     "sidecar.ownership",
     "sidecar.states",
@@ -19,9 +17,6 @@ IO_MODULES = frozenset(
     {"fcntl", "threading", "secrets", "socket", "shutil", "tempfile", "grpc", "pynvml", "subprocess"}
 )
 IO_MODULES |= {"sidecar.records", "sidecar.cdi", "sidecar.lifecycle", "sidecar.recovery.apply"}
-# ``sidecar/nvml/__init__.py`` (the port's package) imports shutil and tempfile for the simulator
-# set-up; the port's value types themselves need neither.
-VIA_NVML_PACKAGE = frozenset({"shutil", "tempfile"})
 
 
 def loaded_by(*modules: str) -> set[str]:
@@ -36,13 +31,12 @@ def loaded_by(*modules: str) -> set[str]:
 def test_the_planners_load_no_io_module() -> None:
     loaded = loaded_by(*PLANNERS)
     assert set(PLANNERS) <= loaded  # the imports happened
-    assert loaded & IO_MODULES <= VIA_NVML_PACKAGE
+    assert not loaded & IO_MODULES
 
 
 def test_the_probe_sees_an_io_module_when_one_is_loaded() -> None:
     assert "fcntl" in loaded_by("sidecar.records") & IO_MODULES
 
 
-@pytest.mark.xfail(strict=True, reason="sidecar/nvml/__init__.py imports shutil and tempfile")
 def test_the_nvml_port_types_load_no_io_module() -> None:
     assert not loaded_by("sidecar.nvml.port") & IO_MODULES

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from sidecar.nvml import profiles
-from sidecar.nvml.simulated import OP_ALIASES, SimError, SimulatedHardware, parse_code
+from sidecar.nvml.sim import OP_ALIASES, SimError, SimulatedHardware, parse_code
 
 ENV_SIM_STATE = "HAMI_MIG_SIDECAR_SIM_STATE"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2

@@ -1,0 +1,104 @@
+"""The simulated ``libnvidia-ml``: an object installed as ``pynvml.nvmlLib`` whose attributes are the C
+symbols pynvml fetches.
+
+Its attributes emulate the C functions: they take what pynvml's wrappers pass (ctypes handles,
+``byref`` out-parameters, caller-allocated arrays), write results through them and return
+``nvmlReturn_t`` codes. The real pynvml wrappers, ctypes structs and ``NVMLError`` classes therefore run
+in every test, and the adapter cannot tell this library from the real one. Every call is one
+transaction on the state store: it is counted, may be faulted or delayed (the operator's knobs), then
+runs its implementation from ``devices`` or ``instances``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pynvml
+
+from sidecar.nvml.sim import devices, instances  # noqa: F401 - importing them registers their C functions
+from sidecar.nvml.sim.cabi import ERROR_STRINGS, FUNCTIONS, UNFAULTABLE, op_matches
+from sidecar.nvml.sim.state import SimError, SimState
+from sidecar.nvml.sim.store import StateStore
+
+if TYPE_CHECKING:
+    from sidecar.nvml.sim.hardware import SimulatedHardware
+
+
+class _CFunction:
+    """One emulated C symbol. A plain object, not a bound method, because pynvml assigns attributes
+    (``restype``) to the function pointers it fetches."""
+
+    def __init__(self, library: SimulatedLibrary, name: str, impl: Callable[..., Any]) -> None:
+        self.__name__ = name
+        self.restype: Any = None
+        self.argtypes: Any = None
+        self._library = library
+        self._impl = impl
+
+    def __call__(self, *args: Any) -> Any:
+        return self._library.call(self.__name__, self._impl, args)
+
+
+class SimulatedLibrary:
+    """The emulated C API over a state store; attribute names are the C symbols pynvml fetches."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        for symbol, impl in FUNCTIONS.items():
+            setattr(self, symbol, _CFunction(self, symbol, impl))
+
+    def call(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        if name in UNFAULTABLE:
+            with self.store.transaction(call=name):
+                pass  # counted like every other call, but never faulted or delayed
+            return impl(None, *args)
+        delay = 0.0
+        with self.store.transaction(call=name) as state:
+            delay = sum(s for op, s in state.latency.items() if op_matches(op, name))
+            code = self._consume_fault(state, name)
+            if code is None:
+                try:
+                    code = impl(state, *args)
+                except SimError as exc:
+                    code = exc.code
+        if delay > 0:
+            time.sleep(delay)  # outside the lock: a slow call does not stall every other caller
+        return code
+
+    @staticmethod
+    def _consume_fault(state: SimState, name: str) -> int | None:
+        for fault in state.faults:
+            if not op_matches(fault.op, name):
+                continue
+            if fault.after > 0:
+                fault.after -= 1
+                continue
+            fault.times -= 1
+            if fault.times <= 0:
+                state.faults.remove(fault)
+            return fault.code
+        return None
+
+
+# -- installing into pynvml ---------------------------------------------------------------------------
+
+
+def install(hardware: SimulatedHardware) -> SimulatedLibrary:
+    """Make pynvml talk to ``hardware``: set ``pynvml.nvmlLib`` and forget cached function pointers."""
+    library = SimulatedLibrary(hardware.store)
+    with pynvml.libLoadLock:
+        pynvml.nvmlLib = library
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+    for code, text in ERROR_STRINGS.items():
+        pynvml.NVMLError._errcode_to_string.setdefault(code, text)
+    return library
+
+
+def uninstall() -> None:
+    """Undo ``install`` (tests): pynvml is back to "no library loaded"."""
+    with pynvml.libLoadLock:
+        pynvml.nvmlLib = None
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+        pynvml._nvmlLib_refcount = 0
