@@ -16,7 +16,15 @@ from sidecar import placement
 from sidecar.context import Context
 from sidecar.create import create, placement_busy, require_no_record_for_the_operator
 from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
-from sidecar.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome
+from sidecar.domain import (
+    AllocatedDevice,
+    AllocateRequest,
+    AllocateResult,
+    InstanceRef,
+    Outcome,
+    Placement,
+    State,
+)
 from sidecar.errors import (
     InstanceInUse,
     KeyConflict,
@@ -24,7 +32,7 @@ from sidecar.errors import (
     UnverifiableState,
     nvml_errors,
 )
-from sidecar.nvml.port import GpuInstanceInfo
+from sidecar.nvml.port import GpuInstanceInfo, NvmlError
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.teardown import destroy
 from sidecar.validate import Validated, validate
@@ -129,11 +137,13 @@ class Allocator:
         res = v.device.reservation
         require_no_record_for_the_operator(ctx, gpu, res.placement)
         aside, _ = ctx.table.left_aside()
-        if not any(
-            r.gpu_uuid == gpu and r.placement.overlaps(res.placement)
-            for r in [*ctx.table.on_gpu(gpu), *aside.values()]
-        ):
+        recorded = [*ctx.table.on_gpu(gpu), *aside.values()]
+        overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
+        if not overlapping:
             return Room()
+        proven = self.prove_reclaim(overlapping, res.placement)
+        if proven:
+            return Room(reclaim=proven, proven=True)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
@@ -144,6 +154,34 @@ class Allocator:
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self.require_no_processes(r)
         return Room(reclaim=decided.reclaim, live=tuple(live))
+
+    def prove_reclaim(
+        self, overlapping: Sequence[OwnershipRecord], wanted: Placement
+    ) -> tuple[OwnershipRecord, ...]:
+        """The owned IDLE instances in the way, when they alone are: () when it takes a listing to tell.
+
+        Each is proven live by its MIG UUID, in its recorded GI, so its recorded slices are its own;
+        when those slices cover ``wanted`` nothing else can sit there, and once they are destroyed
+        the placement is free. Anything else (a record not IDLE or not in the table, slices of
+        ``wanted`` no such instance covers, an instance not found) is judged on a listing.
+        InstanceInUse as for ``require_no_processes``."""
+        table = self.ctx.table
+        if any(
+            r.state is not State.IDLE or table.get(r.name) != r or r.mig_uuid is None for r in overlapping
+        ):
+            return ()
+        covered = {
+            s for r in overlapping for s in range(r.placement.start, r.placement.start + r.placement.size)
+        }
+        if not covered.issuperset(range(wanted.start, wanted.start + wanted.size)):
+            return ()
+        ordered = tuple(sorted(overlapping, key=lambda r: (r.placement.start, r.placement.size)))
+        for r in ordered:
+            try:
+                self.verify_live(r)
+            except UnverifiableState:
+                return ()
+        return ordered
 
     def allocate_one(self, v: Validated, room: Room | None, reclaimed: list[InstanceRef]) -> _Done:
         """Apply the decision for one device (``room``: its ``judge_all`` verdict when it creates)."""
@@ -156,7 +194,7 @@ class Allocator:
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
         assert room is not None
         for r in room.reclaim:
-            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live))
+            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live, proven=room.proven))
         created = create(self.ctx, v, listed=room.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
 
@@ -179,12 +217,10 @@ class Allocator:
         # ERROR would make the reconciler destroy a healthy instance, so it stays IDLE and the
         # request fails with NVML_ERROR (the client retries the same key).
         try:
-            with nvml_errors(f"verify idle instance {record.name}"):
-                self.verify_live(record)
+            self.verify_live(record)
         except UnverifiableState as exc:
             ctx.table.fail(record, f"reuse verification failed: {exc}")
             raise
-        self.require_no_processes(record)
         identity = record.identity
         assert identity is not None
         cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
@@ -200,7 +236,7 @@ class Allocator:
         if record.mig_uuid is None:
             return
         with nvml_errors(f"count processes on {record.mig_uuid}"):
-            running = self.ctx.port.mig_device_processes(record.mig_uuid)
+            running = self.ctx.port.mig_device(record.mig_uuid).processes
         if running > 0:
             raise InstanceInUse(
                 f"idle instance {record.mig_uuid} at {record.placement} still runs {running} processes",
@@ -208,22 +244,32 @@ class Allocator:
             )
 
     def verify_live(self, record: OwnershipRecord) -> None:
-        """GI with the recorded ID, profile and placement; exactly one CI, the recorded one, same MIG UUID."""
-        port = self.ctx.port
-        gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
-        if gi is None or not placement.owns(record, gi):
+        """The recorded MIG UUID is live, in the recorded GI, and runs no process (InstanceInUse).
+
+        The lookup by MIG UUID proves the CI: the driver mints the UUID at the CI's create, so the
+        CI is the one recorded, and the GI holding it is the recorded GI (same ID, and a GI cannot
+        be re-created under a live CI), with its recorded profile and placement. Gone or in another
+        GI: UnverifiableState. An NVML error proves nothing either way: NvmlFailure."""
+        mig_uuid = record.mig_uuid
+        assert mig_uuid is not None  # IDLE records are complete by construction
+        with nvml_errors(f"verify idle instance {record.name}"):
+            try:
+                device = self.ctx.port.mig_device(mig_uuid)
+            except NvmlError as exc:
+                if not exc.not_found:
+                    raise
+                device = None
+        if device is None or device.gpu_instance_id != record.gpu_instance_id:
+            live = device.gpu_instance_id if device else "none"
             raise UnverifiableState(
-                f"GPU instance {record.gpu_instance_id} of {record.name} is gone or changed"
-                f" (live: {gi.placement if gi else 'none'})",
-                {"record": record.name},
+                f"the compute instance of {record.name} ({mig_uuid}) is gone or in another GPU instance"
+                f" (recorded GI {record.gpu_instance_id}; live: {live})",
+                {"record": record.name, "mig_uuid": mig_uuid},
             )
-        cis = port.compute_instances(record.gpu_uuid, gi.id)
-        if len(cis) != 1 or cis[0].id != record.compute_instance_id or cis[0].mig_uuid != record.mig_uuid:
-            live = ", ".join(f"CI {c.id} {c.mig_uuid}" for c in cis) or "none"
-            raise UnverifiableState(
-                f"compute instance of {record.name} does not match its record"
-                f" (recorded CI {record.compute_instance_id} {record.mig_uuid}; live: {live})",
-                {"record": record.name, "mig_uuid": record.mig_uuid or ""},
+        if device.processes > 0:
+            raise InstanceInUse(
+                f"idle instance {mig_uuid} at {record.placement} still runs {device.processes} processes",
+                {"mig_uuid": mig_uuid, "processes": str(device.processes), "gpu_uuid": record.gpu_uuid},
             )
 
     def undo_allocation(self, done: Sequence[_Done]) -> None:

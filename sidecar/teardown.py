@@ -58,15 +58,27 @@ def ci_targets(rec: OwnershipRecord, cis: Sequence[ComputeInstanceInfo]) -> list
 
 
 def destroy_hardware(
-    port: NvmlPort, rec: OwnershipRecord, live: Sequence[GpuInstanceInfo] | None = None
+    port: NvmlPort,
+    rec: OwnershipRecord,
+    live: Sequence[GpuInstanceInfo] | None = None,
+    *,
+    proven: bool = False,
 ) -> None:
     """Destroy the CI then the GI of an owned instance; what is already gone counts as done.
 
     Only what verifies as the record's (``placement.owns``, ``ci_targets``). ``live``: the GI listing
-    read under the same GPU lock hold, if the caller has one. Raises NvmlError."""
+    read under the same GPU lock hold, if the caller has one. ``proven``: the caller found the
+    record's MIG UUID live in its GI under this lock hold (``Allocator.prove_reclaim``), which proves
+    the GI and its recorded CI ours: they are destroyed by ID without a listing. Raises NvmlError."""
     if rec.gpu_instance_id is None:
         return
     gpu = rec.gpu_uuid
+    if proven and rec.compute_instance_id is not None:
+        _tolerate_missing(port.destroy_compute_instance, gpu, rec.gpu_instance_id, rec.compute_instance_id)
+        crashpoints.crashpoint("after-destroy-ci")
+        _tolerate_missing(port.destroy_gpu_instance, gpu, rec.gpu_instance_id)
+        crashpoints.crashpoint("after-destroy-gi")
+        return
     listing = port.gpu_instances(gpu) if live is None else live
     gi = next((g for g in listing if g.id == rec.gpu_instance_id), None)
     if gi is None or not placement.owns(rec, gi):
@@ -149,6 +161,7 @@ def destroy(
     *,
     mark_deleting: bool,
     live: Sequence[GpuInstanceInfo] | None = None,
+    proven: bool = False,
 ) -> InstanceRef:
     """Destroy an owned instance in the order of the module docstring. Call with the GPU lock held.
 
@@ -162,7 +175,7 @@ def destroy(
         crashpoints.crashpoint("after-record-deleting")
     try:
         with nvml_errors(f"destroy instance {rec.profile}@{rec.placement} on {rec.gpu_uuid}"):
-            destroy_hardware(ctx.port, rec, live)
+            destroy_hardware(ctx.port, rec, live, proven=proven)
     except ComputeInstanceNotOurs as exc:
         # Not ERROR: the reconciler would retry a destroy that must never happen. The record on
         # disk stays as it is for the operator; the next recovery preserves the GI as foreign too.

@@ -134,7 +134,8 @@ class TestStuckDestroy:
 class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
     """Only a real identity mismatch sends an idle instance to ERROR."""
 
-    @pytest.mark.parametrize("op", ["get-gpu-instances", "get-compute-instances"])
+    # The calls of the verification: the lookup by MIG UUID, its GI ID, its processes.
+    @pytest.mark.parametrize("op", ["handle-by-uuid", "nvmlDeviceGetGpuInstanceId", "processes"])
     def test_an_nvml_error_while_verifying_fails_the_request_and_the_instance_stays_reusable(
         self, world: World, op: str
     ) -> None:
