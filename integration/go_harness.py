@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 from sidecar_process import Sidecar  # noqa: E402
 
-# HAMI_E2E_V1ADDITIONS=1 builds the e2e binary with -tags v1additions: the tests of the 4.1
-# additions (UndoAllocate, ReclaimIdle, reclaim_idle, pending reservations), for a sidecar that
-# implements them.
+# HAMI_E2E_V1ADDITIONS=1 builds the e2e binary with -tags v1additions: the test of the 4.1
+# pending reservations in Recover, for a sidecar that accepts them. The other 4.1 tests (UndoAllocate,
+# ReclaimIdle, reclaim_idle) are always built.
 V1ADDITIONS = os.environ.get("HAMI_E2E_V1ADDITIONS") == "1"
 TAGS = ["-tags", "v1additions"] if V1ADDITIONS else []
 GO_TIMEOUT_S = 300.0  # building pulls nothing new but compiles grpc: slow on two shared cores

@@ -99,6 +99,25 @@ class TestTheMockPluginReplaysTheReadmeScenario:
 
 
 class TestAllOrNothing:
+    def test_undo_reclaim_idle_and_disable_mig_steps_leave_what_the_plugin_expects(
+        self, go_binaries: GoBinaries, go_runner: GoRunner
+    ) -> None:
+        code, steps, raw = play(go_binaries, go_runner, "undo-reclaim.yaml")
+        assert code == 0, raw
+        by_step = {s["step"]: s for s in steps}
+        reused, created = by_step[5]["devices"]
+        assert [r["MigUUID"] for r in by_step[6]["destroyed"]] == [created["MigUUID"]]
+        assert [r["MigUUID"] for r in by_step[6]["idled"]] == [reused["MigUUID"]]
+        assert by_step[11]["error"]["reason"] == "NOT_IDLE"
+        assert [r["MigUUID"] for r in by_step[12]["reclaimed"]] == [reused["MigUUID"]]
+        kept = by_step[10]["devices"][0]
+
+        car = go_runner.car
+        assert instances(car) == {kept["MigUUID"]: "ACTIVE"}
+        assert hardware_mig_uuids(car) == {kept["MigUUID"]}
+        assert len(records(car)) == 1
+        assert not next(g for g in car.gpus() if g.index == 1).mig_mode.current
+
     def test_a_failed_second_device_destroys_the_instance_the_request_created(
         self, go_binaries: GoBinaries, go_runner: GoRunner
     ) -> None:
@@ -188,12 +207,12 @@ GO_E2E_TESTS = [
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",
-]
-# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): they need the 4.1 additions.
-GO_E2E_V1ADDITIONS_TESTS = [
     "TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas",
     "TestReclaimIdleRefusesAnActiveInstanceAndDestroysTheIdleOne",
     "TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst",
+]
+# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): pending reservations in Recover.
+GO_E2E_V1ADDITIONS_TESTS = [
     "TestAPendingReservationInRecoverIsAccepted",
 ]
 if go_harness.V1ADDITIONS:

@@ -204,7 +204,15 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     port = MeteredPort(backend.port, metrics)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
     lifecycle = Lifecycle(port, records, cdi, boot_id)
-    recovery = Recovery(lifecycle, port, records, cdi, boot_id, adopt_existing=config.adopt_existing)
+    recovery = Recovery(
+        lifecycle,
+        port,
+        records,
+        cdi,
+        boot_id,
+        adopt_existing=config.adopt_existing,
+        hami_takeover=config.hami_takeover,
+    )
     reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s)
     metrics.watch(lifecycle.instances, cdi.pending_removals)
     info = ServerInfo(

@@ -46,8 +46,10 @@ from pathlib import Path
 
 import msgspec
 
+from sidecar import hami_files
 from sidecar.domain import MIG_UUID_RE, Identity
 from sidecar.errors import StateWriteFailed
+from sidecar.hami_files import HamiSpec
 from sidecar.records import TEMP_MARKER, atomic_write, fsync_dir
 
 DEFAULT_KIND = "k8s.hami.io/mig"
@@ -357,6 +359,44 @@ class CdiSpecs:
                 if MIG_UUID_RE.match(device.name):
                     found[device.name] = Path(entry.path)
         return found
+
+    def hami_specs(self) -> list[HamiSpec]:
+        """Every spec in the directory that is HAMi's dynamic MIG spec by all its content
+        (``hami_files.recognize_spec``); files merely named like one are not listed. Disabled: []."""
+        if self.directory is None:
+            return []
+        try:
+            names = sorted(e.name for e in os.scandir(self.directory) if hami_files.is_spec_filename(e.name))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StateWriteFailed(f"listing CDI directory {self.directory} failed: {exc}") from exc
+        found = []
+        for name in names:
+            data = _read_bytes(self.directory / name)
+            spec = hami_files.recognize_spec(name, data) if data is not None else None
+            if spec is not None:
+                found.append(spec)
+        return found
+
+    def remove_hami_spec(self, mig_uuid: str) -> bool:
+        """Remove HAMi's spec of ``mig_uuid`` once it is read again and still recognized as HAMi's.
+
+        True when no spec of HAMi's for it is left (removed, missing, or the file there is not HAMi's
+        and stays); False when the removal failed and is queued for ``retry_removals``."""
+        if self.directory is None:
+            return True
+        path = self.directory / hami_files.spec_filename(mig_uuid)
+        with self._lock:
+            data = _read_bytes(path)
+            spec = hami_files.recognize_spec(path.name, data) if data is not None else None
+            if spec is None or spec.mig_uuid != mig_uuid:
+                return True
+            if _unlink(path):
+                self._pending.pop(path, None)
+                return True
+            self._pending[path] = None
+            return False
 
 
 def _check_mig_uuid(mig_uuid: str) -> None:

@@ -5,8 +5,11 @@ Subcommands:
 * ``serve`` — run the sidecar (flags and their ``HAMI_MIG_SIDECAR_*`` variables: ``sidecar.config``);
 * ``status [--json]`` — ask a running sidecar (GetInfo + GetState) and print GPUs, owned instances and
   foreign instances as a table, or the responses as JSON for machines;
-* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records;
-  exits 1 when any record is corrupt, so it can gate a maintenance script;
+* ``reclaim --gpu N [--mig-uuid U ...]`` — ask a running sidecar to destroy IDLE instances of a GPU
+  (ReclaimIdle): the named ones, or every IDLE one; exits 1 on a refusal, naming its reason;
+* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
+  and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
+  maintenance script;
 * ``probe [--json] [--sim-state FILE]`` — read-only: print the GPUs' MIG tables and instances and diff
   them against the model of each GPU (``sidecar.nvml.probe``);
 * ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.sim.cli``).
@@ -126,6 +129,7 @@ def format_status(info: Any, state: Any) -> str:
                     str(i.compute_instance_id),
                     i.mig_uuid or "-",
                     owner or "-",
+                    i.taken_over_from,
                     i.last_error or "",
                 ]
             )
@@ -141,7 +145,18 @@ def format_status(info: Any, state: Any) -> str:
                 ]
             )
     out += ["", "INSTANCES"]
-    headers = ["GPU", "STATE", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID", "OWNER", "ERROR"]
+    headers = [
+        "GPU",
+        "STATE",
+        "PROFILE",
+        "PLACEMENT",
+        "GI",
+        "CI",
+        "MIG UUID",
+        "OWNER",
+        "TAKEN OVER FROM",
+        "ERROR",
+    ]
     out.append(_table(headers, instance_rows) if instance_rows else "(none)")
     out += ["", "FOREIGN (not owned; never touched)"]
     foreign_headers = ["GPU", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID"]
@@ -202,6 +217,68 @@ def _cmd_status(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
     else:
         sys.stdout.write(format_status(info, state))
+    return EXIT_OK
+
+
+# -- reclaim ----------------------------------------------------------------------------------------------
+
+
+def _rpc_failure(command: str, socket: Path, exc: Any) -> int:
+    """Print a failed call as ``CODE REASON: message`` (the ErrorInfo reason when there is one)."""
+    from google.rpc import error_details_pb2  # noqa: PLC0415
+    from grpc_status import rpc_status  # noqa: PLC0415
+
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    reason = ""
+    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason = f" {info.reason}"
+    print(f"hami-mig-sidecar {command}: {socket}: {code}{reason}: {details}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _cmd_reclaim(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from google.protobuf import json_format  # noqa: PLC0415
+    from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
+    from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc  # noqa: PLC0415
+
+    socket = Path(args.socket)
+    if not socket.exists():
+        print(
+            f"hami-mig-sidecar reclaim: no sidecar socket at {socket} (is the sidecar running?)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = pb_grpc.MigSidecarStub(channel)
+        try:
+            gpus = stub.ListGpus(pb.ListGpusRequest(), timeout=args.timeout).gpus
+            gpu = next((g for g in gpus if g.index == args.gpu), None)
+            if gpu is None:
+                print(
+                    f"hami-mig-sidecar reclaim: the sidecar has no GPU with index {args.gpu}", file=sys.stderr
+                )
+                return EXIT_FAILED
+            request = pb.ReclaimIdleRequest(gpu_uuid=gpu.uuid, mig_uuids=args.mig_uuid or [])
+            response = stub.ReclaimIdle(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            return _rpc_failure("reclaim", socket, exc)
+    if args.json:
+        document = json_format.MessageToDict(
+            response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    elif not response.reclaimed:
+        sys.stdout.write(f"GPU {gpu.index} ({gpu.uuid}): no IDLE instance to reclaim\n")
+    else:
+        for ref in response.reclaimed:
+            sys.stdout.write(
+                f"reclaimed {ref.mig_uuid} {ref.profile}@{_placement(ref.placement)} on GPU {gpu.index}\n"
+            )
     return EXIT_OK
 
 
@@ -270,6 +347,37 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print GetInfo and GetState as one JSON document")
     status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="per-call deadline")
     status.set_defaults(func=_cmd_status)
+
+    reclaim = commands.add_parser(
+        "reclaim",
+        help="destroy IDLE instances of a GPU on a running sidecar",
+        description="Ask a running sidecar to destroy IDLE instances of one GPU (ReclaimIdle): the ones "
+        "named with --mig-uuid, or every IDLE one. ACTIVE, ERROR and foreign instances are never destroyed; "
+        "a named one that is not IDLE, an unknown MIG UUID or a running process refuses the whole call "
+        "and nothing is destroyed (exit 1, the reason printed).",
+    )
+    reclaim.add_argument(
+        "--socket",
+        default=_env_default("--socket", str(config.DEFAULT_SOCKET)),
+        metavar="PATH",
+        help=f"the sidecar's socket [env {config.env_name('--socket')}; default: {config.DEFAULT_SOCKET}]",
+    )
+    reclaim.add_argument("--gpu", type=int, required=True, metavar="N", help="the GPU's NVML index")
+    reclaim.add_argument(
+        "--mig-uuid",
+        action="append",
+        metavar="MIG-UUID",
+        help="an IDLE instance to destroy (repeatable; default: every IDLE instance of the GPU)",
+    )
+    reclaim.add_argument("--json", action="store_true", help="print the ReclaimIdle response as JSON")
+    reclaim.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="per-call deadline (destroys on real hardware take a while)",
+    )
+    reclaim.set_defaults(func=_cmd_reclaim)
 
     records_parser = commands.add_parser("records", help="inspect ownership records offline")
     records_commands = records_parser.add_subparsers(dest="records_command", metavar="ACTION", required=True)

@@ -134,6 +134,13 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         switch=True,
     ),
     FlagSpec(
+        "--no-hami-takeover",
+        "no_hami_takeover",
+        "At recovery, leave the ownership records and CDI specs of HAMi's in-process MIG lifecycle alone "
+        "(their instances stay foreign) instead of taking them over.",
+        switch=True,
+    ),
+    FlagSpec(
         "--metrics-address",
         "metrics_address",
         "Serve Prometheus metrics over HTTP on HOST:PORT (off when unset; port 0 picks a free one and "
@@ -189,6 +196,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     sim_state: Path | None = None
     sim_gpus: tuple[SimGpu, ...] = ()
     adopt_existing: bool = False
+    hami_takeover: bool = True  # take over HAMi's in-process records and specs at recovery
     metrics_address: MetricsAddress | None = None
     log_level: str = "INFO"
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
@@ -360,6 +368,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         sim_state=sim_state,
         sim_gpus=sim_gpus,
         adopt_existing=_switch(raw["adopt_existing"], origin["adopt_existing"]),
+        hami_takeover=not _switch(raw["no_hami_takeover"], origin["no_hami_takeover"]),
         metrics_address=metrics,
         log_level=log_level,
         reconcile_interval_s=_seconds(raw["reconcile_interval"], origin["reconcile_interval"]),

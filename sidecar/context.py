@@ -16,7 +16,7 @@ from sidecar.generation import Generations
 from sidecar.inventory import Inventory
 from sidecar.locks import Locks
 from sidecar.nvml.port import NvmlPort
-from sidecar.ownership import OwnershipRecord
+from sidecar.ownership import Origin, OwnershipRecord
 from sidecar.records import RecordStore
 from sidecar.states import now_rfc3339, transition
 from sidecar.table import Table
@@ -44,9 +44,11 @@ class Context:
         if not self.recovered:
             raise NotRecovered("startup recovery has not succeeded yet; call Recover first")
 
-    def activate(self, record: OwnershipRecord, owner: Owner) -> OwnershipRecord:
+    def activate(
+        self, record: OwnershipRecord, owner: Owner, origin: Origin = Origin.REUSED
+    ) -> OwnershipRecord:
         """``record`` ACTIVE for ``owner``, stamped with a fresh generation (StateWriteFailed as for
-        ``Generations.next``)."""
+        ``Generations.next``). ``origin``: whether this activation created it (``UndoAllocate``)."""
         generation = self.generations.next()
         return transition(
             record,
@@ -55,6 +57,7 @@ class Context:
             owner=owner,
             activated_generation=generation,
             last_error="",
+            origin=origin,
         )
 
     def idle(self, record: OwnershipRecord) -> OwnershipRecord:

@@ -21,11 +21,22 @@ POINTS: tuple[str, ...] = (
     "after-record-gi",
     "after-create-ci",
     "after-write-cdi",
+    # takeover of a HAMi record at Recover: the sidecar's record is durable, HAMi's file not yet gone;
+    # then HAMi's file is gone too
+    "after-takeover-record",
+    "after-remove-hami-record",
     # reclaim (step 4)
     "after-record-deleting",
     "after-destroy-ci",
     "after-destroy-gi",
     "after-remove-cdi",
+    # UndoAllocate: after each created instance is destroyed, after each reused one is IDLE again
+    "after-undo-destroy-one",
+    "after-undo-idle-one",
+    # ReclaimIdle: after each IDLE instance is destroyed
+    "after-reclaim-idle-one",
+    # SetMigMode(enabled=false, reclaim_idle=true): the IDLE instances are gone, MIG not yet disabled
+    "after-reclaim-for-disable",
 )
 
 _armed = os.environ.get(ENV, "")

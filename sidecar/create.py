@@ -18,7 +18,7 @@ from sidecar.decision import Busy
 from sidecar.domain import MIG_UUID_RE, Identity, Placement, State
 from sidecar.errors import NvmlFailure, PlacementBusy, SidecarError, UnverifiableState, nvml_errors
 from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
-from sidecar.ownership import OwnershipRecord, parse_record_name
+from sidecar.ownership import Origin, OwnershipRecord, parse_record_name
 from sidecar.states import enter, now_rfc3339
 from sidecar.teardown import undo_create
 from sidecar.validate import Validated
@@ -83,7 +83,7 @@ def create(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecor
         identity = Identity(gi.id, ci.id, ci.mig_uuid)
         cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
         crashpoints.crashpoint("after-write-cdi")
-        active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner)
+        active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner, Origin.CREATED)
         ctx.table.put(active)
     except _Refused as refused:
         # Nothing was made, so there is nothing to undo: the search for a GI this create made would

@@ -152,6 +152,18 @@ def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
     return decoded
 
 
+MAX_MIG_UUIDS = 64  # a GPU holds at most 7 MIG devices; more names than this is not a real request
+
+
+def mig_uuids(values: Sequence[str], where: str) -> list[str]:
+    """MIG UUIDs named by a request, each checked for shape (whether it exists is the lifecycle's)."""
+    require(len(values) <= MAX_MIG_UUIDS, f"{where}: {len(values)} MIG UUIDs, more than {MAX_MIG_UUIDS}")
+    for position, value in enumerate(values):
+        field = f"{where}[{position}]"
+        require(bool(MIG_UUID_RE.match(value)), f"{field}: {clip(value)} is not a MIG UUID", field=field)
+    return list(values)
+
+
 def allowed_profiles(names: Sequence[str]) -> list[str]:
     for position, name in enumerate(names):
         profile_name(name, f"allowed_profiles[{position}]", f"allowed_profiles[{position}]")

@@ -70,6 +70,7 @@ def encode_instance(record: OwnershipRecord) -> Any:
         state=record.state.value,
         cdi_device=record.cdi_device,
         last_error=record.last_error,
+        taken_over_from=record.taken_over_from,
     )
     if record.owner is not None:
         owner = record.owner

@@ -8,10 +8,12 @@
     │   ├── UnknownProfile            INVALID_ARGUMENT  UNKNOWN_PROFILE
     │   └── IllegalPlacement          INVALID_ARGUMENT  ILLEGAL_PLACEMENT
     ├── UnknownGpu                    NOT_FOUND         UNKNOWN_GPU
+    ├── UnknownInstance               NOT_FOUND         UNKNOWN_INSTANCE  (ReclaimIdle: no owned instance)
     ├── NotRecovered                  FAILED_PRECONDITION NOT_RECOVERED
     ├── PlacementBusy                 FAILED_PRECONDITION PLACEMENT_BUSY   (metadata names the blocker)
     ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
     ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
+    ├── NotIdle                       FAILED_PRECONDITION NOT_IDLE         (ReclaimIdle: named, not IDLE)
     ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
     │   └── ComputeInstanceNotOurs                        (a CI in a GI recorded bare: never destroyed)
     ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
@@ -68,6 +70,13 @@ class UnknownGpu(SidecarError):
     code = Code.NOT_FOUND
 
 
+class UnknownInstance(SidecarError):
+    """A MIG UUID that names no instance this sidecar owns on that GPU (foreign ones included)."""
+
+    reason = "UNKNOWN_INSTANCE"
+    code = Code.NOT_FOUND
+
+
 class NotRecovered(SidecarError):
     reason = "NOT_RECOVERED"
     code = Code.FAILED_PRECONDITION
@@ -85,6 +94,13 @@ class KeyConflict(SidecarError):
 
 class MigDisabled(SidecarError):
     reason = "MIG_DISABLED"
+    code = Code.FAILED_PRECONDITION
+
+
+class NotIdle(SidecarError):
+    """An owned instance named for a reclaim that is not IDLE (ACTIVE, ERROR, in flight): never destroyed."""
+
+    reason = "NOT_IDLE"
     code = Code.FAILED_PRECONDITION
 
 

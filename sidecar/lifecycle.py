@@ -1,7 +1,8 @@
 """The lifecycle facade: the one object server, recovery and reconciler talk to (architecture 5).
 
 It only wires the parts together; every rule lives in the module named beside its method:
-``allocate`` (Allocate), ``release`` (Release, SyncActive), ``migmode`` (SetMigMode),
+``allocate`` (Allocate), ``release`` (Release, SyncActive), ``undo`` (UndoAllocate), ``reclaim``
+(ReclaimIdle), ``migmode`` (SetMigMode),
 ``teardown`` (destroys, the reconciler's retry), ``inventory`` (caches, GetState), ``table``
 (the in-memory table, disk first), ``generation`` (the fence), ``locks`` (the lock order).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
-from sidecar import inventory, migmode, release, teardown
+from sidecar import inventory, migmode, reclaim, release, teardown, undo
 from sidecar.allocate import Allocator
 from sidecar.cdi import CdiSpecs
 from sidecar.context import Context
@@ -77,8 +78,20 @@ class Lifecycle:
     ) -> tuple[list[InstanceRef], list[InstanceRef]]:
         return release.sync_active(self.ctx, generation, active)
 
-    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> tuple[bool, bool, bool]:
-        return migmode.set_mig_mode(self.ctx, gpu_uuid, enabled)
+    def undo_allocate(
+        self, pod_uid: str, container_index: int
+    ) -> tuple[list[InstanceRef], list[InstanceRef]]:
+        """(destroyed, idled): the rollback of a successful Allocate for (pod, container)."""
+        return undo.undo_allocate(self.ctx, pod_uid, container_index)
+
+    def reclaim_idle(self, gpu_uuid: str, mig_uuids: Sequence[str] = ()) -> list[InstanceRef]:
+        """Destroy IDLE instances of a GPU (the named ones; none named: all); the one way to ask for it."""
+        return reclaim.reclaim_idle(self.ctx, gpu_uuid, mig_uuids)
+
+    def set_mig_mode(
+        self, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False
+    ) -> tuple[bool, bool, bool]:
+        return migmode.set_mig_mode(self.ctx, gpu_uuid, enabled, reclaim_idle=reclaim_idle)
 
     # -- used by recovery and the reconciler ---------------------------------------------------------
     def install(

@@ -1,7 +1,12 @@
-"""SetMigMode: enable or disable MIG on one GPU, refusing while any GPU instance exists."""
+"""SetMigMode: enable or disable MIG on one GPU, refusing while any GPU instance exists.
+
+With ``reclaim_idle`` a disable first destroys the GPU's IDLE instances (``reclaim.reclaim_for_disable``),
+under the same GPU lock, so nothing can be allocated between the reclaim and the mode change.
+"""
 
 from __future__ import annotations
 
+from sidecar import reclaim
 from sidecar.context import Context
 from sidecar.errors import InstanceInUse, NvmlFailure, PlacementBusy, nvml_errors
 from sidecar.nvml.port import (
@@ -13,9 +18,13 @@ from sidecar.nvml.port import (
 )
 
 
-def set_mig_mode(ctx: Context, gpu_uuid: str, enabled: bool) -> tuple[bool, bool, bool]:
+def set_mig_mode(
+    ctx: Context, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False
+) -> tuple[bool, bool, bool]:
     """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists,
     and answers InstanceInUse when the driver refuses the change because a process runs on the GPU.
+    ``reclaim_idle`` (with ``enabled=False``): the IDLE instances are destroyed first; anything else
+    on the GPU refuses as ``reclaim_for_disable`` says, before anything is destroyed.
 
     PLACEMENT_BUSY (FAILED_PRECONDITION) rather than INVALID_REQUEST because the request is well
     formed and becomes valid once the instances are gone; the metadata names ``blocker`` =
@@ -25,6 +34,8 @@ def set_mig_mode(ctx: Context, gpu_uuid: str, enabled: bool) -> tuple[bool, bool
     port = ctx.port
     with ctx.locks.gpu(gpu_uuid):
         if not enabled:
+            if reclaim_idle:
+                reclaim.reclaim_for_disable(ctx, gpu_uuid)
             owned = ctx.table.on_gpu(gpu_uuid)
             live: list[GpuInstanceInfo] = []
             with nvml_errors(f"read MIG mode of {gpu_uuid}"):

@@ -12,6 +12,7 @@ says whether a name is exactly what ``record_name`` produces.
 
 from __future__ import annotations
 
+import enum
 import re
 
 import msgspec
@@ -23,6 +24,18 @@ from sidecar.domain import GPU_UUID_RE, Identity, InstanceRef, Owner, Placement,
 _NAME_RE = re.compile(
     r"^mig-(GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})-([0-9]+)-([0-9]+)$"
 )
+
+
+class Origin(enum.StrEnum):
+    """How the holder's Allocate got an ACTIVE instance: made for it, or an IDLE one handed over.
+
+    ``UndoAllocate`` destroys what was CREATED and gives back what was REUSED. Where the sidecar
+    cannot know (records written before the field existed, recovery adopting an ACTIVE instance from
+    the pod list, SyncActive reactivating an IDLE one) it is REUSED: an undo then keeps the instance
+    IDLE, still reclaimable, instead of destroying what it cannot prove its Allocate made."""
+
+    CREATED = "CREATED"
+    REUSED = "REUSED"
 
 
 class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,6 +60,11 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # Set in the record written just before the CI create is issued; cleared once the CI is recorded
     # or the GI has been seen without one. See ``may_own_unrecorded_ci``.
     ci_create_issued: bool = False
+    # How the current holder got it (``Origin``); meaningful while ACTIVE, kept as it was otherwise.
+    origin: Origin = Origin.REUSED
+    # "hami" when recovery took the instance over from HAMi's in-process lifecycle: its HAMi CDI spec
+    # may still be in use and goes with the instance (teardown removes it after the destroy).
+    taken_over_from: str = ""
 
     @property
     def name(self) -> str:
@@ -113,4 +131,4 @@ def instance_ref(record: OwnershipRecord) -> InstanceRef:
     return InstanceRef(record.reservation, record.identity)
 
 
-__all__ = ["OwnershipRecord", "instance_ref", "is_record_name", "parse_record_name", "record_name"]
+__all__ = ["Origin", "OwnershipRecord", "instance_ref", "is_record_name", "parse_record_name", "record_name"]

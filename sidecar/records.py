@@ -61,6 +61,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.errors import StateWriteFailed
+from sidecar.hami_files import is_record_filename as is_hami_record
 from sidecar.ownership import OwnershipRecord, is_record_name, record_name
 from sidecar.record_format import (
     GENERATION_FILE,
@@ -193,7 +194,7 @@ def scan(directory: Path) -> tuple[dict[str, OwnershipRecord], dict[str, Corrupt
     valid: dict[str, OwnershipRecord] = {}
     corrupt: dict[str, CorruptRecord] = {}
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if entry.name.startswith(".") or not entry.name.endswith(SUFFIX):
+        if entry.name.startswith(".") or not entry.name.endswith(SUFFIX) or is_hami_record(entry.name):
             continue
         path = Path(entry.path)
         name = entry.name[: -len(SUFFIX)]
@@ -348,16 +349,18 @@ class RecordStore:
 
     def put(self, record: OwnershipRecord) -> None:
         """Atomically write (temp in same dir, fsync, rename, fsync dir; mode 0600).
-
         Refuses (CorruptRecord) to overwrite a file that exists and is corrupt.
         OSError -> StateWriteFailed."""
         self._mutate(record.name, encode_record(record))
 
     def delete(self, name: str) -> None:
         """Remove a record; a missing one is a no-op; a corrupt one is refused (CorruptRecord).
-
         OSError -> StateWriteFailed."""
         self._mutate(name, None)
+
+    def remove_if(self, filename: str, check: Callable[[], bool], what: str) -> None:
+        """Remove another file here (HAMi's records) under the one lock when ``check`` says so."""
+        self._mutate_file(self.directory / Path(filename).name, check, None, what)
 
     def load_generation_ceiling(self) -> int | None:
         """The stored generation ceiling; None when there is no ``generation`` file; CorruptRecord."""

@@ -341,12 +341,34 @@ class MigSidecarServicer:
     def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
-            current, pending, needs_reset = self.lifecycle.set_mig_mode(gpu_uuid, bool(request.enabled))
+            current, pending, needs_reset = self.lifecycle.set_mig_mode(
+                gpu_uuid, bool(request.enabled), reclaim_idle=bool(request.reclaim_idle)
+            )
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
             )
 
         return self._handle("SetMigMode", context, answer)
+
+    def UndoAllocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            pod_uid = decode.pod_uid(request.pod_uid, "request", "pod_uid")
+            destroyed, idled = self.lifecycle.undo_allocate(pod_uid, int(request.container_index))
+            return pb.UndoAllocateResponse(
+                destroyed=[encode.encode_ref(ref) for ref in destroyed],
+                idled=[encode.encode_ref(ref) for ref in idled],
+            )
+
+        return self._handle("UndoAllocate", context, answer)
+
+    def ReclaimIdle(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            mig_uuids = decode.mig_uuids(request.mig_uuids, "mig_uuids")
+            reclaimed = self.lifecycle.reclaim_idle(gpu_uuid, mig_uuids)
+            return pb.ReclaimIdleResponse(reclaimed=[encode.encode_ref(ref) for ref in reclaimed])
+
+        return self._handle("ReclaimIdle", context, answer)
 
 
 class Undecodable:

@@ -186,6 +186,9 @@ def destroy(
         ctx.table.fail(rec, str(exc))
         raise
     remove_spec(ctx, rec.mig_uuid)
+    if rec.taken_over_from and rec.mig_uuid is not None and not ctx.cdi.remove_hami_spec(rec.mig_uuid):
+        # The spec HAMi wrote for an instance taken over from it goes with the instance.
+        _log.warning("removing HAMi's CDI spec of %s failed; queued for the reconciler", rec.mig_uuid)
     crashpoints.crashpoint("after-remove-cdi")
     delete_after_destroy(ctx, rec)
     return instance_ref(record)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sidecar import errors
 from sidecar.domain import ActiveAllocation, State
-from sidecar.ownership import OwnershipRecord, instance_ref, record_name
+from sidecar.ownership import Origin, OwnershipRecord, instance_ref, record_name
 from sidecar.recovery.books import Books, live_ref
 from sidecar.recovery.steps import Action, PutRecord, Reported, Step
 from sidecar.states import enter
@@ -109,6 +109,13 @@ def adopt_active(b: Books) -> Books:
                 cdi_device=b.cdi_name(ci.mig_uuid),
                 boot_id=boot or b.inputs.boot_id,
                 since=since,
+                # Kept for the same allocation; an adopted one may have been made by anyone.
+                origin=old.origin if keep_activation and old is not None else Origin.REUSED,
+                # The mark of an instance taken over from HAMi stays with it: teardown removes
+                # HAMi's spec of it after the destroy.
+                taken_over_from=old.taken_over_from
+                if old is not None and old.mig_uuid == ci.mig_uuid
+                else "",
             ),
             replacing=old,
             recovery=True,

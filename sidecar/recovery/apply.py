@@ -7,10 +7,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from sidecar import errors
+from sidecar import errors, hami_store
 from sidecar.cdi import CdiSpecs
+from sidecar.crashpoints import crashpoint
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.errors import ComputeInstanceNotOurs, nvml_errors
+from sidecar.hami_takeover import read_record_file
 from sidecar.lifecycle import Lifecycle
 from sidecar.logs import event
 from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
@@ -28,6 +30,8 @@ from sidecar.recovery.plan import (
     PutRecord,
     RecoveryReport,
     RemoveCdi,
+    RemoveHamiRecord,
+    RemoveHamiSpec,
     Step,
     plan,
     settle_report,
@@ -79,6 +83,7 @@ class Recovery:
         cdi: CdiSpecs,
         boot_id: str,
         adopt_existing: bool,
+        hami_takeover: bool = True,
     ) -> None:
         self.lifecycle = lifecycle
         self.port = port
@@ -86,6 +91,7 @@ class Recovery:
         self.cdi = cdi
         self.boot_id = boot_id
         self.adopt_existing = adopt_existing
+        self.hami_takeover = hami_takeover
         # One recovery at a time: a second Recover RPC waits and then sees the first one's result.
         self._lock = threading.Lock()
 
@@ -138,6 +144,11 @@ class Recovery:
             cdi_paths={uuid: str(path) for uuid, path in cdi_found.items()},
             cdi_devices={uuid: self.cdi.device_name(uuid) for uuid in mig_uuids} if self.cdi.enabled else {},
             boot_id=self.boot_id,
+            hami_records=tuple(
+                read_record_file(n, d) for n, d in hami_store.record_files(self.records.directory)
+            ),
+            hami_specs=tuple(self.cdi.hami_specs()),
+            hami_takeover=self.hami_takeover,
             adopt_existing=self.adopt_existing,
             recovered=self.lifecycle.recovered,
             generation=max(self.lifecycle.generation, ceiling),
@@ -230,6 +241,13 @@ class Recovery:
             case RemoveCdi(mig_uuid=mig_uuid, path=path):
                 if not self.cdi.remove(mig_uuid, Path(path) if path else None):
                     return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
+            case RemoveHamiRecord(filename=filename, record_name=name, mig_uuid=mig_uuid):
+                crashpoint("after-takeover-record")
+                hami_store.remove_taken_over(self.records, filename, name, mig_uuid)
+                crashpoint("after-remove-hami-record")
+            case RemoveHamiSpec(mig_uuid=mig_uuid):
+                if not self.cdi.remove_hami_spec(mig_uuid):
+                    return f"removing HAMi's CDI spec of {mig_uuid} failed; it is queued for the reconciler"
         return None
 
     def _require_idle_gpu(self, gpu_uuid: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.domain import ActiveAllocation
+from sidecar.hami_files import HamiSpec
+from sidecar.hami_takeover import HamiRecordFile
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
 from sidecar.ownership import OwnershipRecord
 
@@ -45,6 +47,10 @@ class Inputs(msgspec.Struct, frozen=True, kw_only=True):
     # MIG UUID -> qualified CDI device name of every live CI ("" or absent with CDI disabled)
     cdi_devices: dict[str, str] = msgspec.field(default_factory=dict)
     boot_id: str = ""
+    # HAMi's in-process lifecycle's files (``hami_takeover``); empty with the takeover turned off.
+    hami_records: tuple[HamiRecordFile, ...] = ()
+    hami_specs: tuple[HamiSpec, ...] = ()
+    hami_takeover: bool = True  # False: HAMi's files are all kept and their instances stay foreign
     adopt_existing: bool = False
     # True for a Recover repeated while the sidecar serves: its pod list may be older than the
     # activations since, and it carries no generation fence, so it never demotes ACTIVE to IDLE.

@@ -11,6 +11,7 @@ from sidecar.ownership import parse_record_name
 from sidecar.recovery.active import adopt_active
 from sidecar.recovery.books import Books
 from sidecar.recovery.corrupt import preserve_corrupt
+from sidecar.recovery.hami import take_over_hami
 from sidecar.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
 from sidecar.recovery.recorded import reconcile_records
 from sidecar.recovery.specs import reconcile_cdi
@@ -23,6 +24,8 @@ from sidecar.recovery.steps import (
     PutRecord,
     RecoveryReport,
     RemoveCdi,
+    RemoveHamiRecord,
+    RemoveHamiSpec,
     Reported,
     ReportList,
     Step,
@@ -37,11 +40,13 @@ def plan(inputs: Inputs) -> Plan:
     """Decide what recovery does, from plain values only (no I/O).
 
     The rules run in this order because each reads what the earlier ones claimed (``Books``):
-    active allocations first (the pod list outranks records), then records, then corrupt files,
+    active allocations first (the pod list outranks records), then records, then HAMi's records
+    (what the sidecar verified of its own is never taken on HAMi's word), then corrupt files,
     then whatever nobody claimed, and the CDI specs last, over the table the others built."""
     books = Books(inputs)
     books = adopt_active(books)
     books = reconcile_records(books)
+    books = take_over_hami(books)
     books = preserve_corrupt(books)
     books = handle_unowned(books)
     books = reconcile_cdi(books)
@@ -78,6 +83,8 @@ __all__ = [
     "PutRecord",
     "RecoveryReport",
     "RemoveCdi",
+    "RemoveHamiRecord",
+    "RemoveHamiSpec",
     "ReportList",
     "Reported",
     "Step",

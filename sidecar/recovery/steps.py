@@ -72,7 +72,23 @@ class RemoveCdi(msgspec.Struct, frozen=True, tag=True):
     path: str = ""
 
 
-Action = PutRecord | DeleteRecord | DestroyOwned | EnsureCdi | RemoveCdi
+class RemoveHamiRecord(msgspec.Struct, frozen=True, tag=True):
+    """Remove HAMi's ownership record ``filename`` of ``mig_uuid`` once the sidecar's record
+    ``record_name`` of that instance is on disk (re-read first: a step whose record write failed never
+    gets here, and one whose record is gone does not remove HAMi's file)."""
+
+    filename: str
+    record_name: str
+    mig_uuid: str
+
+
+class RemoveHamiSpec(msgspec.Struct, frozen=True, tag=True):
+    """Remove HAMi's CDI spec of ``mig_uuid`` if the file is still HAMi's (re-read first)."""
+
+    mig_uuid: str
+
+
+Action = PutRecord | DeleteRecord | DestroyOwned | EnsureCdi | RemoveCdi | RemoveHamiRecord | RemoveHamiSpec
 
 # The lists of the report that steps feed: each names what a step did, so it holds an entry only
 # once that step has succeeded. ``preserved_foreign`` and ``errors`` are fed by the planner directly

@@ -255,7 +255,7 @@ class Sidecar:
         The reconciler may delete a record between the listing and its read (every 0.2 s by default):
         that record is left out, as if the listing had come a moment later."""
         found: dict[str, dict[str, Any]] = {}
-        for path in sorted(self.state_dir.glob("*.json")):
+        for path in sorted(self.state_dir.glob("mig-*.json")):
             try:
                 found[path.stem] = json.loads(path.read_bytes())["record"]
             except FileNotFoundError:

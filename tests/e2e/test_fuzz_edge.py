@@ -204,6 +204,14 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
         pb.SetMigModeRequest,
         st.builds(pb.SetMigModeRequest, gpu_uuid=gpu_uuids(), enabled=st.just(True)),
     ),
+    "UndoAllocate": (
+        pb.UndoAllocateRequest,
+        st.builds(pb.UndoAllocateRequest, pod_uid=POD_UIDS, container_index=UINT32),
+    ),
+    "ReclaimIdle": (
+        pb.ReclaimIdleRequest,
+        st.builds(pb.ReclaimIdleRequest, gpu_uuid=gpu_uuids(), mig_uuids=st.lists(MIG_UUIDS, max_size=3)),
+    ),
 }
 
 

@@ -183,3 +183,13 @@ class TestHelp:
         for spec in config.SERVE_FLAGS:
             assert spec.flag in text
             assert spec.env in text
+
+
+class TestHamiTakeover:
+    def test_taking_over_hamis_files_is_on_by_default(self) -> None:
+        assert parse([]).hami_takeover is True
+
+    def test_the_flag_or_its_environment_variable_turns_it_off(self) -> None:
+        assert parse(["--no-hami-takeover"]).hami_takeover is False
+        assert parse([], {"HAMI_MIG_SIDECAR_NO_HAMI_TAKEOVER": "true"}).hami_takeover is False
+        assert parse([], {"HAMI_MIG_SIDECAR_NO_HAMI_TAKEOVER": "false"}).hami_takeover is True

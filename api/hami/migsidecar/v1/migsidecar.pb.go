@@ -1792,8 +1792,10 @@ type Instance struct {
 	CdiDevice         string                 `protobuf:"bytes,9,opt,name=cdi_device,json=cdiDevice,proto3" json:"cdi_device,omitempty"`
 	LastError         string                 `protobuf:"bytes,10,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
 	Since             *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=since,proto3" json:"since,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// "hami" for an instance taken over at Recover from HAMi's in-process lifecycle; "" otherwise.
+	TakenOverFrom string `protobuf:"bytes,12,opt,name=taken_over_from,json=takenOverFrom,proto3" json:"taken_over_from,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Instance) Reset() {
@@ -1901,6 +1903,13 @@ func (x *Instance) GetSince() *timestamppb.Timestamp {
 		return x.Since
 	}
 	return nil
+}
+
+func (x *Instance) GetTakenOverFrom() string {
+	if x != nil {
+		return x.TakenOverFrom
+	}
+	return ""
 }
 
 // A GI (and maybe its CI) on the hardware that no ownership record claims.
@@ -2776,7 +2785,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
-	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xc9\x03\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xf1\x03\n" +
 	"\bInstance\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -2791,7 +2800,8 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\n" +
 	" \x01(\tR\tlastError\x120\n" +
-	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\"\x8d\x02\n" +
+	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12&\n" +
+	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\"\x8d\x02\n" +
 	"\x0fForeignInstance\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12;\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12&\n" +

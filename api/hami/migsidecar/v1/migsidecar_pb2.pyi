@@ -322,7 +322,7 @@ class Owner(_message.Message):
     def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since")
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class Instance(_message.Message):
     CDI_DEVICE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_OVER_FROM_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     profile: str
     placement: Placement
@@ -345,7 +346,8 @@ class Instance(_message.Message):
     cdi_device: str
     last_error: str
     since: _timestamp_pb2.Timestamp
-    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    taken_over_from: str
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ...) -> None: ...
 
 class ForeignInstance(_message.Message):
     __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid")

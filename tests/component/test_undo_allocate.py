@@ -1,0 +1,159 @@
+"""UndoAllocate: created instances destroyed, reused ones IDLE again, fenced to the exact key."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_world import World, active_of, restart
+
+from sidecar import errors
+from sidecar.domain import Outcome, State
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.ownership import Origin
+from sidecar.reconciler import Reconciler
+
+FOREVER = 1000
+
+
+def reuse_and_create(world: World) -> tuple[str, str]:
+    """pod-b reuses pod-a's released instance at 0:1 and creates one at 1:1; their MIG UUIDs."""
+    world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+    world.lifecycle.release("pod-a")
+    devices = world.allocate("pod-b", (0, "1g.10gb", 0, 1), (0, "1g.10gb", 1, 1)).devices
+    assert [d.outcome for d in devices] == [Outcome.REUSED, Outcome.CREATED]
+    return devices[0].identity.mig_uuid, devices[1].identity.mig_uuid
+
+
+class TestUndoAllocate:
+    def test_the_created_instance_is_destroyed_and_the_reused_one_goes_idle(self, world: World) -> None:
+        reused, created = reuse_and_create(world)
+        origins = {r.mig_uuid: r.origin for r in world.record_files().values()}
+        assert origins == {reused: Origin.REUSED, created: Origin.CREATED}
+
+        destroyed, idled = world.lifecycle.undo_allocate("pod-b", 0)
+
+        assert [r.identity.mig_uuid for r in destroyed if r.identity] == [created]
+        assert [r.identity.mig_uuid for r in idled if r.identity] == [reused]
+        assert world.live_mig_uuids() == {reused}
+        [record] = world.record_files().values()
+        assert (record.mig_uuid, record.state, record.owner) == (reused, State.IDLE, None)
+        if world.cdi.enabled:
+            assert world.cdi_files() == {world.cdi.spec_path(reused).name}
+        world.assert_consistent()
+
+    def test_repeating_it_changes_nothing(self, world: World) -> None:
+        reuse_and_create(world)
+        world.lifecycle.undo_allocate("pod-b", 0)
+        before = world.everything()
+        assert world.lifecycle.undo_allocate("pod-b", 0) == ([], [])
+        assert world.everything() == before
+
+    def test_an_unknown_key_is_ok_and_changes_nothing(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-a", (0, "1g.10gb", 1, 1), container_index=1)
+        before = world.everything()
+        assert world.lifecycle.undo_allocate("pod-nobody", 0) == ([], [])
+        assert world.lifecycle.undo_allocate("pod-a", 7) == ([], [])
+        assert world.everything() == before
+
+    def test_only_the_named_container_is_undone(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        kept = world.allocate("pod-a", (0, "1g.10gb", 1, 1), container_index=1).devices[0]
+        world.lifecycle.undo_allocate("pod-a", 0)
+        assert {r.mig_uuid: r.state for r in world.record_files().values()} == {
+            kept.identity.mig_uuid: State.ACTIVE
+        }
+
+    def test_an_instance_released_since_is_untouched(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        before = world.everything()
+        assert world.lifecycle.undo_allocate("pod-a", 0) == ([], [])
+        assert world.everything() == before
+
+    def test_an_instance_handed_to_another_key_since_is_untouched(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        taken = world.allocate("pod-c", (0, "1g.10gb", 0, 1)).devices[0]
+        assert taken.outcome is Outcome.REUSED
+        before = world.everything()
+
+        assert world.lifecycle.undo_allocate("pod-a", 0) == ([], [])
+
+        assert world.everything() == before
+        [record] = world.record_files().values()
+        assert record.state is State.ACTIVE
+        assert record.owner is not None
+        assert record.owner.pod.uid == "pod-c"
+
+    def test_what_it_created_survives_a_restart_and_is_still_destroyed(self, world: World) -> None:
+        result = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        restart(world).recover(active_of("pod-a", result))
+        assert [r.origin for r in world.record_files().values()] == [Origin.CREATED]
+
+        destroyed, idled = world.lifecycle.undo_allocate("pod-a", 0)
+
+        assert (len(destroyed), idled) == (1, [])
+        assert world.layout() == set()
+        assert world.record_files() == {}
+
+    def test_an_instance_recovery_adopts_without_a_record_is_given_back_not_destroyed(
+        self, world: World
+    ) -> None:
+        """Recovery cannot know how the pod got it, so it counts as REUSED: kept IDLE, reclaimable."""
+        result = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        [name] = world.record_files()
+        world.records.path(name).unlink()
+        restart(world).recover(active_of("pod-a", result))
+        [adopted] = world.record_files().values()
+        assert (adopted.state, adopted.origin) == (State.ACTIVE, Origin.REUSED)
+
+        destroyed, idled = world.lifecycle.undo_allocate("pod-a", 0)
+
+        assert (destroyed, len(idled)) == ([], 1)
+        assert world.live_mig_uuids() == {result.devices[0].identity.mig_uuid}
+        assert [r.state for r in world.record_files().values()] == [State.IDLE]
+
+    def test_a_failed_destroy_leaves_error_answers_nvml_error_and_the_reconciler_finishes(
+        self, world: World
+    ) -> None:
+        reused, created = reuse_and_create(world)
+        world.hw.inject_fault("destroy-gi", NVML_ERROR_UNKNOWN, times=FOREVER)
+
+        with pytest.raises(errors.NvmlFailure) as caught:
+            world.lifecycle.undo_allocate("pod-b", 0)
+
+        assert caught.value.code is errors.Code.UNAVAILABLE
+        states = {r.mig_uuid: r.state for r in world.record_files().values()}
+        assert states == {reused: State.IDLE, created: State.ERROR}
+        assert world.lifecycle.undo_allocate("pod-b", 0) == ([], [])  # ERROR is not undone twice
+        world.hw.clear_faults()
+        Reconciler(world.lifecycle).run_once()
+        assert world.live_mig_uuids() == {reused}
+        world.assert_consistent()
+
+    def test_a_process_on_a_created_instance_refuses_and_changes_nothing(self, world: World) -> None:
+        _, created = reuse_and_create(world)
+        world.hw.set_busy(created)
+        before = world.everything()
+
+        with pytest.raises(errors.InstanceInUse) as caught:
+            world.lifecycle.undo_allocate("pod-b", 0)
+
+        assert caught.value.metadata["mig_uuid"] == created
+        assert world.everything() == before
+
+    def test_a_malformed_pod_uid_is_invalid_and_changes_nothing(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        before = world.everything()
+        with pytest.raises(errors.InvalidRequest):
+            world.lifecycle.undo_allocate("../pod-a", 0)
+        assert world.everything() == before
+
+    def test_before_recovery_it_is_refused(self, world: World) -> None:
+        result = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        before = world.everything()
+        restart(world)
+        with pytest.raises(errors.NotRecovered):
+            world.lifecycle.undo_allocate("pod-a", 0)
+        assert world.everything() == before
+        assert result.devices[0].identity.mig_uuid in world.live_mig_uuids()
