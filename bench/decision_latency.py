@@ -23,7 +23,9 @@ differs between rounds is flagged):
 7. GetState — what ``status`` shows an operator;
 8. (not measured) release everything, allocate and release a 7g.80gb to leave the idle blocker of (1).
 
-Usage: ``bench/decision_latency.py [--rounds N] [--calls] [--profile FILE]``. ``--calls`` prints the
+Usage: ``bench/decision_latency.py [--rounds N] [--calls] [--profile FILE] [--disk]``. The state
+(and the simulated hardware file) live on tmpfs (``/dev/shm``), as ``/var/run`` is on a node;
+``--disk`` runs the cycle a second time with them on disk. ``--calls`` prints the
 calls of each decision per C function; ``--profile FILE`` runs the sidecar under cProfile and writes
 its stats to FILE on exit (read them with ``python -m pstats FILE``).
 """
@@ -153,8 +155,10 @@ def describe(calls: dict[str, int]) -> str:
 
 def report(measure: Meter, show_calls: bool) -> None:
     base = statistics.median(measure.seconds["GetInfo"])
+    base99 = percentile(measure.seconds["GetInfo"], 0.99)
     header = (
-        f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'NVML calls':>12}{'mutating':>10}"
+        f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'p99/GetInfo':>13}"
+        f"{'NVML calls':>12}{'mutating':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -164,7 +168,10 @@ def report(measure: Meter, show_calls: bool) -> None:
         last = counts[-1]
         total = str(sum(last.values())) + ("" if all(c == last for c in counts) else " (varies)")
         mutating = sum(n for fn, n in last.items() if any(m in fn for m in _MUTATIONS))
-        print(f"{name:<26}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{p50 / base:>13.1f}{total:>12}{mutating:>10}")
+        print(
+            f"{name:<26}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{p50 / base:>13.1f}{p99 / base99:>13.1f}"
+            f"{total:>12}{mutating:>10}"
+        )
     if show_calls:
         print()
         for name in DECISIONS:
@@ -176,8 +183,21 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=100, help="rounds of the cycle (default 100)")
     parser.add_argument("--calls", action="store_true", help="print each decision's calls per C function")
     parser.add_argument("--profile", type=Path, metavar="FILE", help="cProfile the sidecar into FILE")
+    parser.add_argument(
+        "--disk", action="store_true", help="also run with the state on disk (default: tmpfs only)"
+    )
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="hmsb"))
+    # The state directory lives on tmpfs on a node (/var/run); /dev/shm is tmpfs here too.
+    tmpfs = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    for where in [tmpfs, *([None] if args.disk or tmpfs is None else [])]:
+        print(f"state on {'tmpfs (' + str(where) + ')' if where else 'disk (' + tempfile.gettempdir() + ')'}")
+        run(args, where)
+    return 0
+
+
+def run(args: argparse.Namespace, parent: Path | None) -> None:
+    """One sidecar, its state under ``parent`` (None: the default temp directory), the whole cycle."""
+    root = Path(tempfile.mkdtemp(prefix="hmsb", dir=parent))
     socket, state = root / "s.sock", root / "hw.json"
     python = (
         [sys.executable, "-m", "cProfile", "-o", str(args.profile.resolve())]
@@ -210,7 +230,6 @@ def main() -> int:
         proc.terminate()
         proc.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -14,17 +14,25 @@ import msgspec
 
 from sidecar import placement
 from sidecar.context import Context
-from sidecar.create import create, require_no_record_for_the_operator
+from sidecar.create import create, placement_busy, require_no_record_for_the_operator
 from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
-from sidecar.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome
+from sidecar.domain import (
+    AllocatedDevice,
+    AllocateRequest,
+    AllocateResult,
+    InstanceRef,
+    Outcome,
+    Placement,
+    State,
+)
 from sidecar.errors import (
     InstanceInUse,
     KeyConflict,
-    PlacementBusy,
     SidecarError,
     UnverifiableState,
     nvml_errors,
 )
+from sidecar.nvml.port import GpuInstanceInfo, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.teardown import destroy
 from sidecar.validate import Validated, validate
@@ -39,6 +47,18 @@ class _Done(msgspec.Struct, frozen=True):
     record_name: str
 
 
+class Room(msgspec.Struct, frozen=True):
+    """What a Create device needs, judged once under the GPU lock and handed to its create.
+
+    ``live``: the GI listing it was judged on, handed on to the destroys (None: the records alone
+    showed the placement free, or covered only by IDLE instances ``proven`` live by their MIG UUID,
+    so the create goes ahead and a refusal of the driver names the blocker)."""
+
+    reclaim: tuple[OwnershipRecord, ...] = ()
+    live: tuple[GpuInstanceInfo, ...] | None = None
+    proven: bool = False
+
+
 class Allocator:
     """The Allocate transaction over the shared lifecycle parts."""
 
@@ -51,29 +71,30 @@ class Allocator:
         ctx.require_recovered()
         validated = validate(ctx.inventory, request)
         with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
-            # A SetMigMode(disable) may have finished between validation and the locks: the mode is
-            # read again under the lock (MIG_DISABLED, not an NVML error later), and its answer
-            # replaces the GPU facts, since a mode change may renumber the device (the CDI spec is
-            # rendered from its minor number).
+            held = [
+                isinstance(self.decide_without_room(v), AlreadyHeld) for v in validated
+            ]  # KEY_CONFLICT first
+            # The mode is read once under the lock, by the GPUs of devices that need hardware (a
+            # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
+            # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
+            # the CDI spec is rendered from its minor number. An instance the key holds needs neither.
             now = {
                 uuid: ctx.inventory.require_mig_enabled(uuid)
-                for uuid in sorted({v.gpu.uuid for v in validated})
+                for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
             }
-            validated = [msgspec.structs.replace(v, gpu=now[v.gpu.uuid]) for v in validated]
-            for v in validated:
-                self.decide_without_room(v)  # KEY_CONFLICT before anything else
-            self.judge_all(validated)
+            validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
+            rooms = self.judge_all(validated)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
-                for v in validated:
-                    done.append(self.allocate_one(v, reclaimed))
+                for i, v in enumerate(validated):
+                    done.append(self.allocate_one(v, rooms.get(i), reclaimed))
             except Exception:
                 self.undo_allocation(done)
                 raise
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
-    def judge_all(self, validated: Sequence[Validated]) -> None:
+    def judge_all(self, validated: Sequence[Validated]) -> dict[int, Room]:
         """Judge every device's placement before any device changes anything.
 
         A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
@@ -81,15 +102,17 @@ class Allocator:
         bring those back. The devices of one request never overlap (validated), so what an earlier
         device creates or reclaims cannot change the verdict for a later one. A reusable instance
         that still runs processes is checked too when some device reclaims (``reuse`` checks it
-        again after verifying the instance live)."""
-        reclaims = False
-        for v in validated:
-            if isinstance(self.decide_without_room(v), Create) and self.room_for(v):
-                reclaims = True
-        for v in validated if reclaims else ():
+        again after verifying the instance live). Returns the room of each Create device by index."""
+        rooms = {
+            i: self.room_for(v)
+            for i, v in enumerate(validated)
+            if isinstance(self.decide_without_room(v), Create)
+        }
+        for v in validated if any(r.reclaim for r in rooms.values()) else ():
             decided = self.decide_without_room(v)
             if isinstance(decided, Reuse):
                 self.require_no_processes(decided.record)
+        return rooms
 
     def decide_without_room(self, v: Validated) -> Decision:
         """The decision from the table alone (``Create()`` means: the placement must be gathered)."""
@@ -103,32 +126,65 @@ class Allocator:
             )
         return decided
 
-    def room_for(self, v: Validated) -> tuple[OwnershipRecord, ...]:
+    def room_for(self, v: Validated) -> Room:
         """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the record files left for the operator, the live layout, the owned records and
-        the process counts of the candidates."""
+        Reads only: the record files left for the operator, the owned records, and, unless the
+        records alone show the placement free (then the create itself is the check, ``create``),
+        the live layout and the process counts of the candidates."""
         ctx = self.ctx
         gpu = v.gpu.uuid
         res = v.device.reservation
         require_no_record_for_the_operator(ctx, gpu, res.placement)
+        aside, _ = ctx.table.left_aside()
+        recorded = [*ctx.table.on_gpu(gpu), *aside.values()]
+        overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
+        if not overlapping:
+            return Room()
+        proven = self.prove_reclaim(overlapping, res.placement)
+        if proven:
+            return Room(reclaim=proven, proven=True)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
         decided = decide(res, None, None, plan)
         if isinstance(decided, Busy):
-            first = decided.blocker
-            raise PlacementBusy(
-                f"placement {res.placement} on {gpu} is held by {first.describe()}",
-                {**first.metadata(), "gpu_uuid": gpu, "blockers": str(len(decided.blockers))},
-            )
+            raise placement_busy(gpu, res.placement, decided)
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self.require_no_processes(r)
-        return decided.reclaim
+        return Room(reclaim=decided.reclaim, live=tuple(live))
 
-    def allocate_one(self, v: Validated, reclaimed: list[InstanceRef]) -> _Done:
-        """Apply the decision for one device."""
+    def prove_reclaim(
+        self, overlapping: Sequence[OwnershipRecord], wanted: Placement
+    ) -> tuple[OwnershipRecord, ...]:
+        """The owned IDLE instances in the way, when they alone are: () when it takes a listing to tell.
+
+        Each is proven live by its MIG UUID, in its recorded GI, so its recorded slices are its own;
+        when those slices cover ``wanted`` nothing else can sit there, and once they are destroyed
+        the placement is free. Anything else (a record not IDLE or not in the table, slices of
+        ``wanted`` no such instance covers, an instance not found) is judged on a listing.
+        InstanceInUse as for ``require_no_processes``."""
+        table = self.ctx.table
+        if any(
+            r.state is not State.IDLE or table.get(r.name) != r or r.mig_uuid is None for r in overlapping
+        ):
+            return ()
+        covered = {
+            s for r in overlapping for s in range(r.placement.start, r.placement.start + r.placement.size)
+        }
+        if not covered.issuperset(range(wanted.start, wanted.start + wanted.size)):
+            return ()
+        ordered = tuple(sorted(overlapping, key=lambda r: (r.placement.start, r.placement.size)))
+        for r in ordered:
+            try:
+                self.verify_live(r)
+            except UnverifiableState:
+                return ()
+        return ordered
+
+    def allocate_one(self, v: Validated, room: Room | None, reclaimed: list[InstanceRef]) -> _Done:
+        """Apply the decision for one device (``room``: its ``judge_all`` verdict when it creates)."""
         decided = self.decide_without_room(v)
         if isinstance(decided, AlreadyHeld):
             held = decided.record
@@ -136,9 +192,10 @@ class Allocator:
         if isinstance(decided, Reuse):
             same_spot = decided.record
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
-        for r in self.room_for(v):
-            reclaimed.append(destroy(self.ctx, r, mark_deleting=True))
-        created = create(self.ctx, v)
+        assert room is not None
+        for r in room.reclaim:
+            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live, proven=room.proven))
+        created = create(self.ctx, v, listed=room.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
 
     @staticmethod
@@ -160,12 +217,10 @@ class Allocator:
         # ERROR would make the reconciler destroy a healthy instance, so it stays IDLE and the
         # request fails with NVML_ERROR (the client retries the same key).
         try:
-            with nvml_errors(f"verify idle instance {record.name}"):
-                self.verify_live(record)
+            self.verify_live(record)
         except UnverifiableState as exc:
             ctx.table.fail(record, f"reuse verification failed: {exc}")
             raise
-        self.require_no_processes(record)
         identity = record.identity
         assert identity is not None
         cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
@@ -181,7 +236,7 @@ class Allocator:
         if record.mig_uuid is None:
             return
         with nvml_errors(f"count processes on {record.mig_uuid}"):
-            running = self.ctx.port.mig_device_processes(record.mig_uuid)
+            running = self.ctx.port.mig_device(record.mig_uuid).processes
         if running > 0:
             raise InstanceInUse(
                 f"idle instance {record.mig_uuid} at {record.placement} still runs {running} processes",
@@ -189,22 +244,32 @@ class Allocator:
             )
 
     def verify_live(self, record: OwnershipRecord) -> None:
-        """GI with the recorded ID, profile and placement; exactly one CI, the recorded one, same MIG UUID."""
-        port = self.ctx.port
-        gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
-        if gi is None or not placement.owns(record, gi):
+        """The recorded MIG UUID is live, in the recorded GI, and runs no process (InstanceInUse).
+
+        The lookup by MIG UUID proves the CI: the driver mints the UUID at the CI's create, so the
+        CI is the one recorded, and the GI holding it is the recorded GI (same ID, and a GI cannot
+        be re-created under a live CI), with its recorded profile and placement. Gone or in another
+        GI: UnverifiableState. An NVML error proves nothing either way: NvmlFailure."""
+        mig_uuid = record.mig_uuid
+        assert mig_uuid is not None  # IDLE records are complete by construction
+        with nvml_errors(f"verify idle instance {record.name}"):
+            try:
+                device = self.ctx.port.mig_device(mig_uuid)
+            except NvmlError as exc:
+                if not exc.not_found or still_listed(self.ctx.port, record):
+                    raise  # a NOT_FOUND the GPU's own listing contradicts proves nothing
+                device = None
+        if device is None or device.gpu_instance_id != record.gpu_instance_id:
+            live = device.gpu_instance_id if device else "none"
             raise UnverifiableState(
-                f"GPU instance {record.gpu_instance_id} of {record.name} is gone or changed"
-                f" (live: {gi.placement if gi else 'none'})",
-                {"record": record.name},
+                f"the compute instance of {record.name} ({mig_uuid}) is gone or in another GPU instance"
+                f" (recorded GI {record.gpu_instance_id}; live: {live})",
+                {"record": record.name, "mig_uuid": mig_uuid},
             )
-        cis = port.compute_instances(record.gpu_uuid, gi.id)
-        if len(cis) != 1 or cis[0].id != record.compute_instance_id or cis[0].mig_uuid != record.mig_uuid:
-            live = ", ".join(f"CI {c.id} {c.mig_uuid}" for c in cis) or "none"
-            raise UnverifiableState(
-                f"compute instance of {record.name} does not match its record"
-                f" (recorded CI {record.compute_instance_id} {record.mig_uuid}; live: {live})",
-                {"record": record.name, "mig_uuid": record.mig_uuid or ""},
+        if device.processes > 0:
+            raise InstanceInUse(
+                f"idle instance {mig_uuid} at {record.placement} still runs {device.processes} processes",
+                {"mig_uuid": mig_uuid, "processes": str(device.processes), "gpu_uuid": record.gpu_uuid},
             )
 
     def undo_allocation(self, done: Sequence[_Done]) -> None:
@@ -224,3 +289,16 @@ class Allocator:
                     ctx.table.put(ctx.idle(record))
             except SidecarError as exc:
                 _log.error("rollback of %s (%s) failed: %s", record.name, outcome, exc)
+
+
+def still_listed(port: NvmlPort, record: OwnershipRecord) -> bool:
+    """Whether the GPU still lists ``record``'s GI (its ID, profile, placement) holding its CI (ID and
+    MIG UUID): NVML can answer NOT_FOUND for an instance that exists (see ``teardown``), so a lookup's
+    NOT_FOUND condemns the instance only when this listing agrees. Raises NvmlError."""
+    gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
+    if gi is None or not placement.owns(record, gi):
+        return False
+    return any(
+        ci.id == record.compute_instance_id and ci.mig_uuid == record.mig_uuid
+        for ci in port.compute_instances(record.gpu_uuid, gi.id)
+    )

@@ -176,6 +176,10 @@ class CdiSpecs:
         )
         self._lock = threading.Lock()
         self._pending: dict[Path, None] = {}  # an ordered set: retried in the order they failed
+        # Specs this process wrote or read back: path -> (minor, identity, stat signature). A spec
+        # whose file still has that signature is known current and is neither rendered nor read again.
+        self._current: dict[Path, tuple[int, Identity, tuple[int, int, int, int]]] = {}
+        self._path_locks: dict[Path, threading.Lock] = {}
 
     @property
     def enabled(self) -> bool:
@@ -233,17 +237,25 @@ class CdiSpecs:
         if self.directory is None:
             return ""
         path = self.spec_path(identity.mig_uuid)
-        data = self.render(gpu_minor, identity)
         with self._lock:
             # The file is wanted again: a queued removal must not take it away later.
             self._pending.pop(path, None)
-            if _read_bytes(path) == data:
-                return self.device_name(identity.mig_uuid)
-            try:
-                self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-                atomic_write(path, data, FILE_MODE)
-            except OSError as exc:
-                raise StateWriteFailed(f"writing CDI spec {path} failed: {exc}") from exc
+            known = self._current.get(path)
+            path_lock = self._path_locks.setdefault(path, threading.Lock())
+        if known is not None and known[:2] == (gpu_minor, identity) and _signature(path) == known[2]:
+            return self.device_name(identity.mig_uuid)
+        data = self.render(gpu_minor, identity)
+        with path_lock:  # one writer per file; the shared lock is never held across an fsync
+            if _read_bytes(path) != data:
+                try:
+                    self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+                    atomic_write(path, data, FILE_MODE)
+                except OSError as exc:
+                    raise StateWriteFailed(f"writing CDI spec {path} failed: {exc}") from exc
+            signature = _signature(path)
+        with self._lock:
+            if signature is not None:
+                self._current[path] = (gpu_minor, identity, signature)
         return self.device_name(identity.mig_uuid)
 
     def remove(self, mig_uuid: str, path: Path | None = None) -> bool:
@@ -261,6 +273,7 @@ class CdiSpecs:
         elif path.parent != self.directory or path.name in {"", ".", ".."}:
             raise ValueError(f"{path} is not in the CDI directory {self.directory}")
         with self._lock:
+            self._current.pop(path, None)
             if _unlink(path):
                 self._pending.pop(path, None)
                 return True
@@ -391,6 +404,17 @@ def _check_mig_uuid(mig_uuid: str) -> None:
     # of R450/R460 drivers contains "/" and is valid as neither.
     if not MIG_UUID_RE.match(mig_uuid):
         raise ValueError(f"not a MIG UUID: {mig_uuid!r}")
+
+
+def _signature(path: Path) -> tuple[int, int, int, int] | None:
+    """What tells a file from the one this process wrote: inode, size, mtime and ctime (None: missing).
+
+    Any rewrite (a rename onto the name, an edit in place) changes the inode or the times."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _read_bytes(path: Path) -> bytes | None:

@@ -27,7 +27,6 @@ POINTS: tuple[str, ...] = (
     "after-create-gi",
     "after-record-gi",
     "after-create-ci",
-    "after-record-ci",
     "after-write-cdi",
     # takeover of a HAMi record at Recover: the sidecar's record is durable, HAMi's file not yet gone;
     # then HAMi's file is gone too

@@ -244,12 +244,16 @@ def _read_bytes(name: str, path: Path) -> bytes:
 class RecordStore:
     """The records of one state directory. ``open()`` takes the directory's flock for the process life.
 
-    Every mutation goes through ``_mutate``: one ``threading.Lock`` inside the process-wide flock,
-    read the current file (refuse if corrupt), then write or unlink atomically. Reads need neither."""
+    Every mutation goes through ``_mutate``: under the lock of that one file, inside the process-wide
+    flock, read the current file (refuse if corrupt), then write or unlink atomically. Reads need
+    neither. No lock shared between files is held across an fsync, so GPUs write in parallel."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the fd, ``_closed``, ``_writing``, ``_file_locks``; no fsync under it
+        self._idle = threading.Condition(self._lock)  # close() waits on it for ``_writing`` mutations
+        self._writing = 0
+        self._file_locks: dict[Path, threading.Lock] = {}
         self._lock_fd: int | None = None
         self._closed = False  # after close(): the flock may be another process's now
 
@@ -315,6 +319,8 @@ class RecordStore:
         released, a successor sidecar may own the directory."""
         with self._lock:
             self._closed = True
+            while self._writing:
+                self._idle.wait()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -399,31 +405,39 @@ class RecordStore:
         self._mutate_file(path, exists, data, "ownership record")
 
     def _mutate_file(self, path: Path, check: Callable[[], bool], data: bytes | None, what: str) -> None:
-        """The one function that changes the directory: under the lock, ``check`` reads the current file
-        (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says whether a
-        change is due; then ``data`` replaces the file atomically, or the file goes (``data`` None).
+        """The one function that changes the directory: under the file's lock, ``check`` reads the
+        current file (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says
+        whether a change is due; then ``data`` replaces the file atomically, or it goes (``data`` None).
 
         A store that was never opened is opened here, so no mutation ever happens outside the flock; a
-        closed one raises StateWriteFailed and writes nothing."""
+        closed one raises StateWriteFailed and writes nothing (``close`` waits for the writes in flight)."""
         if self._lock_fd is None and not self._closed:
             self.open()
         with self._lock:
-            if self._lock_fd is None:
+            if self._lock_fd is None or self._closed:
                 raise StateWriteFailed(
                     f"the record store {self.directory} is closed (the sidecar is stopping);"
                     f" {what} {path.name} was not written"
                 )
-            if not check():
-                return
-            try:
-                if data is None:
-                    path.unlink(missing_ok=True)
-                    fsync_dir(self.directory)
-                else:
-                    atomic_write(path, data, FILE_MODE)
-            except OSError as exc:
-                action = "deleting" if data is None else "writing"
-                raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
+            self._writing += 1
+            file_lock = self._file_locks.setdefault(path, threading.Lock())
+        try:
+            with file_lock:
+                if not check():
+                    return
+                try:
+                    if data is None:
+                        path.unlink(missing_ok=True)
+                        fsync_dir(self.directory)
+                    else:
+                        atomic_write(path, data, FILE_MODE)
+                except OSError as exc:
+                    action = "deleting" if data is None else "writing"
+                    raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
+        finally:
+            with self._lock:
+                self._writing -= 1
+                self._idle.notify_all()
 
 
 __all__ = [

@@ -43,6 +43,12 @@ class Table:
         # MIG UUIDs held by live pods: the last SyncActive's list (before the first: the last
         # Recover's). They guard ERROR instances from the reconciler.
         self.referenced: frozenset[str] = frozenset()
+        # Record files on disk that are not in the table (recovery left them aside, or a destroy or
+        # undo left them behind), valid and corrupt by name. Kept here so that Allocate never scans
+        # the record directory: recovery fills it from its one scan, and every path that leaves a
+        # file behind or drops one updates it.
+        self.aside: dict[str, OwnershipRecord] = {}
+        self.corrupt: dict[str, CorruptRecord] = {}
 
     def instances(self) -> list[OwnershipRecord]:
         """A copy of the table."""
@@ -68,23 +74,39 @@ class Table:
         try:
             self.records.put(record)
         except CorruptRecord as exc:
+            self._found_corrupt(exc)
             raise corrupt_in_the_way(record.name, exc) from exc
         with self._lock:
             self._rows[record.name] = record
+            self.aside.pop(record.name, None)
 
     def delete(self, name: str) -> None:
         """Disk first, then the table; see ``teardown.delete_after_destroy`` for when this is due."""
         try:
             self.records.delete(name)
         except CorruptRecord as exc:
+            self._found_corrupt(exc)
             raise corrupt_in_the_way(name, exc) from exc
         with self._lock:
             self._rows.pop(name, None)
+            self.aside.pop(name, None)
 
     def forget(self, name: str) -> None:
-        """Drop an entry from memory only (the instance is foreign now, or its record is left behind)."""
+        """Drop an entry from memory only (the instance is foreign now, or its record is left behind):
+        its file stays on disk, so it joins ``aside``."""
         with self._lock:
-            self._rows.pop(name, None)
+            row = self._rows.pop(name, None)
+            if row is not None:
+                self.aside[name] = row
+
+    def left_aside(self) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
+        """Copies of the record files on disk outside the table: (valid, corrupt) by name."""
+        with self._lock:
+            return dict(self.aside), dict(self.corrupt)
+
+    def _found_corrupt(self, exc: CorruptRecord) -> None:
+        with self._lock:
+            self.corrupt[exc.name] = exc
 
     def fail(self, record: OwnershipRecord, message: str) -> None:
         """Put an instance in ERROR: kept, never reused, blocking its placement, retried later."""
@@ -98,7 +120,11 @@ class Table:
             self._rows[record.name] = failed
 
     def replace(self, records: Sequence[OwnershipRecord], referenced: Iterable[str]) -> None:
-        """Install recovered records (already on disk) and the MIG UUIDs their pods hold."""
+        """Install recovered records (already on disk) and the MIG UUIDs their pods hold, and learn the
+        record files left outside the table from one scan of the directory (StateWriteFailed)."""
+        valid, corrupt = self.records.load_all()
         with self._lock:
             self._rows = {r.name: r for r in records}
             self.referenced = frozenset(referenced)
+            self.aside = {n: r for n, r in valid.items() if n not in self._rows}
+            self.corrupt = corrupt

@@ -57,15 +57,45 @@ def ci_targets(rec: OwnershipRecord, cis: Sequence[ComputeInstanceInfo]) -> list
     return targets
 
 
-def destroy_hardware(port: NvmlPort, rec: OwnershipRecord) -> None:
+def destroy_hardware(
+    port: NvmlPort,
+    rec: OwnershipRecord,
+    live: Sequence[GpuInstanceInfo] | None = None,
+    *,
+    proven: bool = False,
+) -> None:
     """Destroy the CI then the GI of an owned instance; what is already gone counts as done.
 
     Only what verifies as the record's (``placement.owns``, ``ci_targets``); "gone" as
-    ``_destroy_unless_gone`` judges it. Raises NvmlError."""
+    ``_destroy_unless_gone`` judges it. ``live``: the GI listing read under the same GPU lock hold,
+    if the caller has one. ``proven``: the caller found the record's MIG UUID live in its GI under
+    this lock hold (``Allocator.prove_reclaim``), which proves the GI and its recorded CI ours: they
+    are destroyed by ID without a listing. Raises NvmlError."""
     if rec.gpu_instance_id is None:
         return
     gpu = rec.gpu_uuid
-    gi = next((g for g in port.gpu_instances(gpu) if g.id == rec.gpu_instance_id), None)
+    if proven and rec.compute_instance_id is not None:
+        try:
+            port.destroy_compute_instance(gpu, rec.gpu_instance_id, rec.compute_instance_id)
+            crashpoints.crashpoint("after-destroy-ci")
+            port.destroy_gpu_instance(gpu, rec.gpu_instance_id)
+        except NvmlError as exc:
+            if not exc.not_found:
+                raise
+            # A NOT_FOUND proves nothing (see ``_destroy_unless_gone``): judged on a fresh listing.
+            _destroy_listed(port, rec, None)
+            return
+        crashpoints.crashpoint("after-destroy-gi")
+        return
+    _destroy_listed(port, rec, live)
+
+
+def _destroy_listed(port: NvmlPort, rec: OwnershipRecord, live: Sequence[GpuInstanceInfo] | None) -> None:
+    """``destroy_hardware`` judged on a GI listing (``live``, or read now); see there."""
+    assert rec.gpu_instance_id is not None
+    gpu = rec.gpu_uuid
+    listing = port.gpu_instances(gpu) if live is None else live
+    gi = next((g for g in listing if g.id == rec.gpu_instance_id), None)
     if gi is None or not placement.owns(rec, gi):
         return
     for ci in ci_targets(rec, port.compute_instances(gpu, gi.id)):
@@ -140,7 +170,14 @@ def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
         raise
 
 
-def destroy(ctx: Context, record: OwnershipRecord, *, mark_deleting: bool) -> InstanceRef:
+def destroy(
+    ctx: Context,
+    record: OwnershipRecord,
+    *,
+    mark_deleting: bool,
+    live: Sequence[GpuInstanceInfo] | None = None,
+    proven: bool = False,
+) -> InstanceRef:
     """Destroy an owned instance in the order of the module docstring. Call with the GPU lock held.
 
     DELETING is not recorded for an ERROR record or with ``mark_deleting=False``. A failure puts the
@@ -153,7 +190,7 @@ def destroy(ctx: Context, record: OwnershipRecord, *, mark_deleting: bool) -> In
         crashpoints.crashpoint("after-record-deleting")
     try:
         with nvml_errors(f"destroy instance {rec.profile}@{rec.placement} on {rec.gpu_uuid}"):
-            destroy_hardware(ctx.port, rec)
+            destroy_hardware(ctx.port, rec, live, proven=proven)
     except ComputeInstanceNotOurs as exc:
         # Not ERROR: the reconciler would retry a destroy that must never happen. The record on
         # disk stays as it is for the operator; the next recovery preserves the GI as foreign too.

@@ -6,7 +6,7 @@ import msgspec
 
 from sidecar import placement
 from sidecar.domain import POD_UID_RE, AllocateRequest, AllocationKey, DeviceRequest, Owner
-from sidecar.errors import IllegalPlacement, InvalidRequest
+from sidecar.errors import IllegalPlacement, InvalidRequest, UnknownProfile
 from sidecar.inventory import Inventory
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
 
@@ -37,8 +37,13 @@ def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
     for d in request.devices:
         res = d.reservation
         gpu = inventory.gpu_info(res.gpu_uuid)
-        inventory.require_mig_enabled(res.gpu_uuid)
-        profile = inventory.resolve_profile(res.gpu_uuid, res.profile)
+        try:
+            profile = inventory.resolve_profile(res.gpu_uuid, res.profile)
+        except UnknownProfile:
+            # With MIG disabled a GPU may list no profile at all: say MIG_DISABLED then. Otherwise
+            # the mode is read once, under the GPU lock, and only by a device that needs hardware.
+            inventory.require_mig_enabled(res.gpu_uuid)
+            raise
         if not placement.is_legal(profile, res.placement):
             legal = ",".join(str(p) for p in profile.placements)
             raise IllegalPlacement(

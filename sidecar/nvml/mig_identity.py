@@ -33,7 +33,7 @@ def proven_mig_uuid(gpu_uuid: str, parent: Any, device: Any, gi_id: int, ci_id: 
     these IDs. None matching -> NvmlError UNKNOWN: a create fails (and is undone) rather than
     recording the parent GPU's UUID, or another instance's, as this instance's identity."""
     uuid = _text(pynvml.nvmlDeviceGetUUID(device))
-    if uuid.startswith("MIG-") and _mig_ids(device) == (gi_id, ci_id):
+    if uuid.startswith("MIG-") and _mig_ids(device, is_mig=True) == (gi_id, ci_id):
         return uuid
     for index in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(parent))):
         try:
@@ -53,10 +53,13 @@ def proven_mig_uuid(gpu_uuid: str, parent: Any, device: Any, gi_id: int, ci_id: 
     )
 
 
-def _mig_ids(device: Any) -> tuple[int, int] | None:
-    """(GI ID, CI ID) of a MIG device handle; None for a handle that is not one."""
+def _mig_ids(device: Any, *, is_mig: bool = False) -> tuple[int, int] | None:
+    """(GI ID, CI ID) of a MIG device handle; None for a handle that is not one.
+
+    ``is_mig``: the handle's UUID is a ``MIG-`` UUID, which only a MIG device has, so the
+    IsMigDeviceHandle query is skipped (the ID reads refuse a physical GPU's handle anyway)."""
     try:
-        if not pynvml.nvmlDeviceIsMigDeviceHandle(device).value:
+        if not is_mig and not pynvml.nvmlDeviceIsMigDeviceHandle(device).value:
             return None
         return int(pynvml.nvmlDeviceGetGpuInstanceId(device)), int(
             pynvml.nvmlDeviceGetComputeInstanceId(device)

@@ -69,6 +69,7 @@ from sidecar.nvml.port import (
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
+    MigDeviceInfo,
     NvmlError,
 )
 from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
@@ -115,6 +116,8 @@ class PynvmlBackend:
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
         self._profile_ids: dict[str, list[tuple[int, int]]] = {}
+        # (GPU, GI ID) -> handle of a GI this adapter just created, for the CI create that follows.
+        self._fresh_gis: dict[tuple[str, int], Any] = {}
         # (GPU, GI profile ID) -> (CI profile ID, instance count, compute slices, SMs) of every CI profile
         self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
         with _mapped("nvmlInit"):
@@ -242,9 +245,9 @@ class PynvmlBackend:
             return CI_PROFILE_1_SLICE_REV1
         return full_ci_profile_id(slices)
 
-    def _ci_info(self, gpu_uuid: str, gi: Any, ci: Any) -> ComputeInstanceInfo:
+    def _ci_info(self, gpu_uuid: str, gi: Any, ci: Any, gi_id: int | None = None) -> ComputeInstanceInfo:
         info = pynvml.nvmlComputeInstanceGetInfo(ci)
-        gi_id, ci_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).id), int(info.id)
+        ci_id, gi_id = int(info.id), int(pynvml.nvmlGpuInstanceGetInfo(gi).id) if gi_id is None else gi_id
         return ComputeInstanceInfo(
             gpu_uuid=gpu_uuid,
             gpu_instance_id=gi_id,
@@ -278,6 +281,8 @@ class PynvmlBackend:
             self._handles.pop(gpu_uuid, None)
             self._static.pop(gpu_uuid, None)
             self._profile_ids.pop(gpu_uuid, None)
+            for gone in [k for k in self._fresh_gis if k[0] == gpu_uuid]:
+                del self._fresh_gis[gone]
             for key in [k for k in self._ci_profile_ids if k[0] == gpu_uuid]:
                 del self._ci_profile_ids[key]
 
@@ -412,12 +417,9 @@ class PynvmlBackend:
 
         return self._run(operation, read)
 
-    # Creates retry the create call and the read-back of the new instance separately: a create that
-    # returned SUCCESS is never issued again because the read-back hiccuped (the second create would
-    # meet the first one's instance and fail INSUFFICIENT_RESOURCES). A create that itself timed out
-    # is retried as before; should its first attempt have made the instance after all, the retry
-    # fails and the lifecycle's undo finds the instance and destroys it. A read-back that keeps
-    # failing reaches the caller with the instance in place, for that same undo.
+    # Creates retry the create call and the read-back separately: a create that returned SUCCESS is
+    # never issued again because the read-back hiccuped (it would meet its own instance). A read-back
+    # that keeps failing reaches the caller with the instance in place, for the lifecycle's undo.
 
     def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
         operation = f"create GPU instance profile {profile_id} at {placement} on {gpu_uuid}"
@@ -428,7 +430,10 @@ class PynvmlBackend:
             return pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
 
         gi = self._run(operation, create)
-        return self._run(f"{operation}: read back the new GPU instance", lambda: self._gi_info(gpu_uuid, gi))
+        made = self._run(f"{operation}: read back the new GPU instance", lambda: self._gi_info(gpu_uuid, gi))
+        with self._lock:  # the CI create that follows takes this handle instead of looking it up by ID
+            self._fresh_gis[(gpu_uuid, made.id)] = gi
+        return made
 
     def create_compute_instance(
         self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
@@ -436,13 +441,17 @@ class PynvmlBackend:
         operation = f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}"
 
         def create() -> tuple[Any, Any]:
-            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            with self._lock:  # used once: a retry looks the GI up afresh
+                gi = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
+            if gi is None:
+                gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             return gi, pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
 
         gi, ci = self._run(operation, create)
         try:
             return self._run(
-                f"{operation}: read back the new compute instance", lambda: self._ci_info(gpu_uuid, gi, ci)
+                f"{operation}: read back the new compute instance",
+                lambda: self._ci_info(gpu_uuid, gi, ci, gpu_instance_id),
             )
         except UnprovableMigUuidError:
             # A CI nobody can name is destroyed here, by the handle that made it: left in place it would
@@ -465,21 +474,23 @@ class PynvmlBackend:
         )
 
     def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        with self._lock:
+            self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
+
         def destroy() -> None:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             pynvml.nvmlGpuInstanceDestroy(gi)
 
         self._run(f"destroy GPU instance {gpu_instance_id} on {gpu_uuid}", destroy, TRANSIENT_DESTROY_CODES)
 
-    def mig_device_processes(self, mig_uuid: str) -> int:
-        def count() -> int:
+    def mig_device(self, mig_uuid: str) -> MigDeviceInfo:
+        def read() -> MigDeviceInfo:
             handle = pynvml.nvmlDeviceGetHandleByUUID(mig_uuid)
-            # Quirk: pynvml returns the c_uint itself, not its value (``== 1`` would always be False).
-            if not pynvml.nvmlDeviceIsMigDeviceHandle(handle).value:
-                raise pynvml.NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-            return len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
+            # A physical GPU's handle answers NOT_SUPPORTED or INVALID_ARGUMENT here: not a MIG device.
+            gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
+            return MigDeviceInfo(gi_id, len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle)))
 
-        return self._run(f"count processes on {mig_uuid}", count)
+        return self._run(f"look up MIG device {mig_uuid}", read)
 
     def gpu_processes(self, gpu_uuid: str) -> int:
         return self._run(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from lifecycle_world import World
+from lifecycle_world import World, restart
 
 from sidecar import errors
 from sidecar.domain import Outcome, Placement, State
@@ -210,6 +210,7 @@ class TestBlockers:
         world.lifecycle.release("pod-a")
         corrupt = world.records.path(record_name(world.uuid(0), corrupt_at))
         corrupt.write_bytes(b'{"version":1,"checksum":"sha256:00","record":{}}')
+        restart(world).recover([])  # Allocate never scans the directory: recovery finds the file
         before = world.layout(), world.cdi_files(), world.lifecycle.instances()
 
         with pytest.raises(errors.PlacementBusy) as caught:
@@ -219,6 +220,43 @@ class TestBlockers:
         assert caught.value.metadata["file"] == str(corrupt)
         assert (world.layout(), world.cdi_files(), world.lifecycle.instances()) == before
         assert corrupt.read_bytes() == b'{"version":1,"checksum":"sha256:00","record":{}}'
+
+    def test_a_record_file_corrupted_while_serving_is_refused_at_its_write_and_blocks_from_then_on(
+        self, world: World
+    ) -> None:
+        corrupt = world.records.path(record_name(world.uuid(0), Placement(4, 4)))
+        corrupt.write_bytes(b"{")
+
+        with pytest.raises(errors.UnverifiableState):
+            world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-b", (0, "1g.10gb", 6, 1))
+
+        assert caught.value.metadata["blocker"] == "corrupt_record"
+        assert corrupt.read_bytes() == b"{"
+        assert world.layout() == set()  # the GI of the refused create never came to be
+
+    @pytest.mark.parametrize(
+        ("profile", "start", "size", "with_ci"),
+        [("1g.10gb", 5, 1, True), ("3g.40gb", 4, 4, False)],
+        ids=["overlapping", "bare-at-exactly-the-placement"],
+    )
+    def test_a_foreign_instance_the_records_do_not_know_is_named_after_the_driver_refuses(
+        self, world: World, profile: str, start: int, size: int, with_ci: bool
+    ) -> None:
+        """No record overlaps, so the create goes ahead without a listing; the driver's refusal is met
+        by one listing that names the blocker. A bare foreign GI of the same profile at exactly the
+        placement is not taken for one this create made: it is left alone."""
+        world.hw.create_instance(0, profile, start, size, with_ci=with_ci)
+        before = world.everything()
+
+        with pytest.raises(errors.PlacementBusy) as caught:
+            world.allocate("pod-a", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "foreign"
+        assert caught.value.metadata["placement"] == f"{start}:{size}"
+        assert world.everything() == before
+        assert world.lifecycle.instances() == []
 
     def test_a_corrupt_record_file_elsewhere_blocks_nothing(self, world: World) -> None:
         world.records.path(record_name(world.uuid(0), Placement(0, 1))).write_bytes(b"{")

@@ -30,7 +30,6 @@ CREATE = (
     "after-create-gi",
     "after-record-gi",
     "after-create-ci",
-    "after-record-ci",
     "after-write-cdi",
 )
 DESTROY = ("after-record-deleting", "after-destroy-ci", "after-destroy-gi", "after-remove-cdi")

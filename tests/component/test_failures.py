@@ -134,7 +134,8 @@ class TestStuckDestroy:
 class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
     """Only a real identity mismatch sends an idle instance to ERROR."""
 
-    @pytest.mark.parametrize("op", ["get-gpu-instances", "get-compute-instances"])
+    # The calls of the verification: the lookup by MIG UUID, its GI ID, its processes.
+    @pytest.mark.parametrize("op", ["handle-by-uuid", "nvmlDeviceGetGpuInstanceId", "processes"])
     def test_an_nvml_error_while_verifying_fails_the_request_and_the_instance_stays_reusable(
         self, world: World, op: str
     ) -> None:
@@ -168,8 +169,8 @@ class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:
 
 def allocate_past_validation(world: World, gpu: int, device: Dev, meanwhile: Callable[[], None]) -> Any:
     """Allocate ``device`` on GPU ``gpu`` while the GPU's lock is held elsewhere (as a SetMigMode holds
-    it); ``meanwhile`` runs once validation has read the MIG mode, before the Allocate gets the lock.
-    Returns the Allocate's result or the exception it raised."""
+    it); ``meanwhile`` runs once validation is done (the Allocate has claimed its key and waits for
+    the GPU lock). Returns the Allocate's result or the exception it raised."""
     world.lifecycle.gpu_info(
         world.uuid(gpu)
     )  # the static GPU list is cached: the next mode read is validation's
@@ -182,11 +183,10 @@ def allocate_past_validation(world: World, gpu: int, device: Dev, meanwhile: Cal
             outcome.append(exc)
 
     with world.lifecycle.exclusive([world.uuid(gpu)]):
-        reads = world.hw.call_counts().get("nvmlDeviceGetMigMode", 0)
         worker = threading.Thread(target=allocate)
         worker.start()
         give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
-        while world.hw.call_counts().get("nvmlDeviceGetMigMode", 0) == reads:
+        while not world.lifecycle.locks._claimed:
             assert time.monotonic() < give_up, "the allocate never validated"
             time.sleep(0.005)
         meanwhile()

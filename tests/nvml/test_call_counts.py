@@ -47,7 +47,12 @@ class TestCountingCallsInOneProcess:
             gi = port.create_gpu_instance(gpu, 19, Placement(start, 1))
             port.create_compute_instance(gpu, gi.id, 0)
         counts = h100.call_counts()
-        assert (counts[CREATE_GI], counts[CREATE_CI], counts["nvmlDeviceGetGpuInstanceById"]) == (3, 3, 3)
+        # Each CI create takes the handle of the GI made just before: no lookup by ID.
+        assert (counts[CREATE_GI], counts[CREATE_CI], counts.get("nvmlDeviceGetGpuInstanceById", 0)) == (
+            3,
+            3,
+            0,
+        )
 
     def test_a_call_that_fails_is_counted_because_the_caller_made_it(
         self, h100: SimulatedHardware, port: PynvmlBackend

@@ -248,14 +248,31 @@ class TestReuse:
         assert path.read_bytes() == good
 
     def test_a_changed_major_in_proc_makes_the_file_stale_and_ensure_rewrites_it(
-        self, specs: CdiSpecs, proc: Path
+        self, specs: CdiSpecs, proc: Path, cdi_dir: Path
     ) -> None:
+        """Majors change only with a driver reload, which ends every instance and the sidecar's NVML
+        session: the spec is rewritten by the next sidecar (a new ``CdiSpecs``), which renders afresh."""
         specs.ensure(1, ID_A)
         (proc / "devices").write_text(PROC_DEVICES.replace(f"{CAPS_MAJOR} nvidia-caps", "238 nvidia-caps", 1))
-        assert not is_current(specs, 1, ID_A)
-        specs.ensure(1, ID_A)
+        restarted = CdiSpecs(cdi_dir, proc_root=proc)
+        assert not is_current(restarted, 1, ID_A)
+        restarted.ensure(1, ID_A)
         nodes = json.loads(specs.spec_path(MIG_A).read_bytes())["devices"][0]["containerEdits"]["deviceNodes"]
         assert [n["major"] for n in nodes] == [NVIDIA_MAJOR, NVIDIA_MAJOR, 238, 238]
+
+    def test_a_spec_this_process_wrote_and_nobody_touched_is_not_rendered_again(
+        self, specs: CdiSpecs, proc: Path
+    ) -> None:
+        """Known current: ensure answers from memory, so /proc is not read (here it is gone)."""
+        name = specs.ensure(1, ID_A)
+        path = specs.spec_path(MIG_A)
+        good = path.read_bytes()
+        (proc / "devices").unlink()
+        assert specs.ensure(1, ID_A) == name
+        assert path.read_bytes() == good
+        path.unlink()  # touched: rendered again, which now fails for want of /proc
+        with pytest.raises(StateWriteFailed):
+            specs.ensure(1, ID_A)
 
 
 class TestListing:

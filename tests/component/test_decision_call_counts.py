@@ -1,0 +1,70 @@
+"""The exact NVML calls of each Allocate decision (issue 13), counted by the simulator per C function.
+
+The counts are exact and deterministic: they depend on the code path, never on timing. Each safety
+check costs a call here: the MIG mode read once under the GPU lock, the MIG UUID lookup that proves
+an instance live before it is handed out or destroyed, its process count."""
+
+from __future__ import annotations
+
+from lifecycle_world import World
+
+from sidecar.domain import Outcome
+
+MODE = {"nvmlDeviceGetMigMode": 1}
+# Look up by MIG UUID, its GI ID, its processes: the instance is live, ours, and unused.
+PROVE = {
+    "nvmlDeviceGetHandleByUUID": 1,
+    "nvmlDeviceGetGpuInstanceId": 1,
+    "nvmlDeviceGetComputeRunningProcesses_v3": 1,
+}
+# GI create and its read-back; CI create (with the GI's handle) and its read-back; the MIG UUID proof.
+CREATE = {
+    "nvmlDeviceCreateGpuInstanceWithPlacement": 1,
+    "nvmlGpuInstanceGetInfo": 1,
+    "nvmlGpuInstanceCreateComputeInstance": 1,
+    "nvmlComputeInstanceGetInfo_v2": 1,
+    "nvmlDeviceGetUUID": 1,
+    "nvmlDeviceGetGpuInstanceId": 1,
+    "nvmlDeviceGetComputeInstanceId": 1,
+}
+DESTROY = {
+    "nvmlDeviceGetGpuInstanceById": 2,
+    "nvmlGpuInstanceGetComputeInstanceById": 1,
+    "nvmlComputeInstanceDestroy": 1,
+    "nvmlGpuInstanceDestroy": 1,
+}
+
+
+def total(*parts: dict[str, int]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for name, n in part.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
+def counted(world: World, pod: str, profile: str, start: int, size: int) -> tuple[Outcome, dict[str, int]]:
+    world.hw.reset_call_counts()
+    outcome = world.allocate(pod, (0, profile, start, size)).devices[0].outcome
+    return outcome, world.hw.call_counts()
+
+
+def test_each_decision_makes_exactly_its_calls(world: World) -> None:
+    world.allocate("pod-z", (0, "7g.80gb", 0, 8))
+    world.lifecycle.release("pod-z")  # an idle instance over the whole GPU
+
+    assert counted(world, "pod-w", "1g.10gb", 0, 1) == (Outcome.CREATED, total(MODE, PROVE, DESTROY, CREATE))
+    assert counted(world, "pod-c", "1g.10gb", 1, 1) == (Outcome.CREATED, total(MODE, CREATE))
+    assert counted(world, "pod-c", "1g.10gb", 1, 1) == (Outcome.ALREADY_ALLOCATED, {})
+    world.lifecycle.release("pod-c")
+    assert counted(world, "pod-r", "1g.10gb", 1, 1) == (Outcome.REUSED, total(MODE, PROVE))
+    world.assert_consistent()
+
+
+def test_a_reuse_costs_the_same_whatever_else_is_on_the_gpu(world: World) -> None:
+    world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+    world.lifecycle.release("pod-a")
+    for i, start in enumerate((1, 2, 3, 4, 5, 6)):
+        world.allocate(f"pod-n{i}", (0, "1g.10gb", start, 1))
+
+    assert counted(world, "pod-b", "1g.10gb", 0, 1) == (Outcome.REUSED, total(MODE, PROVE))
