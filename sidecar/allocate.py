@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sidecar import placement
+from sidecar import crashpoints, placement
 from sidecar.context import Context
 from sidecar.create import create, require_no_record_for_the_operator
 from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
@@ -20,13 +20,14 @@ from sidecar.domain import AllocatedDevice, AllocateRequest, AllocateResult, Ins
 from sidecar.errors import (
     InstanceInUse,
     KeyConflict,
+    NvmlFailure,
     PlacementBusy,
     SidecarError,
     UnverifiableState,
     nvml_errors,
 )
 from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.teardown import destroy
+from sidecar.teardown import destroy, destroy_error
 from sidecar.validate import Validated, validate
 
 _log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class Allocator:
             except Exception:
                 self.undo_allocation(done)
                 raise
+            # Each key's own pending reservation waited for this Allocate: it guards nothing now.
+            ctx.pending.consume(v.key for v in validated)
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
     def judge_all(self, validated: Sequence[Validated]) -> None:
@@ -84,7 +87,7 @@ class Allocator:
         again after verifying the instance live)."""
         reclaims = False
         for v in validated:
-            if isinstance(self.decide_without_room(v), Create) and self.room_for(v):
+            if isinstance(self.decide_without_room(v), Create) and self.room_for(v).reclaim:
                 reclaims = True
         for v in validated if reclaims else ():
             decided = self.decide_without_room(v)
@@ -103,11 +106,13 @@ class Allocator:
             )
         return decided
 
-    def room_for(self, v: Validated) -> tuple[OwnershipRecord, ...]:
-        """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
+    def room_for(self, v: Validated) -> Create:
+        """The ERROR instances to retry and the IDLE ones to reclaim for the placement;
+        PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the record files left for the operator, the live layout, the owned records and
-        the process counts of the candidates."""
+        Reads only: the record files left for the operator, the live layout, the owned records, the
+        guards (the MIG UUIDs live pods hold, the pending reservations) and the process counts of
+        the reclaim candidates."""
         ctx = self.ctx
         gpu = v.gpu.uuid
         res = v.device.reservation
@@ -115,7 +120,7 @@ class Allocator:
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
-        decided = decide(res, None, None, plan)
+        decided = decide(res, None, None, plan, ctx.pending.guards(ctx.table.referenced, v.key))
         if isinstance(decided, Busy):
             first = decided.blocker
             raise PlacementBusy(
@@ -125,7 +130,7 @@ class Allocator:
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self.require_no_processes(r)
-        return decided.reclaim
+        return decided
 
     def allocate_one(self, v: Validated, reclaimed: list[InstanceRef]) -> _Done:
         """Apply the decision for one device."""
@@ -136,10 +141,37 @@ class Allocator:
         if isinstance(decided, Reuse):
             same_spot = decided.record
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
-        for r in self.room_for(v):
+        room = self.room_for(v)
+        for r in room.retry:  # first: a retry that fails must not have cost any idle instance
+            reclaimed.append(self.retry_error(r))
+        if room.retry:
+            crashpoints.crashpoint("after-inline-error-retry")
+        for r in room.reclaim:
             reclaimed.append(destroy(self.ctx, r, mark_deleting=True))
         created = create(self.ctx, v)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
+
+    def retry_error(self, record: OwnershipRecord) -> InstanceRef:
+        """Destroy an ERROR instance in the request's way now, as the reconciler would later.
+
+        The same recorded teardown (``teardown.destroy_error``). Whatever stops it, the instance
+        stays ERROR (or, proven not ours, foreign) and the answer is UNAVAILABLE: the reconciler
+        keeps retrying, so the same request may succeed later (a STATE_WRITE_FAILED stays as it is)."""
+        try:
+            return destroy_error(self.ctx, record)
+        except (NvmlFailure, UnverifiableState) as exc:
+            raise NvmlFailure(
+                f"ERROR instance {record.profile}@{record.placement} ({record.mig_uuid or 'no MIG UUID'})"
+                f" on {record.gpu_uuid} is in the way and its destroy failed again: {exc}",
+                {
+                    **exc.metadata,
+                    "blocker": "ERROR",
+                    "record": record.name,
+                    "gpu_uuid": record.gpu_uuid,
+                    "placement": str(record.placement),
+                    "mig_uuid": record.mig_uuid or "",
+                },
+            ) from exc
 
     @staticmethod
     def allocated(v: Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:

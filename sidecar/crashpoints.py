@@ -27,6 +27,8 @@ POINTS: tuple[str, ...] = (
     "after-destroy-ci",
     "after-destroy-gi",
     "after-remove-cdi",
+    # an Allocate's inline retry of an ERROR instance in its way: destroyed, the create not begun
+    "after-inline-error-retry",
 )
 
 _armed = os.environ.get(ENV, "")

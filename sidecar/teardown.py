@@ -208,8 +208,9 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
 def retry_error(ctx: Context, name: str) -> InstanceRef | None:
     """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
 
-    Skipped: the record is gone or no longer ERROR, or the plugin's last SyncActive still lists its
-    MIG UUID as held by a pod. A failure keeps it ERROR with the new ``last_error`` and raises."""
+    Skipped: the record is gone or no longer ERROR, or a guard keeps it (``pending.Guards``: the
+    plugin's last pod list names its MIG UUID as held by a pod, or has a pending reservation at
+    exactly its spot). A failure keeps it ERROR with the new ``last_error`` and raises."""
     current = ctx.table.get(name)
     if current is None:
         return None
@@ -217,11 +218,17 @@ def retry_error(ctx: Context, name: str) -> InstanceRef | None:
         current = ctx.table.get(name)
         if current is None or current.state is not State.ERROR:
             return None
-        if current.mig_uuid is not None and current.mig_uuid in ctx.table.referenced:
+        if ctx.pending.guards(ctx.table.referenced).why(current) is not None:
             return None
-        if current.gpu_instance_id is None:
-            current = find_created_gi(ctx, current)
-        return destroy(ctx, current, mark_deleting=False)
+        return destroy_error(ctx, current)
+
+
+def destroy_error(ctx: Context, record: OwnershipRecord) -> InstanceRef:
+    """Destroy an ERROR instance (the reconciler's retry, or an Allocate's inline one); the
+    caller checked the guards. Raises as ``destroy``. Call with the GPU lock held."""
+    if record.gpu_instance_id is None:
+        record = find_created_gi(ctx, record)
+    return destroy(ctx, record, mark_deleting=False)
 
 
 def find_created_gi(ctx: Context, record: OwnershipRecord) -> OwnershipRecord:

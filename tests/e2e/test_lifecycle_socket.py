@@ -314,6 +314,12 @@ def make_blocker(car: Sidecar, kind: str) -> str:
         assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
         car.sim("faults", "--clear")
         assert (record_of(car, device.mig_uuid) or {}).get("state") == "ERROR"
+        # A pod still holds it (the plugin's pod list names it): an Allocate's inline ERROR retry
+        # must not destroy it, so it blocks like any other instance that is not IDLE.
+        held = [annotation("pod-blocker", device)]
+        car.stub.SyncActive(
+            pb.SyncActiveRequest(generation=car.info().generation, active=held), timeout=CALL_TIMEOUT_S
+        )
     mig_uuid: str = device.mig_uuid
     return mig_uuid
 
@@ -464,8 +470,9 @@ class TestStuckDestroy:
         release(car, "pod-a")
         fault(car, "destroy-ci")
         assert refused(car, "pod-b", (gpu, "3g.40gb", 4, 4))[1] == "NVML_ERROR"
-        _, reason, meta = refused(car, "pod-c", (gpu, "1g.10gb", 4, 1))  # exactly its reservation
-        assert (reason, meta["blocker"], meta["mig_uuid"]) == ("PLACEMENT_BUSY", "ERROR", stuck.mig_uuid)
+        # Exactly its reservation: the inline retry of its destroy fails again, a retryable answer.
+        _, reason, meta = refused(car, "pod-c", (gpu, "1g.10gb", 4, 1))
+        assert (reason, meta["blocker"], meta["mig_uuid"]) == ("NVML_ERROR", "ERROR", stuck.mig_uuid)
 
         def failures_left() -> int:
             return sum(int(f["times"]) for f in car.sim_list()["faults"])

@@ -236,7 +236,9 @@ class TestCorruptRecords:
 
 
 CREATE_POINTS = crashpoints.POINTS[: crashpoints.POINTS.index("after-write-cdi") + 1]
-DELETE_POINTS = crashpoints.POINTS[crashpoints.POINTS.index("after-record-deleting") :]
+DELETE_POINTS = crashpoints.POINTS[
+    crashpoints.POINTS.index("after-record-deleting") : crashpoints.POINTS.index("after-remove-cdi") + 1
+]
 
 
 class TestCrashPoints:

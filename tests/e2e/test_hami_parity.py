@@ -1,0 +1,161 @@
+"""HAMi's lazy-lifecycle scenarios that the first contract answered differently, over the socket.
+
+Each test starts a real ``serve`` process on simulated GPUs (GPU 0 is an H100-80GB), talks to it as
+the plugin does, and reads the outcome where an operator would: the simulated hardware (``sim list``),
+the record files and the CDI directory. The reconciler is quiet (an hour between rounds), so what
+changes is the request's doing, not a background round's.
+
+- an ERROR instance in a request's way (at exactly its reservation, or overlapping it) is destroyed
+  inside the Allocate, then the create proceeds; a destroy that fails again answers UNAVAILABLE;
+- a pending reservation (an ``ActiveAllocation`` without runtime identity) is accepted by Recover and
+  SyncActive and keeps the IDLE or ERROR instance at exactly its spot from being destroyed;
+- a file at a spec's path that is not this sidecar's spec is never overwritten nor removed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from sidecar_process import (
+    CALL_TIMEOUT_S,
+    Sidecar,
+    SidecarFactory,
+    allocate_one,
+    failure,
+    gpu_uuid,
+    states,
+)
+
+from sidecar import crashpoints
+
+pytestmark = pytest.mark.e2e
+
+QUIET = ["--reconcile-interval", "3600"]
+FOREVER = "1000"
+
+
+def live_mig_uuids(car: Sidecar) -> set[str]:
+    return {ci["mig_uuid"] for g in car.hardware() for gi in g["gis"] for ci in gi["cis"]}
+
+
+def record_states(car: Sidecar) -> dict[str, str]:
+    """MIG UUID -> state of every record file."""
+    return {r["mig_uuid"]: r["state"] for r in car.records().values()}
+
+
+def release(car: Sidecar, pod: str) -> None:
+    car.stub.Release(pb.ReleaseRequest(pod_uid=pod), timeout=CALL_TIMEOUT_S)
+
+
+def allocate(car: Sidecar, pod: str, profile: str, start: int, size: int) -> Any:
+    """The whole Allocate response for one device on GPU 0."""
+    request = pb.AllocateRequest(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        devices=[
+            pb.DeviceRequest(
+                gpu_uuid=gpu_uuid(car, 0), profile=profile, placement=pb.Placement(start=start, size=size)
+            )
+        ],
+    )
+    return car.stub.Allocate(request, timeout=CALL_TIMEOUT_S)
+
+
+def make_error(car: Sidecar, pod: str = "pod-a", start: int = 4) -> Any:
+    """An ERROR instance 1g.10gb@start:1 on GPU 0: allocated, released, its reclaim's destroy failing
+    (``sim fault``). The fault stays; the caller clears it (``sim faults --clear``) when it wants."""
+    device = allocate_one(car, pod, 0, "1g.10gb", start, 1)
+    release(car, pod)
+    car.sim("fault", "destroy-ci", "999", "--times", FOREVER)
+    code, reason, _ = failure(lambda: allocate_one(car, "pod-reclaimer", 0, "7g.80gb", 0, 8))
+    assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
+    assert record_states(car)[device.mig_uuid] == "ERROR"
+    return device
+
+
+def spec_names(car: Sidecar) -> set[str]:
+    return set(car.cdi_files())
+
+
+class TestAnErrorInstanceInTheWayIsRetriedInline:
+    """HAMi's TestMIGErrorAtExactKeyRetriesReclamation, over the socket."""
+
+    def test_at_exactly_the_key_it_is_destroyed_then_the_instance_is_created(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        broken = make_error(car)
+        car.sim("faults", "--clear")
+
+        response = allocate(car, "pod-a", "1g.10gb", 4, 1)  # the same key and reservation
+
+        [device] = response.devices
+        assert device.outcome == pb.CREATED
+        assert device.mig_uuid != broken.mig_uuid
+        assert [r.mig_uuid for r in response.reclaimed] == [broken.mig_uuid]
+        assert broken.mig_uuid not in live_mig_uuids(car)
+        assert record_states(car) == {device.mig_uuid: "ACTIVE"}
+        assert not any(broken.mig_uuid in name for name in spec_names(car))
+
+    def test_overlapping_the_placement_it_is_destroyed_with_the_idle_instances_in_the_way(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        broken = make_error(car)
+        car.sim("faults", "--clear")
+        idle = allocate_one(car, "pod-idle", 0, "1g.10gb", 5, 1)
+        release(car, "pod-idle")
+
+        response = allocate(car, "pod-new", "3g.40gb", 4, 4)
+
+        [device] = response.devices
+        assert device.outcome == pb.CREATED
+        assert {r.mig_uuid for r in response.reclaimed} == {broken.mig_uuid, idle.mig_uuid}
+        assert live_mig_uuids(car) == {device.mig_uuid}
+        assert record_states(car) == {device.mig_uuid: "ACTIVE"}
+
+    def test_a_destroy_that_fails_again_answers_unavailable_and_destroys_nothing_else(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        broken = make_error(car)
+        idle = allocate_one(car, "pod-idle", 0, "1g.10gb", 5, 1)
+        release(car, "pod-idle")
+        hardware = car.hardware()
+
+        code, reason, meta = failure(lambda: allocate(car, "pod-new", "3g.40gb", 4, 4))
+
+        assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
+        assert (meta["blocker"], meta["mig_uuid"]) == ("ERROR", broken.mig_uuid)
+        assert car.hardware() == hardware  # the idle instance behind it was not reclaimed
+        assert record_states(car) == {broken.mig_uuid: "ERROR", idle.mig_uuid: "IDLE"}
+
+        car.sim("faults", "--clear")  # the same request succeeds once the destroy does
+        assert allocate(car, "pod-new", "3g.40gb", 4, 4).devices[0].outcome == pb.CREATED
+
+    def test_a_kill9_after_the_inline_destroy_leaves_nothing_behind_after_recover(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET, env={crashpoints.ENV: "after-inline-error-retry"})
+        car.recover()
+        broken = make_error(car)
+        car.sim("faults", "--clear")
+        with pytest.raises(grpc.RpcError):
+            allocate(car, "pod-a", "1g.10gb", 4, 1)
+        assert car.proc is not None
+        assert car.proc.wait(timeout=30) == 137
+        assert broken.mig_uuid not in live_mig_uuids(car)
+
+        car.restart(env={})
+        report = car.recover()
+
+        assert list(report.errors) == []
+        assert (car.records(), car.cdi_files(), live_mig_uuids(car)) == ({}, [], set())
+        assert allocate(car, "pod-a", "1g.10gb", 4, 1).devices[0].outcome == pb.CREATED
+        assert set(states(car).values()) == {pb.ACTIVE}
