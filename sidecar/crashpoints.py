@@ -29,6 +29,8 @@ POINTS: tuple[str, ...] = (
     "after-remove-cdi",
     # an Allocate's inline retry of an ERROR instance in its way: destroyed, the create not begun
     "after-inline-error-retry",
+    # SyncActive: the pending reservations taken (memory only), nothing idled or reactivated yet
+    "after-sync-pending",
 )
 
 _armed = os.environ.get(ENV, "")

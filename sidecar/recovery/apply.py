@@ -203,6 +203,7 @@ class Recovery:
             sorted(table.values(), key=lambda r: r.name),
             decided.generation,
             referenced_mig_uuids=decided.referenced_mig_uuids,
+            pending=decided.pending,
         )
         # Only what happened: failed and foreign steps add nothing to the lists of what was done.
         return settle_report(decided.report, done=done, left_foreign=left_foreign, failures=failures)

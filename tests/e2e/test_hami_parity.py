@@ -14,6 +14,8 @@ changes is the request's doing, not a background round's.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import grpc
@@ -66,11 +68,12 @@ def allocate(car: Sidecar, pod: str, profile: str, start: int, size: int) -> Any
 
 def make_error(car: Sidecar, pod: str = "pod-a", start: int = 4) -> Any:
     """An ERROR instance 1g.10gb@start:1 on GPU 0: allocated, released, its reclaim's destroy failing
-    (``sim fault``). The fault stays; the caller clears it (``sim faults --clear``) when it wants."""
+    (``sim fault``). The fault stays; the caller clears it (``sim faults --clear``) when it wants.
+    The reclaim asks for the 2g.20gb around it only, so an ERROR instance elsewhere is not in its way."""
     device = allocate_one(car, pod, 0, "1g.10gb", start, 1)
     release(car, pod)
     car.sim("fault", "destroy-ci", "999", "--times", FOREVER)
-    code, reason, _ = failure(lambda: allocate_one(car, "pod-reclaimer", 0, "7g.80gb", 0, 8))
+    code, reason, _ = failure(lambda: allocate_one(car, f"{pod}-reclaimer", 0, "2g.20gb", start // 2 * 2, 2))
     assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
     assert record_states(car)[device.mig_uuid] == "ERROR"
     return device
@@ -159,3 +162,89 @@ class TestAnErrorInstanceInTheWayIsRetriedInline:
         assert (car.records(), car.cdi_files(), live_mig_uuids(car)) == ({}, [], set())
         assert allocate(car, "pod-a", "1g.10gb", 4, 1).devices[0].outcome == pb.CREATED
         assert set(states(car).values()) == {pb.ACTIVE}
+
+
+def pending(car: Sidecar, pod: str, profile: str, start: int, size: int) -> Any:
+    """What the plugin lists for a pod the scheduler reserved a spot for, before its Allocate."""
+    return pb.ActiveAllocation(
+        pod=pb.PodRef(uid=pod, namespace="default", name=pod),
+        container_name="main",
+        gpu_uuid=gpu_uuid(car, 0),
+        profile=profile,
+        placement=pb.Placement(start=start, size=size),
+    )
+
+
+def wait_until(what: str, condition: Any) -> None:
+    """Poll ``condition`` (background work); the bound is generous, never a timing assertion."""
+    deadline = time.monotonic() + 30.0
+    pause = threading.Event()
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        pause.wait(0.05)
+
+
+class TestAPendingReservation:
+    """HAMi's TestMIGCleanupRetryPreservesActiveReservation, and Recover accepting the reservation."""
+
+    def test_recover_accepts_it_and_it_guards_the_error_instance_at_it_until_its_allocate(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory()  # the reconciler retries every 0.2 s
+        car.recover()
+        guarded = make_error(car, "pod-a", 0)
+        unguarded = make_error(car, "pod-c", 4)
+        car.kill9()
+        car.start()
+
+        report = car.recover([pending(car, "pod-q", "1g.10gb", 0, 1)])
+
+        assert list(report.errors) == []
+        assert record_states(car) == {guarded.mig_uuid: "ERROR", unguarded.mig_uuid: "ERROR"}
+        car.sim("faults", "--clear")
+        # A round visits the records in name order (placement 0:1 before 4:1, as recovery installed
+        # them), so once the unguarded one is gone, a round has passed the guarded one by.
+        wait_until(
+            "the reconciler destroyed the unguarded instance",
+            lambda: unguarded.mig_uuid not in record_states(car),
+        )
+        assert record_states(car) == {guarded.mig_uuid: "ERROR"}
+        assert guarded.mig_uuid in live_mig_uuids(car)
+
+        code, reason, meta = failure(lambda: allocate(car, "pod-x", "3g.40gb", 0, 4))
+        assert (code, reason, meta["blocker"]) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "PLACEMENT_BUSY",
+            "ERROR",
+        )
+        assert meta["guarded_by"] == "pending reservation of pod-q/0/0"
+
+        response = allocate(car, "pod-q", "1g.10gb", 0, 1)  # the reservation's own Allocate
+        assert response.devices[0].outcome == pb.CREATED
+        assert [r.mig_uuid for r in response.reclaimed] == [guarded.mig_uuid]
+
+    def test_sync_active_sets_it_and_a_kill9_right_after_loses_nothing_recover_cannot_restore(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET, env={crashpoints.ENV: "after-sync-pending"})
+        car.recover()
+        idle = allocate_one(car, "pod-a", 0, "1g.10gb", 4, 1)
+        release(car, "pod-a")
+        listed = [pending(car, "pod-q", "1g.10gb", 4, 1)]
+        with pytest.raises(grpc.RpcError):
+            car.stub.SyncActive(
+                pb.SyncActiveRequest(generation=car.info().generation, active=listed), timeout=CALL_TIMEOUT_S
+            )
+        assert car.proc is not None
+        assert car.proc.wait(timeout=30) == 137
+
+        car.restart(env={})
+        car.recover(listed)  # the plugin's next list still has the reservation
+        hardware = car.hardware()
+
+        code, reason, meta = failure(lambda: allocate(car, "pod-x", "3g.40gb", 4, 4))
+        assert (reason, meta["blocker"], meta["mig_uuid"]) == ("PLACEMENT_BUSY", "IDLE", idle.mig_uuid)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert car.hardware() == hardware
+        reused = allocate(car, "pod-q", "1g.10gb", 4, 1).devices[0]
+        assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, idle.mig_uuid)
