@@ -34,6 +34,16 @@ as bytes that depend only on the inputs, so "identical" is a byte comparison. A 
 leaves its temp file behind; ``sweep_temp_files`` removes those of this kind at the next start. A
 removal that fails is queued in memory for ``retry_removals`` (run by the reconciler). With CDI
 disabled nothing is ever written and every method is a no-op.
+
+Ownership: the file at a spec's path is this sidecar's only when it is a regular file (not a
+symlink, not a directory) whose JSON reads as a spec of this kind whose devices are all named by
+that MIG UUID (``not_ours``). Anything else there (another kind, another or a second MIG UUID, bytes
+that are not such JSON, a truncated file whose kind cannot be read) belongs to someone else: it is
+never overwritten nor removed, and ``ensure``/``remove`` raise ``ForeignSpecFile`` (UNAVAILABLE
+STATE_WRITE_FAILED naming the file). A spec of this kind naming that MIG UUID whose content differs
+from what ``render`` gives (wrong edits, another ``cdiVersion``, extra fields, a device entry that
+is not what this sidecar writes) is this sidecar's, corrupt or outdated, and is rewritten. Writes
+are atomic, so a truncated file is never one this sidecar left; it is left alone.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
@@ -149,6 +160,16 @@ def read_access_file(path: Path) -> tuple[int, int]:
         raise ValueError(f"{path} has no DeviceFileMinor/DeviceFileMode: {exc}") from exc
 
 
+class ForeignSpecFile(StateWriteFailed):
+    """The file at a spec's path is not this sidecar's spec for that MIG UUID: left untouched."""
+
+    def __init__(self, path: Path, mig_uuid: str, why: str) -> None:
+        super().__init__(
+            f"{path} is not this sidecar's CDI spec for {mig_uuid} ({why}); it is left untouched",
+            {"file": str(path), "mig_uuid": mig_uuid},
+        )
+
+
 class CdiSpecs:
     """The CDI files of this sidecar's kind in one directory, plus the queue of failed removals."""
 
@@ -173,7 +194,8 @@ class CdiSpecs:
             + r"[0-9a-f]+$"
         )
         self._lock = threading.Lock()
-        self._pending: dict[Path, None] = {}  # an ordered set: retried in the order they failed
+        # path -> the MIG UUID it is the spec of, retried in the order they failed
+        self._pending: dict[Path, str] = {}
 
     @property
     def enabled(self) -> bool:
@@ -227,7 +249,8 @@ class CdiSpecs:
     def ensure(self, gpu_minor: int, identity: Identity) -> str:
         """Write the spec unless an identical valid one exists; return the qualified device name.
 
-        "" when disabled. Raises errors.StateWriteFailed when /proc cannot be read or the write fails."""
+        "" when disabled. Raises errors.StateWriteFailed when /proc cannot be read or the write fails,
+        ForeignSpecFile (one) when the file at the path is not this sidecar's (nothing written)."""
         if self.directory is None:
             return ""
         path = self.spec_path(identity.mig_uuid)
@@ -235,7 +258,7 @@ class CdiSpecs:
         with self._lock:
             # The file is wanted again: a queued removal must not take it away later.
             self._pending.pop(path, None)
-            if _read_bytes(path) == data:
+            if self.owned_bytes(path, identity.mig_uuid) == data:
                 return self.device_name(identity.mig_uuid)
             try:
                 self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
@@ -251,7 +274,8 @@ class CdiSpecs:
         a spec of our kind may have another name than ``spec_path`` (written by hand, by an older
         version), which removing by the derived name would miss. Without it the derived name is used.
         ValueError for a path that is not a file name directly in the CDI directory: nothing outside it
-        is ever removed."""
+        is ever removed. ForeignSpecFile when the file there is not this sidecar's (nothing removed,
+        nothing queued: no retry makes it ours)."""
         if self.directory is None:
             return True
         if path is None:
@@ -259,11 +283,57 @@ class CdiSpecs:
         elif path.parent != self.directory or path.name in {"", ".", ".."}:
             raise ValueError(f"{path} is not in the CDI directory {self.directory}")
         with self._lock:
+            self._pending.pop(path, None)
+            try:
+                self.owned_bytes(path, mig_uuid)
+            except ForeignSpecFile:
+                raise
+            except StateWriteFailed:
+                self._pending[path] = mig_uuid  # cannot tell now: the reconciler looks again
+                return False
             if _unlink(path):
-                self._pending.pop(path, None)
                 return True
-            self._pending[path] = None
+            self._pending[path] = mig_uuid
             return False
+
+    def owned_bytes(self, path: Path, mig_uuid: str) -> bytes | None:
+        """The bytes of this sidecar's spec for ``mig_uuid`` at ``path``; None when nothing is there.
+
+        ForeignSpecFile when something that is not (``not_ours``); StateWriteFailed when the file
+        cannot be inspected or read."""
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateWriteFailed(f"inspecting CDI spec {path} failed: {exc}", {"file": str(path)}) from exc
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise ForeignSpecFile(path, mig_uuid, kind)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateWriteFailed(f"reading CDI spec {path} failed: {exc}", {"file": str(path)}) from exc
+        why = self.not_ours(data, mig_uuid)
+        if why is not None:
+            raise ForeignSpecFile(path, mig_uuid, why)
+        return data
+
+    def not_ours(self, data: bytes, mig_uuid: str) -> str | None:
+        """Why ``data`` is not this sidecar's spec for ``mig_uuid``, or None when it is (see the
+        module's "Ownership": its kind, and devices all named by that MIG UUID; the rest may differ)."""
+        try:
+            header = _HEADER_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            return f"not a CDI spec whose kind and device names can be read: {exc}"
+        if header.kind != self.kind:
+            return f"its kind is {header.kind!r}, not {self.kind!r}"
+        names = sorted({device.name for device in header.devices})
+        if names != [mig_uuid]:
+            return f"it names the devices {names}, not {mig_uuid} alone"
+        return None
 
     def pending_removals(self) -> list[str]:
         """Paths whose removal failed and waits for ``retry_removals``."""
@@ -271,10 +341,20 @@ class CdiSpecs:
             return [str(p) for p in self._pending]
 
     def retry_removals(self) -> list[str]:
-        """Retry the queued removals; return the paths removed now."""
+        """Retry the queued removals; return the paths removed now.
+
+        Ownership is judged again at each attempt: a file that is not this sidecar's now (another
+        writer took the name meanwhile) leaves the queue untouched and is not reported removed."""
         removed: list[str] = []
         with self._lock:
-            for path in list(self._pending):
+            for path, mig_uuid in list(self._pending.items()):
+                try:
+                    self.owned_bytes(path, mig_uuid)
+                except ForeignSpecFile:
+                    del self._pending[path]
+                    continue
+                except StateWriteFailed:
+                    continue
                 if _unlink(path):
                     del self._pending[path]
                     removed.append(str(path))

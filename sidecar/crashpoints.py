@@ -31,6 +31,8 @@ POINTS: tuple[str, ...] = (
     "after-inline-error-retry",
     # SyncActive: the pending reservations taken (memory only), nothing idled or reactivated yet
     "after-sync-pending",
+    # a destroy that found a file that is not ours at the spec's path: kept, the record not yet deleted
+    "after-foreign-cdi-kept",
 )
 
 _armed = os.environ.get(ENV, "")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from sidecar import crashpoints, placement
+from sidecar.cdi import ForeignSpecFile
 from sidecar.context import Context
 from sidecar.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.errors import ComputeInstanceNotOurs, SidecarError, UnverifiableState, nvml_errors
@@ -121,9 +122,18 @@ def with_created_ci(port: NvmlPort, record: OwnershipRecord) -> OwnershipRecord:
 
 
 def remove_spec(ctx: Context, mig_uuid: str | None) -> None:
-    """Remove an instance's CDI spec; a failure is queued for the reconciler, never raised."""
-    if mig_uuid is not None and not ctx.cdi.remove(mig_uuid):
-        _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+    """Remove an instance's CDI spec; a failure is queued for the reconciler, never raised.
+
+    A file at the spec's path that is not this sidecar's (``cdi.ForeignSpecFile``) is left as it
+    is and not queued: the instance is gone either way, and no retry makes that file ours."""
+    if mig_uuid is None:
+        return
+    try:
+        if not ctx.cdi.remove(mig_uuid):
+            _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+    except ForeignSpecFile as exc:
+        _log.error("CDI spec of %s not removed: %s", mig_uuid, exc)
+        crashpoints.crashpoint("after-foreign-cdi-kept")
 
 
 def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
@@ -194,9 +204,8 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
         ctx.cdi.enabled
         and mig_uuid is not None
         and MIG_UUID_RE.match(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
-        and not ctx.cdi.remove(mig_uuid)
     ):
-        _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+        remove_spec(ctx, mig_uuid)
     try:
         ctx.table.delete(known.name)
     except SidecarError as exc:

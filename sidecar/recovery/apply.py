@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar import errors
-from sidecar.cdi import CdiSpecs
+from sidecar.cdi import CdiSpecs, ForeignSpecFile
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.errors import ComputeInstanceNotOurs, nvml_errors
 from sidecar.lifecycle import Lifecycle
@@ -229,8 +229,11 @@ class Recovery:
                 except errors.SidecarError as exc:
                     return f"writing the CDI spec of {identity.mig_uuid} failed: {exc}"
             case RemoveCdi(mig_uuid=mig_uuid, path=path):
-                if not self.cdi.remove(mig_uuid, Path(path) if path else None):
-                    return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
+                try:
+                    if not self.cdi.remove(mig_uuid, Path(path) if path else None):
+                        return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
+                except ForeignSpecFile as exc:
+                    return f"the CDI spec of {mig_uuid} was not removed: {exc}"
         return None
 
     def _require_idle_gpu(self, gpu_uuid: str) -> None:

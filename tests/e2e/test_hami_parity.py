@@ -14,8 +14,10 @@ changes is the request's doing, not a background round's.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -248,3 +250,108 @@ class TestAPendingReservation:
         assert car.hardware() == hardware
         reused = allocate(car, "pod-q", "1g.10gb", 4, 1).devices[0]
         assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, idle.mig_uuid)
+
+
+def spec_path(car: Sidecar, mig_uuid: str) -> Path:
+    return car.cdi_dir / f"k8s.hami.io-mig_{mig_uuid}.json"
+
+
+def spec_of(kind: str, *names: str) -> bytes:
+    devices = [{"name": n, "containerEdits": {"env": ["FROM=someone-else"]}} for n in names]
+    return json.dumps({"cdiVersion": "0.5.0", "kind": kind, "devices": devices}).encode()
+
+
+OTHER_MIG = "MIG-0badc0de-1111-5222-8333-444455556666"
+
+
+def idle_with_file(car: Sidecar, content: bytes) -> tuple[Any, Path]:
+    """pod-a's 1g.10gb@4:1, released (IDLE), with ``content`` put where its spec file is."""
+    idle = allocate_one(car, "pod-a", 0, "1g.10gb", 4, 1)
+    release(car, "pod-a")
+    path = spec_path(car, idle.mig_uuid)
+    assert path.is_file()
+    path.write_bytes(content)
+    return idle, path
+
+
+class TestAFileThatIsNotThisSidecarsSpec:
+    """HAMi's CDI ownership: only a spec of this kind naming that MIG UUID is the sidecar's."""
+
+    @pytest.mark.parametrize("kind", ["foreign kind", "mismatched MIG UUID"])
+    def test_is_kept_on_ensure_and_on_remove(self, sidecar_factory: SidecarFactory, kind: str) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        content = (
+            spec_of("nvidia.com/gpu", "placeholder")
+            if kind == "foreign kind"
+            else spec_of("k8s.hami.io/mig", OTHER_MIG)
+        )
+        idle, path = idle_with_file(car, content.replace(b"placeholder", b"MIG-anything"))
+        content = path.read_bytes()
+
+        code, reason, meta = failure(lambda: allocate(car, "pod-b", "1g.10gb", 4, 1))  # reuse: ensure
+
+        assert (code, reason, meta["file"]) == (grpc.StatusCode.UNAVAILABLE, "STATE_WRITE_FAILED", str(path))
+        assert path.read_bytes() == content
+        assert record_states(car) == {idle.mig_uuid: "IDLE"}
+
+        response = allocate(car, "pod-c", "3g.40gb", 4, 4)  # reclaims it: remove
+
+        assert [r.mig_uuid for r in response.reclaimed] == [idle.mig_uuid]
+        assert path.read_bytes() == content
+        assert idle.mig_uuid not in live_mig_uuids(car)
+        assert record_states(car) == {response.devices[0].mig_uuid: "ACTIVE"}
+        state = car.stub.GetState(pb.GetStateRequest(), timeout=CALL_TIMEOUT_S)
+        assert list(state.pending_cdi_removals) == []  # no retry makes it ours
+
+    def test_recovery_keeps_it_and_says_so(self, sidecar_factory: SidecarFactory) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        idle, path = idle_with_file(car, spec_of("nvidia.com/gpu", "MIG-anything"))
+        content = path.read_bytes()
+        car.kill9()
+        car.start()
+
+        report = car.recover()
+
+        assert any(str(path) in line for line in report.errors)
+        assert path.read_bytes() == content
+        assert record_states(car) == {idle.mig_uuid: "IDLE"}
+
+    def test_a_corrupt_spec_of_this_kind_naming_the_instance_is_rewritten(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET)
+        car.recover()
+        first = allocate_one(car, "pod-a", 0, "1g.10gb", 4, 1)
+        good = spec_path(car, first.mig_uuid).read_bytes()
+        release(car, "pod-a")
+        spec_path(car, first.mig_uuid).write_bytes(spec_of("k8s.hami.io/mig", first.mig_uuid))
+
+        reused = allocate(car, "pod-b", "1g.10gb", 4, 1).devices[0]
+
+        assert (reused.outcome, reused.mig_uuid) == (pb.REUSED, first.mig_uuid)
+        assert spec_path(car, first.mig_uuid).read_bytes() == good
+
+    def test_a_kill9_after_a_reclaim_kept_it_leaves_it_and_nothing_else_after_recover(
+        self, sidecar_factory: SidecarFactory
+    ) -> None:
+        car = sidecar_factory(extra_args=QUIET, env={crashpoints.ENV: "after-foreign-cdi-kept"})
+        car.recover()
+        idle, path = idle_with_file(car, spec_of("nvidia.com/gpu", "MIG-anything"))
+        content = path.read_bytes()
+        with pytest.raises(grpc.RpcError):
+            allocate(car, "pod-c", "3g.40gb", 4, 4)
+        assert car.proc is not None
+        assert car.proc.wait(timeout=30) == 137
+        assert idle.mig_uuid not in live_mig_uuids(car)  # destroyed, its record not deleted yet
+        assert [r["state"] for r in car.records().values()] == ["DELETING"]
+
+        car.restart(env={})
+        report = car.recover()
+
+        assert list(report.errors) == []
+        assert (car.records(), live_mig_uuids(car)) == ({}, set())
+        assert car.cdi_files() == [path.name]
+        assert path.read_bytes() == content
+        assert allocate(car, "pod-c", "3g.40gb", 4, 4).devices[0].outcome == pb.CREATED
