@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sidecar import placement
+from sidecar import crashpoints, placement
 from sidecar.context import Context
 from sidecar.create import create, placement_busy, require_no_record_for_the_operator
 from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
@@ -28,13 +28,14 @@ from sidecar.domain import (
 from sidecar.errors import (
     InstanceInUse,
     KeyConflict,
+    NvmlFailure,
     SidecarError,
     UnverifiableState,
     nvml_errors,
 )
 from sidecar.nvml.port import GpuInstanceInfo, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.teardown import destroy
+from sidecar.teardown import destroy, destroy_error
 from sidecar.validate import Validated, validate
 
 _log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class Room(msgspec.Struct, frozen=True):
     so the create goes ahead and a refusal of the driver names the blocker)."""
 
     reclaim: tuple[OwnershipRecord, ...] = ()
+    retry: tuple[OwnershipRecord, ...] = ()  # ERROR instances in the way, destroyed first (``retry_error``)
     live: tuple[GpuInstanceInfo, ...] | None = None
     proven: bool = False
 
@@ -92,6 +94,8 @@ class Allocator:
             except Exception:
                 self.undo_allocation(done)
                 raise
+            # Each key's own pending reservation waited for this Allocate: it guards nothing now.
+            ctx.pending.consume(v.key for v in validated)
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
     def judge_all(self, validated: Sequence[Validated]) -> dict[int, Room]:
@@ -127,11 +131,13 @@ class Allocator:
         return decided
 
     def room_for(self, v: Validated) -> Room:
-        """The IDLE instances to reclaim for the placement; PlacementBusy / InstanceInUse otherwise.
+        """The ERROR instances to retry and the IDLE ones to reclaim for the placement;
+        PlacementBusy / InstanceInUse otherwise.
 
-        Reads only: the record files left for the operator, the owned records, and, unless the
-        records alone show the placement free (then the create itself is the check, ``create``),
-        the live layout and the process counts of the candidates."""
+        Reads only: the record files left for the operator, the owned records, the guards (the MIG
+        UUIDs live pods hold, the pending reservations), and, unless the records alone show the
+        placement free (then the create itself is the check, ``create``), the live layout and the
+        process counts of the candidates."""
         ctx = self.ctx
         gpu = v.gpu.uuid
         res = v.device.reservation
@@ -141,19 +147,23 @@ class Allocator:
         overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
         if not overlapping:
             return Room()
-        proven = self.prove_reclaim(overlapping, res.placement)
-        if proven:
-            return Room(reclaim=proven, proven=True)
+        guards = ctx.pending.guards(ctx.table.referenced, v.key)
+        # A guarded instance in the way is for ``decide`` to judge (it blocks); only unguarded ones
+        # may be proven and reclaimed without a listing.
+        if not any(guards.why(r) for r in overlapping):
+            proven = self.prove_reclaim(overlapping, res.placement)
+            if proven:
+                return Room(reclaim=proven, proven=True)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
-        decided = decide(res, None, None, plan)
+        decided = decide(res, None, None, plan, guards)
         if isinstance(decided, Busy):
             raise placement_busy(gpu, res.placement, decided)
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             self.require_no_processes(r)
-        return Room(reclaim=decided.reclaim, live=tuple(live))
+        return Room(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live))
 
     def prove_reclaim(
         self, overlapping: Sequence[OwnershipRecord], wanted: Placement
@@ -193,10 +203,36 @@ class Allocator:
             same_spot = decided.record
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
         assert room is not None
+        for r in room.retry:  # first: a retry that fails must not have cost any idle instance
+            reclaimed.append(self.retry_error(r))
+        if room.retry:
+            crashpoints.crashpoint("after-inline-error-retry")
         for r in room.reclaim:
             reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live, proven=room.proven))
         created = create(self.ctx, v, listed=room.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
+
+    def retry_error(self, record: OwnershipRecord) -> InstanceRef:
+        """Destroy an ERROR instance in the request's way now, as the reconciler would later.
+
+        The same recorded teardown (``teardown.destroy_error``). Whatever stops it, the instance
+        stays ERROR (or, proven not ours, foreign) and the answer is UNAVAILABLE: the reconciler
+        keeps retrying, so the same request may succeed later (a STATE_WRITE_FAILED stays as it is)."""
+        try:
+            return destroy_error(self.ctx, record)
+        except (NvmlFailure, UnverifiableState) as exc:
+            raise NvmlFailure(
+                f"ERROR instance {record.profile}@{record.placement} ({record.mig_uuid or 'no MIG UUID'})"
+                f" on {record.gpu_uuid} is in the way and its destroy failed again: {exc}",
+                {
+                    **exc.metadata,
+                    "blocker": "ERROR",
+                    "record": record.name,
+                    "gpu_uuid": record.gpu_uuid,
+                    "placement": str(record.placement),
+                    "mig_uuid": record.mig_uuid or "",
+                },
+            ) from exc
 
     @staticmethod
     def allocated(v: Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:

@@ -34,6 +34,16 @@ as bytes that depend only on the inputs, so "identical" is a byte comparison. A 
 leaves its temp file behind; ``sweep_temp_files`` removes those of this kind at the next start. A
 removal that fails is queued in memory for ``retry_removals`` (run by the reconciler). With CDI
 disabled nothing is ever written and every method is a no-op.
+
+Ownership: the file at a spec's path is this sidecar's only when it is a regular file (not a
+symlink, not a directory) whose JSON reads as a spec of this kind whose devices are all named by
+that MIG UUID (``not_ours``). Anything else there (another kind, another or a second MIG UUID, bytes
+that are not such JSON, a truncated file whose kind cannot be read) belongs to someone else: it is
+never overwritten nor removed, and ``ensure``/``remove`` raise ``ForeignSpecFile`` (UNAVAILABLE
+STATE_WRITE_FAILED naming the file). A spec of this kind naming that MIG UUID whose content differs
+from what ``render`` gives (wrong edits, another ``cdiVersion``, extra fields, a device entry that
+is not what this sidecar writes) is this sidecar's, corrupt or outdated, and is rewritten. Writes
+are atomic, so a truncated file is never one this sidecar left; it is left alone.
 """
 
 from __future__ import annotations
@@ -41,12 +51,23 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 
 import msgspec
 
 from sidecar import hami_files
+from sidecar.cdi_format import (
+    ENCODER,
+    HEADER_DECODER,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Spec,
+    minimum_cdi_version,
+    parse_kind,
+)
 from sidecar.domain import MIG_UUID_RE, Identity
 from sidecar.errors import StateWriteFailed
 from sidecar.hami_files import HamiSpec
@@ -56,69 +77,6 @@ DEFAULT_KIND = "k8s.hami.io/mig"
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 NVIDIACTL_MINOR = 255
-
-# pkg/parser ValidateVendorName / ValidateClassName: a letter first, a letter or digit last,
-# [A-Za-z0-9_.-] between. The spec limits the class to 63 characters and the vendor (a DNS
-# subdomain) to 253.
-_KIND_PART_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
-
-
-class _DeviceNode(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
-    path: str
-    type: str
-    major: int
-    minor: int
-    file_mode: int | None = None
-
-
-class _ContainerEdits(msgspec.Struct, frozen=True, rename="camel"):
-    device_nodes: tuple[_DeviceNode, ...]
-
-
-class _Device(msgspec.Struct, frozen=True, rename="camel"):
-    name: str
-    container_edits: _ContainerEdits
-
-
-class _Spec(msgspec.Struct, frozen=True, rename="camel"):
-    cdi_version: str
-    kind: str
-    devices: tuple[_Device, ...]
-
-
-class _SpecHeader(msgspec.Struct):
-    """What ``list_mig_uuids`` needs from any spec file; other fields are ignored, not rejected."""
-
-    kind: str = ""
-    devices: list[_DeviceName] = msgspec.field(default_factory=list)
-
-
-class _DeviceName(msgspec.Struct):
-    name: str = ""
-
-
-_ENCODER = msgspec.json.Encoder()
-_HEADER_DECODER = msgspec.json.Decoder(_SpecHeader)
-
-
-def parse_kind(kind: str) -> tuple[str, str]:
-    """``vendor/class`` -> (vendor, class), checked by the CDI name rules; ValueError otherwise."""
-    vendor, sep, cls = kind.partition("/")
-    if (
-        not sep
-        or not _KIND_PART_RE.match(vendor)
-        or not _KIND_PART_RE.match(cls)
-        or len(vendor) > 253
-        or len(cls) > 63
-    ):
-        raise ValueError(f"not a CDI kind (vendor/class): {kind!r}")
-    return vendor, cls
-
-
-def minimum_cdi_version(kind: str) -> str:
-    """The lowest ``cdiVersion`` that covers what this module writes for ``kind``."""
-    _, cls = parse_kind(kind)
-    return "0.6.0" if "." in cls else "0.3.0"
 
 
 def read_char_majors(proc_root: Path) -> dict[str, int]:
@@ -151,6 +109,16 @@ def read_access_file(path: Path) -> tuple[int, int]:
         raise ValueError(f"{path} has no DeviceFileMinor/DeviceFileMode: {exc}") from exc
 
 
+class ForeignSpecFile(StateWriteFailed):
+    """The file at a spec's path is not this sidecar's spec for that MIG UUID: left untouched."""
+
+    def __init__(self, path: Path, mig_uuid: str, why: str) -> None:
+        super().__init__(
+            f"{path} is not this sidecar's CDI spec for {mig_uuid} ({why}); it is left untouched",
+            {"file": str(path), "mig_uuid": mig_uuid},
+        )
+
+
 class CdiSpecs:
     """The CDI files of this sidecar's kind in one directory, plus the queue of failed removals."""
 
@@ -175,7 +143,8 @@ class CdiSpecs:
             + r"[0-9a-f]+$"
         )
         self._lock = threading.Lock()
-        self._pending: dict[Path, None] = {}  # an ordered set: retried in the order they failed
+        # path -> the MIG UUID it is the spec of, retried in the order they failed
+        self._pending: dict[Path, str] = {}
         # Specs this process wrote or read back: path -> (minor, identity, stat signature). A spec
         # whose file still has that signature is known current and is neither rendered nor read again.
         self._current: dict[Path, tuple[int, Identity, tuple[int, int, int, int]]] = {}
@@ -221,19 +190,20 @@ class CdiSpecs:
                 f"reading device numbers for the CDI spec of {identity.mig_uuid} failed: {exc}"
             ) from exc
         nodes = (
-            _DeviceNode(f"/dev/nvidia{gpu_minor}", "c", nvidia, gpu_minor),
-            _DeviceNode("/dev/nvidiactl", "c", nvidia, NVIDIACTL_MINOR),
-            _DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "c", caps_major, gi_minor, gi_mode),
-            _DeviceNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "c", caps_major, ci_minor, ci_mode),
+            DeviceNode(f"/dev/nvidia{gpu_minor}", "c", nvidia, gpu_minor),
+            DeviceNode("/dev/nvidiactl", "c", nvidia, NVIDIACTL_MINOR),
+            DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "c", caps_major, gi_minor, gi_mode),
+            DeviceNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "c", caps_major, ci_minor, ci_mode),
         )
-        spec = _Spec(self.cdi_version, self.kind, (_Device(identity.mig_uuid, _ContainerEdits(nodes)),))
+        spec = Spec(self.cdi_version, self.kind, (Device(identity.mig_uuid, ContainerEdits(nodes)),))
         # Struct fields encode in declaration order, so equal inputs give equal bytes.
-        return msgspec.json.format(_ENCODER.encode(spec), indent=2) + b"\n"
+        return msgspec.json.format(ENCODER.encode(spec), indent=2) + b"\n"
 
     def ensure(self, gpu_minor: int, identity: Identity) -> str:
         """Write the spec unless an identical valid one exists; return the qualified device name.
 
-        "" when disabled. Raises errors.StateWriteFailed when /proc cannot be read or the write fails."""
+        "" when disabled. Raises errors.StateWriteFailed when /proc cannot be read or the write fails,
+        ForeignSpecFile (one) when the file at the path is not this sidecar's (nothing written)."""
         if self.directory is None:
             return ""
         path = self.spec_path(identity.mig_uuid)
@@ -246,7 +216,7 @@ class CdiSpecs:
             return self.device_name(identity.mig_uuid)
         data = self.render(gpu_minor, identity)
         with path_lock:  # one writer per file; the shared lock is never held across an fsync
-            if _read_bytes(path) != data:
+            if self.owned_bytes(path, identity.mig_uuid) != data:  # ForeignSpecFile: not ours to write
                 try:
                     self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
                     atomic_write(path, data, FILE_MODE)
@@ -265,7 +235,8 @@ class CdiSpecs:
         a spec of our kind may have another name than ``spec_path`` (written by hand, by an older
         version), which removing by the derived name would miss. Without it the derived name is used.
         ValueError for a path that is not a file name directly in the CDI directory: nothing outside it
-        is ever removed."""
+        is ever removed. ForeignSpecFile when the file there is not this sidecar's (nothing removed,
+        nothing queued: no retry makes it ours)."""
         if self.directory is None:
             return True
         if path is None:
@@ -274,11 +245,57 @@ class CdiSpecs:
             raise ValueError(f"{path} is not in the CDI directory {self.directory}")
         with self._lock:
             self._current.pop(path, None)
+            self._pending.pop(path, None)
+            try:
+                self.owned_bytes(path, mig_uuid)
+            except ForeignSpecFile:
+                raise
+            except StateWriteFailed:
+                self._pending[path] = mig_uuid  # cannot tell now: the reconciler looks again
+                return False
             if _unlink(path):
-                self._pending.pop(path, None)
                 return True
-            self._pending[path] = None
+            self._pending[path] = mig_uuid
             return False
+
+    def owned_bytes(self, path: Path, mig_uuid: str) -> bytes | None:
+        """The bytes of this sidecar's spec for ``mig_uuid`` at ``path``; None when nothing is there.
+
+        ForeignSpecFile when something that is not (``not_ours``); StateWriteFailed when the file
+        cannot be inspected or read."""
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateWriteFailed(f"inspecting CDI spec {path} failed: {exc}", {"file": str(path)}) from exc
+        if not stat.S_ISREG(info.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+            raise ForeignSpecFile(path, mig_uuid, kind)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StateWriteFailed(f"reading CDI spec {path} failed: {exc}", {"file": str(path)}) from exc
+        why = self.not_ours(data, mig_uuid)
+        if why is not None:
+            raise ForeignSpecFile(path, mig_uuid, why)
+        return data
+
+    def not_ours(self, data: bytes, mig_uuid: str) -> str | None:
+        """Why ``data`` is not this sidecar's spec for ``mig_uuid``, or None when it is (see the
+        module's "Ownership": its kind, and devices all named by that MIG UUID; the rest may differ)."""
+        try:
+            header = HEADER_DECODER.decode(data)
+        except msgspec.DecodeError as exc:
+            return f"not a CDI spec whose kind and device names can be read: {exc}"
+        if header.kind != self.kind:
+            return f"its kind is {header.kind!r}, not {self.kind!r}"
+        names = sorted({device.name for device in header.devices})
+        if names != [mig_uuid]:
+            return f"it names the devices {names}, not {mig_uuid} alone"
+        return None
 
     def pending_removals(self) -> list[str]:
         """Paths whose removal failed and waits for ``retry_removals``."""
@@ -286,14 +303,37 @@ class CdiSpecs:
             return [str(p) for p in self._pending]
 
     def retry_removals(self) -> list[str]:
-        """Retry the queued removals; return the paths removed now."""
+        """Retry the queued removals; return the paths removed now.
+
+        Ownership is judged again at each attempt: a file that is not this sidecar's now (another
+        writer took the name meanwhile) leaves the queue untouched and is not reported removed."""
         removed: list[str] = []
         with self._lock:
-            for path in list(self._pending):
+            for path, mig_uuid in list(self._pending.items()):
+                try:
+                    still_queued_for = self._queued_is_ours(path, mig_uuid)
+                except StateWriteFailed:
+                    continue
+                if not still_queued_for:
+                    del self._pending[path]
+                    continue
                 if _unlink(path):
                     del self._pending[path]
                     removed.append(str(path))
         return removed
+
+    def _queued_is_ours(self, path: Path, mig_uuid: str) -> bool:
+        """Whether a queued removal's file is still what it was queued as: HAMi's spec of that MIG
+        UUID (``remove_hami_spec``) or this sidecar's (``owned_bytes``). StateWriteFailed: unreadable."""
+        if path.name == hami_files.spec_filename(mig_uuid):
+            data = _read_bytes(path)
+            spec = hami_files.recognize_spec(path.name, data) if data is not None else None
+            return spec is not None and spec.mig_uuid == mig_uuid
+        try:
+            self.owned_bytes(path, mig_uuid)
+        except ForeignSpecFile:
+            return False
+        return True
 
     def sweep_temp_files(self) -> list[str]:
         """Remove the temp files a crash inside ``ensure``'s atomic write left behind; return their paths.
@@ -350,7 +390,7 @@ class CdiSpecs:
             if data is None:
                 continue
             try:
-                header = _HEADER_DECODER.decode(data)
+                header = HEADER_DECODER.decode(data)
             except msgspec.DecodeError:
                 continue
             if header.kind != self.kind:
@@ -395,7 +435,7 @@ class CdiSpecs:
             if _unlink(path):
                 self._pending.pop(path, None)
                 return True
-            self._pending[path] = None
+            self._pending[path] = mig_uuid
             return False
 
 

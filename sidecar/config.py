@@ -23,7 +23,8 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.cdi import DEFAULT_KIND, parse_kind
+from sidecar.cdi import DEFAULT_KIND
+from sidecar.cdi_format import parse_kind
 from sidecar.domain import PROFILE_NAME_RE
 from sidecar.idle_policy import IdleSettings
 from sidecar.nvml import profiles

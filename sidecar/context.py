@@ -17,6 +17,7 @@ from sidecar.inventory import Inventory
 from sidecar.locks import Locks
 from sidecar.nvml.port import NvmlPort
 from sidecar.ownership import Origin, OwnershipRecord
+from sidecar.pending import PendingSet
 from sidecar.records import RecordStore
 from sidecar.states import now_rfc3339, transition
 from sidecar.table import Table
@@ -30,6 +31,7 @@ class Context:
     boot_id: str
     locks: Locks = field(default_factory=Locks)
     recovered: bool = False
+    pending: PendingSet = field(default_factory=PendingSet)  # pending reservations (``pending``)
     table: Table = field(init=False)
     generations: Generations = field(init=False)
     inventory: Inventory = field(init=False)

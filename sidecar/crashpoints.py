@@ -47,6 +47,12 @@ POINTS: tuple[str, ...] = (
     "after-reclaim-idle-one",
     # SetMigMode(enabled=false, reclaim_idle=true): the IDLE instances are gone, MIG not yet disabled
     "after-reclaim-for-disable",
+    # an Allocate's inline retry of an ERROR instance in its way: destroyed, the create not begun
+    "after-inline-error-retry",
+    # SyncActive: the pending reservations taken (memory only), nothing idled or reactivated yet
+    "after-sync-pending",
+    # a destroy that found a file that is not ours at the spec's path: kept, the record not yet deleted
+    "after-foreign-cdi-kept",
 )
 
 _armed = os.environ.get(ENV, "")

@@ -20,7 +20,7 @@ from sidecar.errors import NvmlFailure, PlacementBusy, SidecarError, Unverifiabl
 from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
 from sidecar.ownership import Origin, OwnershipRecord, parse_record_name
 from sidecar.states import enter, now_rfc3339
-from sidecar.teardown import undo_create
+from sidecar.teardown import remove_spec, undo_create
 from sidecar.validate import Validated
 
 _log = logging.getLogger(__name__)
@@ -178,5 +178,5 @@ def drop_records_left_aside(ctx: Context, gpu_uuid: str, wanted: Placement) -> N
             "dropping record %s, left aside while its GPU was not visible: its placement is free now", r.name
         )
         if ctx.cdi.enabled and r.mig_uuid is not None and MIG_UUID_RE.match(r.mig_uuid):
-            ctx.cdi.remove(r.mig_uuid)
+            remove_spec(ctx, r.mig_uuid)
         ctx.table.delete(r.name)

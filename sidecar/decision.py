@@ -7,7 +7,11 @@ reservation, the placement plan of the live layout) and applies what ``decide`` 
 - a complete ACTIVE instance the key holds is answered as it is (``AlreadyHeld``);
 - an IDLE instance at exactly the reservation is reused (``Reuse``);
 - otherwise the instance is created, reclaiming only IDLE instances in the way (``Create``), or,
-  when anything else is in the way, nothing changes (``Busy``, see ``placement.plan_placement``).
+  when anything else is in the way, nothing changes (``Busy``, see ``placement.plan_placement``);
+- an ERROR instance in the way (at exactly the reservation or overlapping it) is the reconciler's
+  retry done now: it is destroyed first (``Create.retry``), unless a guard keeps it
+  (``pending.Guards``: a live pod holds it, or another key's pending reservation is at exactly its
+  spot); a guarded IDLE instance is not reclaimed either. A guarded instance is a blocker (``Busy``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import msgspec
 
 from sidecar.domain import Reservation, State
 from sidecar.ownership import OwnershipRecord
+from sidecar.pending import Guards
 from sidecar.placement import Blocker, PlacementPlan
 
 
@@ -32,7 +37,10 @@ class Reuse(msgspec.Struct, frozen=True):
 
 
 class Create(msgspec.Struct, frozen=True):
+    """Create the instance: first destroy the ERROR instances in ``retry``, then reclaim ``reclaim``."""
+
     reclaim: tuple[OwnershipRecord, ...] = ()
+    retry: tuple[OwnershipRecord, ...] = ()
 
 
 class Busy(msgspec.Struct, frozen=True):
@@ -71,13 +79,15 @@ def decide(
     held_by_key: OwnershipRecord | None,
     at_reservation: OwnershipRecord | None,
     placement_plan: PlacementPlan | None,
+    guards: Guards | None = None,
 ) -> Decision:
     """What one device of an Allocate does.
 
     ``held_by_key``: what the device's key holds (ACTIVE or CREATING for it). ``at_reservation``:
     the owned record named like the reservation, if any. ``placement_plan``: what stands in the
     way of a create (only needed when ``needs_placement``; None before it is gathered gives
-    ``Create()`` with nothing to reclaim, which the caller must not apply)."""
+    ``Create()`` with nothing to reclaim, which the caller must not apply). ``guards``: what keeps
+    an IDLE or ERROR instance in the way from being destroyed (none when omitted)."""
     if held_by_key is not None and held_by_key.reservation != reservation:
         return Conflict(held_by_key)
     if held_by_key is not None and held_by_key.state is State.ACTIVE and held_by_key.identity is not None:
@@ -87,9 +97,35 @@ def decide(
         return Reuse(idle)
     if placement_plan is None:
         return Create()
-    if placement_plan.busy:
-        return Busy(placement_plan.blockers)
-    return Create(reclaim=placement_plan.reclaim)
+    return make_room(placement_plan, guards or Guards())
+
+
+def make_room(plan: PlacementPlan, guards: Guards) -> Create | Busy:
+    """``Create`` when every blocker is an unguarded ERROR instance (retried first) and no IDLE
+    instance in the way is guarded; ``Busy`` with every blocker otherwise (the ones no retry can
+    move first, so the error names them), and nothing is destroyed."""
+    hard: list[Blocker] = []
+    retry: list[OwnershipRecord] = []
+    for blocker in plan.blockers:
+        record = blocker.record
+        why = guards.why(record) if record is not None and record.state is State.ERROR else None
+        if record is not None and record.state is State.ERROR and why is None:
+            retry.append(record)
+        elif why is not None:
+            hard.append(msgspec.structs.replace(blocker, guarded_by=why))
+        else:
+            hard.append(blocker)
+    reclaim: list[OwnershipRecord] = []
+    for record in plan.reclaim or plan.idle_behind:
+        why = guards.why(record)
+        if why is None:
+            reclaim.append(record)
+        else:
+            hard.append(Blocker(str(record.state), record.placement, record.gpu_instance_id, record, why))
+    if hard:
+        retryable = [Blocker(str(r.state), r.placement, r.gpu_instance_id, r) for r in retry]
+        return Busy((*hard, *retryable))
+    return Create(reclaim=tuple(reclaim), retry=tuple(retry))
 
 
 __all__ = [
@@ -100,6 +136,7 @@ __all__ = [
     "Decision",
     "Reuse",
     "decide",
+    "make_room",
     "needs_placement",
     "reusable",
 ]

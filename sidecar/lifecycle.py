@@ -104,16 +104,20 @@ class Lifecycle:
         generation: int,
         *,
         referenced_mig_uuids: Iterable[str] = (),
+        pending: Iterable[ActiveAllocation] = (),
     ) -> None:
         """Replace the table with recovered records (under every GPU lock) and open the gate.
 
         ``referenced_mig_uuids`` (the MIG UUIDs the recovery's active allocations name) stand in for
         the last SyncActive until the first one arrives: without them the reconciler would destroy an
-        ERROR instance that a live pod holds. The generation becomes the largest of the given one,
-        the current one and every record's generations, so it never goes backwards across restarts."""
+        ERROR instance that a live pod holds. ``pending`` (its entries without runtime identity)
+        becomes the pending set (``sidecar.pending``) the same way. The generation becomes the
+        largest of the given one, the current one and every record's generations, so it never goes
+        backwards across restarts."""
         with self.exclusive(r.gpu_uuid for r in records):
             self.ctx.table.replace(records, referenced_mig_uuids)
             self.ctx.inventory.forget_foreign()
+            self.ctx.pending.replace(pending)
             self.ctx.generations.install(
                 [
                     generation,

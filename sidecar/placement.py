@@ -34,13 +34,15 @@ class Blocker(msgspec.Struct, frozen=True):
     """Something that occupies memory slices a requested placement needs and must not be destroyed.
 
     ``kind`` is ``"foreign"`` for a live GI no record owns, otherwise the state of the owning record
-    (ACTIVE, ERROR, CREATING, DELETING).
+    (ACTIVE, ERROR, CREATING, DELETING). ``guarded_by`` says why an IDLE or ERROR instance, which
+    could otherwise be destroyed for the request, must stay (``pending.Guards.why``).
     """
 
     kind: str
     placement: Placement
     gpu_instance_id: int | None = None
     record: OwnershipRecord | None = None
+    guarded_by: str = ""
 
     def metadata(self) -> dict[str, str]:
         """The ``google.rpc.ErrorInfo`` metadata that names this blocker in a PLACEMENT_BUSY error."""
@@ -54,6 +56,8 @@ class Blocker(msgspec.Struct, frozen=True):
             if self.record.owner is not None:
                 meta["owner"] = str(self.record.owner.key)
                 meta["pod_uid"] = self.record.owner.pod.uid
+        if self.guarded_by:
+            meta["guarded_by"] = self.guarded_by
         return meta
 
     def describe(self) -> str:
@@ -61,14 +65,19 @@ class Blocker(msgspec.Struct, frozen=True):
             return f"foreign GPU instance {self.gpu_instance_id} at {self.placement}"
         assert self.record is not None
         mig = self.record.mig_uuid or "no MIG UUID"
-        return f"{self.kind} instance {self.record.profile}@{self.placement} ({mig})"
+        guarded = f", kept: {self.guarded_by}" if self.guarded_by else ""
+        return f"{self.kind} instance {self.record.profile}@{self.placement} ({mig}{guarded})"
 
 
 class PlacementPlan(msgspec.Struct, frozen=True):
-    """What a placement needs: either blockers (nothing may be destroyed) or IDLE records to reclaim."""
+    """What a placement needs: either blockers (nothing may be destroyed) or IDLE records to reclaim.
+
+    ``idle_behind`` is what ``reclaim`` would be without the blockers (empty when not busy): the
+    decision needs it when every blocker is an ERROR instance it may retry inline."""
 
     blockers: tuple[Blocker, ...] = ()
     reclaim: tuple[OwnershipRecord, ...] = ()
+    idle_behind: tuple[OwnershipRecord, ...] = ()
 
     @property
     def busy(self) -> bool:
@@ -138,7 +147,7 @@ def plan_placement(
         else:
             blockers.append(Blocker(str(record.state), record.placement, record.gpu_instance_id, record))
     if blockers:
-        return PlacementPlan(blockers=tuple(blockers))
+        return PlacementPlan(blockers=tuple(blockers), idle_behind=tuple(reclaim))
     return PlacementPlan(reclaim=tuple(reclaim))
 
 

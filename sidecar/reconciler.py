@@ -1,7 +1,8 @@
 """Background retries (architecture section 5 and the spec's CDI lifecycle).
 
-Retries the destruction of ERROR instances that no active allocation references (the CDI file and the
-record go only after the hardware is gone) and retries queued CDI removals.
+Retries the destruction of ERROR instances that no active allocation references and no pending
+reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
+gone) and retries queued CDI removals.
 
 Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
 races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive

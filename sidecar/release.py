@@ -10,6 +10,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
+from sidecar import crashpoints
 from sidecar.context import Context
 from sidecar.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
 from sidecar.errors import Code, InvalidRequest, SidecarError
@@ -51,7 +52,10 @@ def sync_active(
     reservation and MIG UUID are listed, and that went IDLE at or before ``generation``, is held by a
     live pod after all and becomes ACTIVE again with that owner; one that went IDLE later was
     released after the list was taken, which still names the pod that is gone, and stays IDLE.
-    Listed entries that match nothing are ignored. Never destroys anything.
+    Listed entries that match nothing are ignored. Entries without runtime identity are pending
+    reservations: their keys count as listed, and they replace the pending set (``sidecar.pending``),
+    which keeps the IDLE or ERROR instance at exactly each one from being destroyed. Never destroys
+    anything.
 
     A ``generation`` larger than any handed out is no fence at all: InvalidRequest, nothing changes."""
     ctx.require_recovered()
@@ -67,6 +71,8 @@ def sync_active(
         (a.reservation, a.identity.mig_uuid): a for a in active if a.identity is not None
     }
     ctx.table.referenced = frozenset(mig for _, mig in by_identity)
+    ctx.pending.replace(active)  # the entries without runtime identity (``sidecar.pending``)
+    crashpoints.crashpoint("after-sync-pending")
     table = ctx.table.instances()
     to_idle = [
         r

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 from sidecar import crashpoints, placement
+from sidecar.cdi import ForeignSpecFile
 from sidecar.context import Context
 from sidecar.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.errors import ComputeInstanceNotOurs, SidecarError, UnverifiableState, nvml_errors
@@ -152,9 +153,18 @@ def with_created_ci(port: NvmlPort, record: OwnershipRecord) -> OwnershipRecord:
 
 
 def remove_spec(ctx: Context, mig_uuid: str | None) -> None:
-    """Remove an instance's CDI spec; a failure is queued for the reconciler, never raised."""
-    if mig_uuid is not None and not ctx.cdi.remove(mig_uuid):
-        _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+    """Remove an instance's CDI spec; a failure is queued for the reconciler, never raised.
+
+    A file at the spec's path that is not this sidecar's (``cdi.ForeignSpecFile``) is left as it
+    is and not queued: the instance is gone either way, and no retry makes that file ours."""
+    if mig_uuid is None:
+        return
+    try:
+        if not ctx.cdi.remove(mig_uuid):
+            _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+    except ForeignSpecFile as exc:
+        _log.error("CDI spec of %s not removed: %s", mig_uuid, exc)
+        crashpoints.crashpoint("after-foreign-cdi-kept")
 
 
 def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
@@ -235,9 +245,8 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
         ctx.cdi.enabled
         and mig_uuid is not None
         and MIG_UUID_RE.match(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
-        and not ctx.cdi.remove(mig_uuid)
     ):
-        _log.warning("CDI removal for %s failed; queued for the reconciler", mig_uuid)
+        remove_spec(ctx, mig_uuid)
     try:
         ctx.table.delete(known.name)
     except SidecarError as exc:
@@ -249,8 +258,9 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
 def retry_error(ctx: Context, name: str) -> InstanceRef | None:
     """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
 
-    Skipped: the record is gone or no longer ERROR, or the plugin's last SyncActive still lists its
-    MIG UUID as held by a pod. A failure keeps it ERROR with the new ``last_error`` and raises."""
+    Skipped: the record is gone or no longer ERROR, or a guard keeps it (``pending.Guards``: the
+    plugin's last pod list names its MIG UUID as held by a pod, or has a pending reservation at
+    exactly its spot). A failure keeps it ERROR with the new ``last_error`` and raises."""
     current = ctx.table.get(name)
     if current is None:
         return None
@@ -258,11 +268,17 @@ def retry_error(ctx: Context, name: str) -> InstanceRef | None:
         current = ctx.table.get(name)
         if current is None or current.state is not State.ERROR:
             return None
-        if current.mig_uuid is not None and current.mig_uuid in ctx.table.referenced:
+        if ctx.pending.guards(ctx.table.referenced).why(current) is not None:
             return None
-        if current.gpu_instance_id is None:
-            current = find_created_gi(ctx, current)
-        return destroy(ctx, current, mark_deleting=False)
+        return destroy_error(ctx, current)
+
+
+def destroy_error(ctx: Context, record: OwnershipRecord) -> InstanceRef:
+    """Destroy an ERROR instance (the reconciler's retry, or an Allocate's inline one); the
+    caller checked the guards. Raises as ``destroy``. Call with the GPU lock held."""
+    if record.gpu_instance_id is None:
+        record = find_created_gi(ctx, record)
+    return destroy(ctx, record, mark_deleting=False)
 
 
 def find_created_gi(ctx: Context, record: OwnershipRecord) -> OwnershipRecord:

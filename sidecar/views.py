@@ -23,11 +23,9 @@ from sidecar.ownership import OwnershipRecord, parse_record_name
 
 
 def pending_reservations(ctx: Context) -> frozenset[Reservation]:
-    """The scheduler's pending reservations (architecture 4.1): they protect an IDLE instance from
-    the idle policy and keep advice off their placements. The lifecycle keeps no such set yet, so
-    this is empty; it is the one place that reads it."""
-    del ctx
-    return frozenset()
+    """The scheduler's pending reservations (architecture 4.1, ``sidecar.pending``): they protect an
+    IDLE instance from the idle policy and keep advice off their placements."""
+    return frozenset(p.reservation for p in ctx.pending.current)
 
 
 def last_used(record: OwnershipRecord) -> float:

@@ -19,10 +19,13 @@ The rules (spec "Restart recovery", the CDI lifecycle, and the ownership require
 
 1. Each active allocation must match a live GI/CI exactly: GPU, profile (name -> the GI's profile ID),
    placement, GI ID, CI ID, MIG UUID, and a single full-size CI. The record becomes ``ACTIVE`` with the
-   allocation as owner. Any mismatch, an allocation without runtime identity, two allocations naming one
-   instance, or one key naming two reservations -> ``UnverifiableState``. In a Recover repeated once
-   the sidecar has recovered, the table is newer than the pod list: an instance ACTIVE for another key
-   now (released and reused since the list was taken) stays with that key, a key that holds another
+   allocation as owner. Any mismatch, two allocations naming one instance, or one key naming two
+   reservations -> ``UnverifiableState``. An allocation without runtime identity is a pending
+   reservation (``sidecar.pending``): nothing to verify, never a failure; the plan hands it to the
+   lifecycle, where it keeps the IDLE or ERROR instance at exactly its spot from being destroyed.
+   In a Recover repeated once the sidecar has recovered, the table is newer than the pod list: an
+   instance ACTIVE for another key now (released and reused since the list was taken) stays with
+   that key, a key that holds another
    instance now is not given a second one, an instance IDLE now stays IDLE (released since the
    list was taken, as far as a Recover without a generation can tell; SyncActive, which is fenced,
    reactivates it for a pod that still holds it), and an instance ERROR now (its destroy failed)

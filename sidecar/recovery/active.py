@@ -28,6 +28,8 @@ def adopt_active(b: Books) -> Books:
                 )
             continue
         by_key[alloc.key] = alloc
+        if alloc.identity is None:
+            continue  # a pending reservation: nothing live to verify (``sidecar.pending``)
         why = verify_active(b, alloc)
         if why is not None:
             keys.add(str(alloc.key))
@@ -225,8 +227,8 @@ def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -
 def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
     """Why an allocation does not match the live hardware exactly, or None when it does."""
     identity, reservation = alloc.identity, alloc.reservation
-    if identity is None or not identity.mig_uuid:
-        return "the allocation carries no runtime identity (MIG UUID, GI ID, CI ID)"
+    if identity is None:
+        return None  # a pending reservation: accepted, never verified (``sidecar.pending``)
     gpu = b.gpus.get(reservation.gpu_uuid)
     if gpu is None:
         return f"GPU {reservation.gpu_uuid} is not on this node"

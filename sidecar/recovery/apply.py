@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sidecar import errors, hami_store
-from sidecar.cdi import CdiSpecs
+from sidecar.cdi import CdiSpecs, ForeignSpecFile
 from sidecar.crashpoints import crashpoint
 from sidecar.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.errors import ComputeInstanceNotOurs, nvml_errors
@@ -214,6 +214,7 @@ class Recovery:
             sorted(table.values(), key=lambda r: r.name),
             decided.generation,
             referenced_mig_uuids=decided.referenced_mig_uuids,
+            pending=decided.pending,
         )
         # Only what happened: failed and foreign steps add nothing to the lists of what was done.
         return settle_report(decided.report, done=done, left_foreign=left_foreign, failures=failures)
@@ -239,8 +240,11 @@ class Recovery:
                 except errors.SidecarError as exc:
                     return f"writing the CDI spec of {identity.mig_uuid} failed: {exc}"
             case RemoveCdi(mig_uuid=mig_uuid, path=path):
-                if not self.cdi.remove(mig_uuid, Path(path) if path else None):
-                    return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
+                try:
+                    if not self.cdi.remove(mig_uuid, Path(path) if path else None):
+                        return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
+                except ForeignSpecFile as exc:
+                    return f"the CDI spec of {mig_uuid} was not removed: {exc}"
             case RemoveHamiRecord(filename=filename, record_name=name, mig_uuid=mig_uuid):
                 crashpoint("after-takeover-record")
                 hami_store.remove_taken_over(self.records, filename, name, mig_uuid)

@@ -67,6 +67,7 @@ def result(b: Books) -> Plan:
         generation_ceiling=b.inputs.generation_ceiling,
         referenced_mig_uuids=frozenset(a.identity.mig_uuid for a in b.inputs.active if a.identity is not None)
         - b.refused,
+        pending=tuple(a for a in b.inputs.active if a.identity is None),
     )
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.domain import Identity, InstanceRef
+from sidecar.domain import ActiveAllocation, Identity, InstanceRef
 from sidecar.ownership import OwnershipRecord
 
 
@@ -145,6 +145,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     # ERROR instances from the reconciler until the first SyncActive brings a fresher view. A repeated
     # Recover leaves out those it refused to the listed pod (the table knows it does not hold them).
     referenced_mig_uuids: frozenset[str] = frozenset()
+    # The pending reservations of the pod list (entries without runtime identity), for the lifecycle.
+    pending: tuple[ActiveAllocation, ...] = ()
 
     @property
     def actions(self) -> tuple[Action, ...]:

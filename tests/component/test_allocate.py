@@ -6,7 +6,7 @@ import pytest
 from lifecycle_world import World, restart
 
 from sidecar import errors
-from sidecar.domain import Outcome, Placement, State
+from sidecar.domain import ActiveAllocation, Outcome, Owner, Placement, PodRef, Reservation, State
 from sidecar.lifecycle import Lifecycle
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.records import record_name
@@ -172,12 +172,36 @@ class TestBlockers:
         assert caught.value.metadata["owner"] == "pod-a/0/0"
         assert world.everything() == before
 
-    def test_an_error_instance_blocks_an_overlapping_request(self, world: World) -> None:
+    def test_an_error_instance_whose_inline_retry_fails_again_answers_unavailable(self, world: World) -> None:
         stuck = world.allocate("pod-a", (0, "1g.10gb", 6, 1)).devices[0]
         world.lifecycle.release("pod-a")
         world.hw.inject_fault("destroy-ci", 999, times=1000)
         with pytest.raises(errors.NvmlFailure):
             world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+        layout, _, cdi = world.everything()
+
+        with pytest.raises(errors.NvmlFailure) as caught:
+            world.allocate("pod-c", (0, "3g.40gb", 4, 4))
+
+        assert caught.value.metadata["blocker"] == "ERROR"
+        assert caught.value.metadata["mig_uuid"] == stuck.identity.mig_uuid
+        assert world.layout() == layout
+        assert world.cdi_files() == cdi
+        [record] = world.record_files().values()
+        assert (record.state, record.mig_uuid) == (State.ERROR, stuck.identity.mig_uuid)
+
+    def test_an_error_instance_a_live_pod_holds_blocks_an_overlapping_request(self, world: World) -> None:
+        stuck = world.allocate("pod-a", (0, "1g.10gb", 6, 1)).devices[0]
+        world.lifecycle.release("pod-a")
+        world.hw.inject_fault("destroy-ci", 999, times=1)
+        with pytest.raises(errors.NvmlFailure):
+            world.allocate("pod-b", (0, "3g.40gb", 4, 4))
+        held = ActiveAllocation(
+            Owner(PodRef("pod-a"), "main", 0, 0),
+            Reservation(world.gpus[0].uuid, "1g.10gb", Placement(6, 1)),
+            stuck.identity,
+        )
+        world.lifecycle.sync_active(world.lifecycle.generation, [held])
         before = world.everything()
 
         with pytest.raises(errors.PlacementBusy) as caught:
@@ -185,6 +209,7 @@ class TestBlockers:
 
         assert caught.value.metadata["blocker"] == "ERROR"
         assert caught.value.metadata["mig_uuid"] == stuck.identity.mig_uuid
+        assert caught.value.metadata["guarded_by"].startswith("a live pod holds it")
         assert world.everything() == before
 
     def test_a_foreign_instance_blocks_an_overlapping_request(self, world: World) -> None:

@@ -122,13 +122,27 @@ class TestStuckDestroy:
         world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN, times=FOREVER)
         with pytest.raises(errors.NvmlFailure):
             world.allocate("pod-b", (0, "3g.40gb", 4, 4))
-        world.hw.clear_faults()
 
-        with pytest.raises(errors.PlacementBusy) as caught:
-            world.allocate("pod-c", (0, "1g.10gb", 4, 1))  # exactly its reservation: still not reused
-
-        assert caught.value.metadata["blocker"] == "ERROR"
+        # Exactly its reservation, the fault still there: the inline retry fails again, the answer
+        # is retryable (UNAVAILABLE), and the instance is still ERROR, not reused.
+        with pytest.raises(errors.NvmlFailure) as caught:
+            world.allocate("pod-c", (0, "1g.10gb", 4, 1))
+        assert (caught.value.metadata["blocker"], caught.value.metadata["mig_uuid"]) == (
+            "ERROR",
+            idle.identity.mig_uuid,
+        )
         assert idle.identity.mig_uuid in world.live_mig_uuids()
+        assert [r.state for r in world.record_files().values()] == [State.ERROR]
+
+        world.hw.clear_faults()
+        created = world.allocate("pod-c", (0, "1g.10gb", 4, 1))
+
+        [device] = created.devices
+        assert device.outcome is Outcome.CREATED
+        assert device.identity.mig_uuid != idle.identity.mig_uuid  # destroyed and made anew, never reused
+        assert [r.identity for r in created.reclaimed] == [idle.identity]
+        assert idle.identity.mig_uuid not in world.live_mig_uuids()
+        world.assert_consistent()
 
 
 class TestATransientNvmlErrorDuringReuseKeepsTheInstanceIdle:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 import threading
 
 import pytest
 from lifecycle_world import World
 
+from sidecar import cdi as cdi_module
 from sidecar import errors
 from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
 from sidecar.reconciler import Reconciler
@@ -83,23 +83,27 @@ class TestErrorInstances:
 
 
 class TestQueuedCdiRemovals:
-    def test_a_cdi_removal_that_fails_is_queued_and_done_later(self, cdi_world: World) -> None:
+    def test_a_cdi_removal_that_fails_is_queued_and_done_later(
+        self, cdi_world: World, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         world = cdi_world
         idle = world.allocate("pod-a", (0, "1g.10gb", 4, 1)).devices[0]
         world.lifecycle.release("pod-a")
         path = world.cdi.spec_path(idle.identity.mig_uuid)
-        # Something the sidecar cannot unlink sits where the spec file is (a directory with content).
-        path.unlink()
-        (path / "blocker").mkdir(parents=True)
+        # The file system refuses to unlink the spec for now (a directory at the path would not
+        # do: it is not this sidecar's spec, so it would never be removed nor queued).
+        stuck = {path}
+        real_unlink = cdi_module._unlink
+        monkeypatch.setattr(cdi_module, "_unlink", lambda p: p not in stuck and real_unlink(p))
 
         result = world.allocate("pod-b", (0, "3g.40gb", 4, 4))
 
         assert [r.identity for r in result.reclaimed] == [idle.identity]  # the request did not fail
+        assert path.exists()
         assert world.lifecycle.snapshot().pending_cdi_removals == (str(path),)
         assert Reconciler(world.lifecycle).run_once().cdi_removed == ()
 
-        shutil.rmtree(path)
-        path.write_text("{}")  # the stale file is removable again
+        stuck.clear()  # the stale file is removable again
         report = Reconciler(world.lifecycle).run_once()
 
         assert report.cdi_removed == (str(path),)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -314,6 +313,12 @@ def make_blocker(car: Sidecar, kind: str) -> str:
         assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "NVML_ERROR")
         car.sim("faults", "--clear")
         assert (record_of(car, device.mig_uuid) or {}).get("state") == "ERROR"
+        # A pod still holds it (the plugin's pod list names it): an Allocate's inline ERROR retry
+        # must not destroy it, so it blocks like any other instance that is not IDLE.
+        held = [annotation("pod-blocker", device)]
+        car.stub.SyncActive(
+            pb.SyncActiveRequest(generation=car.info().generation, active=held), timeout=CALL_TIMEOUT_S
+        )
     mig_uuid: str = device.mig_uuid
     return mig_uuid
 
@@ -464,8 +469,9 @@ class TestStuckDestroy:
         release(car, "pod-a")
         fault(car, "destroy-ci")
         assert refused(car, "pod-b", (gpu, "3g.40gb", 4, 4))[1] == "NVML_ERROR"
-        _, reason, meta = refused(car, "pod-c", (gpu, "1g.10gb", 4, 1))  # exactly its reservation
-        assert (reason, meta["blocker"], meta["mig_uuid"]) == ("PLACEMENT_BUSY", "ERROR", stuck.mig_uuid)
+        # Exactly its reservation: the inline retry of its destroy fails again, a retryable answer.
+        _, reason, meta = refused(car, "pod-c", (gpu, "1g.10gb", 4, 1))
+        assert (reason, meta["blocker"], meta["mig_uuid"]) == ("NVML_ERROR", "ERROR", stuck.mig_uuid)
 
         def failures_left() -> int:
             return sum(int(f["times"]) for f in car.sim_list()["faults"])
@@ -517,34 +523,32 @@ class TestCdiRemovalRetry:
         old = allocate(car, "pod-a", (gpu, "1g.10gb", 4, 1)).devices[0]
         release(car, "pod-a")
         [spec] = [p for p in car.cdi_dir.iterdir() if old.mig_uuid in p.name]
+        fault(car, "destroy-ci")
+        assert refused(car, "pod-b", (gpu, "3g.40gb", 4, 4))[1] == "NVML_ERROR"  # ERROR now, spec kept
+        # Tests run as root, so a read-only mode would not stop the unlink, and whatever sits at the
+        # spec's path instead is not the sidecar's spec, which it never removes. The CDI directory
+        # itself out of reach does it: a file in its place (ENOTDIR), whatever the privileges. The
+        # reconciler's destroy of the ERROR instance writes nothing there, so only the removal fails.
         content = spec.read_bytes()
-        # Tests run as root, so a read-only mode would not stop the unlink. A non-empty directory in the
-        # spec's place does: unlink(2) refuses directories (EISDIR) whatever the caller's privileges.
-        spec.unlink()
-        (spec / "in-the-way").mkdir(parents=True)
+        away = car.cdi_dir.with_name("cdi-away")
+        car.cdi_dir.rename(away)
+        car.cdi_dir.write_text("not a directory")
+        car.sim("faults", "--clear")
 
-        result = allocate(car, "pod-b", (gpu, "3g.40gb", 4, 4))
-
-        assert [r.mig_uuid for r in result.reclaimed] == [old.mig_uuid]
-        assert old.mig_uuid not in live_mig_uuids(car)
-        assert record_of(car, old.mig_uuid) is None  # the record goes with the hardware, not with the file
+        wait_until("the ERROR instance is destroyed", lambda: record_of(car, old.mig_uuid) is None)
+        assert old.mig_uuid not in live_mig_uuids(car)  # the record goes with the hardware, not the file
         assert list(get_state(car).pending_cdi_removals) == [str(spec)]
-        assert spec.is_dir()
+        assert (away / spec.name).read_bytes() == content  # still there, untouched
 
-        # Clear the obstacle: put the spec back as the file it was, atomically, so that every retry
-        # sees either the obstacle or the file; only the reconciler can then make it disappear. The
-        # file is checked before the swap: after it, the next retry may remove it at any moment.
-        parked = car.cdi_dir / ".spec-back"
-        parked.write_bytes(content)
-        assert parked.read_bytes() == content
-        exchange(parked, spec)
-        assert (parked / "in-the-way").is_dir()  # the obstacle moved aside, under a name no retry touches
-        assert not spec.is_dir()  # the spec file, or nothing once the retry removed it
+        # Bring the directory back atomically, so every retry sees either the obstacle or the
+        # directory with the spec in it; only the reconciler can then make the spec disappear.
+        exchange(away, car.cdi_dir)
+        assert car.cdi_dir.is_dir()
 
         wait_until("the reconciler removed the queued spec", lambda: not spec.exists())
         assert list(get_state(car).pending_cdi_removals) == []
-        shutil.rmtree(parked)
-        assert cdi_uuids(car) == {result.devices[0].mig_uuid}
+        away.unlink()
+        assert cdi_uuids(car) == set()
         assert_consistent(car)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.cdi import CdiSpecs
+from sidecar.cdi import CdiSpecs, ForeignSpecFile
 from sidecar.domain import Identity
 from sidecar.errors import StateWriteFailed
 
@@ -229,10 +229,16 @@ class TestReuse:
 
     @pytest.mark.parametrize(
         "damage",
-        [b"", b"{not json", b'{"cdiVersion":"0.3.0","kind":"k8s.hami.io/mig","devices":[]}'],
-        ids=["empty", "unparsable", "different"],
+        [
+            b'{"cdiVersion":"0.3.0","kind":"k8s.hami.io/mig","devices":[{"name":"%s"}]}' % MIG_A.encode(),
+            b'{"cdiVersion":"9.9.9","kind":"k8s.hami.io/mig","devices":[{"name":"%s","containerEdits":'
+            b'{"deviceNodes":[{"path":"/dev/null","type":"c","major":1,"minor":3}]}}]}' % MIG_A.encode(),
+            b'{"kind":"k8s.hami.io/mig","devices":[{"name":"%s"},{"name":"%s"}],"extra":1}'
+            % (MIG_A.encode(), MIG_A.encode()),
+        ],
+        ids=["no edits", "wrong edits and version", "the device twice and an unknown field"],
     )
-    def test_a_missing_unparsable_or_different_file_is_rewritten(
+    def test_a_missing_or_corrupt_spec_of_this_kind_naming_the_instance_is_rewritten(
         self, specs: CdiSpecs, damage: bytes
     ) -> None:
         specs.ensure(1, ID_A)
@@ -376,15 +382,22 @@ class TestRemoval:
         assert specs.pending_removals() == []
         assert sorted(p.name for p in cdi_dir.iterdir()) == [specs.spec_path(MIG_B).name]
 
-    def test_a_path_that_cannot_be_unlinked_stays_queued(self, specs: CdiSpecs) -> None:
-        # A non-empty directory at the spec's path: unlink(2) fails with EISDIR, also for root.
+    def test_a_path_that_cannot_be_reached_stays_queued_until_it_can(
+        self, specs: CdiSpecs, cdi_dir: Path
+    ) -> None:
+        # The CDI directory replaced by a file: every call on the path fails with ENOTDIR, also for root.
+        specs.ensure(1, ID_A)
         path = specs.spec_path(MIG_A)
-        path.mkdir(parents=True)
-        (path / "x").write_text("x")
+        moved = cdi_dir.with_name("cdi-away")
+        cdi_dir.rename(moved)
+        cdi_dir.write_text("not a directory")
         assert specs.remove(MIG_A) is False
         assert specs.retry_removals() == []
         assert specs.pending_removals() == [str(path)]
-        assert path.is_dir()
+        cdi_dir.unlink()
+        moved.rename(cdi_dir)
+        assert specs.retry_removals() == [str(path)]
+        assert not path.exists()
 
     def test_ensuring_an_instance_again_cancels_its_queued_removal(
         self, specs: CdiSpecs, cdi_dir: Path
@@ -416,3 +429,81 @@ class TestDisabled:
         assert specs.retry_removals() == []
         assert specs.list_mig_uuids() == {}
         assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+class TestOnlyThisSidecarsSpecIsTouched:
+    """A file at a spec's path is ours only as a spec of our kind naming that MIG UUID alone."""
+
+    FOREIGN = {
+        "another kind": b'{"cdiVersion":"0.5.0","kind":"nvidia.com/gpu","devices":[{"name":"%s"}]}'
+        % MIG_A.encode(),
+        "another MIG UUID": b'{"cdiVersion":"0.3.0","kind":"k8s.hami.io/mig","devices":[{"name":"%s"}]}'
+        % MIG_B.encode(),
+        "a second MIG UUID": b'{"kind":"k8s.hami.io/mig","devices":[{"name":"%s"},{"name":"%s"}]}'
+        % (MIG_A.encode(), MIG_B.encode()),
+        "no devices": b'{"cdiVersion":"0.3.0","kind":"k8s.hami.io/mig","devices":[]}',
+        "not JSON": b"{not json",
+        "empty": b"",
+        "truncated": b'{"cdiVersion":"0.3.0","kind":"k8s.hami.io/m',
+        "a JSON list": b"[1, 2]",
+        "a device that is not an object": b'{"kind":"k8s.hami.io/mig","devices":["%s"]}' % MIG_A.encode(),
+    }
+
+    @pytest.mark.parametrize("content", FOREIGN.values(), ids=FOREIGN.keys())
+    def test_ensure_and_remove_leave_a_foreign_file_as_it_is_and_fail_naming_it(
+        self, specs: CdiSpecs, content: bytes
+    ) -> None:
+        path = specs.spec_path(MIG_A)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+
+        with pytest.raises(ForeignSpecFile) as ensured:
+            specs.ensure(1, ID_A)
+        with pytest.raises(ForeignSpecFile) as removed:
+            specs.remove(MIG_A)
+
+        assert path.read_bytes() == content
+        for caught in (ensured, removed):
+            assert (caught.value.reason, caught.value.code.name) == ("STATE_WRITE_FAILED", "UNAVAILABLE")
+            assert caught.value.metadata == {"file": str(path), "mig_uuid": MIG_A}
+            assert str(path) in caught.value.message
+        assert specs.pending_removals() == []  # no retry makes it ours
+
+    @pytest.mark.parametrize("target", ["symlink", "directory"])
+    def test_a_symlink_or_a_directory_at_the_path_is_never_ours(
+        self, specs: CdiSpecs, cdi_dir: Path, tmp_path: Path, target: str
+    ) -> None:
+        specs.ensure(1, ID_B)
+        path = specs.spec_path(MIG_A)
+        if target == "symlink":
+            path.symlink_to(specs.spec_path(MIG_B))
+        else:
+            path.mkdir()
+        before = specs.spec_path(MIG_B).read_bytes()
+
+        with pytest.raises(ForeignSpecFile, match=target if target == "symlink" else "not a regular file"):
+            specs.ensure(1, ID_A)
+        with pytest.raises(ForeignSpecFile):
+            specs.remove(MIG_A)
+
+        assert path.is_symlink() if target == "symlink" else path.is_dir()
+        assert specs.spec_path(MIG_B).read_bytes() == before
+
+    def test_a_queued_removal_leaves_a_file_another_writer_put_there_meanwhile(
+        self, specs: CdiSpecs, cdi_dir: Path
+    ) -> None:
+        specs.ensure(1, ID_A)
+        moved = cdi_dir.with_name("cdi-away")  # the directory unreachable for a moment: queued
+        cdi_dir.rename(moved)
+        cdi_dir.write_text("not a directory")
+        assert specs.remove(MIG_A) is False
+        cdi_dir.unlink()
+        moved.rename(cdi_dir)
+        path = specs.spec_path(MIG_A)
+        theirs = self.FOREIGN["another kind"]
+        path.write_bytes(theirs)
+
+        assert specs.retry_removals() == []
+
+        assert path.read_bytes() == theirs
+        assert specs.pending_removals() == []

@@ -66,18 +66,20 @@ class TestRemovingASpecByTheFileItWasFoundIn:
     def test_a_failed_removal_of_a_found_path_is_queued_under_that_path_and_retried(
         self, specs: CdiSpecs, cdi_dir: Path
     ) -> None:
-        # A non-empty directory at the path: unlink(2) fails with EISDIR, also for root.
+        # The CDI directory replaced by a file: every call on the path fails with ENOTDIR, also
+        # for root. (A directory at the path would not do: it is not ours, so it is never removed.)
         odd = cdi_dir / "odd.json"
-        odd.mkdir()
-        (odd / "x").write_text("x")
+        write_spec(odd, specs.kind, MIG_A)
+        moved = cdi_dir.with_name("cdi-away")
+        cdi_dir.rename(moved)
+        cdi_dir.write_text("not a directory")
 
         assert specs.remove(MIG_A, path=odd) is False
         assert specs.pending_removals() == [str(odd)]
         assert specs.retry_removals() == []
 
-        (odd / "x").unlink()
-        odd.rmdir()
-        write_spec(odd, specs.kind, MIG_A)
+        cdi_dir.unlink()
+        moved.rename(cdi_dir)
         assert specs.retry_removals() == [str(odd)]
         assert not odd.exists()
         assert specs.pending_removals() == []

@@ -375,11 +375,6 @@ class TestActiveAllocationsAreAdoptedOnlyWhenTheyMatchTheHardwareExactly:
             pytest.param(
                 alloc("p", GPU1, "1g.10gb", 0, 1, 3, 0, mig(1)), "not on this node", id="unknown GPU"
             ),
-            pytest.param(
-                ActiveAllocation(owner("p"), Reservation(GPU0, "1g.10gb", Placement(0, 1))),
-                "no runtime identity",
-                id="no runtime identity",
-            ),
         ],
     )
     def test_any_mismatch_is_unverifiable_and_plans_nothing(
@@ -396,6 +391,12 @@ class TestActiveAllocationsAreAdoptedOnlyWhenTheyMatchTheHardwareExactly:
                 )
             )
         assert caught.value.metadata["allocations"] == "p/0/0"
+
+    def test_one_key_listed_pending_and_with_an_identity_is_unverifiable(self) -> None:
+        held = alloc("p", GPU0, "1g.10gb", 0, 1, 3, 0, mig(1))
+        pending = ActiveAllocation(held.owner, held.reservation)
+        with pytest.raises(errors.UnverifiableState, match="listed twice"):
+            plan(inputs(live_gpu(GPU0, live_gi(GPU0, 3, "1g.10gb", 0, 1, mig(1))), active=[held, pending]))
 
     def test_an_instance_with_two_compute_instances_is_unverifiable(self) -> None:
         with pytest.raises(errors.UnverifiableState, match="2 compute instances"):
@@ -1260,3 +1261,47 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
             assert not gi.compute_instances
             assert gpu.processes == 0
             assert recorded is None or recorded.boot_id != BOOT
+
+
+class TestPendingReservations:
+    """An allocation without runtime identity: scheduled, not yet allocated (``sidecar.pending``)."""
+
+    def pending(self, pod: str, gpu: str, profile: str, start: int, size: int) -> ActiveAllocation:
+        return ActiveAllocation(owner(pod), Reservation(gpu, profile, Placement(start, size)))
+
+    def test_it_never_fails_recovery_and_is_handed_to_the_lifecycle(self) -> None:
+        nowhere = self.pending("p", GPU1, "1g.10gb", 0, 1)  # not even a GPU of this node
+        at_idle = self.pending("q", GPU0, "1g.10gb", 0, 1)
+        idle = rec(GPU0, "1g.10gb", 0, 1, State.IDLE, 3, 0, mig(1))
+
+        p = plan(
+            inputs(
+                live_gpu(GPU0, live_gi(GPU0, 3, "1g.10gb", 0, 1, mig(1))),
+                records=[idle],
+                active=[nowhere, at_idle],
+            )
+        )
+
+        assert set(p.pending) == {nowhere, at_idle}
+        assert table(p)[idle.name].state is State.IDLE
+        assert destroyed(p) == set()
+        assert list(p.report.errors) == []
+        assert p.referenced_mig_uuids == frozenset()
+
+    def test_the_error_instance_at_it_stays_error(self) -> None:
+        broken = rec(GPU0, "1g.10gb", 0, 1, State.ERROR, 3, 0, mig(1))
+        p = plan(
+            inputs(
+                live_gpu(GPU0, live_gi(GPU0, 3, "1g.10gb", 0, 1, mig(1))),
+                records=[broken],
+                active=[self.pending("q", GPU0, "1g.10gb", 0, 1)],
+            )
+        )
+        assert table(p)[broken.name].state is State.ERROR
+        assert destroyed(p) == set()
+
+    def test_a_gpu_with_one_keeps_its_bare_gis_even_with_adoption(self) -> None:
+        bare = live_gi(GPU0, 5, "1g.10gb", 4, 1)
+        p = plan(inputs(live_gpu(GPU0, bare), active=[self.pending("q", GPU0, "1g.10gb", 0, 1)], adopt=True))
+        assert destroyed(p) == set()
+        assert foreign_gis(p) == {(GPU0, 4)}

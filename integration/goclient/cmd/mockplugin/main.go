@@ -67,8 +67,8 @@ func run(args []string, out io.Writer) error {
 		"calls per RPC, the first included, before an UNAVAILABLE answer is given up; 0: no cap, the deadline alone bounds the retries")
 	fs.BoolVar(&cfg.allowSimulated, "allow-simulated-backend", false,
 		"work with a sidecar on the simulated backend (demos and tests); without it such a sidecar is refused")
-	fs.BoolVar(&cfg.recoverPending, "recover-pending", false,
-		"send pending reservations (scheduled, not yet allocated) in Recover; needs a sidecar with the 4.1 additions, an older one refuses them")
+	fs.BoolVar(&cfg.recoverPending, "recover-pending", true,
+		"send pending reservations (scheduled, not yet allocated) in Recover, as HAMi's plugin does; --recover-pending=false for a sidecar without the 4.1 additions, which refuses them")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
