@@ -185,8 +185,15 @@ class TestTheWireItself:
         assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
         assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"
 
-    def test_an_rpc_of_the_contract_not_built_yet_is_unimplemented(self, car: InProcessSidecar) -> None:
-        request = pb.UndoAllocateRequest(pod_uid="pod-a")
+    def test_an_rpc_the_server_does_not_serve_is_unimplemented(self, car: InProcessSidecar) -> None:
+        """Every RPC of the contract is served, so a method name outside it stands for one a newer
+        client may call: UNIMPLEMENTED, and the server goes on serving."""
+        raw = car.channel.unary_unary(
+            "/hami.migsidecar.v1.MigSidecar/NotInTheContract",
+            request_serializer=lambda body: body,
+            response_deserializer=lambda body: body,
+        )
         with pytest.raises(grpc.RpcError) as caught:
-            car.stub.UndoAllocate(request, timeout=CALL_TIMEOUT_S)
+            raw(b"", timeout=CALL_TIMEOUT_S)
         assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+        assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"
