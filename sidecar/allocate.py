@@ -73,9 +73,11 @@ class Allocator:
         ctx.require_recovered()
         validated = validate(ctx.inventory, request)
         with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
-            held = [
-                isinstance(self.decide_without_room(v), AlreadyHeld) for v in validated
-            ]  # KEY_CONFLICT first
+            # Decided once from the table, under the locks (KEY_CONFLICT first). What an earlier device
+            # creates or reclaims cannot change a later one's decision: devices never overlap and
+            # keys differ, so the decisions hold until each device is applied.
+            decisions = [self.decide_without_room(v) for v in validated]
+            held = [isinstance(d, AlreadyHeld) for d in decisions]
             # The mode is read once under the lock, by the GPUs of devices that need hardware (a
             # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
             # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
@@ -85,12 +87,12 @@ class Allocator:
                 for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
             }
             validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
-            rooms = self.judge_all(validated)
+            rooms = self.judge_all(validated, decisions)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
                 for i, v in enumerate(validated):
-                    done.append(self.allocate_one(v, rooms.get(i), reclaimed))
+                    done.append(self.allocate_one(v, decisions[i], rooms.get(i), reclaimed))
             except Exception:
                 self.undo_allocation(done)
                 raise
@@ -98,7 +100,7 @@ class Allocator:
             ctx.pending.consume(v.key for v in validated)
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
-    def judge_all(self, validated: Sequence[Validated]) -> dict[int, Room]:
+    def judge_all(self, validated: Sequence[Validated], decisions: Sequence[Decision]) -> dict[int, Room]:
         """Judge every device's placement before any device changes anything.
 
         A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
@@ -107,13 +109,8 @@ class Allocator:
         device creates or reclaims cannot change the verdict for a later one. A reusable instance
         that still runs processes is checked too when some device reclaims (``reuse`` checks it
         again after verifying the instance live). Returns the room of each Create device by index."""
-        rooms = {
-            i: self.room_for(v)
-            for i, v in enumerate(validated)
-            if isinstance(self.decide_without_room(v), Create)
-        }
-        for v in validated if any(r.reclaim for r in rooms.values()) else ():
-            decided = self.decide_without_room(v)
+        rooms = {i: self.room_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)}
+        for decided in decisions if any(r.reclaim for r in rooms.values()) else ():
             if isinstance(decided, Reuse):
                 self.require_no_processes(decided.record)
         return rooms
@@ -193,9 +190,10 @@ class Allocator:
                 return ()
         return ordered
 
-    def allocate_one(self, v: Validated, room: Room | None, reclaimed: list[InstanceRef]) -> _Done:
-        """Apply the decision for one device (``room``: its ``judge_all`` verdict when it creates)."""
-        decided = self.decide_without_room(v)
+    def allocate_one(
+        self, v: Validated, decided: Decision, room: Room | None, reclaimed: list[InstanceRef]
+    ) -> _Done:
+        """Apply ``decided`` for one device (``room``: its ``judge_all`` verdict when it creates)."""
         if isinstance(decided, AlreadyHeld):
             held = decided.record
             return _Done(self.allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)

@@ -46,6 +46,8 @@ class Inventory:
     def __init__(self, port: NvmlPort) -> None:
         self.port = port
         self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
+        # GPU UUID -> (MIG mode, its profile table) for recovery: re-read only when the mode changes.
+        self._recovery_profiles: dict[str, tuple[bool, tuple[GpuInstanceProfile, ...]]] = {}
         self._gpus: dict[str, GpuInfo] = {}
         self._foreign: dict[str, tuple[ForeignInstance, ...]] = {}
 
@@ -74,6 +76,22 @@ class Inventory:
                 self._profiles[gpu_uuid] = read
             cached = read
         return list(cached)
+
+    def profiles_at_mode(self, info: GpuInfo) -> tuple[GpuInstanceProfile, ...]:
+        """The profile table of ``info``'s GPU, read once per MIG mode (recovery's gather).
+
+        The table is a fixed hardware fact while the mode stays the same, so a repeated Recover does
+        not re-read it; ``info`` carries the mode just read live, and a different mode re-reads it.
+        Raises NvmlError. Safe from several threads at once: each GPU has its own key."""
+        cached = self._recovery_profiles.get(info.uuid)
+        if cached is not None:
+            if cached[0] == info.mig_current:
+                return cached[1]
+            del self._recovery_profiles[info.uuid]  # the mode changed: the table read before is void
+        read = tuple(self.port.gpu_instance_profiles(info.uuid))
+        if read:  # an empty answer (driver not ready) is not worth remembering
+            self._recovery_profiles[info.uuid] = (info.mig_current, read)
+        return read
 
     def resolve_profile(self, gpu_uuid: str, name: str) -> GpuInstanceProfile:
         """Full profile name -> profile; UnknownProfile if the GPU has no such profile."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sidecar import errors, hami_store
@@ -41,6 +42,8 @@ from sidecar.states import now_rfc3339, transition
 log = logging.getLogger(__name__)
 
 _GATHER_FAILED = "startup recovery could not read the MIG layout; nothing was modified"
+# GPUs read at once in the gather: NVML is thread-safe, and each GPU's reads are driver round trips.
+_GATHER_THREADS = 8
 
 
 # -- the imperative shell ---------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class Recovery:
                 {"file": str(getattr(exc, "path", ""))},
             ) from exc
         with nvml_errors(_GATHER_FAILED):
-            gpus = tuple(self._read_gpu(info) for info in self.port.gpus())
+            gpus = self._read_gpus(self.port.gpus())
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
         _refuse_legacy_mig_uuids(gpus)
         cdi_found = self.cdi.list_mig_uuids()
@@ -156,8 +159,19 @@ class Recovery:
             now=now_rfc3339(),
         )
 
+    def _read_gpus(self, infos: Sequence[GpuInfo]) -> tuple[LiveGpu, ...]:
+        """Every GPU's live layout, read in parallel, in ``infos`` order. Raises the first NvmlError.
+
+        The pool is left only once every read has ended, so a failed gather has nothing still reading
+        when the RPC fails (and nothing is modified: the gather only reads)."""
+        if len(infos) <= 1:
+            return tuple(self._read_gpu(info) for info in infos)
+        with ThreadPoolExecutor(max_workers=min(_GATHER_THREADS, len(infos))) as pool:
+            futures = [pool.submit(self._read_gpu, info) for info in infos]
+            return tuple(future.result() for future in futures)
+
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:
-        profiles = tuple(self.port.gpu_instance_profiles(info.uuid))
+        profiles = self.lifecycle.ctx.inventory.profiles_at_mode(info)
         processes = self.port.gpu_processes(info.uuid)
         if not info.mig_current:
             # MIG-disabled GPUs have no GIs; listing them answers NOT_SUPPORTED.
