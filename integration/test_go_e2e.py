@@ -210,13 +210,8 @@ GO_E2E_TESTS = [
     "TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas",
     "TestReclaimIdleRefusesAnActiveInstanceAndDestroysTheIdleOne",
     "TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst",
-]
-# Built only with -tags v1additions (HAMI_E2E_V1ADDITIONS=1): pending reservations in Recover.
-GO_E2E_V1ADDITIONS_TESTS = [
     "TestAPendingReservationInRecoverIsAccepted",
 ]
-if go_harness.V1ADDITIONS:
-    GO_E2E_TESTS += GO_E2E_V1ADDITIONS_TESTS
 
 
 class TestGoEndToEndSuite:
