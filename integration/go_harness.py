@@ -17,6 +17,7 @@ the Go process.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -70,12 +71,18 @@ class GoRunner:
     def restart_command(self) -> str:
         return f"touch {self.request} && while [ ! -e {self.done} ]; do sleep 0.05; done && rm -f {self.done}"
 
+    @property
+    def sim_command(self) -> str:
+        """The ``sim`` subcommand on this sidecar's simulated hardware; the Go side appends arguments."""
+        return shlex.join([sys.executable, "-m", "sidecar", "sim", "--sim-state", str(self.car.sim_state)])
+
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
             "MIGSIDECAR_SOCKET": str(self.car.socket),
             "MIGSIDECAR_CDI_DIR": str(self.car.cdi_dir),
             "MIGSIDECAR_RESTART_CMD": self.restart_command,
+            "MIGSIDECAR_SIM_CMD": self.sim_command,
         }
 
     def run(
