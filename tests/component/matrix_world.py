@@ -8,7 +8,12 @@ The invariants, checked on the simulated hardware, the record files and the CDI 
 * nothing unverified is kept reusable: an ACTIVE or IDLE record names exactly the live GI and its
   one CI (ID and MIG UUID), and its CDI spec is the one ``CdiSpecs`` renders; no CDI file without a
   record; after a settle no record is ERROR, CREATING or DELETING;
-* every IDLE instance is handed out as REUSED with its own MIG UUID, and a foreign GI blocks its GPU.
+* every IDLE instance is handed out as REUSED with its own MIG UUID, and a foreign GI blocks its GPU;
+* HAMi's files (a takeover at Recover): while an instance a HAMi record named before lives, exactly
+  one of the sidecar's record of it and HAMi's file claims it (never both, never neither); one a
+  listed pod held is ACTIVE for that pod with the same MIG UUID; once no HAMi record is left, no
+  HAMi CDI spec is left without its live instance or for an instance taken over IDLE, and the spec
+  of one taken over ACTIVE stays while it is ACTIVE (its container re-resolves the name).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from dataclasses import dataclass, field
 import pytest
 from lifecycle_world import Dev, LiveGi, World, active_of
 
-from sidecar import errors
+from sidecar import errors, hami_store
+from sidecar.cdi import ForeignSpecFile
 from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, State
+from sidecar.hami_takeover import read_record_file
+from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.reconciler import Reconciler
 
 FOREVER = 1000  # more attempts than any bounded retry makes
@@ -36,6 +44,10 @@ class Held:
 
     world: World
     pods: dict[str, AllocateResult] = field(default_factory=dict)
+    # Pod-list entries of pods that run on instances HAMi's own lifecycle made (no Allocate here).
+    listed: list[ActiveAllocation] = field(default_factory=list)
+    # MIG UUIDs a scenario's setup picks for its trigger and retry to name, by a label of its own.
+    named: dict[str, str] = field(default_factory=dict)
 
     def allocate(self, pod: str, *devices: Dev) -> AllocateResult:
         result = self.world.allocate(pod, *devices)
@@ -47,13 +59,16 @@ class Held:
         self.pods.pop(pod, None)
 
     def active(self) -> list[ActiveAllocation]:
-        return [a for pod, result in self.pods.items() for a in active_of(pod, result)]
+        return [a for pod, result in self.pods.items() for a in active_of(pod, result)] + self.listed
 
 
 @dataclass(frozen=True)
 class Before:
     foreign: frozenset[LiveGi]
     active: dict[str, str]  # record name -> MIG UUID of every ACTIVE instance a listed pod holds
+    hami: dict[str, bool] = field(default_factory=dict)  # HAMi record's MIG UUID -> a listed pod holds it
+    # CDI files that are neither the sidecar's nor HAMi's (another writer's): never removed, never ours
+    others: frozenset[str] = frozenset()
 
 
 def standard_start(world: World) -> Held:
@@ -71,7 +86,43 @@ def before(world: World, held: Held) -> Before:
     foreign = frozenset(gi for gi in world.layout() if (world.uuid(gi[0]), gi[1]) not in claimed)
     listed = {a.identity.mig_uuid for a in held.active()}
     active = {r.name: r.mig_uuid for r in records if r.state is State.ACTIVE and r.mig_uuid in listed}
-    return Before(foreign, {k: v for k, v in active.items() if v is not None})
+    hami = {mig: mig in listed for mig in hami_records(world)}
+    # A pod on an instance HAMi made holds it ACTIVE once it is taken over, under the sidecar's name.
+    for a in held.active():
+        if a.identity.mig_uuid in hami:
+            active[record_name(a.reservation.gpu_uuid, a.reservation.placement)] = a.identity.mig_uuid
+    return Before(foreign, {k: v for k, v in active.items() if v is not None}, hami, others_cdi(world))
+
+
+def others_cdi(world: World) -> frozenset[str]:
+    """The CDI files another writer put there: not HAMi's, and not the sidecar's spec of an instance
+    it records (``owned_bytes`` judges what sits at such a spec's path)."""
+    if not world.cdi.enabled:
+        return frozenset()
+    ours = {
+        world.cdi.spec_path(r.mig_uuid).name: r.mig_uuid for r in world.record_files().values() if r.mig_uuid
+    }
+    hami = {s.filename for s in world.cdi.hami_specs()}
+    others = set()
+    for name in world.cdi_files() - hami:
+        mig_uuid = ours.get(name)
+        try:
+            if mig_uuid is None or world.cdi.owned_bytes(world.cdi_dir / name, mig_uuid) is None:
+                others.add(name)
+        except ForeignSpecFile:
+            others.add(name)
+    return frozenset(others)
+
+
+def hami_records(world: World) -> set[str]:
+    """The MIG UUIDs HAMi's record files in the state directory name (each decodes: the tests write
+    them as HAMi does)."""
+    found = set()
+    for name, data in hami_store.record_files(world.records.directory):
+        file = read_record_file(name, data)
+        assert file.record is not None, f"{name}: {file.why}"
+        found.add(file.record.mig_uuid)
+    return found
 
 
 def check(world: World, was: Before, *, settled: bool) -> None:
@@ -98,13 +149,38 @@ def check(world: World, was: Before, *, settled: bool) -> None:
         kept = files.get(name)
         assert kept is not None, f"lost {name}"
         assert (kept.state, kept.mig_uuid) == (State.ACTIVE, mig_uuid), f"{name} changed"
+    check_hami(world, was, files)
     if world.cdi.enabled:
         known = {world.cdi.spec_path(r.mig_uuid).name for r in files.values() if r.mig_uuid is not None}
+        known |= {s.filename for s in world.cdi.hami_specs()}  # judged by check_hami
+        assert was.others <= world.cdi_files(), f"another writer's CDI files removed: {was.others}"
+        known |= was.others
         assert world.cdi_files() <= known, f"stray CDI files {world.cdi_files() - known}"
         for r in files.values():
             if r.state is not State.ERROR and r.identity is not None:
                 g = next(gpu.index for gpu in world.gpus if gpu.uuid == r.gpu_uuid)
                 assert world.cdi_spec_is_current(g, r.identity), f"CDI spec of {r.name} is not current"
+
+
+def check_hami(world: World, was: Before, files: dict[str, OwnershipRecord]) -> None:
+    """The HAMi invariants of the module docstring."""
+    theirs = hami_records(world)
+    live = world.live_mig_uuids()
+    for mig in was.hami:
+        ours = [r.name for r in files.values() if r.mig_uuid == mig]
+        claims = len(ours) + (mig in theirs)
+        assert claims == 1 if mig in live else claims <= 1, f"{mig}: records {ours}, HAMi's {mig in theirs}"
+    if theirs:
+        return  # a takeover left incomplete keeps every HAMi spec
+    state = {r.mig_uuid: r.state for r in files.values() if r.mig_uuid is not None}
+    specs = {s.mig_uuid for s in world.cdi.hami_specs()}
+    for mig in specs:
+        assert mig in live, f"HAMi's CDI spec of {mig} is left without its instance"
+        taken_over_idle = not was.hami.get(mig, True) and mig in state
+        assert not taken_over_idle, f"HAMi's CDI spec of {mig}, taken over IDLE, is left"
+    for mig, held_by_pod in was.hami.items():
+        if held_by_pod and state.get(mig) is State.ACTIVE:
+            assert mig in specs, f"HAMi's CDI spec of {mig} is gone while its pod runs"
 
 
 def settle(world: World, was: Before) -> None:

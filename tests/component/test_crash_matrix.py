@@ -18,10 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from lifecycle_world import World, restart
+from hami_format import write_record, write_spec
+from lifecycle_world import Dev, World, restart
 from matrix_world import FOREVER, Held, before, check, probe_reuse, settle, standard_start
 
 from sidecar import crashpoints, errors
+from sidecar.domain import ActiveAllocation, Identity, Outcome, Owner, Placement, PodRef, Reservation, State
+from sidecar.idle_policy import IdleSettings
+from sidecar.idle_trim import IdleTrimmer
 from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NVML_ERROR_UNKNOWN
 from sidecar.reconciler import Reconciler
 
@@ -34,6 +38,15 @@ CREATE = (
 )
 DESTROY = ("after-record-deleting", "after-destroy-ci", "after-destroy-gi", "after-remove-cdi")
 UNDO = ("after-destroy-ci", "after-destroy-gi")  # an undo records no DELETING and leaves CDI to its caller
+TAKEOVER = ("after-takeover-record", "after-remove-hami-record")
+UNDONE = (*DESTROY, "after-undo-destroy-one")  # an UndoAllocate destroys what it created as a reclaim does
+IDLED = ("after-undo-idle-one",)
+RECLAIMED = (*DESTROY, "after-reclaim-idle-one")
+DISABLED = (*RECLAIMED, "after-reclaim-for-disable")
+TRIMMED = ("before-idle-trim", *DESTROY)
+RETRIED = (*DESTROY[1:], "after-inline-error-retry", *CREATE)  # an ERROR record is not marked DELETING
+TTL = 600.0
+FAR_FUTURE = 1e12  # the trim's clock: every IDLE instance is past the TTL
 
 Step = Callable[[World, Held], object]
 
@@ -115,6 +128,149 @@ def recover_adopting(world: World, held: Held) -> None:
     recover(world, held, adopt=True)
 
 
+# UndoAllocate: the plugin rolls back an Allocate whose annotation patch failed, so no pod lists it
+# (the setup allocates past ``held``) and Recover after a crash in the undo is not told of it either.
+
+
+def unlisted_created(world: World, held: Held) -> None:
+    world.allocate("pod-undo", (0, "3g.40gb", 4, 4))
+
+
+def unlisted_reused(world: World, held: Held) -> None:
+    idle_in_the_way(world, held)
+    world.allocate("pod-undo", (0, "1g.10gb", 4, 1))
+
+
+def created_and_reused(world: World, held: Held) -> None:
+    idle_in_the_way(world, held)
+    world.allocate("pod-undo", (0, "1g.10gb", 4, 1), (1, "3g.40gb", 0, 4))
+
+
+def undo(world: World, held: Held) -> None:
+    world.lifecycle.undo_allocate("pod-undo", 0)
+
+
+def undo_then_create(world: World, held: Held) -> None:
+    """The undo repeated finds nothing ACTIVE for the key; the placements it freed are usable."""
+    assert world.lifecycle.undo_allocate("pod-undo", 0) == ([], [])
+    assert not [r for r in world.record_files().values() if r.owner and r.owner.pod.uid == "pod-undo"]
+    create(world, held)
+    held.allocate("pod-after-undo", (1, "3g.40gb", 0, 4))
+
+
+# ReclaimIdle and SetMigMode(enabled=false, reclaim_idle=true)
+
+
+def idle(world: World, held: Held, label: str, device: Dev) -> None:
+    held.named[label] = held.allocate(f"pod-{label}", device).devices[0].identity.mig_uuid
+    held.release(f"pod-{label}")
+
+
+def two_idle_on_gpu0(world: World, held: Held) -> None:
+    idle(world, held, "a", (0, "1g.10gb", 4, 1))
+    idle(world, held, "b", (0, "2g.20gb", 2, 2))
+
+
+def reclaim_named(world: World, held: Held) -> None:
+    world.lifecycle.reclaim_idle(world.uuid(0), [held.named["a"]])
+
+
+def reclaim_named_again(world: World, held: Held) -> None:
+    """Repeated once the first is recovered: it is gone (UnknownInstance then), the other IDLE one kept."""
+    with pytest.raises(errors.UnknownInstance):
+        reclaim_named(world, held)
+    assert held.named["a"] not in world.live_mig_uuids()
+    assert [r.state for r in world.record_files().values() if r.mig_uuid == held.named["b"]] == [State.IDLE]
+
+
+def reclaim_all(world: World, held: Held) -> None:
+    world.lifecycle.reclaim_idle(world.uuid(0))
+    assert not [r for r in world.record_files().values() if r.state is State.IDLE]
+
+
+def two_idle_on_gpu1(world: World, held: Held) -> None:
+    idle(world, held, "a", (1, "1g.10gb", 0, 1))
+    idle(world, held, "b", (1, "3g.40gb", 4, 4))
+
+
+def disable_mig_on_gpu1(world: World, held: Held) -> None:
+    current, pending, _ = world.lifecycle.set_mig_mode(world.uuid(1), False, reclaim_idle=True)
+    assert (current, pending) == (False, False)
+    assert not world.lifecycle.ctx.table.on_gpu(world.uuid(1))
+
+
+# The background idle trim on a fake clock
+
+
+def trim_past_the_ttl(world: World, held: Held) -> None:
+    trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
+    Reconciler(world.lifecycle, idle=trimmer).run_once()
+    assert not [r for r in world.record_files().values() if r.state is State.IDLE]
+
+
+# Recover taking over what HAMi's own lifecycle made: an instance a listed pod runs on, an IDLE one
+
+
+def hami_instance(world: World, device: Dev) -> Identity:
+    """Create the instance as HAMi did and leave HAMi's record and CDI spec of it."""
+    g, profile, start, size = device
+    world.hw.create_instance(g, profile, start, size)
+    gi = next(gi for gi in world.port.gpu_instances(world.uuid(g)) if gi.placement == Placement(start, size))
+    [ci] = world.port.compute_instances(world.uuid(g), gi.id)
+    world.cdi_dir.mkdir(parents=True, exist_ok=True)
+    write_record(world.records.directory, ci.mig_uuid, world.uuid(g), profile, start, size, gi.id, ci.id)
+    write_spec(world.cdi_dir, ci.mig_uuid, world.uuid(g), world.gpus[g].minor, gi.id, ci.id)
+    return Identity(gi.id, ci.id, ci.mig_uuid)
+
+
+def hami_active_and_idle(world: World, held: Held) -> None:
+    running: Dev = (1, "3g.40gb", 4, 4)
+    identity = hami_instance(world, running)
+    g, profile, start, size = running
+    held.listed.append(
+        ActiveAllocation(
+            owner=Owner(PodRef("pod-hami", "default", "name-pod-hami"), "main", 0, 0),
+            reservation=Reservation(world.uuid(g), profile, Placement(start, size)),
+            identity=identity,
+        )
+    )
+    held.named["idle"] = hami_instance(world, (1, "1g.10gb", 0, 1)).mig_uuid
+
+
+def reuse_the_idle_one(world: World, held: Held) -> None:
+    """Taken over IDLE, the instance is the sidecar's to hand out."""
+    got = held.allocate("pod-reuse", (1, "1g.10gb", 0, 1)).devices[0]
+    assert (got.outcome, got.identity.mig_uuid) == (Outcome.REUSED, held.named["idle"])
+
+
+# An Allocate retrying an ERROR instance in its way; a SyncActive taking pending reservations; a destroy
+# that keeps a file at the spec's path that is not the sidecar's
+
+
+def pending_for_the_idle_one(world: World, held: Held) -> None:
+    """The scheduler reserved the IDLE instance at 4:1 for pod-q, which is not allocated yet."""
+    reservation = Reservation(world.uuid(0), "1g.10gb", Placement(4, 1))
+    owner = Owner(PodRef("pod-q", "default", "name-pod-q"), "main", 0, 0)
+    pending = ActiveAllocation(owner=owner, reservation=reservation, identity=None)
+    world.lifecycle.sync_active(world.lifecycle.generation, [*held.active(), pending])
+
+
+def pending_then_its_allocate(world: World, held: Held) -> None:
+    """The list again, then the reservation's own Allocate: the IDLE instance it guarded, reused."""
+    pending_for_the_idle_one(world, held)
+    got = held.allocate("pod-q", (0, "1g.10gb", 4, 1)).devices[0]
+    assert got.outcome is Outcome.REUSED
+
+
+def foreign_file_at_the_idle_spec(world: World, held: Held) -> None:
+    """Another writer's spec (another kind) sits where the IDLE instance's spec was."""
+    idle_in_the_way(world, held)
+    [rec] = [r for r in world.record_files().values() if r.state is State.IDLE]
+    assert rec.mig_uuid is not None
+    other = b'{"cdiVersion":"0.6.0","kind":"example.com/other","devices":[{"name":"x","containerEdits":{}}]}'
+    world.cdi.spec_path(rec.mig_uuid).write_bytes(other)
+
+
 SCENARIOS = [
     Scenario("create", CREATE, nothing, create, create),
     Scenario("reclaim", DESTROY + CREATE, idle_in_the_way, create, create),
@@ -123,6 +279,19 @@ SCENARIOS = [
     Scenario("reconciler retry", DESTROY[1:], reclaim_left_error, reconcile, create),
     Scenario("recover removing an orphan GI", DESTROY, orphan_gi, recover_adopting, adopt=True),
     Scenario("recover undoing a crashed create", DESTROY, crashed_inside_a_create, recover, create),
+    Scenario("undo of a created instance", UNDONE, unlisted_created, undo, undo_then_create),
+    Scenario("undo of a reused instance", IDLED, unlisted_reused, undo, undo_then_create),
+    Scenario("undo of created and reused", (*UNDONE, *IDLED), created_and_reused, undo, undo_then_create),
+    Scenario("ReclaimIdle of one", RECLAIMED, two_idle_on_gpu0, reclaim_named, reclaim_named_again),
+    Scenario("ReclaimIdle of all", RECLAIMED, two_idle_on_gpu0, reclaim_all, reclaim_all),
+    Scenario("SetMigMode reclaiming", DISABLED, two_idle_on_gpu1, disable_mig_on_gpu1, disable_mig_on_gpu1),
+    Scenario("idle trim past the TTL", TRIMMED, two_idle_on_gpu0, trim_past_the_ttl, trim_past_the_ttl),
+    Scenario("Recover taking over HAMi", TAKEOVER, hami_active_and_idle, recover, reuse_the_idle_one),
+    Scenario("inline retry of an ERROR instance", RETRIED, reclaim_left_error, create, create),
+    Scenario("SyncActive with a pending reservation", ("after-sync-pending",), idle_in_the_way,
+             pending_for_the_idle_one, pending_then_its_allocate),
+    Scenario("reclaim keeping a foreign CDI file", ("after-foreign-cdi-kept",), foreign_file_at_the_idle_spec,
+             create, create),
 ]  # fmt: skip
 
 CASES = [pytest.param(s, p, id=f"{s.name}@{p}") for s in SCENARIOS for p in s.points]

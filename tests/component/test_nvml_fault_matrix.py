@@ -1,5 +1,6 @@
 """Every NVML operation x {IN_USE, INSUFFICIENT_RESOURCES, NOT_FOUND, GPU_IS_LOST, UNKNOWN, TIMEOUT}
-x every RPC that reaches it: the invariants hold, and the same call works once the fault clears.
+x every RPC that reaches it: the invariants hold, and the same call works once the fault clears
+(an entry with a ``retry`` also asserts there what the call must have achieved by then).
 
 An RPC is exercised through the lifecycle call its handler makes (``server`` only maps errors). The
 operations an RPC reaches are not listed by hand: the call runs once unfaulted on its own hardware
@@ -14,6 +15,7 @@ no RPC reaches fails ``test_every_operation_is_reached_by_some_rpc``.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,10 +28,14 @@ from lifecycle_world import World, build_world, restart
 from matrix_world import Held, before, check, probe_reuse, settle, standard_start
 
 from sidecar import errors
+from sidecar.domain import State
+from sidecar.idle_policy import IdleSettings
+from sidecar.idle_trim import IdleTrimmer
 from sidecar.nvml.sim import OP_ALIASES, uninstall
 from sidecar.reconciler import Reconciler
 
 FOREVER = 1000
+FAR_FUTURE = 1e12  # the idle trim's clock: every IDLE instance is past its TTL
 OCCURRENCES = 3  # the first calls of an operation a case starts failing at; bounds the matrix
 CODES = ["IN_USE", "INSUFFICIENT_RESOURCES", "NOT_FOUND", "GPU_IS_LOST", "UNKNOWN", "TIMEOUT"]
 OPERATIONS = (
@@ -42,6 +48,7 @@ OPERATIONS = (
     "get-compute-instances",
     "get-compute-instance",
     "processes",
+    "set-mig-mode",
 )
 
 Step = Callable[[World, Held], object]
@@ -56,6 +63,7 @@ class Rpc:
     name: str
     setup: Step
     call: Step  # the same call is the retry once the fault clears
+    retry: Step | None = None  # a retry that also asserts what the call, fault cleared, must achieve
 
 
 def idle_at_4_1(world: World, held: Held) -> None:
@@ -110,6 +118,78 @@ def reconcile(world: World, held: Held) -> None:
     Reconciler(world.lifecycle).run_once()
 
 
+def unlisted_created_and_reused(world: World, held: Held) -> None:
+    """An Allocate the plugin then undoes: one instance reused, one created, no pod lists it."""
+    idle_at_4_1(world, held)
+    world.allocate("pod-undo", (0, "1g.10gb", 4, 1), (1, "3g.40gb", 0, 4))
+
+
+def undo_allocate(world: World, held: Held) -> None:
+    world.lifecycle.undo_allocate("pod-undo", 0)
+    assert not [r for r in world.lifecycle.instances() if r.owner and r.owner.pod.uid == "pod-undo"]
+
+
+def two_idle(world: World, held: Held, gpu: int) -> None:
+    for n, device in enumerate([(gpu, "1g.10gb", 0, 1), (gpu, "3g.40gb", 4, 4)]):
+        held.named[f"idle-{n}"] = held.allocate(f"pod-idle-{n}", device).devices[0].identity.mig_uuid
+        held.release(f"pod-idle-{n}")
+
+
+def two_idle_on_gpu1(world: World, held: Held) -> None:
+    two_idle(world, held, 1)
+
+
+def idle_names(world: World) -> list[str]:
+    return [r.name for r in world.lifecycle.instances() if r.state is State.IDLE]
+
+
+def reclaim_idle_all(world: World, held: Held) -> None:
+    world.lifecycle.reclaim_idle(world.uuid(1))
+    assert not [r for r in world.lifecycle.ctx.table.on_gpu(world.uuid(1)) if r.state is State.IDLE]
+
+
+def reclaim_idle_named(world: World, held: Held) -> None:
+    world.lifecycle.reclaim_idle(world.uuid(1), [held.named["idle-0"]])
+
+
+def reclaim_idle_named_again(world: World, held: Held) -> None:
+    """After an attempt that left it ERROR (the reconciler then destroyed it) the answer is
+    UnknownInstance; either way it is gone, and the other IDLE instance is not."""
+    mig = held.named["idle-0"]
+    with contextlib.suppress(errors.UnknownInstance):
+        reclaim_idle_named(world, held)
+    assert mig not in world.live_mig_uuids()
+    assert held.named["idle-1"] in world.live_mig_uuids()
+
+
+def mig_disabled_on_gpu1(world: World, held: Held) -> None:
+    world.lifecycle.set_mig_mode(world.uuid(1), False)
+
+
+def enable_mig(world: World, held: Held) -> None:
+    assert world.lifecycle.set_mig_mode(world.uuid(1), True)[:2] == (True, True)
+
+
+def disable_mig_reclaiming(world: World, held: Held) -> None:
+    assert world.lifecycle.set_mig_mode(world.uuid(1), False, reclaim_idle=True)[:2] == (False, False)
+    assert not world.lifecycle.ctx.table.on_gpu(world.uuid(1))
+
+
+def rank_placements(world: World, held: Held) -> None:
+    assert world.lifecycle.rank_placements(world.uuid(0), "3g.40gb")
+
+
+def idle_trim(world: World, held: Held) -> None:
+    """A trim that meets a fault logs and skips it; once cleared, a round trims every IDLE one."""
+    trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=600.0), clock=lambda: FAR_FUTURE)
+    Reconciler(world.lifecycle, idle=trimmer).run_once()
+
+
+def idle_trim_done(world: World, held: Held) -> None:
+    idle_trim(world, held)
+    assert not idle_names(world)
+
+
 RPCS = [
     Rpc("Allocate creating", nothing, allocate_3g),
     Rpc("Allocate reclaiming", idle_at_4_1, allocate_3g),
@@ -121,6 +201,13 @@ RPCS = [
     Rpc("ListGpus", idle_at_4_1, list_gpus),
     Rpc("Recover", error_and_orphan, recover),
     Rpc("reconciler retry", error_and_orphan, reconcile),
+    Rpc("UndoAllocate", unlisted_created_and_reused, undo_allocate),
+    Rpc("ReclaimIdle of all", two_idle_on_gpu1, reclaim_idle_all),
+    Rpc("ReclaimIdle of one", two_idle_on_gpu1, reclaim_idle_named, reclaim_idle_named_again),
+    Rpc("SetMigMode enable", mig_disabled_on_gpu1, enable_mig),
+    Rpc("SetMigMode disable reclaiming", two_idle_on_gpu1, disable_mig_reclaiming),
+    Rpc("RankPlacements", idle_at_4_1, rank_placements),
+    Rpc("idle trim", two_idle_on_gpu1, idle_trim, idle_trim_done),
 ]
 
 
@@ -195,6 +282,6 @@ def test_a_fault_keeps_the_invariants_and_the_call_works_once_it_clears(
                 else:
                     recover(world, held)
                 settle(world, was)
-                rpc.call(world, held)
+                (rpc.retry or rpc.call)(world, held)
                 check(world, was, settled=True)
                 probe_reuse(world, held)

@@ -200,3 +200,16 @@ class TestTheWireItself:
             except grpc.RpcError as err:
                 codes.append(err.code())  # type: ignore[attr-defined]
             assert grpc.StatusCode.UNIMPLEMENTED not in codes, method.name
+
+    def test_an_rpc_the_server_does_not_serve_is_unimplemented(self, car: InProcessSidecar) -> None:
+        """Every RPC of the contract is served, so a method name outside it stands for one a newer
+        client may call: UNIMPLEMENTED, and the server goes on serving."""
+        raw = car.channel.unary_unary(
+            "/hami.migsidecar.v1.MigSidecar/NotInTheContract",
+            request_serializer=lambda body: body,
+            response_deserializer=lambda body: body,
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            raw(b"", timeout=CALL_TIMEOUT_S)
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+        assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"

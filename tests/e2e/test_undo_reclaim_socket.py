@@ -203,12 +203,16 @@ DESTROY_POINTS = crashpoints.POINTS[
 UNDO_POINTS = ["after-undo-destroy-one", "after-undo-idle-one"]
 RECLAIM_POINTS = ["after-reclaim-idle-one"]
 DISABLE_POINT = "after-reclaim-for-disable"
+IDLE_TRIM_POINT = "before-idle-trim"  # armed by test_idle_trim_e2e
+# armed by test_hami_parity: the inline ERROR retry, a SyncActive's pending set, a foreign CDI file kept
+PARITY_POINTS = ("after-inline-error-retry", "after-sync-pending", "after-foreign-cdi-kept")
 
 
 def test_every_crash_point_is_in_a_crash_matrix() -> None:
     """A point no test arms is a path no crash test covers."""
     creates = crashpoints.POINTS[: crashpoints.POINTS.index("after-write-cdi") + 1]
-    armed = {*creates, *TAKEOVER_POINTS, *DESTROY_POINTS, *UNDO_POINTS, *RECLAIM_POINTS, DISABLE_POINT}
+    armed = {*creates, *TAKEOVER_POINTS, *DESTROY_POINTS, *UNDO_POINTS, *RECLAIM_POINTS}
+    armed |= {DISABLE_POINT, IDLE_TRIM_POINT, *PARITY_POINTS}
     assert armed == set(crashpoints.POINTS)
 
 
