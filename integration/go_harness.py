@@ -17,6 +17,7 @@ the Go process.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -35,11 +36,6 @@ sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
 from sidecar_process import Sidecar  # noqa: E402
 
-# HAMI_E2E_V1ADDITIONS=1 builds the e2e binary with -tags v1additions: the test of the 4.1
-# pending reservations in Recover, for a sidecar that accepts them. The other 4.1 tests (UndoAllocate,
-# ReclaimIdle, reclaim_idle) are always built.
-V1ADDITIONS = os.environ.get("HAMI_E2E_V1ADDITIONS") == "1"
-TAGS = ["-tags", "v1additions"] if V1ADDITIONS else []
 GO_TIMEOUT_S = 300.0  # building pulls nothing new but compiles grpc: slow on two shared cores
 RUN_TIMEOUT_S = 180.0
 
@@ -75,12 +71,18 @@ class GoRunner:
     def restart_command(self) -> str:
         return f"touch {self.request} && while [ ! -e {self.done} ]; do sleep 0.05; done && rm -f {self.done}"
 
+    @property
+    def sim_command(self) -> str:
+        """The ``sim`` subcommand on this sidecar's simulated hardware; the Go side appends arguments."""
+        return shlex.join([sys.executable, "-m", "sidecar", "sim", "--sim-state", str(self.car.sim_state)])
+
     def env(self) -> dict[str, str]:
         return {
             **os.environ,
             "MIGSIDECAR_SOCKET": str(self.car.socket),
             "MIGSIDECAR_CDI_DIR": str(self.car.cdi_dir),
             "MIGSIDECAR_RESTART_CMD": self.restart_command,
+            "MIGSIDECAR_SIM_CMD": self.sim_command,
         }
 
     def run(
@@ -125,7 +127,7 @@ def go_binaries_fixture() -> Iterator[GoBinaries]:
     env = {**os.environ, "GOFLAGS": "-mod=readonly"}
     for module, args in (
         (GOCLIENT, [go, "build", "-o", str(out / "mockplugin"), "./cmd/mockplugin"]),
-        (GOCLIENT, [go, "test", *TAGS, "-c", "-o", str(out / "e2e.test"), "./e2e"]),
+        (GOCLIENT, [go, "test", "-c", "-o", str(out / "e2e.test"), "./e2e"]),
         (CDISCHEMA, [go, "build", "-o", str(out / "cdischema"), "."]),
     ):
         result = subprocess.run(

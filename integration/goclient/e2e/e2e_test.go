@@ -5,6 +5,7 @@
 //	MIGSIDECAR_SOCKET       the sidecar's Unix socket
 //	MIGSIDECAR_CDI_DIR      its --cdi-dir (CDI checks)
 //	MIGSIDECAR_RESTART_CMD  a shell command that kill -9s the sidecar and starts it again
+//	MIGSIDECAR_SIM_CMD      the simulator's `sim` command on its hardware, arguments appended
 package e2e
 
 import (

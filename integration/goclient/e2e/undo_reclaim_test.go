@@ -3,7 +3,7 @@
 package e2e
 
 import (
-	"errors"
+	"slices"
 	"testing"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
@@ -90,14 +90,28 @@ func TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst(t *testing.T) 
 			inUse[int(g.Index)] = struct{}{}
 		}
 	}
+	// The simulated H100 changes MIG mode in place, so the disable must be done, not pending.
 	done, err := m.DisableIdleGPUs(ctx, inUse)
-	if err != nil && !errors.Is(err, hami.ErrNeedsReset) {
-		t.Fatal(err)
-	}
-	if len(done) > 1 {
-		t.Fatalf("disabled %v", done)
+	if err != nil || !slices.Equal(done, []int{int(gpus[1].Index)}) {
+		t.Fatalf("disabled %v, %v; want GPU %d", done, err, gpus[1].Index)
 	}
 	if s := states(ctx, t, c); len(s) != 0 {
 		t.Fatalf("instances left after disable: %v", s)
+	}
+	after, err := c.ListGpus(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range after {
+		if on := g.UUID != gpus[1].UUID; g.MigMode.Current != on || g.MigMode.Pending != on {
+			t.Fatalf("GPU %d MIG mode %+v after disabling only GPU %d", g.Index, g.MigMode, gpus[1].Index)
+		}
+	}
+	if _, gis := hardware(t); len(gis) != 0 {
+		t.Fatalf("GPU instances left after disable: %v", gis)
+	}
+	// A second pass finds nothing to do: the GPU is off, not pending.
+	if again, err := m.DisableIdleGPUs(ctx, inUse); err != nil || len(again) != 0 {
+		t.Fatalf("second pass: %v %v", again, err)
 	}
 }

@@ -234,12 +234,19 @@ func (m *Manager) AdoptAllocation(ctx context.Context, gpuIndex int, profile, mi
 }
 
 // DisableIdleGPUs replaces applyStartupMigMode's DisableIdleGPUs in hami-core mode: for each GPU
-// not in inUse, SetMigMode(enabled=false, reclaim_idle=true). A GPU with ACTIVE, ERROR or
-// foreign instances or processes is refused by the sidecar and stops the pass with its error; a
-// change that waits for a reset wraps ErrNeedsReset.
+// not in inUse whose MIG mode is on (or pending on), SetMigMode(enabled=false, reclaim_idle=true),
+// then the GPU's mode read back from ListGpus. It returns the indexes of the GPUs whose MIG mode
+// is now off. A GPU with ACTIVE, ERROR or foreign instances or processes is refused by the
+// sidecar and stops the pass with its error. A disable that waits for a reset (pending off,
+// needs_reset) stops it with an error wrapping ErrNeedsReset, as HAMi's errMigModeNeedsReset; a
+// GPU whose mode reads back as anything else stops it with an error saying what it read.
 func (m *Manager) DisableIdleGPUs(ctx context.Context, inUse map[int]struct{}) ([]int, error) {
+	gpus, err := m.c.ListGpus(ctx) // the modes now, not those seen at New
+	if err != nil {
+		return nil, err
+	}
 	var done []int
-	for _, g := range m.gpus {
+	for _, g := range gpus {
 		if _, busy := inUse[int(g.Index)]; busy || !g.MigMode.Current && !g.MigMode.Pending {
 			continue
 		}
@@ -247,12 +254,35 @@ func (m *Manager) DisableIdleGPUs(ctx context.Context, inUse map[int]struct{}) (
 		if err != nil {
 			return done, err
 		}
-		if res.NeedsReset || res.MigMode.Current {
-			return done, fmt.Errorf("GPU %d: %w", g.Index, ErrNeedsReset)
+		mode, err := m.migMode(ctx, g.UUID)
+		if err != nil {
+			return done, err
 		}
-		done = append(done, int(g.Index))
+		switch {
+		case !mode.Current && !mode.Pending:
+			done = append(done, int(g.Index))
+		case mode.Current && !mode.Pending && res.NeedsReset:
+			return done, fmt.Errorf("GPU %d: %w", g.Index, ErrNeedsReset)
+		default:
+			return done, fmt.Errorf("GPU %d: MIG mode after disabling it is current=%t pending=%t (the answer said current=%t pending=%t needs_reset=%t)",
+				g.Index, mode.Current, mode.Pending, res.MigMode.Current, res.MigMode.Pending, res.NeedsReset)
+		}
 	}
 	return done, nil
+}
+
+// migMode reads one GPU's MIG mode back from ListGpus.
+func (m *Manager) migMode(ctx context.Context, gpuUUID string) (migclient.MigMode, error) {
+	gpus, err := m.c.ListGpus(ctx)
+	if err != nil {
+		return migclient.MigMode{}, err
+	}
+	for _, g := range gpus {
+		if g.UUID == gpuUUID {
+			return g.MigMode, nil
+		}
+	}
+	return migclient.MigMode{}, fmt.Errorf("GPU %s is no longer listed by the sidecar", gpuUUID)
 }
 
 // EnsureMigModeEnabled replaces ensureMigModeEnabled(gpuIndex) before a create: the sidecar

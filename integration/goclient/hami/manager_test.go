@@ -122,3 +122,28 @@ func TestDiscoverProfilesPublishesTheReusablePlacementFirst(t *testing.T) {
 		t.Fatalf("instance count %d, want 7", count)
 	}
 }
+
+func TestDisableIdleGPUsReportsAPendingDisableAsNeedsReset(t *testing.T) {
+	s, m := manager(t)
+	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	s.ResetNeeded("GPU-a")
+	done, err := m.DisableIdleGPUs(context.Background(), map[int]struct{}{1: {}})
+	if !errors.Is(err, ErrNeedsReset) || len(done) != 0 {
+		t.Fatalf("disabled %v, %v; want none and ErrNeedsReset", done, err)
+	}
+	if !s.MigEnabled("GPU-a") || len(s.Instances()) != 0 {
+		t.Fatalf("MIG on %t, instances %+v: want MIG still on (pending off) and the idle instance gone", s.MigEnabled("GPU-a"), s.Instances())
+	}
+}
+
+func TestDisableIdleGPUsDoesNotTakeTheAnswerForTheMode(t *testing.T) {
+	s, m := manager(t)
+	s.IgnoreMigMode("GPU-a")
+	done, err := m.DisableIdleGPUs(context.Background(), map[int]struct{}{1: {}})
+	if err == nil || errors.Is(err, ErrNeedsReset) || len(done) != 0 {
+		t.Fatalf("disabled %v, %v; want none and an error naming the mode read back", done, err)
+	}
+	if !s.MigEnabled("GPU-a") {
+		t.Fatal("the fake changed the mode it was told to ignore")
+	}
+}

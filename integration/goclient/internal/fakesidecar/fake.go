@@ -49,13 +49,18 @@ type Instance struct {
 type Server struct {
 	pb.UnimplementedMigSidecarServer
 
-	mu        sync.Mutex
-	gpus      []string
-	migOn     map[string]bool
-	instances []*Instance
-	nextGI    uint32
-	recovered bool
-	recovers  []*pb.RecoverRequest
+	mu    sync.Mutex
+	gpus  []string
+	migOn map[string]bool
+	// migPending is a GPU's pending MIG mode; it differs from migOn after a change that needs a
+	// reset (ResetNeeded).
+	migPending  map[string]bool
+	resetNeeded map[string]bool // MIG mode changes on this GPU wait for a reset
+	modeIgnored map[string]bool // SetMigMode on this GPU answers success and changes nothing
+	instances   []*Instance
+	nextGI      uint32
+	recovered   bool
+	recovers    []*pb.RecoverRequest
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
 }
@@ -75,9 +80,11 @@ var profiles = map[string]struct {
 // and returns it with the socket path.
 func Start(t *testing.T, gpus ...string) (*Server, string) {
 	t.Helper()
-	s := &Server{gpus: gpus, migOn: map[string]bool{}, nextGI: 1, recovered: true}
+	s := &Server{gpus: gpus, migOn: map[string]bool{}, migPending: map[string]bool{}, resetNeeded: map[string]bool{},
+		modeIgnored: map[string]bool{}, nextGI: 1, recovered: true}
 	for _, g := range gpus {
 		s.migOn[g] = true
+		s.migPending[g] = true
 	}
 	socket := filepath.Join(t.TempDir(), "fake.sock")
 	lis, err := net.Listen("unix", socket)
@@ -132,6 +139,22 @@ func (s *Server) MigEnabled(gpu string) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.migOn[gpu]
+}
+
+// ResetNeeded makes MIG mode changes on gpu pending until a reset, as on a GPU that cannot
+// change mode in place: the answer says needs_reset and ListGpus shows the pending mode.
+func (s *Server) ResetNeeded(gpu string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.resetNeeded[gpu] = true
+}
+
+// IgnoreMigMode makes SetMigMode on gpu answer as if it applied the change while changing
+// nothing, so a client that believes the answer without reading the mode back is caught.
+func (s *Server) IgnoreMigMode(gpu string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.modeIgnored[gpu] = true
 }
 
 // Unrecover makes the fake answer NOT_RECOVERED until the next Recover.
@@ -207,7 +230,7 @@ func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusRes
 	out := &pb.ListGpusResponse{}
 	for i, g := range s.gpus {
 		out.Gpus = append(out.Gpus, &pb.Gpu{Index: uint32(i), Uuid: g, Model: "NVIDIA H100 80GB HBM3",
-			MigMode: &pb.MigMode{Current: s.migOn[g], Pending: s.migOn[g]}})
+			MigMode: &pb.MigMode{Current: s.migOn[g], Pending: s.migPending[g]}})
 	}
 	return out, nil
 }
@@ -421,7 +444,15 @@ func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.S
 			s.remove(in)
 		}
 	}
-	s.migOn[gpu] = req.GetEnabled()
+	switch {
+	case s.modeIgnored[gpu]:
+		return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: req.GetEnabled(), Pending: req.GetEnabled()}}, nil
+	case s.resetNeeded[gpu]:
+		s.migPending[gpu] = req.GetEnabled()
+		return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: s.migOn[gpu], Pending: req.GetEnabled()},
+			NeedsReset: s.migOn[gpu] != req.GetEnabled()}, nil
+	}
+	s.migOn[gpu], s.migPending[gpu] = req.GetEnabled(), req.GetEnabled()
 	return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: req.GetEnabled(), Pending: req.GetEnabled()}}, nil
 }
 

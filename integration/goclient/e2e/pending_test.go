@@ -1,7 +1,5 @@
-//go:build v1additions
-
 // The HAMi lazy-lifecycle scenario that needs pending reservations in Recover (4.1), through the
-// client against a real sidecar. Built only with -tags v1additions, until the sidecar accepts them.
+// client against a real sidecar.
 package e2e
 
 import (
