@@ -92,9 +92,8 @@ def own_delay(calls: dict[str, int], reclaimed: int) -> float:
     cannot be told apart and stay in."""
     out = 0.0
     for fn, n in calls.items():
-        if any(fn in OP_ALIASES[op] for op in ("destroy-ci", "destroy-gi")):
-            n = min(n, reclaimed)
-        out += real_delay(fn) * n
+        destroys = any(fn in OP_ALIASES[op] for op in ("destroy-ci", "destroy-gi"))
+        out += real_delay(fn) * (min(n, reclaimed) if destroys else n)
     return out
 
 

@@ -191,9 +191,10 @@ def node_reserve(
     for profile in profiles:
         options: list[tuple[tuple[int, float, int, int, int], str, tuple[OwnedInstance, ...]]] = []
         ready = False
-        copies = _copies(
-            [replace(v, owned=tuple(i for i in v.owned if (v.gpu_uuid, i) not in gone)) for v in views], pending
-        )
+        left_views = [
+            replace(v, owned=tuple(i for i in v.owned if (v.gpu_uuid, i) not in gone)) for v in views
+        ]
+        copies = _copies(left_views, pending)
         for g, view in enumerate(views):
             placements = reserve.get(view.gpu_uuid, {}).get(profile)
             if not placements:
