@@ -12,8 +12,11 @@ each opt-in (all off by default, so nothing is trimmed):
 * ``reserve`` — for each profile the GPU's scheduler allows (``reserve``: GPU -> profile -> its legal
   placements), when no placement is ready (REUSE or FREE in ``advice.rank_placements``), the idle
   instances of one RECLAIM placement go, so the next request for that profile finds it FREE. The
-  placement chosen is the one whose most recently used victim is the oldest (least recently used
-  cache first), then the one with fewer victims, then the advice order.
+  placement chosen is the one whose victims' profiles keep the most idle copies (``_victim_key``:
+  a request reuses *any* idle copy of its profile, so destroying one of many costs the next hit
+  little and destroying the last costs it for sure), then the one whose most recently used victim
+  is the oldest (least recently used cache first), then the one with fewer victims, then the
+  advice order.
 
 Causes apply in that order, each seeing the instances the earlier ones chose as gone; an instance is
 trimmed at most once, under the first cause that chose it. Never trimmed: anything not IDLE (ACTIVE,
@@ -24,6 +27,7 @@ process runs on it) and one protected by a pending reservation (``pending``, or 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
@@ -83,18 +87,39 @@ def _lru(instances: Sequence[OwnedInstance]) -> list[OwnedInstance]:
     return sorted(instances, key=lambda i: (i.last_used, i.placement.start, i.placement.size))
 
 
+def _copies(views: Sequence[GpuView], pending: Collection[Reservation]) -> Counter[str]:
+    """Idle instances a request could reuse, per profile, over ``views``."""
+    out: Counter[str] = Counter()
+    for view in views:
+        protected = _protected(view, pending)
+        out.update(i.profile for i in view.owned if trimmable(view, i, protected))
+    return out
+
+
+def _victim_key(victims: Sequence[OwnedInstance], copies: Counter[str]) -> tuple[int, float, int]:
+    """Smallest best among the victim sets that free a reserve: the scarcest victim's profile keeps
+    the most idle copies, then the least recently used, then the fewest victims."""
+    return (
+        -min(copies[v.profile] for v in victims),
+        max(v.last_used for v in victims),
+        len(victims),
+    )
+
+
 def _reserve_trims(
     view: GpuView, profile: str, placements: Sequence[Placement], protected: frozenset[Reservation]
 ) -> tuple[OwnedInstance, ...]:
     """The idle instances to destroy so that ``profile`` has a ready placement; () if it has one or none
     can be made ready by destroying idle instances only."""
-    ranked = rank_placements(profile, placements, replace(view, pending=tuple(protected)))
+    view = replace(view, pending=tuple(protected))
+    ranked = rank_placements(profile, placements, view)
     if any(r.cost in (Cost.REUSE, Cost.FREE) for r in ranked):
         return ()
     options = [(i, r) for i, r in enumerate(ranked) if r.cost is Cost.RECLAIM]
     if not options:
         return ()
-    _, best = min(options, key=lambda o: (max(v.last_used for v in o[1].reclaim), len(o[1].reclaim), o[0]))
+    copies = _copies([view], ())
+    _, best = min(options, key=lambda o: (*_victim_key(o[1].reclaim, copies), o[0]))
     return best.reclaim
 
 
@@ -153,8 +178,9 @@ def node_reserve(
 ) -> list[Trim]:
     """The free reserve over a whole node: per profile (``reserve``: GPU -> profile -> placements),
     trim only when *no* GPU has a ready placement (REUSE or FREE) for it, and then the idle instances
-    of one RECLAIM placement on the node, chosen as ``_reserve_trims`` chooses within a GPU (the
-    oldest most recently used victim, then fewer victims, then the lower GPU in ``views`` order).
+    of one RECLAIM placement on the node, chosen as ``_reserve_trims`` chooses within a GPU
+    (``_victim_key`` with the idle copies counted over the node, then the lower GPU in ``views``
+    order).
 
     A reuse-aware scheduler picks among the node's GPUs, so one ready placement per profile on the
     node keeps its next request off the destroy-then-create path; keeping one on every GPU destroys
@@ -163,8 +189,12 @@ def node_reserve(
     gone: set[tuple[str, OwnedInstance]] = set()
     profiles = dict.fromkeys(name for by_profile in reserve.values() for name in by_profile)
     for profile in profiles:
-        options: list[tuple[tuple[float, int, int, int], str, tuple[OwnedInstance, ...]]] = []
+        options: list[tuple[tuple[int, float, int, int, int], str, tuple[OwnedInstance, ...]]] = []
         ready = False
+        left_views = [
+            replace(v, owned=tuple(i for i in v.owned if (v.gpu_uuid, i) not in gone)) for v in views
+        ]
+        copies = _copies(left_views, pending)
         for g, view in enumerate(views):
             placements = reserve.get(view.gpu_uuid, {}).get(profile)
             if not placements:
@@ -181,7 +211,7 @@ def node_reserve(
                 break
             for n, r in enumerate(ranked):
                 if r.cost is Cost.RECLAIM:
-                    key = (max(v.last_used for v in r.reclaim), len(r.reclaim), g, n)
+                    key = (*_victim_key(r.reclaim, copies), g, n)
                     options.append((key, view.gpu_uuid, r.reclaim))
         if ready or not options:
             continue

@@ -9,6 +9,11 @@ meanwhile, or a process found running on it (one NVML call per victim) each spar
 CREATING/DELETING and foreign instances are never candidates (``idle_policy.trimmable``), so the lock
 is held for one destroy at most and an Allocate on that GPU waits for that one only.
 
+With a free reserve the decision needs every MIG-enabled GPU and its foreign GIs. The reconciler runs
+a round after every Allocate and Release, so those are listed at most every ``relist_s`` seconds, not
+on every round: a round that trims nothing then costs no NVML call and takes no GPU lock. The GPU of a
+chosen victim is listed again under its lock before the destroy, so no trim acts on a stale foreign view.
+
 ``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
 move time instead of sleeping.
 """
@@ -49,11 +54,14 @@ class IdleTrimmer:
         *,
         clock: Callable[[], float] = time.time,
         on_trim: Callable[[str], None] = lambda cause: None,
+        relist_s: float = 10.0,
     ) -> None:
         self.ctx = ctx
         self.settings = settings
         self.clock = clock
         self.on_trim = on_trim
+        self.relist_s = relist_s
+        self._listed: tuple[float, list[str]] | None = None  # (when, the MIG-enabled GPUs then)
 
     def run_once(self) -> list[Trimmed]:
         """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
@@ -83,6 +91,9 @@ class IdleTrimmer:
         is ready), its foreign view listed afresh; otherwise those with owned instances."""
         if not self.settings.reserve:
             return sorted({r.gpu_uuid for r in self.ctx.table.instances()})
+        now = self.clock()
+        if self._listed is not None and 0 <= now - self._listed[0] < self.relist_s:
+            return self._listed[1]
         out: list[str] = []
         try:
             with nvml_errors("list GPUs"):
@@ -97,12 +108,15 @@ class IdleTrimmer:
                 _log.warning("idle trim leaves %s out: %s", gpu, exc)
                 continue
             out.append(gpu)
+        self._listed = (now, out)
         return out
 
     def _apply(self, chosen: Trim, gpus: list[str], busy: set[str]) -> Trimmed | None:
         """Destroy the chosen instance if, under its GPU lock, it is still the first choice, still
         IDLE and runs no process. None when it was spared."""
         with self.ctx.locks.gpu(chosen.gpu_uuid):
+            if self.settings.reserve:
+                views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
             again = self._decide(gpus, busy)
             if not again or again[0] != chosen:
                 return None

@@ -5,7 +5,7 @@ ERROR, busy or foreign one."""
 from __future__ import annotations
 
 import pytest
-from lifecycle_world import Dev, World
+from lifecycle_world import Dev, World, gis
 
 from sidecar import errors
 from sidecar.domain import Identity, State
@@ -149,6 +149,32 @@ class TestFreeReserve:
         assert reconcile(world, node, FAR_FUTURE) == [blocker.mig_uuid]
         assert gone(world, blocker)
         world.assert_consistent()
+
+    def test_rounds_between_relistings_make_no_nvml_call_and_the_next_listing_sees_a_foreign_gi(
+        self, world: World
+    ) -> None:
+        """The reconciler runs after every Allocate and Release: a round that trims nothing reuses the
+        last GPU listing for ``relist_s`` seconds. GPU 1 fills with foreign GIs meanwhile; the next
+        listing finds no 3g.40gb ready on the node and the idle 2g.20gb on GPU 0 goes."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+        clock = [1000.0]
+        trimmer = IdleTrimmer(
+            world.lifecycle.ctx, IdleSettings(reserve=("3g.40gb",)), clock=lambda: clock[0], relist_s=10
+        )
+        assert trimmer.run_once() == []  # GPU 1 has 3g.40gb free
+        world.hw.create_instance(1, "3g.40gb", 0, 4)
+        world.hw.create_instance(1, "3g.40gb", 4, 4)
+        world.hw.reset_call_counts()
+        clock[0] += 9
+
+        assert trimmer.run_once() == []
+        assert world.hw.call_counts() == {}
+        clock[0] += 1
+
+        assert [t.ref.identity.mig_uuid for t in trimmer.run_once() if t.ref.identity] == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        assert {p for p, _ in gis(world, 1)} == {"0:4", "4:4"}  # the foreign GIs stay
 
     def test_a_reserve_that_only_an_active_instance_blocks_destroys_nothing(self, world: World) -> None:
         world.allocate("pod-a", (0, "1g.10gb", 0, 1))

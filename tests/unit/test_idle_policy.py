@@ -188,3 +188,59 @@ class TestNodeReserve:
         pending = [Reservation(GPU, "2g.20gb", Placement(4, 2))]
 
         assert node_reserve([view], {GPU: {"3g.40gb": THREE_G}}, pending=pending) == []
+
+    def test_the_victim_whose_profile_keeps_other_idle_copies_goes_before_an_older_last_copy(self) -> None:
+        """Both GPUs need one idle instance gone for a 3g.40gb. GPU's victim is the node's only idle
+        2g.20gb (and the least recently used); GPU2's is one of two idle 1g.10gb: that one goes, since
+        the next 1g.10gb request still reuses the other copy."""
+        last_2g = GpuView(
+            GPU, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("2g.20gb", 4, used=2))
+        )
+        one_of_two = GpuView(
+            GPU2,
+            8,
+            owned=(
+                inst("1g.10gb", 0, State.ACTIVE, used=1),
+                inst("1g.10gb", 1, used=5),  # blocks nothing a 3g.40gb could use (0:4 is ACTIVE)
+                inst("1g.10gb", 5, used=9),
+            ),
+        )
+        reserve = {GPU: {"3g.40gb": THREE_G}, GPU2: {"3g.40gb": THREE_G}}
+
+        assert chosen(node_reserve([last_2g, one_of_two], reserve)) == [(GPU2, "5:1", Cause.RESERVE)]
+
+    def test_copies_under_a_pending_reservation_do_not_count(self) -> None:
+        """The second idle 1g.10gb is promised to a pod: it is no copy a request could reuse, so both
+        victims are last copies and the least recently used one goes."""
+        last_2g = GpuView(
+            GPU, 8, owned=(inst("1g.10gb", 0, State.ACTIVE, used=1), inst("2g.20gb", 4, used=2))
+        )
+        one_of_two = GpuView(
+            GPU2,
+            8,
+            owned=(
+                inst("1g.10gb", 0, State.ACTIVE, used=1),
+                inst("1g.10gb", 1, used=5),
+                inst("1g.10gb", 5, used=9),
+            ),
+            pending=(Reservation(GPU2, "1g.10gb", Placement(1, 1)),),
+        )
+        reserve = {GPU: {"3g.40gb": THREE_G}, GPU2: {"3g.40gb": THREE_G}}
+
+        assert chosen(node_reserve([last_2g, one_of_two], reserve)) == [(GPU, "4:2", Cause.RESERVE)]
+
+
+def test_per_gpu_reserve_prefers_the_victim_whose_profile_keeps_a_copy() -> None:
+    """2g.20gb fits at 0:2, 2:2, 4:2. 0:2 is ACTIVE; 2:2 holds the GPU's only idle 1g.20gb (least
+    recently used), 4:2 one of two idle 1g.10gb: the 1g.10gb at 4 goes."""
+    view = GpuView(
+        GPU,
+        8,
+        owned=(
+            inst("2g.20gb", 0, State.ACTIVE, used=1),
+            inst("1g.20gb", 2, used=2),
+            inst("1g.10gb", 4, used=8),
+            inst("1g.10gb", 6, used=9),
+        ),
+    )
+    assert chosen(trim([view], 10.0, reserve={GPU: {"2g.20gb": TWO_G}})) == [(GPU, "4:1", Cause.RESERVE)]
