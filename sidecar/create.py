@@ -128,15 +128,19 @@ def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
     )
 
 
-def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:
-    """PlacementBusy when a record file left for the operator names a placement on the GPU that
-    overlaps ``wanted``: a corrupt one, or one without a boot id (made or edited by hand).
+class LeftForTheOperator(msgspec.Struct, frozen=True):
+    """A record file left for the operator, at the placement its name was written for."""
 
-    Neither is ever overwritten or deleted automatically: a create at its placement could not write
-    its own record, or would silently replace the operator's, a problem no retry clears; and the
-    instance the file stood for may still be live. Its name says which placement it was written for
-    (recovery keeps the GIs there foreign for the same reason), so the placement stays busy until the
-    operator has dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
+    placement: Placement
+    path: Path
+    why: str
+    blocker: str  # ``corrupt_record`` or ``record_without_boot_id``
+
+
+def records_for_the_operator(ctx: Context, gpu_uuid: str) -> list[LeftForTheOperator]:
+    """The record files on the GPU that a create must not go over: a corrupt one, or one without a
+    boot id (made or edited by hand). From the table's copy of what is on disk outside it, so no
+    directory is scanned (see ``require_no_record_for_the_operator``)."""
     valid, corrupt = ctx.table.left_aside()
     left: list[tuple[str, Path, str, str]] = [
         (name, exc.path, exc.why, "corrupt_record") for name, exc in corrupt.items()
@@ -146,14 +150,35 @@ def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Plac
         for name, r in valid.items()
         if not r.boot_id
     ]
+    found: list[LeftForTheOperator] = []
     for name, path, why, blocker in sorted(left):
         where = parse_record_name(name)
-        if where is None or where[0] != gpu_uuid or not where[1].overlaps(wanted):
+        if where is not None and where[0] == gpu_uuid:
+            found.append(LeftForTheOperator(where[1], path, why, blocker))
+    return found
+
+
+def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:
+    """PlacementBusy when a record file left for the operator names a placement on the GPU that
+    overlaps ``wanted``: a corrupt one, or one without a boot id (made or edited by hand).
+
+    Neither is ever overwritten or deleted automatically: a create at its placement could not write
+    its own record, or would silently replace the operator's, a problem no retry clears; and the
+    instance the file stood for may still be live. Its name says which placement it was written for
+    (recovery keeps the GIs there foreign for the same reason), so the placement stays busy until the
+    operator has dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
+    for left in records_for_the_operator(ctx, gpu_uuid):
+        if not left.placement.overlaps(wanted):
             continue
         raise PlacementBusy(
-            f"placement {wanted} on {gpu_uuid} overlaps {where[1]}, named by the ownership record"
-            f" {path} ({why}); it is left for the operator to inspect and remove",
-            {"blocker": blocker, "file": str(path), "gpu_uuid": gpu_uuid, "placement": str(where[1])},
+            f"placement {wanted} on {gpu_uuid} overlaps {left.placement}, named by the ownership record"
+            f" {left.path} ({left.why}); it is left for the operator to inspect and remove",
+            {
+                "blocker": left.blocker,
+                "file": str(left.path),
+                "gpu_uuid": gpu_uuid,
+                "placement": str(left.placement),
+            },
         )
 
 

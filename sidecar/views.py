@@ -14,12 +14,13 @@ import datetime as dt
 import math
 from collections.abc import Collection, Sequence
 
+from sidecar import create
 from sidecar.advice import GpuView, Hold, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.context import Context
 from sidecar.domain import ForeignInstance, Reservation
 from sidecar.errors import nvml_errors
 from sidecar.nvml.port import GpuInstanceProfile
-from sidecar.ownership import OwnershipRecord, parse_record_name
+from sidecar.ownership import OwnershipRecord
 
 
 def pending_reservations(ctx: Context) -> frozenset[Reservation]:
@@ -52,22 +53,12 @@ def owned_instance(record: OwnershipRecord, *, busy: bool = False) -> OwnedInsta
 
 
 def records_for_the_operator(ctx: Context, gpu_uuid: str) -> tuple[Hold, ...]:
-    """The record files on the GPU that ``Allocate`` refuses to create over (PLACEMENT_BUSY): a
-    corrupt one, or a valid one without a boot id that is not in the table. The placement is the one
-    the file's name was written for."""
-    valid, corrupt = ctx.records.load_all()
-    left = [(name, "corrupt_record") for name in corrupt]
-    left += [
-        (name, "record_without_boot_id")
-        for name, r in valid.items()
-        if not r.boot_id and ctx.table.get(name) is None
-    ]
-    out: list[Hold] = []
-    for name, kind in sorted(left):
-        where = parse_record_name(name)
-        if where is not None and where[0] == gpu_uuid:
-            out.append(Hold(where[1], kind, f"ownership record {ctx.records.path(name)} ({kind})"))
-    return tuple(out)
+    """The record files on the GPU that ``Allocate`` refuses to create over (PLACEMENT_BUSY), as
+    ``create.records_for_the_operator`` finds them: a corrupt one, or one without a boot id."""
+    return tuple(
+        Hold(left.placement, left.blocker, f"ownership record {left.path} ({left.blocker})")
+        for left in create.records_for_the_operator(ctx, gpu_uuid)
+    )
 
 
 def memory_slices(profiles: Sequence[GpuInstanceProfile]) -> int:
