@@ -35,6 +35,7 @@ from sidecar.errors import (
 )
 from sidecar.nvml.port import GpuInstanceInfo, NvmlError, NvmlPort
 from sidecar.ownership import OwnershipRecord, record_name
+from sidecar.reclaim import require_no_processes
 from sidecar.teardown import destroy, destroy_error
 from sidecar.validate import Validated, validate
 
@@ -112,7 +113,7 @@ class Allocator:
         rooms = {i: self.room_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)}
         for decided in decisions if any(r.reclaim for r in rooms.values()) else ():
             if isinstance(decided, Reuse):
-                self.require_no_processes(decided.record)
+                require_no_processes(self.ctx, decided.record)
         return rooms
 
     def decide_without_room(self, v: Validated) -> Decision:
@@ -159,7 +160,7 @@ class Allocator:
             raise placement_busy(gpu, res.placement, decided)
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
-            self.require_no_processes(r)
+            require_no_processes(self.ctx, r)
         return Room(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live))
 
     def prove_reclaim(
@@ -171,7 +172,7 @@ class Allocator:
         when those slices cover ``wanted`` nothing else can sit there, and once they are destroyed
         the placement is free. Anything else (a record not IDLE or not in the table, slices of
         ``wanted`` no such instance covers, an instance not found) is judged on a listing.
-        InstanceInUse as for ``require_no_processes``."""
+        InstanceInUse as for ``reclaim.require_no_processes``."""
         table = self.ctx.table
         if any(
             r.state is not State.IDLE or table.get(r.name) != r or r.mig_uuid is None for r in overlapping
@@ -261,21 +262,6 @@ class Allocator:
         active = ctx.activate(msgspec.structs.replace(record, cdi_device=cdi_device), v.owner)
         ctx.table.put(active)
         return active
-
-    def require_no_processes(self, record: OwnershipRecord) -> None:
-        """InstanceInUse while a process runs on an idle instance (a pod in its grace period).
-
-        Handing it to a new pod would make two pods share one device. Nothing changes: the instance
-        stays IDLE and the client retries the same key later. An NVML error fails closed the same way."""
-        if record.mig_uuid is None:
-            return
-        with nvml_errors(f"count processes on {record.mig_uuid}"):
-            running = self.ctx.port.mig_device(record.mig_uuid).processes
-        if running > 0:
-            raise InstanceInUse(
-                f"idle instance {record.mig_uuid} at {record.placement} still runs {running} processes",
-                {"mig_uuid": record.mig_uuid, "processes": str(running), "gpu_uuid": record.gpu_uuid},
-            )
 
     def verify_live(self, record: OwnershipRecord) -> None:
         """The recorded MIG UUID is live, in the recorded GI, and runs no process (InstanceInUse).

@@ -131,7 +131,10 @@ def reclaim_for_disable(ctx: Context, gpu_uuid: str) -> list[InstanceRef]:
 
 
 def require_no_processes(ctx: Context, record: OwnershipRecord) -> None:
-    """InstanceInUse while a process runs on an instance; an NVML error refuses too (NvmlFailure)."""
+    """InstanceInUse while a process runs on an instance; an NVML error refuses too (NvmlFailure).
+
+    Before a destroy and before an idle instance is handed to a new pod (one in its grace period
+    still runs there: two pods would share a device). Nothing changes; the caller retries later."""
     if record.mig_uuid is None:
         return
     with nvml_errors(f"count processes on {record.mig_uuid}"):
