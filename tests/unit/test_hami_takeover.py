@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
+from plain_board import TABLE, profiles
 
 from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
 from sidecar.hami_files import HamiSpec, recognize_spec
@@ -26,22 +27,7 @@ GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 GPU1 = "GPU-11111111-aaaa-4aaa-8aaa-111111111111"
 BOOT = "boot-now"
 NOW = "2030-01-01T00:00:00Z"
-# name -> (GI profile ID, full-size CI profile ID, size, starts)
-_TABLE = {"1g.10gb": (19, 0, 1, range(7)), "3g.40gb": (9, 2, 4, (0, 4))}
-PROFILES = tuple(
-    GpuInstanceProfile(
-        index=i,
-        id=gi,
-        name=name,
-        slice_count=size,
-        instance_count=len(starts),
-        memory_mb=10240 * size,
-        multiprocessor_count=16 * size,
-        placements=tuple(Placement(s, size) for s in starts),
-        ci_profile_id=ci,
-    )
-    for i, (name, (gi, ci, size, starts)) in enumerate(_TABLE.items())
-)
+PROFILES = profiles("1g.10gb", "3g.40gb")
 
 
 @dataclass(frozen=True)
@@ -64,7 +50,7 @@ def mig(n: int) -> str:
 def gi(  # noqa: PLR0917 - a GI as a row: GPU, ID, profile, start, CI ID, MIG UUID
     gpu: str, gi_id: int, profile: str, start: int, ci_id: int, uuid: str, *, ci_profile: int = -1
 ) -> Gi:
-    gip, cip, size, _ = _TABLE[profile]
+    gip, cip, size, _ = TABLE[profile]
     return Gi(
         GpuInstanceInfo(gpu, gi_id, gip, Placement(start, size)),
         (ComputeInstanceInfo(gpu, gi_id, ci_id, cip if ci_profile < 0 else ci_profile, uuid),),
@@ -79,7 +65,7 @@ def gpu(uuid: str, *gis: Gi, mig_enabled: bool = True) -> Gpu:
 def hami(
     uuid: str, profile: str, start: int, gi_id: int, ci_id: int, *, parent: str = GPU0
 ) -> HamiRecordFile:
-    size = _TABLE[profile][2]
+    size = TABLE[profile][2]
     return read_record_file(
         record_filename(uuid), record_bytes(uuid, parent, profile, start, size, gi_id, ci_id)
     )
@@ -94,7 +80,7 @@ def spec(uuid: str) -> HamiSpec:
 def pod(  # noqa: PLR0917 - an allocation as a row
     uid: str, uuid: str, profile: str, start: int, gi_id: int, ci_id: int
 ) -> ActiveAllocation:
-    size = _TABLE[profile][2]
+    size = TABLE[profile][2]
     return ActiveAllocation(
         owner=Owner(PodRef(uid, "default", f"name-{uid}"), "main", 0, 0),
         reservation=Reservation(GPU0, profile, Placement(start, size)),

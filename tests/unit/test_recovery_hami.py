@@ -13,11 +13,12 @@ from collections.abc import Iterable
 
 import msgspec
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
+from plain_board import profiles
 
 from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
 from sidecar.hami_files import HamiSpec, recognize_spec
 from sidecar.hami_takeover import TAKEN_OVER_FROM, HamiRecordFile, read_record_file
-from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.recovery.plan import (
     DestroyOwned,
@@ -37,21 +38,7 @@ GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 BOOT = "boot-now"
 NOW = "2030-01-01T00:00:00Z"
 KIND = "k8s.hami.io/mig"
-_TABLE = {"1g.10gb": (19, 0, 1, range(7)), "3g.40gb": (9, 2, 4, (0, 4))}
-PROFILES = tuple(
-    GpuInstanceProfile(
-        index=i,
-        id=gi_id,
-        name=name,
-        slice_count=size,
-        instance_count=len(starts),
-        memory_mb=10240 * size,
-        multiprocessor_count=16 * size,
-        placements=tuple(Placement(s, size) for s in starts),
-        ci_profile_id=ci_id,
-    )
-    for i, (name, (gi_id, ci_id, size, starts)) in enumerate(_TABLE.items())
-)
+PROFILES = profiles("1g.10gb", "3g.40gb")
 
 
 def mig(n: int) -> str:

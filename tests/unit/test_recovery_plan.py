@@ -13,10 +13,11 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from plain_board import TABLE, profiles
 
 from sidecar import errors
 from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
-from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo
 from sidecar.ownership import OwnershipRecord, record_name
 from sidecar.recovery import plan as recovery_plan
 from sidecar.recovery.plan import (
@@ -41,28 +42,9 @@ OLD_BOOT = "boot-before"
 NOW = "2030-01-01T00:00:00Z"
 KIND = "k8s.hami.io/mig"
 
-# name -> (GI profile ID, full-size CI profile ID, placement size, placement starts)
-_TABLE = {
-    "1g.10gb": (19, 0, 1, range(7)),
-    "3g.40gb": (9, 2, 4, (0, 4)),
-    "7g.80gb": (0, 4, 8, (0,)),
-}
-PROFILES = tuple(
-    GpuInstanceProfile(
-        index=i,
-        id=gi_id,
-        name=name,
-        slice_count=size,
-        instance_count=len(starts),
-        memory_mb=10240 * size,
-        multiprocessor_count=16 * size,
-        placements=tuple(Placement(s, size) for s in starts),
-        ci_profile_id=ci_id,
-    )
-    for i, (name, (gi_id, ci_id, size, starts)) in enumerate(_TABLE.items())
-)
-PROFILE_ID = {name: v[0] for name, v in _TABLE.items()}
-CI_PROFILE_ID = {name: v[1] for name, v in _TABLE.items()}
+PROFILES = profiles()
+PROFILE_ID = {name: v[0] for name, v in TABLE.items()}
+CI_PROFILE_ID = {name: v[1] for name, v in TABLE.items()}
 
 
 def mig(n: int) -> str:
