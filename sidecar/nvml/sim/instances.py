@@ -146,21 +146,25 @@ def _create_gi(state: SimState, h: Any, profile_id: Any, gi: Any) -> int:
     return NVML_SUCCESS
 
 
+def _fill(handles: list[Any], out: Any, count: Any, handle_type: Any, what: str) -> int:
+    """NVML's count-then-fill arrays: INSUFFICIENT_SIZE with the count when ``out`` is too short."""
+    if out is None:
+        raise SimError(NVML_ERROR_INVALID_ARGUMENT, f"NULL {what} array")
+    target(count).value = len(handles)
+    if len(handles) > len(out):
+        return NVML_ERROR_INSUFFICIENT_SIZE
+    for i, h in enumerate(handles):
+        out[i] = ctypes.cast(h, handle_type)
+    return NVML_SUCCESS
+
+
 @cfunc("nvmlDeviceGetGpuInstances")
 def _get_gis(state: SimState, h: Any, profile_id: Any, gis: Any, count: Any) -> int:
     gpu = gpu_of(state, h)
     rules.require_mig(gpu)
     p = rules.gi_profile(gpu, as_int(profile_id))
-    found = [gi for gi in gpu.gis if gi.profile_id == p.id]
-    if gis is None:
-        raise SimError(NVML_ERROR_INVALID_ARGUMENT, "NULL GPU instance array")
-    if len(found) > len(gis):
-        target(count).value = len(found)
-        return NVML_ERROR_INSUFFICIENT_SIZE
-    for i, gi in enumerate(found):
-        gis[i] = ctypes.cast(_gi_handle(gpu, gi), pynvml.c_nvmlGpuInstance_t)
-    target(count).value = len(found)
-    return NVML_SUCCESS
+    found = [_gi_handle(gpu, gi) for gi in gpu.gis if gi.profile_id == p.id]
+    return _fill(found, gis, count, pynvml.c_nvmlGpuInstance_t, "GPU instance")
 
 
 @cfunc("nvmlDeviceGetGpuInstanceById")
@@ -282,16 +286,8 @@ def _create_ci_at(state: SimState, h: Any, profile_id: Any, placement: Any, ci: 
 def _get_cis(state: SimState, h: Any, profile_id: Any, cis: Any, count: Any) -> int:
     gpu, gi = gi_of(state, h)
     cp = rules.ci_profile(gpu, gi, as_int(profile_id))
-    found = [c for c in gi.cis if c.profile_id == cp.id]
-    if cis is None:
-        raise SimError(NVML_ERROR_INVALID_ARGUMENT, "NULL compute instance array")
-    if len(found) > len(cis):
-        target(count).value = len(found)
-        return NVML_ERROR_INSUFFICIENT_SIZE
-    for i, c in enumerate(found):
-        cis[i] = ctypes.cast(_ci_handle(gpu, c), pynvml.c_nvmlComputeInstance_t)
-    target(count).value = len(found)
-    return NVML_SUCCESS
+    found = [_ci_handle(gpu, c) for c in gi.cis if c.profile_id == cp.id]
+    return _fill(found, cis, count, pynvml.c_nvmlComputeInstance_t, "compute instance")
 
 
 @cfunc("nvmlGpuInstanceGetComputeInstanceById")
