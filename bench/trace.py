@@ -31,6 +31,7 @@ Usage: ``bench/trace.py [--pods 2000] [--scale 0.02] [--seed 7] [--disk] [--only
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import os
 import random
@@ -43,19 +44,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
+from trace_state import MEMORY_SLICES, SCHEDULERS, Mirror, NotServedError, Settler, placement
 
-from sidecar.advice import GpuView, OwnedInstance
-from sidecar.domain import ForeignInstance, Placement, State
-from sidecar.idle_policy import node_reserve
+from sidecar.domain import Placement
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8
-MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
 MIX = (("1g.10gb", 0.5), ("2g.20gb", 0.3), ("3g.40gb", 0.2))
 LOAD = 0.6  # mean share of memory slices held by live pods
 MEAN_LIFETIME = 600.0  # trace seconds; only ratios of trace times matter
@@ -66,10 +64,6 @@ OTHER_S = 0.001
 RESERVE_FLAG = "--idle-reserve"
 RESERVE_ARGS = [RESERVE_FLAG, ",".join(p for p, _ in MIX)]
 SETTLE_TIMEOUT_S = 30.0
-
-
-class NotServedError(Exception):
-    """The sidecar does not serve what a variant needs; the row prints n/a with this reason."""
 
 
 def real_delay(fn: str) -> float:
@@ -129,89 +123,6 @@ def make_trace(pods: int, seed: int) -> list[Pod]:
     return out
 
 
-# -- schedulers ------------------------------------------------------------------------------------
-
-Choice = tuple[str, "pb.Placement"]
-
-
-def overlaps(a: Any, b: Any) -> bool:
-    return bool(a.start < b.start + b.size and b.start < a.start + a.size)
-
-
-class Scheduler:
-    name = ""
-
-    def __init__(self, stub: pb_grpc.MigSidecarStub, placements: dict[str, dict[str, list[Any]]]) -> None:
-        self.stub = stub
-        self.placements = placements  # gpu uuid -> profile -> legal placements (DiscoverProfiles order)
-
-    def choose(self, profile: str) -> Choice | None:
-        raise NotImplementedError
-
-
-class FirstFit(Scheduler):
-    """First GPU, first placement not under an ACTIVE (or foreign, or in-flight) instance; idle = free."""
-
-    name = "first-fit"
-
-    def choose(self, profile: str) -> Choice | None:
-        for gpu in self.stub.GetState(pb.GetStateRequest()).gpus:
-            held = [i.placement for i in gpu.instances if i.state != pb.IDLE] + [
-                f.placement for f in gpu.foreign
-            ]
-            for p in self.placements[gpu.gpu.uuid][profile]:
-                if not any(overlaps(p, h) for h in held):
-                    return gpu.gpu.uuid, p
-        return None
-
-
-class PreferIdle(Scheduler):
-    """An exact IDLE match, then a free placement, then the fewest idle slices to reclaim (lowest GPU)."""
-
-    name = "prefer-idle"
-
-    def choose(self, profile: str) -> Choice | None:
-        best: tuple[tuple[int, int, int], Choice] | None = None
-        for g, gpu in enumerate(self.stub.GetState(pb.GetStateRequest()).gpus):
-            idle = [i for i in gpu.instances if i.state == pb.IDLE]
-            held = [i.placement for i in gpu.instances if i.state != pb.IDLE] + [
-                f.placement for f in gpu.foreign
-            ]
-            for p in self.placements[gpu.gpu.uuid][profile]:
-                if any(overlaps(p, h) for h in held):
-                    continue
-                under = [i for i in idle if overlaps(p, i.placement)]
-                exact = len(under) == 1 and under[0].profile == profile and under[0].placement == p
-                cost = (0, 0) if exact else (1, 0) if not under else (2, sum(i.placement.size for i in under))
-                key = (*cost, g)
-                if best is None or key < best[0]:
-                    best = key, (gpu.gpu.uuid, p)
-        return None if best is None else best[1]
-
-
-class Advised(Scheduler):
-    """The best class over the GPUs, each GPU's own first entry of RankPlacements, lowest GPU on ties."""
-
-    name = "advised"
-
-    def choose(self, profile: str) -> Choice | None:
-        best: tuple[tuple[int, int], Choice] | None = None
-        for g, uuid in enumerate(self.placements):
-            try:
-                ranked = self.stub.RankPlacements(pb.RankPlacementsRequest(gpu_uuid=uuid, profile=profile))
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    raise NotServedError("RankPlacements not served") from err
-                raise
-            top = next((r for r in ranked.placements if r.cost != pb.BLOCKED), None)
-            if top is not None and (best is None or (top.cost, g) < best[0]):
-                best = (top.cost, g), (uuid, top.placement)
-        return None if best is None else best[1]
-
-
-SCHEDULERS: dict[str, type[Scheduler]] = {s.name: s for s in (FirstFit, PreferIdle, Advised)}
-
-
 # -- one variant -----------------------------------------------------------------------------------
 
 
@@ -247,6 +158,8 @@ class Result:
     reused: int = 0
     reclaimed: int = 0
     unsettled: int = 0  # events after which the background reserve did not settle in time
+    trims: int = 0  # events after which the background reserve had a trim to make
+    diverged: str = ""  # how the mirror differed from GetState, if it ever did
     latency: list[float] = field(default_factory=list)  # seconds at real scale
     wall: float = 0.0
 
@@ -280,19 +193,30 @@ class Sidecar:
         self.log.close()
 
 
-def serves_flag(flag: str) -> bool:
+@functools.cache
+def serve_help() -> str:
     done = subprocess.run(
         [sys.executable, "-m", "sidecar", "serve", "--help"], capture_output=True, text=True, check=False
     )
-    return flag in done.stdout
+    return done.stdout
 
 
-def allocate(car: Sidecar, pod: Pod, gpu: str, where: Any, *, scale: float, result: Result) -> str | None:
+def serves_flag(flag: str) -> bool:
+    return flag in serve_help()
+
+
+def allocate(
+    car: Sidecar, mirror: Mirror, pod: Pod, gpu: str, where: Placement, *, scale: float, result: Result
+) -> str | None:
     """One Allocate, timed and counted; returns the MIG UUID, or None when the sidecar refused."""
     request = pb.AllocateRequest(
         pod=pb.PodRef(uid=pod.uid, namespace="trace", name=pod.uid),
         container_name="main",
-        devices=[pb.DeviceRequest(gpu_uuid=gpu, profile=pod.profile, placement=where)],
+        devices=[
+            pb.DeviceRequest(
+                gpu_uuid=gpu, profile=pod.profile, placement=pb.Placement(start=where.start, size=where.size)
+            )
+        ],
     )
     car.hw.reset_call_counts()
     started = time.perf_counter()
@@ -301,10 +225,12 @@ def allocate(car: Sidecar, pod: Pod, gpu: str, where: Any, *, scale: float, resu
     except grpc.RpcError as err:
         result.failed += 1
         print(f"  {pod.uid}: Allocate {pod.profile} at {where.start}:{where.size}: {err.code().name}")
+        mirror.load(car.stub.GetState(pb.GetStateRequest()))  # what a refusal left, in the sidecar's words
         return None
     wall = time.perf_counter() - started
     modeled = own_delay(car.hw.call_counts(), len(response.reclaimed))
     result.latency.append(wall - modeled * scale + modeled)
+    mirror.allocated(response)
     device = response.devices[0]
     result.allocated += 1
     result.created += device.outcome == pb.CREATED
@@ -313,58 +239,20 @@ def allocate(car: Sidecar, pod: Pod, gpu: str, where: Any, *, scale: float, resu
     return str(device.mig_uuid)
 
 
-def release(car: Sidecar, policy: str, pod: Pod, gpu: str, mig_uuid: str) -> None:
-    car.stub.Release(pb.ReleaseRequest(pod_uid=pod.uid))
+def release(car: Sidecar, mirror: Mirror, pod: Pod, gpu: str, mig_uuid: str, *, policy: str) -> None:
+    mirror.released(car.stub.Release(pb.ReleaseRequest(pod_uid=pod.uid)).released)
     if policy != "eager":
         return
     try:
-        car.stub.ReclaimIdle(pb.ReclaimIdleRequest(gpu_uuid=gpu, mig_uuids=[mig_uuid]))
+        answer = car.stub.ReclaimIdle(pb.ReclaimIdleRequest(gpu_uuid=gpu, mig_uuids=[mig_uuid]))
     except grpc.RpcError as err:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             raise NotServedError("ReclaimIdle not served") from err
         raise
+    mirror.reclaimed(answer.reclaimed)
 
 
-def _view(gpu: Any) -> GpuView:
-    def place(p: Any) -> Placement:
-        return Placement(p.start, p.size)
-
-    return GpuView(
-        gpu_uuid=gpu.gpu.uuid,
-        memory_slices=MEMORY_SLICES,
-        owned=tuple(
-            OwnedInstance(i.profile, place(i.placement), State(pb.InstanceState.Name(i.state)), i.mig_uuid)
-            for i in gpu.instances
-        ),
-        foreign=tuple(
-            ForeignInstance(gpu.gpu.uuid, f.profile, place(f.placement), f.gpu_instance_id)
-            for f in gpu.foreign
-        ),
-    )
-
-
-def settle(car: Sidecar, placements: dict[str, dict[str, list[Any]]]) -> bool:
-    """Wait (bounded) until the sidecar's background reserve has nothing left to do.
-
-    In the trace's own time about 30 s pass between two events, far more than a trim takes; replayed
-    back to back, the next event would otherwise race the trim the last one woke. Nothing is in
-    flight and the reserve decision (the sidecar's own pure function, over GetState) chooses nothing.
-    False if that did not happen within ``SETTLE_TIMEOUT_S``."""
-    reserve = {
-        uuid: {name: [Placement(p.start, p.size) for p in ps] for name, ps in by_profile.items()}
-        for uuid, by_profile in placements.items()
-    }
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        gpus = car.stub.GetState(pb.GetStateRequest()).gpus
-        busy = any(i.state in (pb.CREATING, pb.DELETING) for g in gpus for i in g.instances)
-        if not busy and not node_reserve([_view(g) for g in gpus], reserve):
-            return True
-        time.sleep(0.002)
-    return False
-
-
-def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Path) -> Result:
+def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Path, *, check: bool) -> Result:
     result = Result(variant)
     missing = [a for a in variant.sidecar_args if a.startswith("--") and not serves_flag(a)]
     if missing:
@@ -374,22 +262,41 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
     state_root = Path(tempfile.mkdtemp(prefix="hmst", dir=state_base))
     car = Sidecar(root, state_root, scale, variant.sidecar_args)
     started = time.perf_counter()
+
+    def compare() -> None:
+        if not result.diverged:
+            result.diverged = mirror.differs(car.stub.GetState(pb.GetStateRequest()))
+
     try:
         uuids = [g.uuid for g in car.stub.ListGpus(pb.ListGpusRequest()).gpus]
         placements = {
             u: {
-                p.name: list(p.placements)
+                p.name: [placement(x) for x in p.placements]
                 for p in car.stub.DiscoverProfiles(pb.DiscoverProfilesRequest(gpu_uuid=u)).profiles
             }
             for u in uuids
         }
-        scheduler = SCHEDULERS[variant.scheduler](car.stub, placements)
+        mirror = Mirror(uuids)
+        compare()  # the GPUs in ListGpus order, nothing on them
+        scheduler = SCHEDULERS[variant.scheduler](car.stub, placements, mirror)
         mix = {p for p, _ in MIX}
-        reserve = (
-            {u: {name: ps for name, ps in by.items() if name in mix} for u, by in placements.items()}
+        settler = (
+            Settler(
+                car.stub,
+                mirror,
+                {u: {name: ps for name, ps in by.items() if name in mix} for u, by in placements.items()},
+                SETTLE_TIMEOUT_S,
+            )
             if RESERVE_FLAG in variant.sidecar_args
             else None
         )
+
+        def after_event() -> None:
+            if settler is not None and not settler.settle():
+                result.unsettled += 1
+            if check:
+                compare()
+
         events: list[tuple[float, int, int]] = [(p.arrive, 1, i) for i, p in enumerate(trace)]
         heapq.heapify(events)
         live: dict[int, tuple[str, str]] = {}
@@ -398,20 +305,20 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             pod = trace[i]
             if kind == 0:
                 gpu, mig = live.pop(i)
-                release(car, variant.policy, pod, gpu, mig)
-                if reserve and not settle(car, reserve):
-                    result.unsettled += 1
+                release(car, mirror, pod, gpu, mig, policy=variant.policy)
+                after_event()
                 continue
             choice = scheduler.choose(pod.profile)
             if choice is None:
                 result.unschedulable += 1
                 continue
-            mig_uuid = allocate(car, pod, choice[0], choice[1], scale=scale, result=result)
+            mig_uuid = allocate(car, mirror, pod, choice[0], choice[1], scale=scale, result=result)
             if mig_uuid is not None:
                 live[i] = (choice[0], mig_uuid)
                 heapq.heappush(events, (pod.leave, 0, i))  # releases sort before arrivals at one time
-            if reserve and not settle(car, reserve):
-                result.unsettled += 1
+            after_event()
+        compare()
+        result.trims = 0 if settler is None else settler.waits
     except NotServedError as why:
         result.skipped = str(why)
     finally:
@@ -463,7 +370,12 @@ def report(results: list[Result]) -> None:
         if not r.skipped:
             print(
                 f"{r.variant.name}: {r.wall:.0f} s wall, {r.unschedulable} unschedulable, {r.failed} failed"
+                + (f", {r.trims} background trims waited for" if r.trims else "")
                 + (f", {r.unsettled} unsettled" if r.unsettled else "")
+            )
+        if r.diverged:
+            print(
+                f"  {r.variant.name}: the mirror differed from GetState, decisions are suspect: {r.diverged}"
             )
 
 
@@ -474,6 +386,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7, help="trace seed (default 7)")
     parser.add_argument("--disk", action="store_true", help="records and CDI specs on disk, not on /dev/shm")
     parser.add_argument("--only", nargs="*", metavar="NAME", help="variants to run, e.g. idle/first-fit")
+    parser.add_argument(
+        "--check", action="store_true", help="compare the mirror with GetState after every event (slow)"
+    )
     args = parser.parse_args()
     state_base = Path.cwd() if args.disk else Path("/dev/shm")
     trace = make_trace(args.pods, args.seed)
@@ -486,7 +401,7 @@ def main() -> int:
     )
     results = []
     for v in variants:
-        results.append(run_variant(v, trace, args.scale, state_base))
+        results.append(run_variant(v, trace, args.scale, state_base, check=args.check))
         print(f"  ran {v.name}: {results[-1].skipped or f'{results[-1].wall:.0f} s'}", flush=True)
     print()
     report(results)

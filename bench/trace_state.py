@@ -1,0 +1,253 @@
+"""The trace benchmark's client side: its copy of what ``GetState`` shows, kept from the RPC answers,
+the wait for the background reserve, and the schedulers that decide over them (not a test).
+
+A ``GetState`` lists every GPU's instances on the hardware (about a hundred NVML calls on 8 GPUs),
+and the schedulers and the reserve's settle check asked for one before every decision: most of a
+run's wall clock went there, none of it measured. Every change the benchmark causes comes back in an
+answer (an Allocate names the device it created or reused and the IDLE instances it reclaimed; a
+Release the instances it made IDLE; a ReclaimIdle the ones it destroyed), so the mirror follows them
+exactly. The only change it cannot see is the background reserve's trim; ``Settler`` predicts it
+with the sidecar's own reserve decision over the mirror and reloads the mirror from ``GetState`` when
+one is due. ``differs`` compares the mirror with a ``GetState`` (``bench/trace.py --check`` does so
+after every event; every run does so once at the end of a variant).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
+
+from sidecar.advice import GpuView, OwnedInstance
+from sidecar.domain import ForeignInstance, Placement, State
+from sidecar.idle_policy import node_reserve
+
+MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
+
+# gpu uuid -> profile -> legal placements, in DiscoverProfiles order
+Placements = Mapping[str, Mapping[str, Sequence[Placement]]]
+
+
+def placement(p: Any) -> Placement:
+    return Placement(int(p.start), int(p.size))
+
+
+def view_of(gpu: Any) -> GpuView:
+    """One ``GpuState`` of a ``GetState`` answer as the plain values the schedulers and the reserve
+    decision read (instances in GetState's order: by placement)."""
+    return GpuView(
+        gpu_uuid=gpu.gpu.uuid,
+        memory_slices=MEMORY_SLICES,
+        owned=tuple(
+            OwnedInstance(
+                i.profile, placement(i.placement), State(pb.InstanceState.Name(i.state)), i.mig_uuid
+            )
+            for i in gpu.instances
+        ),
+        foreign=tuple(
+            ForeignInstance(gpu.gpu.uuid, f.profile, placement(f.placement), f.gpu_instance_id)
+            for f in gpu.foreign
+        ),
+    )
+
+
+class Mirror:
+    """Per GPU (in ``ListGpus`` order), the owned instances by MIG UUID, as the RPC answers left them."""
+
+    def __init__(self, gpus: Iterable[str]) -> None:
+        self._owned: dict[str, dict[str, OwnedInstance]] = {g: {} for g in gpus}
+        self._foreign: dict[str, tuple[ForeignInstance, ...]] = dict.fromkeys(self._owned, ())
+        self._views: list[GpuView] | None = None
+
+    def views(self) -> list[GpuView]:
+        if self._views is None:
+            self._views = [
+                GpuView(
+                    gpu_uuid=g,
+                    memory_slices=MEMORY_SLICES,
+                    owned=tuple(sorted(owned.values(), key=lambda i: (i.placement.start, i.placement.size))),
+                    foreign=self._foreign[g],
+                )
+                for g, owned in self._owned.items()
+            ]
+        return self._views
+
+    def allocated(self, response: Any) -> None:
+        self.reclaimed(response.reclaimed)
+        for d in response.devices:
+            self._owned[d.gpu_uuid][d.mig_uuid] = OwnedInstance(
+                d.profile, placement(d.placement), State.ACTIVE, d.mig_uuid
+            )
+        self._views = None
+
+    def released(self, refs: Iterable[Any]) -> None:
+        for r in refs:
+            self._owned[r.gpu_uuid][r.mig_uuid] = OwnedInstance(
+                r.profile, placement(r.placement), State.IDLE, r.mig_uuid
+            )
+        self._views = None
+
+    def reclaimed(self, refs: Iterable[Any]) -> None:
+        for r in refs:
+            self._owned[r.gpu_uuid].pop(r.mig_uuid, None)
+        self._views = None
+
+    def load(self, state: Any) -> None:
+        """Take the sidecar's word for it (after a background trim, or an RPC that failed)."""
+        views = [view_of(g) for g in state.gpus]
+        self._owned = {v.gpu_uuid: {i.mig_uuid: i for i in v.owned} for v in views}
+        self._foreign = {v.gpu_uuid: v.foreign for v in views}
+        self._views = None
+
+    def differs(self, state: Any) -> str:
+        """What a ``GetState`` answer shows that the mirror does not (empty when they agree)."""
+        theirs, ours = [view_of(g) for g in state.gpus], self.views()
+        if [v.gpu_uuid for v in theirs] != [v.gpu_uuid for v in ours]:
+            return "GPU order differs from ListGpus"
+        for t, o in zip(theirs, ours, strict=True):
+            if set(t.owned) != set(o.owned) or t.foreign != o.foreign:
+                return f"{t.gpu_uuid}: sidecar {t.owned} {t.foreign}, mirror {o.owned} {o.foreign}"
+        return ""
+
+
+class Settler:
+    """Waits, after an event, until the sidecar's background free reserve has nothing left to do.
+
+    In the trace's own time about 30 s pass between two events, far more than a trim takes; replayed
+    back to back, the next event would otherwise race the trim the last one woke. Whether a trim is
+    due is the sidecar's own pure reserve decision (``idle_policy.node_reserve``) over the mirror:
+    when it chooses nothing, the round the event woke trims nothing and there is nothing to wait for.
+    When it chooses something, ``GetState`` is asked until nothing is in flight and the same decision
+    over its answer chooses nothing (each ask takes every GPU lock, so it waits behind a destroy
+    rather than spinning), and the mirror takes that answer. False if that took over ``timeout_s``."""
+
+    def __init__(
+        self, stub: pb_grpc.MigSidecarStub, mirror: Mirror, reserve: Placements, timeout_s: float
+    ) -> None:
+        self.stub = stub
+        self.mirror = mirror
+        self.reserve = reserve
+        self.timeout_s = timeout_s
+        self.waits = 0  # events after which a trim was due
+
+    def settle(self) -> bool:
+        if not node_reserve(self.mirror.views(), self.reserve):
+            return True
+        self.waits += 1
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            state = self.stub.GetState(pb.GetStateRequest())
+            views = [view_of(g) for g in state.gpus]
+            busy = any(i.state in (State.CREATING, State.DELETING) for v in views for i in v.owned)
+            if not busy and not node_reserve(views, self.reserve):
+                self.mirror.load(state)
+                return True
+        return False
+
+
+class NotServedError(Exception):
+    """The sidecar does not serve what a variant needs; the row prints n/a with this reason."""
+
+
+# -- schedulers ------------------------------------------------------------------------------------
+
+Choice = tuple[str, Placement]
+
+
+class Scheduler:
+    """Chooses a GPU and placement from the mirror of the sidecar's state (``Mirror``)."""
+
+    name = ""
+
+    def __init__(self, stub: pb_grpc.MigSidecarStub, placements: Placements, mirror: Mirror) -> None:
+        self.stub = stub
+        self.placements = placements
+        self.mirror = mirror
+
+    def choose(self, profile: str) -> Choice | None:
+        raise NotImplementedError
+
+
+class FirstFit(Scheduler):
+    """First GPU, first placement not under an ACTIVE (or foreign, or in-flight) instance; idle = free."""
+
+    name = "first-fit"
+
+    def choose(self, profile: str) -> Choice | None:
+        for gpu in self.mirror.views():
+            held = [i.placement for i in gpu.owned if i.state is not State.IDLE]
+            held += [f.placement for f in gpu.foreign]
+            for p in self.placements[gpu.gpu_uuid][profile]:
+                if not any(p.overlaps(h) for h in held):
+                    return gpu.gpu_uuid, p
+        return None
+
+
+class PreferIdle(Scheduler):
+    """An exact IDLE match, then a free placement, then the fewest idle slices to reclaim (lowest GPU)."""
+
+    name = "prefer-idle"
+
+    def choose(self, profile: str) -> Choice | None:
+        best: tuple[tuple[int, int, int], Choice] | None = None
+        for g, gpu in enumerate(self.mirror.views()):
+            idle = [i for i in gpu.owned if i.state is State.IDLE]
+            held = [i.placement for i in gpu.owned if i.state is not State.IDLE]
+            held += [f.placement for f in gpu.foreign]
+            for p in self.placements[gpu.gpu_uuid][profile]:
+                if any(p.overlaps(h) for h in held):
+                    continue
+                under = [i for i in idle if p.overlaps(i.placement)]
+                exact = len(under) == 1 and under[0].profile == profile and under[0].placement == p
+                cost = (0, 0) if exact else (1, 0) if not under else (2, sum(i.placement.size for i in under))
+                key = (*cost, g)
+                if best is None or key < best[0]:
+                    best = key, (gpu.gpu_uuid, p)
+        return None if best is None else best[1]
+
+
+class Advised(Scheduler):
+    """The best class over the GPUs, each GPU's own first entry of RankPlacements, lowest GPU on ties.
+
+    Asks only the GPUs that can change that answer: REUSE beats every other class, so while the
+    mirror holds an IDLE instance of the profile, the GPUs holding one are asked first, lowest first,
+    up to the first REUSE; with none, every GPU lowest first up to the first FREE (the best class
+    left). Should the mirror be wrong, the answer still comes from asking every GPU."""
+
+    name = "advised"
+
+    def choose(self, profile: str) -> Choice | None:
+        views = self.mirror.views()
+        holding = [
+            v.gpu_uuid for v in views if any(i.state is State.IDLE and i.profile == profile for i in v.owned)
+        ]
+        if holding:
+            found = self._best(profile, holding, pb.REUSE)
+            if found is not None and found[0] == pb.REUSE:
+                return found[1]
+        found = self._best(profile, [v.gpu_uuid for v in views], pb.REUSE if holding else pb.FREE)
+        return None if found is None else found[1]
+
+    def _best(self, profile: str, uuids: Sequence[str], enough: int) -> tuple[int, Choice] | None:
+        """(class, choice) of the best first entry over ``uuids`` in order; stops at class ``enough``."""
+        best: tuple[int, Choice] | None = None
+        for uuid in uuids:
+            try:
+                ranked = self.stub.RankPlacements(pb.RankPlacementsRequest(gpu_uuid=uuid, profile=profile))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise NotServedError("RankPlacements not served") from err
+                raise
+            top = next((r for r in ranked.placements if r.cost != pb.BLOCKED), None)
+            if top is not None and (best is None or top.cost < best[0]):
+                best = top.cost, (uuid, placement(top.placement))
+            if best is not None and best[0] <= enough:
+                break
+        return best
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {s.name: s for s in (FirstFit, PreferIdle, Advised)}
