@@ -312,6 +312,8 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             if choice is None:
                 result.unschedulable += 1
                 continue
+            if settler is not None:
+                settler.quiet()
             mig_uuid = allocate(car, mirror, pod, choice[0], choice[1], scale=scale, result=result)
             if mig_uuid is not None:
                 live[i] = (choice[0], mig_uuid)

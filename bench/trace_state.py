@@ -123,7 +123,14 @@ class Settler:
     when it chooses nothing, the round the event woke trims nothing and there is nothing to wait for.
     When it chooses something, ``GetState`` is asked until nothing is in flight and the same decision
     over its answer chooses nothing (each ask takes every GPU lock, so it waits behind a destroy
-    rather than spinning), and the mirror takes that answer. False if that took over ``timeout_s``."""
+    rather than spinning), and the mirror takes that answer. False if that took over ``timeout_s``.
+
+    ``quiet`` comes just before a timed Allocate: even a round that trims nothing is about a
+    millisecond of Python on the sidecar's GIL, woken by the last event, and would otherwise run
+    inside the Allocate it races. The sidecar answers a ``GetInfo`` only once its reconciler thread
+    lets go of the GIL, so the Allocate that follows starts on a quiet sidecar (measured: without it,
+    REUSED Allocates of the reserve rows took about 0.4-0.9 ms more at the median; a second
+    ``GetInfo`` changes nothing, and on a sidecar without the reserve neither does the first)."""
 
     def __init__(
         self, stub: pb_grpc.MigSidecarStub, mirror: Mirror, reserve: Placements, timeout_s: float
@@ -133,6 +140,9 @@ class Settler:
         self.reserve = reserve
         self.timeout_s = timeout_s
         self.waits = 0  # events after which a trim was due
+
+    def quiet(self) -> None:
+        self.stub.GetInfo(pb.GetInfoRequest())
 
     def settle(self) -> bool:
         if not node_reserve(self.mirror.views(), self.reserve):
