@@ -114,6 +114,25 @@ class Mirror:
         return ""
 
 
+def all_ready(views: Sequence[GpuView], reserve: Placements) -> bool:
+    """Every profile of ``reserve`` has, on some GPU, an IDLE instance of it (REUSE) or a placement
+    that nothing overlaps (FREE). Only for views without pending reservations or held records, as
+    the mirror's are."""
+    profiles = {name for by_profile in reserve.values() for name in by_profile}
+    for view in views:
+        taken = [i.placement for i in view.owned] + [f.placement for f in view.foreign]
+        for name in list(profiles):
+            legal = reserve.get(view.gpu_uuid, {}).get(name, ())
+            if legal and (
+                any(i.state is State.IDLE and i.profile == name for i in view.owned)
+                or any(not any(p.overlaps(t) for t in taken) for p in legal)
+            ):
+                profiles.discard(name)
+        if not profiles:
+            return True
+    return not profiles
+
+
 class Settler:
     """Waits, after an event, until the sidecar's background free reserve has nothing left to do.
 
@@ -121,6 +140,8 @@ class Settler:
     back to back, the next event would otherwise race the trim the last one woke. Whether a trim is
     due is the sidecar's own pure reserve decision (``idle_policy.node_reserve``) over the mirror:
     when it chooses nothing, the round the event woke trims nothing and there is nothing to wait for.
+    That decision trims only for a profile with no ready placement (REUSE or FREE) on the node, so
+    when the mirror shows one for every profile (``all_ready``, cheap) it is not asked at all.
     When it chooses something, ``GetState`` is asked until nothing is in flight and the same decision
     over its answer chooses nothing (each ask takes every GPU lock, so it waits behind a destroy
     rather than spinning), and the mirror takes that answer. False if that took over ``timeout_s``.
@@ -145,7 +166,8 @@ class Settler:
         self.stub.GetInfo(pb.GetInfoRequest())
 
     def settle(self) -> bool:
-        if not node_reserve(self.mirror.views(), self.reserve):
+        views = self.mirror.views()
+        if all_ready(views, self.reserve) or not node_reserve(views, self.reserve):
             return True
         self.waits += 1
         deadline = time.monotonic() + self.timeout_s
