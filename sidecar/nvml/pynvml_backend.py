@@ -95,10 +95,14 @@ def _mapped(operation: str) -> Iterator[None]:
     way instead of meeting an exception nobody expects."""
     try:
         yield
-    except pynvml.NVMLError as exc:
-        raise NvmlError(operation, int(exc.value), str(exc)) from exc
-    except pynvml.NVMLLibraryMismatchError as exc:
-        raise NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc)) from exc
+    except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError) as exc:
+        raise _port_error(operation, exc) from exc
+
+
+def _port_error(operation: str, exc: pynvml.NVMLError | pynvml.NVMLLibraryMismatchError) -> NvmlError:
+    if isinstance(exc, pynvml.NVMLError):
+        return NvmlError(operation, int(exc.value), str(exc))
+    return NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc))
 
 
 def _text(value: Any) -> str:
@@ -135,7 +139,20 @@ class PynvmlBackend:
     # -- plumbing ------------------------------------------------------------------------------------
 
     def _run(self, operation: str, fn: Callable[[], T], transient: frozenset[int] = TRANSIENT_CODES) -> T:
-        """Run ``fn`` with errors mapped, retrying only ``transient`` codes, at most ``attempts`` times."""
+        """Run ``fn`` with errors mapped, retrying only ``transient`` codes, at most ``attempts`` times.
+
+        The first attempt runs bare: building tenacity's retry state costs about as much as a
+        read-only driver call, and nearly every call succeeds the first time. Only a transient
+        failure enters tenacity, which replays that failure as its own first attempt, so the waits
+        and the attempt count are exactly those of a loop that started in tenacity."""
+        try:
+            return fn()
+        except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError) as exc:
+            failed = _port_error(operation, exc)
+            failed.__cause__ = exc
+            if failed.code not in transient or self._attempts <= 1:
+                raise failed from exc
+        first: NvmlError | None = failed
 
         def retryable(exc: BaseException) -> bool:
             return isinstance(exc, NvmlError) and exc.code in transient
@@ -147,6 +164,9 @@ class PynvmlBackend:
             reraise=True,
         ):
             with attempt, _mapped(operation):
+                if first is not None:
+                    replayed, first = first, None
+                    raise replayed
                 return fn()
         raise AssertionError("unreachable: tenacity reraises the last error")  # pragma: no cover
 

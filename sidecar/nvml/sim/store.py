@@ -117,6 +117,7 @@ class CallCounters:
         self.path = path
         self._map: mmap.mmap | None = None
         self._slots: dict[str, int] = {}  # name -> offset, re-checked against the file on every use
+        self._keys: dict[str, bytes] = {}  # name -> its NUL-padded slot key
 
     def _mapping(self) -> mmap.mmap:
         if self._map is None:
@@ -134,10 +135,12 @@ class CallCounters:
         return iter(range(self.HEADER, self.SIZE, self.SLOT))
 
     def add(self, name: str) -> None:
-        key = name.encode()
-        if not 0 < len(key) <= self.NAME or b"\0" in key:
-            raise ValueError(f"cannot count a call of {name!r}: not a C function name")
-        key = key.ljust(self.NAME, b"\0")
+        key = self._keys.get(name)
+        if key is None:
+            key = name.encode()
+            if not 0 < len(key) <= self.NAME or b"\0" in key:
+                raise ValueError(f"cannot count a call of {name!r}: not a C function name")
+            key = self._keys[name] = key.ljust(self.NAME, b"\0")
         m = self._mapping()
         offset = self._slots.get(name)
         if offset is None or m[offset : offset + self.NAME] != key:  # first use, or a reset moved it
@@ -206,6 +209,7 @@ class FileStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._path = os.fspath(path)  # stat on every call: a str spares building the Path's string
         self.lock_path = path.with_name(path.name + ".lock")
         self.proc_root: Path | None = path.with_name(path.name + ".proc")
         self._thread_lock = threading.RLock()
@@ -265,7 +269,7 @@ class FileStore:
 
     def _file_id(self) -> tuple[int, int, int, int]:
         try:
-            st = self.path.stat()
+            st = os.stat(self._path)  # noqa: PTH116 - once per simulated call: a str, not a Path
         except FileNotFoundError:
             raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
@@ -278,28 +282,76 @@ class FileStore:
         with self._locked():
             self._counters.reset()
 
-    @contextlib.contextmanager
-    def transaction(self, call: str | None = None) -> Iterator[SimState]:
-        with self._locked():
-            if call is not None:
-                self._counters.add(call)
-            cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
-            generation, file_id = self._counters.generation(), self._file_id()
-            if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
-                try:
-                    raw = self.path.read_bytes()
-                except FileNotFoundError:
-                    raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
-                state = _DECODER.decode(raw)
-                cached = _Cached(generation, file_id, raw, state, layout_key(state))
-            state = cached.state
-            yield state
-            encoded = _ENCODER.encode(state)
-            if encoded != cached.raw:
-                self._write(encoded)
-                layout = layout_key(state)
-                if layout != cached.layout:
-                    assert self.proc_root is not None
-                    sync_proc(self.proc_root, state)
-                cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
-            self._cached = cached
+    def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]:
+        return _FileTransaction(self, call)
+
+    def _begin(self, call: str | None) -> _Cached:
+        """Under the flock (taken by the caller): count ``call``; the state, re-read only if changed."""
+        if call is not None:
+            self._counters.add(call)
+        cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
+        generation, file_id = self._counters.generation(), self._file_id()
+        if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
+            state = _DECODER.decode(raw)
+            cached = _Cached(generation, file_id, raw, state, layout_key(state))
+        return cached
+
+    def _commit(self, cached: _Cached) -> None:
+        """Write the state back if the body changed it; keep it for the next transaction."""
+        state = cached.state
+        encoded = _ENCODER.encode(state)
+        if encoded != cached.raw:
+            self._write(encoded)
+            layout = layout_key(state)
+            if layout != cached.layout:
+                assert self.proc_root is not None
+                sync_proc(self.proc_root, state)
+            cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
+        self._cached = cached
+
+
+class _FileTransaction:
+    """``FileStore.transaction`` as a plain context manager: every simulated call makes one, and a
+    generator-based one costs as much again as the rest of the transaction."""
+
+    __slots__ = ("_cached", "_call", "_store")
+
+    def __init__(self, store: FileStore, call: str | None) -> None:
+        self._store, self._call = store, call
+        self._cached: _Cached | None = None
+
+    def __enter__(self) -> SimState:
+        store = self._store
+        store._thread_lock.acquire()
+        try:
+            if store._depth == 0:
+                fcntl.flock(store._lock_file(), fcntl.LOCK_EX)
+            store._depth += 1
+            try:
+                self._cached = store._begin(self._call)
+            except BaseException:
+                self._release()
+                raise
+        except BaseException:
+            store._thread_lock.release()
+            raise
+        return self._cached.state
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:
+                assert self._cached is not None
+                self._store._commit(self._cached)
+        finally:
+            self._release()
+            self._store._thread_lock.release()
+
+    def _release(self) -> None:
+        store = self._store
+        store._depth -= 1
+        if store._depth == 0:
+            fcntl.flock(store._lock_file(), fcntl.LOCK_UN)
