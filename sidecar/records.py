@@ -276,6 +276,7 @@ class RecordStore:
         self._idle = threading.Condition(self._lock)  # close() waits on it for ``_writing`` mutations
         self._writing = 0
         self._file_locks: dict[Path, threading.Lock] = {}
+        self._paths: dict[str, Path] = {}  # record name -> its file (``path``)
         self._written: dict[Path, bytes] = {}  # path -> the bytes this store last wrote there
         self._lock_fd: int | None = None
         self._closed = False  # after close(): the flock may be another process's now
@@ -349,10 +350,16 @@ class RecordStore:
                 self._lock_fd = None
 
     def path(self, name: str) -> Path:
-        """The file of record ``name``; ValueError for anything ``record_name`` could not have produced."""
-        if not is_record_name(name):
-            raise ValueError(f"not an ownership record name: {name!r}")
-        return self.directory / f"{name}{SUFFIX}"
+        """The file of record ``name``; ValueError for anything ``record_name`` could not have produced.
+
+        Remembered per name: every write asks, and the check and the ``Path`` cost more than the
+        write's own system calls on tmpfs."""
+        path = self._paths.get(name)
+        if path is None:
+            if not is_record_name(name):
+                raise ValueError(f"not an ownership record name: {name!r}")
+            path = self._paths[name] = self.directory / f"{name}{SUFFIX}"
+        return path
 
     def load(self, name: str) -> OwnershipRecord:
         """Read -> decode envelope -> verify checksum -> decode record. RecordNotFound / CorruptRecord."""
