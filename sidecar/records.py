@@ -149,7 +149,7 @@ def _check_files_owned(directory: Path) -> None:
                 _check_owned(Path(entry.path), st, "state file")
 
 
-def fsync_dir(directory: str | Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -191,7 +191,7 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # noqa: PTH108
         raise
-    fsync_dir(directory)
+    fsync_dir(Path(path).parent)
 
 
 def _is_temp(filename: str) -> bool:
