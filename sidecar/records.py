@@ -191,7 +191,7 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)  # noqa: PTH108
         raise
-    fsync_dir(Path(path).parent)
+    fsync_dir(path.parent)
 
 
 def _is_temp(filename: str) -> bool:
