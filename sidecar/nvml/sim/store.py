@@ -41,6 +41,10 @@ class StateStore(Protocol):
 
     def reset_call_counts(self) -> None: ...
 
+    def add_driver_ns(self, ns: int) -> None: ...
+
+    def driver_ns(self) -> int: ...
+
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(SimState)
@@ -58,6 +62,7 @@ class MemoryStore:
         self._state = state
         self._lock = threading.RLock()
         self._calls: dict[str, int] = {}
+        self._driver_ns = 0
         self.proc_root = proc_root
         self._written = b""
         if proc_root is not None:
@@ -79,6 +84,15 @@ class MemoryStore:
     def reset_call_counts(self) -> None:
         with self._lock:
             self._calls.clear()
+            self._driver_ns = 0
+
+    def add_driver_ns(self, ns: int) -> None:
+        """Call inside a transaction (its lock held)."""
+        self._driver_ns += ns
+
+    def driver_ns(self) -> int:
+        with self._lock:
+            return self._driver_ns
 
     def _sync(self, state: SimState) -> None:
         if self.proc_root is None:
@@ -97,7 +111,8 @@ class CallCounters:
     is a fixed table mapped (``MAP_SHARED``) into each process once, and a count is one 8-byte store
     into the mapping. Callers hold the state's flock, which serialises counting across processes.
 
-    Layout: the 8-byte magic, the uint64 write generation, then ``SLOTS`` slots of 64 bytes, each a
+    Layout: the 8-byte magic, the uint64 write generation, the uint64 nanoseconds spent inside
+    simulated calls (``driver_ns``; zeroed by a reset), then ``SLOTS`` slots of 64 bytes, each a
     NUL-padded C function name (56 bytes) and a count; integers little-endian. A name takes the first
     empty slot the first time it is counted; a reset zeroes the slots. The generation only ever grows
     (a reset leaves it alone): ``FileStore`` bumps it on every state write, and a process whose cached
@@ -105,11 +120,12 @@ class CallCounters:
     size or magic is re-initialised, never shrunk, so a process that mapped it earlier is never cut
     short."""
 
-    MAGIC = b"HMSCALL2"
+    MAGIC = b"HMSCALL3"
     NAME = 56
     SLOT = 64
     SLOTS = 256
-    HEADER = len(MAGIC) + 8
+    DRIVER_NS = len(MAGIC) + 8
+    HEADER = DRIVER_NS + 8
     SIZE = HEADER + SLOT * SLOTS
     _U64 = struct.Struct("<Q")
 
@@ -172,7 +188,16 @@ class CallCounters:
 
     def reset(self) -> None:
         m = self._mapping()
-        m[self.HEADER :] = bytes(self.SIZE - self.HEADER)
+        m[self.DRIVER_NS :] = bytes(self.SIZE - self.DRIVER_NS)
+
+    def add_driver_ns(self, ns: int) -> None:
+        m = self._mapping()
+        (total,) = self._U64.unpack_from(m, self.DRIVER_NS)
+        self._U64.pack_into(m, self.DRIVER_NS, total + ns)
+
+    def driver_ns(self) -> int:
+        value: int = self._U64.unpack_from(self._mapping(), self.DRIVER_NS)[0]
+        return value
 
     def generation(self) -> int:
         value: int = self._U64.unpack_from(self._mapping(), len(self.MAGIC))[0]
@@ -281,6 +306,14 @@ class FileStore:
     def reset_call_counts(self) -> None:
         with self._locked():
             self._counters.reset()
+
+    def add_driver_ns(self, ns: int) -> None:
+        """Call inside a transaction (the flock held)."""
+        self._counters.add_driver_ns(ns)
+
+    def driver_ns(self) -> int:
+        with self._locked():
+            return self._counters.driver_ns()
 
     def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]:
         return _FileTransaction(self, call)
