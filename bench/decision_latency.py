@@ -11,7 +11,7 @@ the same socket and measures, for each decision:
   decision): exact and noise-free, the same on every run and every machine. On a real node each is a
   driver round trip (an ioctl), and a create or destroy costs far more than a read;
 * driver ms: the p50 of the time spent inside the simulated driver during the decision (its lock, its
-  state and the call; ``SimulatedHardware.driver_ns``), and own p50/GI: the p50 of the wall clock
+  state and the call; ``StateStore.driver_ns``), and own p50/GI: the p50 of the wall clock
   less that time, over the p50 of ``GetInfo`` — the sidecar's own share, without the stand-in for the
   driver, whose cost on a node is the real driver's.
 
@@ -108,7 +108,7 @@ class Meter:
         started = time.perf_counter()
         result = call()
         self.seconds[name].append(time.perf_counter() - started)
-        self.driver[name].append(self.hardware.driver_ns() / 1e9)
+        self.driver[name].append(self.hardware.store.driver_ns() / 1e9)
         self.calls[name].append(self.hardware.call_counts())
         return result
 

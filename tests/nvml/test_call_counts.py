@@ -149,14 +149,14 @@ class TestCountsSharedThroughTheStateFile:
     def test_the_time_inside_the_driver_grows_with_its_calls_and_a_reset_zeroes_it(self, state: Path) -> None:
         hw = SimulatedHardware.open(state)
         hw.reset_call_counts()
-        assert hw.driver_ns() == 0
+        assert hw.store.driver_ns() == 0
         _create_one_instance_through_the_adapter(state)
-        spent = hw.driver_ns()
+        spent = hw.store.driver_ns()
         assert spent > 0
         _create_one_instance_through_the_adapter(state, start=1)
-        assert hw.driver_ns() > spent
+        assert hw.store.driver_ns() > spent
         hw.reset_call_counts()
-        assert hw.driver_ns() == 0
+        assert hw.store.driver_ns() == 0
 
     def test_a_damaged_counter_file_is_reinitialised_instead_of_misread(self, state: Path) -> None:
         state.with_name(state.name + ".calls").write_bytes(b"not a counter table")
@@ -188,7 +188,7 @@ class TestTheStatsCommand:
         assert table[-2].startswith("time inside the simulated driver: ")
         assert table[-1] == "counts reset"
         assert SimulatedHardware.open(state).call_counts() == {}
-        assert SimulatedHardware.open(state).driver_ns() == 0
+        assert SimulatedHardware.open(state).store.driver_ns() == 0
 
     def test_stats_of_missing_hardware_is_refused(self, tmp_path: Path) -> None:
         assert sim(tmp_path / "absent.json", "stats") == 1

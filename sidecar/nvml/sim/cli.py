@@ -164,7 +164,7 @@ def _stats(args: argparse.Namespace) -> int:
     """NVML calls per C function, most called first, and the time spent inside them; ``--reset``
     prints them, then starts from zero."""
     hw = _hardware(args)
-    counts, driver_ms = hw.call_counts(), hw.driver_ns() / 1e6
+    counts, driver_ms = hw.call_counts(), hw.store.driver_ns() / 1e6
     if args.reset:
         hw.reset_call_counts()
     ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))

@@ -137,14 +137,9 @@ class SimulatedHardware:
         return self.store.call_counts()
 
     def reset_call_counts(self) -> None:
-        """Start counting from zero, calls and ``driver_ns`` (the layout, faults and knobs are untouched)."""
+        """Start counting from zero, calls and the store's ``driver_ns`` (the layout, faults and knobs
+        are untouched)."""
         self.store.reset_call_counts()
-
-    def driver_ns(self) -> int:
-        """Wall-clock nanoseconds spent inside simulated calls since the last reset, summed over every
-        process: the part of a decision's latency that stands for the driver (a benchmark subtracts
-        it to see the sidecar's own share). The modelled latency (``set_latency``) is not included."""
-        return self.store.driver_ns()
 
     @property
     def boot_id(self) -> str:

@@ -43,7 +43,11 @@ class StateStore(Protocol):
 
     def add_driver_ns(self, ns: int) -> None: ...
 
-    def driver_ns(self) -> int: ...
+    def driver_ns(self) -> int:
+        """Wall-clock nanoseconds spent inside simulated calls since the last reset, summed over
+        every process: the part of a decision's latency that stands for the driver (a benchmark
+        subtracts it to see the sidecar's own share). Modelled latency (``set_latency``) is not in it."""
+        ...
 
 
 _ENCODER = msgspec.json.Encoder()
