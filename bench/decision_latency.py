@@ -9,7 +9,11 @@ the same socket and measures, for each decision:
   ratio taken in one run is what survives a shared, noisy machine; absolute milliseconds do not;
 * NVML calls, read from the simulated hardware's call counters (reset before, read after each
   decision): exact and noise-free, the same on every run and every machine. On a real node each is a
-  driver round trip (an ioctl), and a create or destroy costs far more than a read.
+  driver round trip (an ioctl), and a create or destroy costs far more than a read;
+* driver ms: the p50 of the time spent inside the simulated driver during the decision (its lock, its
+  state and the call; ``StateStore.driver_ns``), and own p50/GI: the p50 of the wall clock
+  less that time, over the p50 of ``GetInfo`` — the sidecar's own share, without the stand-in for the
+  driver, whose cost on a node is the real driver's.
 
 The cycle (every round is identical, so every round makes the same calls; a decision whose count
 differs between rounds is flagged):
@@ -96,6 +100,7 @@ class Meter:
     def __init__(self, hardware: SimulatedHardware) -> None:
         self.hardware = hardware
         self.seconds: dict[str, list[float]] = {name: [] for name in DECISIONS}
+        self.driver: dict[str, list[float]] = {name: [] for name in DECISIONS}
         self.calls: dict[str, list[dict[str, int]]] = {name: [] for name in DECISIONS}
 
     def __call__(self, name: str, call: Callable[[], object]) -> object:
@@ -103,6 +108,7 @@ class Meter:
         started = time.perf_counter()
         result = call()
         self.seconds[name].append(time.perf_counter() - started)
+        self.driver[name].append(self.hardware.store.driver_ns() / 1e9)
         self.calls[name].append(self.hardware.call_counts())
         return result
 
@@ -158,7 +164,7 @@ def report(measure: Meter, show_calls: bool) -> None:
     base99 = percentile(measure.seconds["GetInfo"], 0.99)
     header = (
         f"{'decision':<26}{'p50 ms':>9}{'p99 ms':>9}{'p50/GetInfo':>13}{'p99/GetInfo':>13}"
-        f"{'NVML calls':>12}{'mutating':>10}"
+        f"{'NVML calls':>12}{'mutating':>10}{'driver ms':>11}{'own p50/GI':>12}"
     )
     print(header)
     print("-" * len(header))
@@ -168,9 +174,11 @@ def report(measure: Meter, show_calls: bool) -> None:
         last = counts[-1]
         total = str(sum(last.values())) + ("" if all(c == last for c in counts) else " (varies)")
         mutating = sum(n for fn, n in last.items() if any(m in fn for m in _MUTATIONS))
+        driver = percentile(measure.driver[name], 0.5)
+        own = percentile([w - d for w, d in zip(samples, measure.driver[name], strict=True)], 0.5)
         print(
             f"{name:<26}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{p50 / base:>13.1f}{p99 / base99:>13.1f}"
-            f"{total:>12}{mutating:>10}"
+            f"{total:>12}{mutating:>10}{driver * 1e3:>11.2f}{own / base:>12.1f}"
         )
     if show_calls:
         print()

@@ -149,6 +149,7 @@ class CdiSpecs:
         # whose file still has that signature is known current and is neither rendered nor read again.
         self._current: dict[Path, tuple[int, Identity, tuple[int, int, int, int]]] = {}
         self._path_locks: dict[Path, threading.Lock] = {}
+        self._spec_paths: dict[str, Path] = {}  # MIG UUID -> ``spec_path``, until its spec is removed
 
     @property
     def enabled(self) -> bool:
@@ -160,11 +161,19 @@ class CdiSpecs:
         return f"{self.kind}={mig_uuid}" if self.enabled else ""
 
     def spec_path(self, mig_uuid: str) -> Path:
-        """``<dir>/<vendor>-<class>_<MIG UUID>.json``. ValueError when disabled (there is no path)."""
-        _check_mig_uuid(mig_uuid)
-        if self.directory is None:
-            raise ValueError("CDI is disabled: there are no spec files")
-        return self.directory / f"{self.vendor}-{self.cls}_{mig_uuid}.json"
+        """``<dir>/<vendor>-<class>_<MIG UUID>.json``. ValueError when disabled (there is no path).
+
+        Remembered per MIG UUID: every reuse asks, and building the ``Path`` costs more than the
+        ``stat`` that tells the file current."""
+        path = self._spec_paths.get(mig_uuid)
+        if path is None:
+            _check_mig_uuid(mig_uuid)
+            if self.directory is None:
+                raise ValueError("CDI is disabled: there are no spec files")
+            path = self._spec_paths.setdefault(
+                mig_uuid, self.directory / f"{self.vendor}-{self.cls}_{mig_uuid}.json"
+            )
+        return path
 
     def render(self, gpu_minor: int, identity: Identity) -> bytes:
         """The exact bytes ``ensure`` writes for this instance, read from ``<proc>`` now.
@@ -245,6 +254,7 @@ class CdiSpecs:
             raise ValueError(f"{path} is not in the CDI directory {self.directory}")
         with self._lock:
             self._current.pop(path, None)
+            self._spec_paths.pop(mig_uuid, None)  # a MIG UUID is never minted again: bound the map
             self._pending.pop(path, None)
             try:
                 self.owned_bytes(path, mig_uuid)

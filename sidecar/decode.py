@@ -49,32 +49,42 @@ def clip(value: str, limit: int = CLIP_CHARS) -> str:
 
 
 def require(condition: bool, message: str, **metadata: str) -> None:
+    """For checks whose message costs nothing to build; the hot checks below build theirs (quoting
+    the input, naming the field) only once they fail, as every Allocate passes them all."""
     if not condition:
         raise InvalidRequest(message, metadata)
 
 
+def _invalid(message: str, field: str) -> InvalidRequest:
+    return InvalidRequest(message, {"field": field})
+
+
 def _at_most(value: str, limit: int, what: str, field: str) -> None:
-    size = len(value.encode())
-    require(size <= limit, f"{what} is {size} bytes, more than {limit}: {clip(value)}", field=field)
+    if len(value) > limit // 4 and len(value.encode()) > limit:  # no UTF-8 character passes 4 bytes
+        size = len(value.encode())
+        raise _invalid(f"{what} is {size} bytes, more than {limit}: {clip(value)}", field)
 
 
 def placement(message: Any, where: str) -> Placement:
-    require(message.HasField("placement"), f"{where}: placement is missing", field=f"{where}.placement")
+    if not message.HasField("placement"):
+        raise _invalid(f"{where}: placement is missing", f"{where}.placement")
     value = Placement(int(message.placement.start), int(message.placement.size))
-    require(value.size > 0, f"{where}: placement size must be at least 1", field=f"{where}.placement")
+    if value.size <= 0:
+        raise _invalid(f"{where}: placement size must be at least 1", f"{where}.placement")
     return value
 
 
 def gpu_uuid(value: str, where: str) -> str:
-    require(bool(value), f"{where}: gpu_uuid is missing", field=f"{where}.gpu_uuid")
-    require(
-        bool(GPU_UUID_RE.match(value)), f"{where}: {clip(value)} is not a GPU UUID", field=f"{where}.gpu_uuid"
-    )
+    if not value:
+        raise _invalid(f"{where}: gpu_uuid is missing", f"{where}.gpu_uuid")
+    if not GPU_UUID_RE.match(value):
+        raise _invalid(f"{where}: {clip(value)} is not a GPU UUID", f"{where}.gpu_uuid")
     return value
 
 
 def profile_name(value: str, where: str, field: str) -> str:
-    require(bool(value), f"{where}: profile is missing", field=field)
+    if not value:
+        raise _invalid(f"{where}: profile is missing", field)
     _at_most(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
     return value
 
@@ -86,25 +96,28 @@ def reservation(message: Any, where: str) -> Reservation:
 
 
 def pod_uid(value: str, where: str, field: str) -> str:
-    require(bool(value), f"{where}: pod uid is missing", field=field)
+    if not value:
+        raise _invalid(f"{where}: pod uid is missing", field)
     _at_most(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
-    require(bool(POD_UID_RE.match(value)), f"{where}: {clip(value)} is not a pod UID", field=field)
+    if not POD_UID_RE.match(value):
+        raise _invalid(f"{where}: {clip(value)} is not a pod UID", field)
     return value
 
 
 def pod(message: Any, has_pod: bool, where: str) -> PodRef:
-    require(has_pod, f"{where}: pod uid is missing", field=f"{where}.pod.uid")
-    uid = pod_uid(message.uid, where, f"{where}.pod.uid")
+    uid_field = f"{where}.pod.uid"
+    if not has_pod:
+        raise _invalid(f"{where}: pod uid is missing", uid_field)
+    uid = pod_uid(message.uid, where, uid_field)
     # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
-    namespace_field = f"{where}.pod.namespace"
-    _at_most(message.namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", namespace_field)
-    require(
-        not message.namespace or bool(DNS_LABEL_RE.match(message.namespace)),
-        f"{where}: pod namespace {clip(message.namespace)} is not a DNS label",
-        field=namespace_field,
-    )
+    namespace = message.namespace
+    _at_most(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
+    if namespace and not DNS_LABEL_RE.match(namespace):
+        raise _invalid(
+            f"{where}: pod namespace {clip(namespace)} is not a DNS label", f"{where}.pod.namespace"
+        )
     _at_most(message.name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
-    return PodRef(uid, message.namespace, message.name)
+    return PodRef(uid, namespace, message.name)
 
 
 def container_name(value: str, where: str) -> str:
@@ -120,11 +133,8 @@ def allocate(request: Any) -> AllocateRequest:
     seen: set[int] = set()
     for position, device in enumerate(request.devices):
         where = f"devices[{position}]"
-        require(
-            device.device_index not in seen,
-            f"{where}: device_index {device.device_index} repeats",
-            field=f"{where}.device_index",
-        )
+        if device.device_index in seen:
+            raise _invalid(f"{where}: device_index {device.device_index} repeats", f"{where}.device_index")
         seen.add(device.device_index)
         devices.append(DeviceRequest(int(device.device_index), reservation(device, where)))
     return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
@@ -140,11 +150,8 @@ def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
         owner = Owner(ref, container, int(message.container_index), int(message.device_index))
         identity = None
         if message.mig_uuid:
-            require(
-                bool(MIG_UUID_RE.match(message.mig_uuid)),
-                f"{where}: {clip(message.mig_uuid)} is not a MIG UUID",
-                field=f"{where}.mig_uuid",
-            )
+            if not MIG_UUID_RE.match(message.mig_uuid):
+                raise _invalid(f"{where}: {clip(message.mig_uuid)} is not a MIG UUID", f"{where}.mig_uuid")
             identity = Identity(
                 int(message.gpu_instance_id), int(message.compute_instance_id), message.mig_uuid
             )
@@ -159,8 +166,9 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
     """MIG UUIDs named by a request, each checked for shape (whether it exists is the lifecycle's)."""
     require(len(values) <= MAX_MIG_UUIDS, f"{where}: {len(values)} MIG UUIDs, more than {MAX_MIG_UUIDS}")
     for position, value in enumerate(values):
-        field = f"{where}[{position}]"
-        require(bool(MIG_UUID_RE.match(value)), f"{field}: {clip(value)} is not a MIG UUID", field=field)
+        if not MIG_UUID_RE.match(value):
+            field = f"{where}[{position}]"
+            raise _invalid(f"{field}: {clip(value)} is not a MIG UUID", field)
     return list(values)
 
 

@@ -92,18 +92,32 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return Identity(self.gpu_instance_id, self.compute_instance_id, self.mig_uuid)
 
 
+_NAMES: dict[tuple[str, int, int], str] = {}  # names already checked (a node has a few hundred)
+_NAMES_KEPT = 4096
+
+
 def record_name(gpu_uuid: str, placement: Placement) -> str:
     """The record's file stem, ``mig-<gpu uuid>-<start>-<size>``, from validated values only.
 
     Raises ``ValueError`` for a GPU UUID that is not ``GPU-<uuid>`` or a negative/zero-size placement.
+    A name once checked is remembered: an Allocate asks for the same one several times. Only exact
+    ``str``/``int`` arguments are looked up, so ``True`` never finds the name checked for ``1``.
     """
+    start, size = placement.start, placement.size
+    exact = type(gpu_uuid) is str and type(start) is int and type(size) is int
+    if exact:
+        known = _NAMES.get((gpu_uuid, start, size))
+        if known is not None:
+            return known
     if not isinstance(gpu_uuid, str) or not GPU_UUID_RE.match(gpu_uuid):
         raise ValueError(f"not a GPU UUID: {gpu_uuid!r}")
-    start, size = placement.start, placement.size
     # bool is an int subclass; True/False as a slice number is a bug upstream, not a placement.
     if type(start) is not int or type(size) is not int or start < 0 or size <= 0:
         raise ValueError(f"not a placement: start={start!r} size={size!r}")
-    return f"mig-{gpu_uuid}-{start}-{size}"
+    name = f"mig-{gpu_uuid}-{start}-{size}"
+    if exact and len(_NAMES) < _NAMES_KEPT:
+        _NAMES[(gpu_uuid, start, size)] = name
+    return name
 
 
 def parse_record_name(name: str) -> tuple[str, Placement] | None:

@@ -53,7 +53,7 @@ import contextlib
 import errno
 import fcntl
 import os
-import secrets
+import random
 import stat
 import threading
 import types
@@ -158,13 +158,24 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _temp_suffix() -> str:
+    """16 random hex digits. Uniqueness is all a temp name needs (``O_EXCL`` refuses a clash), and
+    the process's own generator draws them without the system call ``secrets`` makes each time."""
+    return f"{random.getrandbits(64):016x}"
+
+
 def atomic_write(path: Path, data: bytes, mode: int) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory -> fsync -> rename -> fsync dir.
 
     The temp name ``.<name>.tmp-<random>`` starts with a dot and does not end in ``.json``, so neither
     this module nor a CDI scanner ever reads a half-written file. ``fchmod`` sets ``mode`` exactly,
-    whatever the umask. Raises OSError; the temp file is removed on failure."""
-    tmp = path.with_name(f".{path.stem}{TEMP_MARKER}{secrets.token_hex(8)}")
+    whatever the umask. Raises OSError; the temp file is removed on failure. Plain ``os`` calls on
+    strings: on tmpfs, building ``Path`` objects costs more than the system calls themselves."""
+    target = os.fspath(path)
+    directory, name = os.path.split(target)
+    stem = name.rsplit(".", 1)[0] if "." in name[1:] else name
+    directory = directory or "."
+    tmp = f"{directory}/.{stem}{TEMP_MARKER}{_temp_suffix()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         try:
@@ -175,10 +186,10 @@ def atomic_write(path: Path, data: bytes, mode: int) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        tmp.replace(path)
+        os.replace(tmp, target)  # noqa: PTH105 - strings on the hot path (see above)
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            os.unlink(tmp)  # noqa: PTH108
         raise
     fsync_dir(path.parent)
 
@@ -222,6 +233,9 @@ def read_generation(directory: Path) -> int | None:
         return None
 
 
+_READ_CHUNK = 1 << 16
+
+
 def _read_bytes(name: str, path: Path) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -231,14 +245,19 @@ def _read_bytes(name: str, path: Path) -> bytes:
         if exc.errno == errno.ELOOP:
             raise CorruptRecord(name, path, "is a symbolic link, not a record file") from exc
         raise StateWriteFailed(f"reading ownership record {path} failed: {exc}") from exc
+    chunks: list[bytes] = []  # plain reads: a buffered file object costs more than the read itself
     try:
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
+        while chunk := os.read(fd, _READ_CHUNK):
+            chunks.append(chunk)
+            if len(chunk) < _READ_CHUNK:
+                break  # a short read of a regular file is its end: no second read to learn that
     except IsADirectoryError as exc:
         raise CorruptRecord(name, path, "is a directory, not a record file") from exc
     except OSError as exc:
         raise StateWriteFailed(f"reading ownership record {path} failed: {exc}") from exc
-    return data
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 class RecordStore:
@@ -246,7 +265,10 @@ class RecordStore:
 
     Every mutation goes through ``_mutate``: under the lock of that one file, inside the process-wide
     flock, read the current file (refuse if corrupt), then write or unlink atomically. Reads need
-    neither. No lock shared between files is held across an fsync, so GPUs write in parallel."""
+    neither. No lock shared between files is held across an fsync, so GPUs write in parallel.
+
+    A record file that still holds the bytes this store last wrote to it is known sound: it is not
+    decoded again before it is replaced (reading it is cheap, decoding and verifying it is not)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -254,6 +276,8 @@ class RecordStore:
         self._idle = threading.Condition(self._lock)  # close() waits on it for ``_writing`` mutations
         self._writing = 0
         self._file_locks: dict[Path, threading.Lock] = {}
+        self._paths: dict[str, Path] = {}  # record name -> its file (``path``)
+        self._written: dict[Path, bytes] = {}  # path -> the bytes this store last wrote there
         self._lock_fd: int | None = None
         self._closed = False  # after close(): the flock may be another process's now
 
@@ -326,10 +350,16 @@ class RecordStore:
                 self._lock_fd = None
 
     def path(self, name: str) -> Path:
-        """The file of record ``name``; ValueError for anything ``record_name`` could not have produced."""
-        if not is_record_name(name):
-            raise ValueError(f"not an ownership record name: {name!r}")
-        return self.directory / f"{name}{SUFFIX}"
+        """The file of record ``name``; ValueError for anything ``record_name`` could not have produced.
+
+        Remembered per name: every write asks, and the check and the ``Path`` cost more than the
+        write's own system calls on tmpfs."""
+        path = self._paths.get(name)
+        if path is None:
+            if not is_record_name(name):
+                raise ValueError(f"not an ownership record name: {name!r}")
+            path = self._paths[name] = self.directory / f"{name}{SUFFIX}"
+        return path
 
     def load(self, name: str) -> OwnershipRecord:
         """Read -> decode envelope -> verify checksum -> decode record. RecordNotFound / CorruptRecord."""
@@ -397,7 +427,9 @@ class RecordStore:
 
         def exists() -> bool:
             try:
-                _read(name, path)
+                current = _read_bytes(name, path)
+                if current != self._written.get(path):
+                    decode_record(name, path, current)
             except RecordNotFound:
                 return data is not None
             return True
@@ -426,11 +458,13 @@ class RecordStore:
                 if not check():
                     return
                 try:
+                    self._written.pop(path, None)
                     if data is None:
                         path.unlink(missing_ok=True)
                         fsync_dir(self.directory)
                     else:
                         atomic_write(path, data, FILE_MODE)
+                        self._written[path] = data
                 except OSError as exc:
                     action = "deleting" if data is None else "writing"
                     raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc

@@ -32,39 +32,24 @@ Everything that describes the *layout* is read live on every call: MIG mode (cur
 the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
 or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
 
-Errors are mapped at one boundary (``_mapped``): every ``pynvml.NVMLError`` becomes
-``port.NvmlError(operation, code, message)`` raised ``from`` the original, and so does pynvml's
-``NVMLLibraryMismatchError`` (as FUNCTION_NOT_FOUND), which is not an ``NVMLError``.
-
-Retries are bounded (``attempts``) and only for transient codes:
-
-* TIMEOUT and NOT_READY, for every call: the driver was busy and said so;
-* IN_USE, for destroys only: right after a container exits the driver can still hold the instance for
-  a moment. For a create, IN_USE is not transient and fails at once.
-
-Everything else fails closed on the first error. ``retry_wait=False`` turns the waits off (tests)
-without touching ``time.sleep``.
+Errors are mapped and transient ones retried in ``calls`` (``mapped``, ``Caller``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from ctypes import byref, c_uint
 from typing import Any, TypeVar
 
 import pynvml
-from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_none
 
 from sidecar.domain import Placement
+from sidecar.nvml.calls import TRANSIENT_CODES, TRANSIENT_DESTROY_CODES, Caller, mapped
 from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
-    NVML_ERROR_IN_USE,
     NVML_ERROR_INVALID_ARGUMENT,
-    NVML_ERROR_NOT_READY,
     NVML_ERROR_NOT_SUPPORTED,
-    NVML_ERROR_TIMEOUT,
     ComputeInstanceInfo,
     GpuInfo,
     GpuInstanceInfo,
@@ -76,29 +61,9 @@ from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_
 
 T = TypeVar("T")
 
-TRANSIENT_CODES = frozenset({NVML_ERROR_TIMEOUT, NVML_ERROR_NOT_READY})
-TRANSIENT_DESTROY_CODES = TRANSIENT_CODES | {NVML_ERROR_IN_USE}
 # Codes that mean "this index does not exist on this GPU" while enumerating profiles.
 _SKIP_PROFILE = (NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT)
 _MIB = 1024 * 1024
-NVML_ERROR_FUNCTION_NOT_FOUND = 13  # nvml.h; the symbol is missing from the loaded library
-
-
-@contextlib.contextmanager
-def _mapped(operation: str) -> Iterator[None]:
-    """The one place a pynvml exception becomes the port's ``NvmlError``.
-
-    ``NVMLLibraryMismatchError`` is not an ``NVMLError``: pynvml raises it from the unversioned
-    wrappers it decorates with ``throwOnVersionMismatch`` (``nvmlDeviceGetComputeRunningProcesses``
-    calls the ``_v3`` symbol) when the loaded ``libnvidia-ml`` lacks that symbol. It is the library's
-    FUNCTION_NOT_FOUND in other clothes, and is mapped as such so that callers fail closed the usual
-    way instead of meeting an exception nobody expects."""
-    try:
-        yield
-    except pynvml.NVMLError as exc:
-        raise NvmlError(operation, int(exc.value), str(exc)) from exc
-    except pynvml.NVMLLibraryMismatchError as exc:
-        raise NvmlError(operation, NVML_ERROR_FUNCTION_NOT_FOUND, str(exc)) from exc
 
 
 def _text(value: Any) -> str:
@@ -110,8 +75,7 @@ class PynvmlBackend:
     (LIBRARY_NOT_FOUND or DRIVER_NOT_LOADED) and is never papered over."""
 
     def __init__(self, retry_wait: bool = True, attempts: int = 3) -> None:
-        self._wait = wait_exponential(multiplier=0.5, max=4) if retry_wait else wait_none()
-        self._attempts = max(1, attempts)
+        self._caller = Caller(retry_wait, attempts)
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
@@ -120,7 +84,7 @@ class PynvmlBackend:
         self._fresh_gis: dict[tuple[str, int], Any] = {}
         # (GPU, GI profile ID) -> (CI profile ID, instance count, compute slices, SMs) of every CI profile
         self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
-        with _mapped("nvmlInit"):
+        with mapped("nvmlInit"):
             pynvml.nvmlInit()
         self._open = True
 
@@ -129,26 +93,13 @@ class PynvmlBackend:
             if not self._open:
                 return
             self._open = False
-        with _mapped("nvmlShutdown"):
+        with mapped("nvmlShutdown"):
             pynvml.nvmlShutdown()
 
     # -- plumbing ------------------------------------------------------------------------------------
 
     def _run(self, operation: str, fn: Callable[[], T], transient: frozenset[int] = TRANSIENT_CODES) -> T:
-        """Run ``fn`` with errors mapped, retrying only ``transient`` codes, at most ``attempts`` times."""
-
-        def retryable(exc: BaseException) -> bool:
-            return isinstance(exc, NvmlError) and exc.code in transient
-
-        for attempt in Retrying(
-            stop=stop_after_attempt(self._attempts),
-            wait=self._wait,
-            retry=retry_if_exception(retryable),
-            reraise=True,
-        ):
-            with attempt, _mapped(operation):
-                return fn()
-        raise AssertionError("unreachable: tenacity reraises the last error")  # pragma: no cover
+        return self._caller.run(operation, fn, transient)
 
     def _device(self, gpu_uuid: str) -> Any:
         with self._lock:

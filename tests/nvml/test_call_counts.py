@@ -91,12 +91,12 @@ def state(tmp_path: Path) -> Path:
     return path
 
 
-def _create_one_instance_through_the_adapter(state: Path) -> None:
+def _create_one_instance_through_the_adapter(state: Path, start: int = 0) -> None:
     install(SimulatedHardware.open(state))
     try:
         port = PynvmlBackend(retry_wait=False)
         gpu = port.gpus()[0].uuid
-        gi = port.create_gpu_instance(gpu, 19, Placement(0, 1))
+        gi = port.create_gpu_instance(gpu, 19, Placement(start, 1))
         port.create_compute_instance(gpu, gi.id, 0)
         port.close()
     finally:
@@ -146,6 +146,18 @@ class TestCountsSharedThroughTheStateFile:
         SimulatedHardware.init_file(state, [("a30", 1)], overwrite=True)
         assert SimulatedHardware.open(state).call_counts() == {}
 
+    def test_the_time_inside_the_driver_grows_with_its_calls_and_a_reset_zeroes_it(self, state: Path) -> None:
+        hw = SimulatedHardware.open(state)
+        hw.reset_call_counts()
+        assert hw.store.driver_ns() == 0
+        _create_one_instance_through_the_adapter(state)
+        spent = hw.store.driver_ns()
+        assert spent > 0
+        _create_one_instance_through_the_adapter(state, start=1)
+        assert hw.store.driver_ns() > spent
+        hw.reset_call_counts()
+        assert hw.store.driver_ns() == 0
+
     def test_a_damaged_counter_file_is_reinitialised_instead_of_misread(self, state: Path) -> None:
         state.with_name(state.name + ".calls").write_bytes(b"not a counter table")
         _create_one_instance_through_the_adapter(state)
@@ -162,6 +174,7 @@ class TestTheStatsCommand:
         doc = json.loads(capsys.readouterr().out)
         assert (doc["calls"][CREATE_GI], doc["calls"][CREATE_CI]) == (1, 1)
         assert doc["total"] == sum(doc["calls"].values())
+        assert doc["driver_ms"] > 0
         assert doc["reset"] is False
 
     def test_stats_reset_prints_the_counts_then_starts_from_zero(
@@ -172,8 +185,10 @@ class TestTheStatsCommand:
         assert sim(state, "stats", "--reset") == 0
         table = capsys.readouterr().out.splitlines()
         assert [CREATE_GI, "1"] in [line.split() for line in table]
+        assert table[-2].startswith("time inside the simulated driver: ")
         assert table[-1] == "counts reset"
         assert SimulatedHardware.open(state).call_counts() == {}
+        assert SimulatedHardware.open(state).store.driver_ns() == 0
 
     def test_stats_of_missing_hardware_is_refused(self, tmp_path: Path) -> None:
         assert sim(tmp_path / "absent.json", "stats") == 1

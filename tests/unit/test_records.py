@@ -86,6 +86,13 @@ class TestRecordNames:
         with pytest.raises(ValueError, match="not a"):
             record_name(gpu, placement)
 
+    def test_a_name_already_made_for_slice_1_is_not_handed_to_true(self) -> None:
+        assert record_name(GPU, Placement(1, 1)) == f"mig-{GPU}-1-1"  # now remembered
+        with pytest.raises(ValueError, match="not a placement"):
+            record_name(GPU, Placement(True, 1))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="not a placement"):
+            record_name(GPU, Placement(1, True))  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("name", ["../x", "mig-GPU-x-0-1", ".lock", f"mig-{GPU}-0-1.json", ""])
     def test_the_store_refuses_paths_for_names_it_could_not_have_made(
         self, store: RecordStore, name: str

@@ -16,7 +16,6 @@ from typing import Any
 import pynvml
 
 from sidecar.nvml.port import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED
-from sidecar.nvml.sim import state as rules
 from sidecar.nvml.sim.state import SimCi, SimError, SimGi, SimGpu, SimState
 
 NVML_ERROR_INSUFFICIENT_SIZE = 7
@@ -175,9 +174,10 @@ def device_of(state: SimState, h: Any) -> tuple[SimGpu, tuple[SimGi, SimCi] | No
     """A GPU handle, or a MIG device handle (then with its GI and CI)."""
     if handle_value(h) >> 60 == KIND_MIG:
         gpu, serial = decode(state, h, KIND_MIG)
-        for gi, ci in rules.mig_devices(gpu):
-            if ci.serial == serial:
-                return gpu, (gi, ci)
+        for gi in gpu.gis:  # serials are unique: no need for the enumeration order of mig_devices
+            for ci in gi.cis:
+                if ci.serial == serial:
+                    return gpu, (gi, ci)
         raise SimError(NVML_ERROR_INVALID_ARGUMENT, "stale MIG device handle")
     gpu, _ = decode(state, h, KIND_GPU)
     return gpu, None

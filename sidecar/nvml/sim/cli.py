@@ -161,19 +161,26 @@ def _faults(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    """NVML calls per C function, most called first; ``--reset`` prints them, then starts from zero."""
+    """NVML calls per C function, most called first, and the time spent inside them; ``--reset``
+    prints them, then starts from zero."""
     hw = _hardware(args)
-    counts = hw.call_counts()
+    counts, driver_ms = hw.call_counts(), hw.store.driver_ns() / 1e6
     if args.reset:
         hw.reset_call_counts()
     ordered = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
     if args.json:
-        doc = {"total": sum(counts.values()), "calls": dict(ordered), "reset": bool(args.reset)}
+        doc = {
+            "total": sum(counts.values()),
+            "calls": dict(ordered),
+            "driver_ms": round(driver_ms, 3),
+            "reset": bool(args.reset),
+        }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return EXIT_OK
     width = max((len(name) for name in counts), default=0)
     out = [f"{name:<{width}}  {n:>8}" for name, n in ordered]
     out.append(f"{'total':<{width}}  {sum(counts.values()):>8}")
+    out.append(f"time inside the simulated driver: {driver_ms:.3f} ms")
     if args.reset:
         out.append("counts reset")
     sys.stdout.write("\n".join(out) + "\n")

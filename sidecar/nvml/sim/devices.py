@@ -87,7 +87,7 @@ def _by_uuid(state: SimState, uuid: Any, device: Any) -> int:
                 raise SimError(NVML_ERROR_GPU_IS_LOST, f"GPU {gpu.index} has fallen off the bus")
             set_pointer(target(device), handle(KIND_GPU, gpu.index))
             return NVML_SUCCESS
-        for _, ci in rules.mig_devices(gpu):
+        for ci in (ci for gi in gpu.gis for ci in gi.cis):  # MIG UUIDs are unique: order is moot
             if ci.mig_uuid == text:
                 if gpu.lost:
                     raise SimError(NVML_ERROR_GPU_IS_LOST, f"GPU {gpu.index} has fallen off the bus")

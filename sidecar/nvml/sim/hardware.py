@@ -137,7 +137,8 @@ class SimulatedHardware:
         return self.store.call_counts()
 
     def reset_call_counts(self) -> None:
-        """Start counting from zero (the layout, faults and knobs are untouched)."""
+        """Start counting from zero, calls and the store's ``driver_ns`` (the layout, faults and knobs
+        are untouched)."""
         self.store.reset_call_counts()
 
     @property

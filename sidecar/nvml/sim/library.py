@@ -55,6 +55,7 @@ class SimulatedLibrary:
                 pass  # counted like every other call, but never faulted or delayed
             return impl(None, *args)
         delay = 0.0
+        started = time.perf_counter_ns()
         with self.store.transaction(call=name) as state:
             delay = sum(s for op, s in state.latency.items() if op_matches(op, name))
             code = self._consume_fault(state, name)
@@ -63,6 +64,8 @@ class SimulatedLibrary:
                     code = impl(state, *args)
                 except SimError as exc:
                     code = exc.code
+            # The driver's own time (the lock, the state, the call), not the modelled latency below.
+            self.store.add_driver_ns(time.perf_counter_ns() - started)
         if delay > 0:
             time.sleep(delay)  # outside the lock: a slow call does not stall every other caller
         return code

@@ -41,6 +41,14 @@ class StateStore(Protocol):
 
     def reset_call_counts(self) -> None: ...
 
+    def add_driver_ns(self, ns: int) -> None: ...
+
+    def driver_ns(self) -> int:
+        """Wall-clock nanoseconds spent inside simulated calls since the last reset, summed over
+        every process: the part of a decision's latency that stands for the driver (a benchmark
+        subtracts it to see the sidecar's own share). Modelled latency (``set_latency``) is not in it."""
+        ...
+
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(SimState)
@@ -58,6 +66,7 @@ class MemoryStore:
         self._state = state
         self._lock = threading.RLock()
         self._calls: dict[str, int] = {}
+        self._driver_ns = 0
         self.proc_root = proc_root
         self._written = b""
         if proc_root is not None:
@@ -79,6 +88,15 @@ class MemoryStore:
     def reset_call_counts(self) -> None:
         with self._lock:
             self._calls.clear()
+            self._driver_ns = 0
+
+    def add_driver_ns(self, ns: int) -> None:
+        """Call inside a transaction (its lock held)."""
+        self._driver_ns += ns
+
+    def driver_ns(self) -> int:
+        with self._lock:
+            return self._driver_ns
 
     def _sync(self, state: SimState) -> None:
         if self.proc_root is None:
@@ -97,7 +115,8 @@ class CallCounters:
     is a fixed table mapped (``MAP_SHARED``) into each process once, and a count is one 8-byte store
     into the mapping. Callers hold the state's flock, which serialises counting across processes.
 
-    Layout: the 8-byte magic, the uint64 write generation, then ``SLOTS`` slots of 64 bytes, each a
+    Layout: the 8-byte magic, the uint64 write generation, the uint64 nanoseconds spent inside
+    simulated calls (``driver_ns``; zeroed by a reset), then ``SLOTS`` slots of 64 bytes, each a
     NUL-padded C function name (56 bytes) and a count; integers little-endian. A name takes the first
     empty slot the first time it is counted; a reset zeroes the slots. The generation only ever grows
     (a reset leaves it alone): ``FileStore`` bumps it on every state write, and a process whose cached
@@ -105,11 +124,12 @@ class CallCounters:
     size or magic is re-initialised, never shrunk, so a process that mapped it earlier is never cut
     short."""
 
-    MAGIC = b"HMSCALL2"
+    MAGIC = b"HMSCALL3"
     NAME = 56
     SLOT = 64
     SLOTS = 256
-    HEADER = len(MAGIC) + 8
+    DRIVER_NS = len(MAGIC) + 8
+    HEADER = DRIVER_NS + 8
     SIZE = HEADER + SLOT * SLOTS
     _U64 = struct.Struct("<Q")
 
@@ -117,6 +137,7 @@ class CallCounters:
         self.path = path
         self._map: mmap.mmap | None = None
         self._slots: dict[str, int] = {}  # name -> offset, re-checked against the file on every use
+        self._keys: dict[str, bytes] = {}  # name -> its NUL-padded slot key
 
     def _mapping(self) -> mmap.mmap:
         if self._map is None:
@@ -134,10 +155,12 @@ class CallCounters:
         return iter(range(self.HEADER, self.SIZE, self.SLOT))
 
     def add(self, name: str) -> None:
-        key = name.encode()
-        if not 0 < len(key) <= self.NAME or b"\0" in key:
-            raise ValueError(f"cannot count a call of {name!r}: not a C function name")
-        key = key.ljust(self.NAME, b"\0")
+        key = self._keys.get(name)
+        if key is None:
+            key = name.encode()
+            if not 0 < len(key) <= self.NAME or b"\0" in key:
+                raise ValueError(f"cannot count a call of {name!r}: not a C function name")
+            key = self._keys[name] = key.ljust(self.NAME, b"\0")
         m = self._mapping()
         offset = self._slots.get(name)
         if offset is None or m[offset : offset + self.NAME] != key:  # first use, or a reset moved it
@@ -169,7 +192,16 @@ class CallCounters:
 
     def reset(self) -> None:
         m = self._mapping()
-        m[self.HEADER :] = bytes(self.SIZE - self.HEADER)
+        m[self.DRIVER_NS :] = bytes(self.SIZE - self.DRIVER_NS)
+
+    def add_driver_ns(self, ns: int) -> None:
+        m = self._mapping()
+        (total,) = self._U64.unpack_from(m, self.DRIVER_NS)
+        self._U64.pack_into(m, self.DRIVER_NS, total + ns)
+
+    def driver_ns(self) -> int:
+        value: int = self._U64.unpack_from(self._mapping(), self.DRIVER_NS)[0]
+        return value
 
     def generation(self) -> int:
         value: int = self._U64.unpack_from(self._mapping(), len(self.MAGIC))[0]
@@ -206,6 +238,7 @@ class FileStore:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._path = os.fspath(path)  # stat on every call: a str spares building the Path's string
         self.lock_path = path.with_name(path.name + ".lock")
         self.proc_root: Path | None = path.with_name(path.name + ".proc")
         self._thread_lock = threading.RLock()
@@ -265,7 +298,7 @@ class FileStore:
 
     def _file_id(self) -> tuple[int, int, int, int]:
         try:
-            st = self.path.stat()
+            st = os.stat(self._path)  # noqa: PTH116 - once per simulated call: a str, not a Path
         except FileNotFoundError:
             raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
@@ -278,28 +311,84 @@ class FileStore:
         with self._locked():
             self._counters.reset()
 
-    @contextlib.contextmanager
-    def transaction(self, call: str | None = None) -> Iterator[SimState]:
+    def add_driver_ns(self, ns: int) -> None:
+        """Call inside a transaction (the flock held)."""
+        self._counters.add_driver_ns(ns)
+
+    def driver_ns(self) -> int:
         with self._locked():
-            if call is not None:
-                self._counters.add(call)
-            cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
-            generation, file_id = self._counters.generation(), self._file_id()
-            if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
-                try:
-                    raw = self.path.read_bytes()
-                except FileNotFoundError:
-                    raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
-                state = _DECODER.decode(raw)
-                cached = _Cached(generation, file_id, raw, state, layout_key(state))
-            state = cached.state
-            yield state
-            encoded = _ENCODER.encode(state)
-            if encoded != cached.raw:
-                self._write(encoded)
-                layout = layout_key(state)
-                if layout != cached.layout:
-                    assert self.proc_root is not None
-                    sync_proc(self.proc_root, state)
-                cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
-            self._cached = cached
+            return self._counters.driver_ns()
+
+    def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]:
+        return _FileTransaction(self, call)
+
+    def _begin(self, call: str | None) -> _Cached:
+        """Under the flock (taken by the caller): count ``call``; the state, re-read only if changed."""
+        if call is not None:
+            self._counters.add(call)
+        cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
+        generation, file_id = self._counters.generation(), self._file_id()
+        if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
+            state = _DECODER.decode(raw)
+            cached = _Cached(generation, file_id, raw, state, layout_key(state))
+        return cached
+
+    def _commit(self, cached: _Cached) -> None:
+        """Write the state back if the body changed it; keep it for the next transaction."""
+        state = cached.state
+        encoded = _ENCODER.encode(state)
+        if encoded != cached.raw:
+            self._write(encoded)
+            layout = layout_key(state)
+            if layout != cached.layout:
+                assert self.proc_root is not None
+                sync_proc(self.proc_root, state)
+            cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
+        self._cached = cached
+
+
+class _FileTransaction:
+    """``FileStore.transaction`` as a plain context manager: every simulated call makes one, and a
+    generator-based one costs as much again as the rest of the transaction."""
+
+    __slots__ = ("_cached", "_call", "_store")
+
+    def __init__(self, store: FileStore, call: str | None) -> None:
+        self._store, self._call = store, call
+        self._cached: _Cached | None = None
+
+    def __enter__(self) -> SimState:
+        store = self._store
+        store._thread_lock.acquire()
+        try:
+            if store._depth == 0:
+                fcntl.flock(store._lock_file(), fcntl.LOCK_EX)
+            store._depth += 1
+            try:
+                self._cached = store._begin(self._call)
+            except BaseException:
+                self._release()
+                raise
+        except BaseException:
+            store._thread_lock.release()
+            raise
+        return self._cached.state
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:
+                assert self._cached is not None
+                self._store._commit(self._cached)
+        finally:
+            self._release()
+            self._store._thread_lock.release()
+
+    def _release(self) -> None:
+        store = self._store
+        store._depth -= 1
+        if store._depth == 0:
+            fcntl.flock(store._lock_file(), fcntl.LOCK_UN)
