@@ -10,6 +10,7 @@ import pynvml as nv
 import pytest
 
 from sidecar.nvml.sim import SimError, SimulatedHardware, install, uninstall
+from sidecar.nvml.sim.procfs import sync_proc, write_proc_static
 
 MakeHw = Callable[..., SimulatedHardware]
 
@@ -305,6 +306,38 @@ class TestProcTree:
         assert "195 nvidia-frontend" in (tmp_path / "proc/devices").read_text()
         hw.destroy_instance(1, gi.id)
         assert not (caps / "gi2").exists()
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+class TestProcTreeKeptPerGpu:
+    """Only the GPUs whose instances changed are synced; the tree must equal a full rebuild."""
+
+    @pytest.mark.parametrize("shared", [False, True], ids=["memory", "file"])
+    def test_after_changes_on_several_gpus_the_tree_is_what_a_full_rebuild_writes(
+        self, tmp_path: Path, shared: bool
+    ) -> None:
+        gpus = [("h100-80gb", 3)]
+        if shared:
+            hw = SimulatedHardware.init_file(tmp_path / "hw.json", gpus)
+        else:
+            hw = SimulatedHardware.create(gpus, proc_root=tmp_path / "hw.json.proc")
+        root = tmp_path / "hw.json.proc"
+        a = hw.create_instance(0, "3g.40gb", 0, 4)
+        hw.create_instance(2, "1g.10gb", 6, 1)
+        b = hw.create_instance(1, "7g.80gb", 0, 8)
+        hw.create_instance(0, "2g.20gb", 4, 2)
+        hw.destroy_instance(1, b.id)
+        hw.destroy_instance(0, a.id)
+        kept = _tree(root)
+        assert any("gpu0/mig/gi" in name for name in kept)  # the GPU-0 2g.20gb is there
+        assert not any("gpu1/mig/gi" in name for name in kept)  # GPU 1's instance went
+        rebuilt = tmp_path / "rebuilt"
+        write_proc_static(rebuilt, hw.state())
+        sync_proc(rebuilt, hw.state())
+        assert kept == _tree(rebuilt)
 
 
 class TestSharedStateFile:

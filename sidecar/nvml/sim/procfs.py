@@ -69,15 +69,17 @@ def _write_if_changed(path: Path, text: str) -> None:
     _atomic_text(path, text)
 
 
-def sync_proc(root: Path, state: SimState) -> None:
+def sync_proc(root: Path, state: SimState, only: set[int] | None = None) -> None:
     """Make the per-instance access files and boot_id match the state (create, update, remove).
 
     Runs after every create or destroy, so it only writes what differs: an unchanged file is read,
-    not rewritten."""
+    not rewritten. ``only``: the indices of the GPUs whose instances changed (their minors did not);
+    the other GPUs' files are left as they are."""
     _write_if_changed(root / "sys" / "kernel" / "random" / "boot_id", state.boot_id + "\n")
     caps = root / "driver" / "nvidia" / "capabilities"
+    gpus = state.gpus if only is None else [g for g in state.gpus if g.index in only]
     wanted: dict[Path, str] = {}
-    for gpu in state.gpus:
+    for gpu in gpus:
         mig = caps / f"gpu{gpu.minor}" / "mig"
         mig.mkdir(parents=True, exist_ok=True)
         for gi in gpu.gis:
@@ -86,7 +88,8 @@ def sync_proc(root: Path, state: SimState) -> None:
             for ci in gi.cis:
                 text = _cap_file(profiles.ci_access_minor(gpu.minor, gi.id, ci.id), ACCESS_MODE)
                 wanted[gi_dir / f"ci{ci.id}" / "access"] = text
-    for gpu_dir in caps.glob("gpu*"):
+    gpu_dirs = caps.glob("gpu*") if only is None else [caps / f"gpu{g.minor}" for g in gpus]
+    for gpu_dir in gpu_dirs:
         for gi_dir in (gpu_dir / "mig").glob("gi*"):
             if gi_dir / "access" not in wanted:
                 shutil.rmtree(gi_dir, ignore_errors=True)

@@ -54,9 +54,24 @@ _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(SimState)
 
 
-def layout_key(state: SimState) -> bytes:
+Layout = tuple[str, tuple[tuple[int, bytes], ...]]  # boot ID, then (minor, encoded GIs) per GPU
+
+
+def layout_key(state: SimState) -> Layout:
     """What the fake /proc tree depends on; the tree is rewritten only when this changes."""
-    return _ENCODER.encode([state.boot_id, [(g.minor, g.gis) for g in state.gpus]])
+    return state.boot_id, tuple((g.minor, _ENCODER.encode(g.gis)) for g in state.gpus)
+
+
+def sync_changed(root: Path, state: SimState, before: Layout | None, after: Layout) -> None:
+    """Bring the fake /proc tree from ``before`` to ``after``: only the GPUs whose instances changed,
+    unless the boot, the GPU count or a minor number changed (then every GPU)."""
+    if before == after:
+        return
+    if before is None or before[0] != after[0] or [m for m, _ in before[1]] != [m for m, _ in after[1]]:
+        sync_proc(root, state)
+        return
+    pairs = zip(state.gpus, before[1], after[1], strict=True)
+    sync_proc(root, state, only={gpu.index for gpu, old, new in pairs if old != new})
 
 
 class MemoryStore:
@@ -68,7 +83,7 @@ class MemoryStore:
         self._calls: dict[str, int] = {}
         self._driver_ns = 0
         self.proc_root = proc_root
-        self._written = b""
+        self._written: Layout | None = None
         if proc_root is not None:
             write_proc_static(proc_root, state)
             self._sync(state)
@@ -101,10 +116,9 @@ class MemoryStore:
     def _sync(self, state: SimState) -> None:
         if self.proc_root is None:
             return
-        encoded = layout_key(state)
-        if encoded != self._written:
-            sync_proc(self.proc_root, state)
-            self._written = encoded
+        layout = layout_key(state)
+        sync_changed(self.proc_root, state, self._written, layout)
+        self._written = layout
 
 
 class CallCounters:
@@ -220,7 +234,7 @@ class _Cached(msgspec.Struct, frozen=True):
     file_id: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns of the state file
     raw: bytes
     state: SimState
-    layout: bytes
+    layout: Layout
 
 
 class FileStore:
@@ -346,7 +360,7 @@ class FileStore:
             layout = layout_key(state)
             if layout != cached.layout:
                 assert self.proc_root is not None
-                sync_proc(self.proc_root, state)
+                sync_changed(self.proc_root, state, cached.layout, layout)
             cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
         self._cached = cached
 
