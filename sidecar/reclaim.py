@@ -75,16 +75,25 @@ def choose(ctx: Context, gpu_uuid: str, mig_uuids: Sequence[str]) -> list[Owners
     return chosen
 
 
-def destroy_all(ctx: Context, chosen: Sequence[OwnershipRecord]) -> list[InstanceRef]:
-    """Destroy chosen IDLE instances one by one; a failure (ERROR) does not stop the others."""
-    reclaimed: list[InstanceRef] = []
-    failures: list[SidecarError] = []
+def destroy_each(
+    ctx: Context, chosen: Sequence[OwnershipRecord], point: str, failures: list[SidecarError]
+) -> list[InstanceRef]:
+    """Destroy ``chosen`` one by one, crash point ``point`` after each; a failure (ERROR) is added to
+    ``failures`` and does not stop the others. Returns what was destroyed."""
+    destroyed: list[InstanceRef] = []
     for record in chosen:
         try:
-            reclaimed.append(destroy(ctx, record, mark_deleting=True))
+            destroyed.append(destroy(ctx, record, mark_deleting=True))
         except SidecarError as exc:
             failures.append(exc)
-        crashpoints.crashpoint("after-reclaim-idle-one")
+        crashpoints.crashpoint(point)
+    return destroyed
+
+
+def destroy_all(ctx: Context, chosen: Sequence[OwnershipRecord]) -> list[InstanceRef]:
+    """Destroy chosen IDLE instances one by one; a failure (ERROR) does not stop the others."""
+    failures: list[SidecarError] = []
+    reclaimed = destroy_each(ctx, chosen, "after-reclaim-idle-one", failures)
     raise_first(failures)
     return reclaimed
 

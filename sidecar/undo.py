@@ -15,9 +15,8 @@ from sidecar.context import Context
 from sidecar.domain import POD_UID_RE, InstanceRef, State
 from sidecar.errors import InvalidRequest, SidecarError
 from sidecar.ownership import Origin, OwnershipRecord, instance_ref
-from sidecar.reclaim import require_no_processes
+from sidecar.reclaim import destroy_each, require_no_processes
 from sidecar.release import put_each, raise_first
-from sidecar.teardown import destroy
 
 
 def undo_allocate(
@@ -43,15 +42,9 @@ def undo_allocate(
         reused = [r for r in current if r.origin is not Origin.CREATED]
         for record in created:  # every check before anything changes
             require_no_processes(ctx, record)
-        destroyed: list[InstanceRef] = []
         idled: list[InstanceRef] = []
         failures: list[SidecarError] = []
-        for record in created:
-            try:
-                destroyed.append(destroy(ctx, record, mark_deleting=True))
-            except SidecarError as exc:
-                failures.append(exc)
-            crashpoints.crashpoint("after-undo-destroy-one")
+        destroyed = destroy_each(ctx, created, "after-undo-destroy-one", failures)
         for record in reused:
             if put_each(ctx, failures, ctx.idle, record):
                 idled.append(instance_ref(record))
