@@ -264,32 +264,32 @@ class Allocator:
         return active
 
     def verify_live(self, record: OwnershipRecord) -> None:
-        """The recorded MIG UUID is live, in the recorded GI, and runs no process (InstanceInUse).
+        """The recorded MIG UUID is live and runs no process (InstanceInUse).
 
-        The lookup by MIG UUID proves the CI: the driver mints the UUID at the CI's create, so the
-        CI is the one recorded, and the GI holding it is the recorded GI (same ID, and a GI cannot
-        be re-created under a live CI), with its recorded profile and placement. Gone or in another
-        GI: UnverifiableState. An NVML error proves nothing either way: NvmlFailure."""
+        The lookup by MIG UUID proves the CI, and with it the GI: the driver mints the UUID at the
+        CI's create and never again, and a GI cannot be destroyed or re-created under a live CI. So
+        the CI is the one recorded, in the GI recorded with it (the record took both from the same
+        create, or recovery matched both against the GPU's listing), with its recorded profile and
+        placement. Gone: UnverifiableState. An NVML error proves nothing either way: NvmlFailure."""
         mig_uuid = record.mig_uuid
         assert mig_uuid is not None  # IDLE records are complete by construction
         with nvml_errors(f"verify idle instance {record.name}"):
             try:
-                device = self.ctx.port.mig_device(mig_uuid)
+                processes = self.ctx.port.mig_device_processes(mig_uuid)
             except NvmlError as exc:
                 if not exc.not_found or still_listed(self.ctx.port, record):
                     raise  # a NOT_FOUND the GPU's own listing contradicts proves nothing
-                device = None
-        if device is None or device.gpu_instance_id != record.gpu_instance_id:
-            live = device.gpu_instance_id if device else "none"
+                processes = None
+        if processes is None:
             raise UnverifiableState(
-                f"the compute instance of {record.name} ({mig_uuid}) is gone or in another GPU instance"
-                f" (recorded GI {record.gpu_instance_id}; live: {live})",
+                f"the compute instance of {record.name} ({mig_uuid}) is gone"
+                f" (recorded GI {record.gpu_instance_id}, CI {record.compute_instance_id})",
                 {"record": record.name, "mig_uuid": mig_uuid},
             )
-        if device.processes > 0:
+        if processes > 0:
             raise InstanceInUse(
-                f"idle instance {mig_uuid} at {record.placement} still runs {device.processes} processes",
-                {"mig_uuid": mig_uuid, "processes": str(device.processes), "gpu_uuid": record.gpu_uuid},
+                f"idle instance {mig_uuid} at {record.placement} still runs {processes} processes",
+                {"mig_uuid": mig_uuid, "processes": str(processes), "gpu_uuid": record.gpu_uuid},
             )
 
     def undo_allocation(self, done: Sequence[_Done]) -> None:

@@ -69,9 +69,9 @@ from sidecar.cdi_format import (
     parse_kind,
 )
 from sidecar.domain import MIG_UUID_RE, Identity
+from sidecar.durable import TEMP_MARKER, atomic_write, fsync_dir
 from sidecar.errors import StateWriteFailed
 from sidecar.hami_files import HamiSpec
-from sidecar.records import TEMP_MARKER, atomic_write, fsync_dir
 
 DEFAULT_KIND = "k8s.hami.io/mig"
 FILE_MODE = 0o644

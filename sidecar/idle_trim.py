@@ -161,7 +161,7 @@ class IdleTrimmer:
             return False
         try:
             with nvml_errors(f"count processes on {mig_uuid}"):
-                return self.ctx.port.mig_device(mig_uuid).processes > 0
+                return self.ctx.port.mig_device_processes(mig_uuid) > 0
         except (SidecarError, NvmlError) as exc:
             _log.warning("cannot count processes on %s, not trimming it: %s", mig_uuid, exc)
             return True

@@ -33,11 +33,19 @@ class Locks:
                 lock = self._gpu_locks[gpu_uuid] = threading.RLock()
             return lock
 
+    def gpus(self, gpu_uuids: Iterable[str]) -> contextlib.AbstractContextManager[object]:
+        """Take the locks of several GPUs in sorted UUID order, the one global order (no deadlock).
+
+        Nearly every call names one GPU: its lock is the context manager then, without the stack."""
+        ordered = sorted(set(gpu_uuids))
+        if len(ordered) == 1:
+            return self.gpu(ordered[0])
+        return self._in_order(ordered)
+
     @contextlib.contextmanager
-    def gpus(self, gpu_uuids: Iterable[str]) -> Iterator[None]:
-        """Take the locks of several GPUs in sorted UUID order, the one global order (no deadlock)."""
+    def _in_order(self, ordered: Sequence[str]) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for uuid in sorted(set(gpu_uuids)):
+            for uuid in ordered:
                 stack.enter_context(self.gpu(uuid))
             yield
 

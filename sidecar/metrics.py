@@ -35,7 +35,6 @@ from sidecar.nvml.port import (
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
-    MigDeviceInfo,
     NvmlError,
     NvmlPort,
 )
@@ -262,8 +261,8 @@ class MeteredPort:
         self._call("destroy_gpu_instance", lambda: self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id))
         self.metrics.destructions.inc()
 
-    def mig_device(self, mig_uuid: str) -> MigDeviceInfo:
-        return self._call("mig_device", lambda: self.inner.mig_device(mig_uuid))
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        return self._call("mig_device_processes", lambda: self.inner.mig_device_processes(mig_uuid))
 
     def gpu_processes(self, gpu_uuid: str) -> int:
         return self._call("gpu_processes", lambda: self.inner.gpu_processes(gpu_uuid))

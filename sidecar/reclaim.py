@@ -147,7 +147,7 @@ def require_no_processes(ctx: Context, record: OwnershipRecord) -> None:
     if record.mig_uuid is None:
         return
     with nvml_errors(f"count processes on {record.mig_uuid}"):
-        running = ctx.port.mig_device(record.mig_uuid).processes
+        running = ctx.port.mig_device_processes(record.mig_uuid)
     if running > 0:
         raise InstanceInUse(
             f"instance {record.mig_uuid} at {record.placement} still runs {running} processes;"

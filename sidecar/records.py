@@ -49,17 +49,16 @@ anything there could have been planted, and the lock file is truncated on open.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
-import random
 import stat
 import threading
 import types
 from collections.abc import Callable
 from pathlib import Path
 
+from sidecar.durable import TEMP_MARKER, atomic_write
 from sidecar.errors import StateWriteFailed
 from sidecar.hami_files import is_record_filename as is_hami_record
 from sidecar.ownership import OwnershipRecord, is_record_name, record_name
@@ -84,7 +83,6 @@ DIR_MODE = 0o750
 FILE_MODE = 0o600
 LOCK_NAME = ".lock"
 SUFFIX = ".json"
-TEMP_MARKER = ".tmp-"
 
 
 class StateDirLocked(Exception):  # noqa: N818 - the contract's name
@@ -147,51 +145,6 @@ def _check_files_owned(directory: Path) -> None:
                 continue  # removed since the listing (a running sidecar's delete)
             if stat.S_ISREG(st.st_mode):
                 _check_owned(Path(entry.path), st, "state file")
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or unlink in ``directory`` durable (rename alone is atomic, not durable)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_suffix() -> str:
-    """16 random hex digits. Uniqueness is all a temp name needs (``O_EXCL`` refuses a clash), and
-    the process's own generator draws them without the system call ``secrets`` makes each time."""
-    return f"{random.getrandbits(64):016x}"
-
-
-def atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Replace ``path`` with ``data``: temp file in the same directory -> fsync -> rename -> fsync dir.
-
-    The temp name ``.<name>.tmp-<random>`` starts with a dot and does not end in ``.json``, so neither
-    this module nor a CDI scanner ever reads a half-written file. ``fchmod`` sets ``mode`` exactly,
-    whatever the umask. Raises OSError; the temp file is removed on failure. Plain ``os`` calls on
-    strings: on tmpfs, building ``Path`` objects costs more than the system calls themselves."""
-    target = os.fspath(path)
-    directory, name = os.path.split(target)
-    stem = name.rsplit(".", 1)[0] if "." in name[1:] else name
-    directory = directory or "."
-    tmp = f"{directory}/.{stem}{TEMP_MARKER}{_temp_suffix()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)  # noqa: PTH105 - strings on the hot path (see above)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # noqa: PTH108
-        raise
-    fsync_dir(path.parent)
 
 
 def _is_temp(filename: str) -> bool:
@@ -279,6 +232,7 @@ class RecordStore:
         self._paths: dict[str, Path] = {}  # record name -> its file (``path``)
         self._written: dict[Path, bytes] = {}  # path -> the bytes this store last wrote there
         self._lock_fd: int | None = None
+        self._dir_fd: int | None = None  # the directory, open for its fsyncs while the flock is held
         self._closed = False  # after close(): the flock may be another process's now
 
     def __enter__(self) -> RecordStore:
@@ -331,10 +285,11 @@ class RecordStore:
                 for entry in os.scandir(self.directory):
                     if _is_temp(entry.name) and entry.is_file(follow_symlinks=False):
                         Path(entry.path).unlink(missing_ok=True)
+                dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             except OSError as exc:
                 os.close(fd)
                 raise StateWriteFailed(f"preparing state directory {self.directory} failed: {exc}") from exc
-            self._lock_fd = fd
+            self._lock_fd, self._dir_fd = fd, dir_fd
 
     def close(self) -> None:
         """Release the flock (the lock file stays: unlinking it would let two processes lock two inodes).
@@ -345,6 +300,9 @@ class RecordStore:
             self._closed = True
             while self._writing:
                 self._idle.wait()
+            if self._dir_fd is not None:
+                os.close(self._dir_fd)
+                self._dir_fd = None
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -446,7 +404,8 @@ class RecordStore:
         if self._lock_fd is None and not self._closed:
             self.open()
         with self._lock:
-            if self._lock_fd is None or self._closed:
+            dir_fd = self._dir_fd  # open whenever the flock is held; closed only once no write runs
+            if dir_fd is None or self._closed:
                 raise StateWriteFailed(
                     f"the record store {self.directory} is closed (the sidecar is stopping);"
                     f" {what} {path.name} was not written"
@@ -461,9 +420,9 @@ class RecordStore:
                     self._written.pop(path, None)
                     if data is None:
                         path.unlink(missing_ok=True)
-                        fsync_dir(self.directory)
+                        os.fsync(dir_fd)
                     else:
-                        atomic_write(path, data, FILE_MODE)
+                        atomic_write(path, data, FILE_MODE, dir_fd)
                         self._written[path] = data
                 except OSError as exc:
                     action = "deleting" if data is None else "writing"

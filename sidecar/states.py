@@ -57,7 +57,8 @@ class IllegalTransition(Exception):  # noqa: N818 - reads as the fact it reports
 
 def now_rfc3339() -> str:
     """The ``since`` timestamp of a record: RFC 3339, UTC, microseconds (the one format)."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat of an aware UTC time always ends "+00:00"; it costs half of an equivalent strftime.
+    return datetime.now(UTC).isoformat(timespec="microseconds")[:-6] + "Z"
 
 
 def is_legal(before: State | None, after: State, *, recovery: bool = False) -> bool:

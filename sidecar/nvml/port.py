@@ -99,13 +99,6 @@ class ComputeInstanceInfo(msgspec.Struct, frozen=True):
     mig_uuid: str  # nvmlDeviceGetUUID of nvmlComputeInstanceInfo_t.device (the MIG device handle)
 
 
-class MigDeviceInfo(msgspec.Struct, frozen=True):
-    """A MIG device found by its MIG UUID: the lookup itself proves its CI is live."""
-
-    gpu_instance_id: int
-    processes: int  # compute processes running on it
-
-
 class NvmlPort(Protocol):
     """What the lifecycle needs from NVML. Every method raises ``NvmlError`` on failure."""
 
@@ -159,11 +152,13 @@ class NvmlPort(Protocol):
         """nvmlGpuInstanceDestroy; IN_USE while it has compute instances or processes."""
         ...
 
-    def mig_device(self, mig_uuid: str) -> MigDeviceInfo:
-        """The MIG device with this MIG UUID (nvmlDeviceGetHandleByUUID): its GI ID and processes.
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        """How many compute processes run on the MIG device with this MIG UUID, found by it
+        (nvmlDeviceGetHandleByUUID). Gone -> NvmlError NOT_FOUND.
 
-        Three calls whatever the layout: the MIG UUID is minted per CI create, so finding it proves
-        that CI live, and its GI ID says in which GI. Gone -> NvmlError NOT_FOUND."""
+        Two calls whatever the layout. Finding the UUID proves that very CI live, and with it the GI
+        it was made in: the driver mints a MIG UUID at each CI create and never hands it out again,
+        and a GI cannot be destroyed (nor re-created) under a live CI."""
         ...
 
     def gpu_processes(self, gpu_uuid: str) -> int:

@@ -54,7 +54,6 @@ from sidecar.nvml.port import (
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
-    MigDeviceInfo,
     NvmlError,
 )
 from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
@@ -434,12 +433,10 @@ class PynvmlBackend:
 
         self._run(f"destroy GPU instance {gpu_instance_id} on {gpu_uuid}", destroy, TRANSIENT_DESTROY_CODES)
 
-    def mig_device(self, mig_uuid: str) -> MigDeviceInfo:
-        def read() -> MigDeviceInfo:
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        def read() -> int:
             handle = pynvml.nvmlDeviceGetHandleByUUID(mig_uuid)
-            # A physical GPU's handle answers NOT_SUPPORTED or INVALID_ARGUMENT here: not a MIG device.
-            gi_id = int(pynvml.nvmlDeviceGetGpuInstanceId(handle))
-            return MigDeviceInfo(gi_id, len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle)))
+            return len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
 
         return self._run(f"look up MIG device {mig_uuid}", read)
 

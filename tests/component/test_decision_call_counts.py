@@ -11,10 +11,9 @@ from lifecycle_world import World
 from sidecar.domain import Outcome
 
 MODE = {"nvmlDeviceGetMigMode": 1}
-# Look up by MIG UUID, its GI ID, its processes: the instance is live, ours, and unused.
+# Look up by MIG UUID, its processes: the instance is live (the UUID proves its CI and GI) and unused.
 PROVE = {
     "nvmlDeviceGetHandleByUUID": 1,
-    "nvmlDeviceGetGpuInstanceId": 1,
     "nvmlDeviceGetComputeRunningProcesses_v3": 1,
 }
 # GI create and its read-back; CI create (with the GI's handle) and its read-back; the MIG UUID proof.

@@ -147,11 +147,11 @@ class TestStartupFailures:
 CRASH_IN_CDI_WRITE = """
 import os, sys
 from pathlib import Path
-from sidecar import records
+from sidecar import durable
 from sidecar.cdi import CdiSpecs
 
 os.fsync = lambda fd: os._exit(137)  # killed between writing the temp file and renaming it
-records.atomic_write(CdiSpecs(Path(sys.argv[1])).spec_path(sys.argv[2]), b"{}", 0o644)
+durable.atomic_write(CdiSpecs(Path(sys.argv[1])).spec_path(sys.argv[2]), b"{}", 0o644)
 """
 
 

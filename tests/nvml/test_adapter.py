@@ -157,9 +157,9 @@ class TestInstances:
         assert port.gpu_instances(gpu) == [gi]
         assert port.compute_instances(gpu, gi.id) == [ci]
         assert h100.layout(0).gis[0].mig_uuid == ci.mig_uuid
-        assert port.mig_device(ci.mig_uuid).processes == 0
+        assert port.mig_device_processes(ci.mig_uuid) == 0
         h100.set_busy(ci.mig_uuid)
-        assert (port.mig_device(ci.mig_uuid).processes, port.gpu_processes(gpu)) == (1, 1)
+        assert (port.mig_device_processes(ci.mig_uuid), port.gpu_processes(gpu)) == (1, 1)
         h100.set_busy(ci.mig_uuid, False)
         port.destroy_compute_instance(gpu, gi.id, ci.id)
         port.destroy_gpu_instance(gpu, gi.id)

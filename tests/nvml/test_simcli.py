@@ -69,7 +69,7 @@ class TestOperatingTheSimulatedNode:
             gi = port.create_gpu_instance(gpu, 19, Placement(0, 1))
             ci = port.create_compute_instance(gpu, gi.id, 0)
             assert sim(state, "busy", "--mig-uuid", ci.mig_uuid, "on") == 0
-            assert port.mig_device(ci.mig_uuid).processes == 1
+            assert port.mig_device_processes(ci.mig_uuid) == 1
             assert sim(state, "busy", "--mig-uuid", ci.mig_uuid, "off") == 0
             assert sim(state, "fault", "destroy-ci", "IN_USE", "--times", "1") == 0
             with pytest.raises(NvmlError) as exc:

@@ -5,6 +5,7 @@ Every test looks at the files the store leaves in a real directory; nothing is m
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -393,6 +394,22 @@ class TestSingleWriter:
         second.open()
         second.close()
         assert (state_dir / ".lock").exists()
+
+    def test_open_and_close_leave_no_descriptor_of_the_directory_behind(self, state_dir: Path) -> None:
+        def open_in_state_dir() -> list[str]:
+            fds = Path("/proc/self/fd")
+            targets = []
+            for fd in fds.iterdir():
+                with contextlib.suppress(OSError):
+                    targets.append(str(fd.readlink()))
+            return sorted(t for t in targets if t.startswith(str(state_dir)))
+
+        for _ in range(3):
+            s = RecordStore(state_dir)
+            s.put(make_record())
+            assert open_in_state_dir() == sorted([str(state_dir), str(state_dir / ".lock")])
+            s.close()
+            assert open_in_state_dir() == []
 
     def test_a_second_store_in_the_same_process_is_kept_out_too(
         self, store: RecordStore, state_dir: Path
