@@ -121,21 +121,20 @@ def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) ->
             raise SystemExit(f"round {i}: expected outcome {pb.Outcome.Name(outcome)}, got {device}")
         return device
 
-    measure("GetInfo", lambda: stub.GetInfo(pb.GetInfoRequest()))
+    # Every request is built before its clock starts: the figures are the RPC's, not the client's.
     w, c, r = f"w{i}", f"c{i}", f"r{i}"
-    reclaim = measure("Allocate CREATED+reclaim", lambda: stub.Allocate(request(gpu, w, "1g.10gb", 0, 1)))
+    info = pb.GetInfoRequest()
+    at_0, at_1, reuse = (request(gpu, pod, "1g.10gb", start, 1) for pod, start in ((w, 0), (c, 1), (r, 1)))
+    release = pb.ReleaseRequest(pod_uid=c)
+    measure("GetInfo", lambda: stub.GetInfo(info))
+    reclaim = measure("Allocate CREATED+reclaim", lambda: stub.Allocate(at_0))
     if not isinstance(reclaim, pb.AllocateResponse) or len(reclaim.reclaimed) != 1:
         raise SystemExit(f"round {i}: expected exactly one reclaimed instance, got {reclaim}")
     first = expect(reclaim, pb.CREATED)
-    expect(measure("Allocate CREATED", lambda: stub.Allocate(request(gpu, c, "1g.10gb", 1, 1))), pb.CREATED)
-    expect(
-        measure("ALREADY_ALLOCATED", lambda: stub.Allocate(request(gpu, c, "1g.10gb", 1, 1))),
-        pb.ALREADY_ALLOCATED,
-    )
-    measure("Release", lambda: stub.Release(pb.ReleaseRequest(pod_uid=c)))
-    second = expect(
-        measure("Allocate REUSED", lambda: stub.Allocate(request(gpu, r, "1g.10gb", 1, 1))), pb.REUSED
-    )
+    expect(measure("Allocate CREATED", lambda: stub.Allocate(at_1)), pb.CREATED)
+    expect(measure("ALREADY_ALLOCATED", lambda: stub.Allocate(at_1)), pb.ALREADY_ALLOCATED)
+    measure("Release", lambda: stub.Release(release))
+    second = expect(measure("Allocate REUSED", lambda: stub.Allocate(reuse)), pb.REUSED)
     generation = stub.GetInfo(pb.GetInfoRequest()).generation
     sync = pb.SyncActiveRequest(generation=generation, active=[active(w, first), active(r, second)])
     synced = measure("SyncActive", lambda: stub.SyncActive(sync))
@@ -143,7 +142,8 @@ def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) ->
         raise SystemExit(
             f"round {i}: SyncActive with every live allocation listed changed something: {synced}"
         )
-    measure("GetState", lambda: stub.GetState(pb.GetStateRequest()))
+    state = pb.GetStateRequest()
+    measure("GetState", lambda: stub.GetState(state))
     leave_idle_blocker(stub, gpu, [w, r], f"z{i}")
 
 
