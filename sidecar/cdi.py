@@ -74,6 +74,7 @@ from sidecar.errors import StateWriteFailed
 from sidecar.hami_files import HamiSpec
 
 DEFAULT_KIND = "k8s.hami.io/mig"
+PATH_LOCK_STRIPES = 64
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 NVIDIACTL_MINOR = 255
@@ -148,7 +149,9 @@ class CdiSpecs:
         # Specs this process wrote or read back: path -> (minor, identity, stat signature). A spec
         # whose file still has that signature is known current and is neither rendered nor read again.
         self._current: dict[Path, tuple[int, Identity, tuple[int, int, int, int]]] = {}
-        self._path_locks: dict[Path, threading.Lock] = {}
+        # One writer per spec file: a path's lock is one of a fixed set of stripes, so the set does not
+        # grow with every MIG UUID ever seen. ``ensure`` takes one and never two at once (no deadlock).
+        self._path_locks = tuple(threading.Lock() for _ in range(PATH_LOCK_STRIPES))
         self._spec_paths: dict[str, Path] = {}  # MIG UUID -> ``spec_path``, until its spec is removed
 
     @property
@@ -220,7 +223,7 @@ class CdiSpecs:
             # The file is wanted again: a queued removal must not take it away later.
             self._pending.pop(path, None)
             known = self._current.get(path)
-            path_lock = self._path_locks.setdefault(path, threading.Lock())
+            path_lock = self._path_locks[hash(path) % PATH_LOCK_STRIPES]
         if known is not None and known[:2] == (gpu_minor, identity) and _signature(path) == known[2]:
             return self.device_name(identity.mig_uuid)
         data = self.render(gpu_minor, identity)
