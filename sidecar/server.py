@@ -290,23 +290,7 @@ class MigSidecarServicer:
             if result.reclaimed:
                 self.metrics.reclaims.inc(len(result.reclaimed))
             self.on_change()
-            return pb.AllocateResponse(
-                devices=[
-                    pb.AllocatedDevice(
-                        device_index=device.device_index,
-                        gpu_uuid=device.reservation.gpu_uuid,
-                        profile=device.reservation.profile,
-                        placement=encode.pb_placement(device.reservation.placement),
-                        mig_uuid=device.identity.mig_uuid,
-                        gpu_instance_id=device.identity.gpu_instance_id,
-                        compute_instance_id=device.identity.compute_instance_id,
-                        cdi_device=device.cdi_device,
-                        outcome=device.outcome.value,
-                    )
-                    for device in result.devices
-                ],
-                reclaimed=[encode.encode_ref(ref) for ref in result.reclaimed],
-            )
+            return encode.encode_allocated(result)
 
         return self._handle("Allocate", context, answer)
 
