@@ -25,7 +25,7 @@ from typing import Protocol
 import msgspec
 
 from sidecar.nvml.sim.counters import CallCounters
-from sidecar.nvml.sim.procfs import sync_proc, write_proc_static
+from sidecar.nvml.sim.procfs import Layout, layout_key, sync_changed, sync_proc, write_proc_static
 from sidecar.nvml.sim.state import SimState, StateView, decode_view
 
 # -- where the state lives ----------------------------------------------------------------------------
@@ -73,26 +73,6 @@ class StateStore(Protocol):
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(SimState)
-
-
-Layout = tuple[str, tuple[tuple[int, bytes], ...]]  # boot ID, then (minor, encoded GIs) per GPU
-
-
-def layout_key(state: SimState) -> Layout:
-    """What the fake /proc tree depends on; the tree is rewritten only when this changes."""
-    return state.boot_id, tuple((g.minor, _ENCODER.encode(g.gis)) for g in state.gpus)
-
-
-def sync_changed(root: Path, state: SimState, before: Layout | None, after: Layout) -> None:
-    """Bring the fake /proc tree from ``before`` to ``after``: only the GPUs whose instances changed,
-    unless the boot, the GPU count or a minor number changed (then every GPU)."""
-    if before == after:
-        return
-    if before is None or before[0] != after[0] or [m for m, _ in before[1]] != [m for m, _ in after[1]]:
-        sync_proc(root, state)
-        return
-    pairs = zip(state.gpus, before[1], after[1], strict=True)
-    sync_proc(root, state, only={gpu.index for gpu, old, new in pairs if old != new})
 
 
 class MemoryStore:
@@ -249,10 +229,13 @@ _FILE_STORES: weakref.WeakSet[FileStore] = weakref.WeakSet()
 
 def _forget_lock_files() -> None:
     """In a forked child, every store opens its own lock file at its next access: an inherited
-    descriptor shares the parent's flock, which would lock nothing between the two. (The state file's
-    descriptor is only read and fstat'ed, which a shared descriptor does as well.)"""
+    descriptor shares the parent's flock, which would lock nothing between the two. Closing the
+    child's copy leaves the parent's lock alone. (The state file's descriptor is only read and
+    fstat'ed, which a shared descriptor does as well.)"""
     for store in list(_FILE_STORES):
-        store._fds.lock = None
+        fd, store._fds.lock = store._fds.lock, None
+        if fd is not None:
+            os.close(fd)
 
 
 os.register_at_fork(after_in_child=_forget_lock_files)
