@@ -14,10 +14,11 @@ It is stricter than NVIDIA's go-nvml mock and says no where a real driver says n
 * a GI without a CI has no MIG device; every CI gets a fresh ``MIG-<uuid>``;
 * GI IDs as real drivers number them (``profiles.gpu_instance_id``), CI IDs lowest free.
 
-Modules: ``state`` (the hardware and its rules), ``store`` (memory or a shared file), ``procfs`` (the
-fake /proc tree), ``cabi`` (ctypes plumbing, handles, the C symbol registry), ``devices`` and
-``instances`` (the emulated C functions), ``library`` (what pynvml loads), ``hardware`` (layouts and
-knobs), ``cli`` (the ``sim`` commands).
+Modules: ``state`` (the hardware, its frozen view for queries, and its rules), ``store`` (memory or a
+shared file), ``counters`` (call counts beside a state file), ``procfs`` (the fake /proc tree),
+``cabi`` (ctypes plumbing, handles, the C symbol registry), ``devices`` and ``instances`` (the
+emulated C functions), ``library`` (what pynvml loads), ``hardware`` (layouts and knobs), ``cli``
+(the ``sim`` commands).
 """
 
 from sidecar.nvml.sim.cabi import OP_ALIASES, parse_code

@@ -26,32 +26,33 @@ from sidecar.nvml.sim.cabi import (
     gpu_of,
     handle,
     mig_of,
+    query,
     set_pointer,
     target,
     write_string,
 )
-from sidecar.nvml.sim.state import SimError, SimState
+from sidecar.nvml.sim.state import SimError, SimState, StateView
 
 # -- system ----------------------------------------------------------------------------------------
 
 
-@cfunc("nvmlInit_v2", "nvmlInit", "nvmlShutdown")
-def _ok(state: SimState) -> int:
+@query("nvmlInit_v2", "nvmlInit", "nvmlShutdown")
+def _ok(state: StateView) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlInitWithFlags")
-def _init_flags(state: SimState, flags: Any) -> int:
+@query("nvmlInitWithFlags")
+def _init_flags(state: StateView, flags: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlErrorString")
+@query("nvmlErrorString")
 def _error_string(state: None, code: Any) -> bytes:
     return ERROR_STRINGS.get(as_int(code), f"Unknown Error ({as_int(code)})").encode()
 
 
-@cfunc("nvmlSystemGetDriverVersion")
-def _driver_version(state: SimState, buf: Any, length: Any) -> int:
+@query("nvmlSystemGetDriverVersion")
+def _driver_version(state: StateView, buf: Any, length: Any) -> int:
     write_string(buf, length, DRIVER_VERSION)
     return NVML_SUCCESS
 
@@ -59,14 +60,14 @@ def _driver_version(state: SimState, buf: Any, length: Any) -> int:
 # -- devices ---------------------------------------------------------------------------------------
 
 
-@cfunc("nvmlDeviceGetCount_v2", "nvmlDeviceGetCount")
-def _count(state: SimState, count: Any) -> int:
+@query("nvmlDeviceGetCount_v2", "nvmlDeviceGetCount")
+def _count(state: StateView, count: Any) -> int:
     target(count).value = len(state.gpus)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex")
-def _by_index(state: SimState, index: Any, device: Any) -> int:
+@query("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex")
+def _by_index(state: StateView, index: Any, device: Any) -> int:
     i = as_int(index)
     if not 0 <= i < len(state.gpus):
         raise SimError(NVML_ERROR_INVALID_ARGUMENT, f"no GPU at index {i}")
@@ -76,8 +77,8 @@ def _by_index(state: SimState, index: Any, device: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetHandleByUUID")
-def _by_uuid(state: SimState, uuid: Any, device: Any) -> int:
+@query("nvmlDeviceGetHandleByUUID")
+def _by_uuid(state: StateView, uuid: Any, device: Any) -> int:
     """Takes a GPU UUID or a MIG UUID (then the handle is the MIG device's)."""
     raw = getattr(uuid, "value", uuid)
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -87,17 +88,18 @@ def _by_uuid(state: SimState, uuid: Any, device: Any) -> int:
                 raise SimError(NVML_ERROR_GPU_IS_LOST, f"GPU {gpu.index} has fallen off the bus")
             set_pointer(target(device), handle(KIND_GPU, gpu.index))
             return NVML_SUCCESS
-        for ci in (ci for gi in gpu.gis for ci in gi.cis):  # MIG UUIDs are unique: order is moot
-            if ci.mig_uuid == text:
-                if gpu.lost:
-                    raise SimError(NVML_ERROR_GPU_IS_LOST, f"GPU {gpu.index} has fallen off the bus")
-                set_pointer(target(device), handle(KIND_MIG, gpu.index, ci.serial))
-                return NVML_SUCCESS
+        for gi in gpu.gis:  # MIG UUIDs are unique: order is moot
+            for ci in gi.cis:
+                if ci.mig_uuid == text:
+                    if gpu.lost:
+                        raise SimError(NVML_ERROR_GPU_IS_LOST, f"GPU {gpu.index} has fallen off the bus")
+                    set_pointer(target(device), handle(KIND_MIG, gpu.index, ci.serial))
+                    return NVML_SUCCESS
     raise SimError(NVML_ERROR_NOT_FOUND, f"no device with UUID {text}")
 
 
-@cfunc("nvmlDeviceGetName")
-def _name(state: SimState, h: Any, buf: Any, length: Any) -> int:
+@query("nvmlDeviceGetName")
+def _name(state: StateView, h: Any, buf: Any, length: Any) -> int:
     gpu, mig = device_of(state, h)
     model = rules.model_of(gpu)
     name = model.name
@@ -107,27 +109,27 @@ def _name(state: SimState, h: Any, buf: Any, length: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetUUID")
-def _uuid(state: SimState, h: Any, buf: Any, length: Any) -> int:
+@query("nvmlDeviceGetUUID")
+def _uuid(state: StateView, h: Any, buf: Any, length: Any) -> int:
     gpu, mig = device_of(state, h)
     write_string(buf, length, gpu.uuid if mig is None else mig[1].mig_uuid)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetMinorNumber")
-def _minor(state: SimState, h: Any, minor: Any) -> int:
+@query("nvmlDeviceGetMinorNumber")
+def _minor(state: StateView, h: Any, minor: Any) -> int:
     target(minor).value = gpu_of(state, h).minor
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetIndex")
-def _index(state: SimState, h: Any, index: Any) -> int:
+@query("nvmlDeviceGetIndex")
+def _index(state: StateView, h: Any, index: Any) -> int:
     target(index).value = gpu_of(state, h).index
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetMemoryInfo")
-def _memory(state: SimState, h: Any, memory: Any) -> int:
+@query("nvmlDeviceGetMemoryInfo")
+def _memory(state: StateView, h: Any, memory: Any) -> int:
     gpu, mig = device_of(state, h)
     model = rules.model_of(gpu)
     mb = model.memory_mb if mig is None else rules.gi_profile(gpu, mig[0].profile_id).memory_mb
@@ -138,8 +140,8 @@ def _memory(state: SimState, h: Any, memory: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetMigMode")
-def _get_mig_mode(state: SimState, h: Any, current: Any, pending: Any) -> int:
+@query("nvmlDeviceGetMigMode")
+def _get_mig_mode(state: StateView, h: Any, current: Any, pending: Any) -> int:
     gpu = gpu_of(state, h)
     target(current).value = int(gpu.mig_current)
     target(pending).value = int(gpu.mig_pending)
@@ -175,15 +177,15 @@ def _set_mig_mode(state: SimState, h: Any, mode: Any, status: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetMaxMigDeviceCount")
-def _max_mig(state: SimState, h: Any, count: Any) -> int:
+@query("nvmlDeviceGetMaxMigDeviceCount")
+def _max_mig(state: StateView, h: Any, count: Any) -> int:
     gpu = gpu_of(state, h)
     target(count).value = rules.model_of(gpu).max_mig_devices if gpu.mig_current else 0
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetMigDeviceHandleByIndex")
-def _mig_by_index(state: SimState, h: Any, index: Any, device: Any) -> int:
+@query("nvmlDeviceGetMigDeviceHandleByIndex")
+def _mig_by_index(state: StateView, h: Any, index: Any, device: Any) -> int:
     gpu = gpu_of(state, h)
     rules.require_mig(gpu)
     i = as_int(index)
@@ -196,40 +198,40 @@ def _mig_by_index(state: SimState, h: Any, index: Any, device: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceIsMigDeviceHandle")
-def _is_mig(state: SimState, h: Any, result: Any) -> int:
+@query("nvmlDeviceIsMigDeviceHandle")
+def _is_mig(state: StateView, h: Any, result: Any) -> int:
     _, mig = device_of(state, h)
     target(result).value = int(mig is not None)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstanceId")
-def _mig_gi_id(state: SimState, h: Any, result: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceId")
+def _mig_gi_id(state: StateView, h: Any, result: Any) -> int:
     target(result).value = mig_of(state, h)[1].id
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetComputeInstanceId")
-def _mig_ci_id(state: SimState, h: Any, result: Any) -> int:
+@query("nvmlDeviceGetComputeInstanceId")
+def _mig_ci_id(state: StateView, h: Any, result: Any) -> int:
     target(result).value = mig_of(state, h)[2].id
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
-def _mig_parent(state: SimState, h: Any, device: Any) -> int:
+@query("nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
+def _mig_parent(state: StateView, h: Any, device: Any) -> int:
     gpu, _, _ = mig_of(state, h)
     set_pointer(target(device), handle(KIND_GPU, gpu.index))
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetComputeRunningProcesses_v3")
-def _processes(state: SimState, h: Any, count: Any, infos: Any) -> int:
+@query("nvmlDeviceGetComputeRunningProcesses_v3")
+def _processes(state: StateView, h: Any, count: Any, infos: Any) -> int:
     """Busy markers as processes: a busy MIG device lists one, and its parent GPU lists it too."""
     gpu, mig = device_of(state, h)
     procs: list[tuple[str, int, int]] = []
     if mig is None and gpu.uuid in state.busy:
         procs.append((gpu.uuid, 0xFFFFFFFF, 0xFFFFFFFF))
-    for gi, ci in rules.mig_devices(gpu):
+    for gi, ci in rules.mig_devices(gpu) if state.busy else ():  # only busy devices list processes
         if ci.mig_uuid in state.busy and (mig is None or mig[1] is ci):
             procs.append((ci.mig_uuid, gi.id, ci.id))
     n = target(count)

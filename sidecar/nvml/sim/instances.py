@@ -27,10 +27,11 @@ from sidecar.nvml.sim.cabi import (
     gi_of,
     gpu_of,
     handle,
+    query,
     set_pointer,
     target,
 )
-from sidecar.nvml.sim.state import SimCi, SimError, SimGi, SimGpu, SimState
+from sidecar.nvml.sim.state import AnyCi, AnyGi, AnyGpu, SimError, SimState, StateView
 
 # -- GPU instance profiles -------------------------------------------------------------------------
 
@@ -51,7 +52,7 @@ def _fill_gi_profile(info: Any, p: profiles.GiProfile, with_name: bool) -> None:
         info.name = f"MIG {p.name}".encode()
 
 
-def _gi_profile_by_index(state: SimState, h: Any, index: Any) -> profiles.GiProfile:
+def _gi_profile_by_index(state: StateView, h: Any, index: Any) -> profiles.GiProfile:
     gpu = gpu_of(state, h)
     i = as_int(index)
     if not 0 <= i < profiles.GI_PROFILE_COUNT:
@@ -68,22 +69,22 @@ def _check_version(info: Any, version: int) -> None:
         raise SimError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH, "struct version mismatch")
 
 
-@cfunc("nvmlDeviceGetGpuInstanceProfileInfoV")
-def _gi_profile_info_v(state: SimState, h: Any, index: Any, info: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceProfileInfoV")
+def _gi_profile_info_v(state: StateView, h: Any, index: Any, info: Any) -> int:
     out = target(info)
     _check_version(out, pynvml.nvmlGpuInstanceProfileInfo_v2)
     _fill_gi_profile(out, _gi_profile_by_index(state, h, index), with_name=True)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstanceProfileInfo")
-def _gi_profile_info_v1(state: SimState, h: Any, index: Any, info: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceProfileInfo")
+def _gi_profile_info_v1(state: StateView, h: Any, index: Any, info: Any) -> int:
     _fill_gi_profile(target(info), _gi_profile_by_index(state, h, index), with_name=False)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstanceProfileInfoByIdV")
-def _gi_profile_info_by_id(state: SimState, h: Any, profile_id: Any, info: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceProfileInfoByIdV")
+def _gi_profile_info_by_id(state: StateView, h: Any, profile_id: Any, info: Any) -> int:
     out = target(info)
     _check_version(out, pynvml.nvmlGpuInstanceProfileInfo_v2)
     gpu = gpu_of(state, h)
@@ -95,8 +96,8 @@ def _gi_profile_info_by_id(state: SimState, h: Any, profile_id: Any, info: Any) 
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstancePossiblePlacements_v2")
-def _gi_placements(state: SimState, h: Any, profile_id: Any, placements: Any, count: Any) -> int:
+@query("nvmlDeviceGetGpuInstancePossiblePlacements_v2")
+def _gi_placements(state: StateView, h: Any, profile_id: Any, placements: Any, count: Any) -> int:
     """Static per profile, answered whatever the MIG mode; NULL array = count query."""
     gpu = gpu_of(state, h)
     p = rules.gi_profile(gpu, as_int(profile_id))
@@ -114,8 +115,8 @@ def _gi_placements(state: SimState, h: Any, profile_id: Any, placements: Any, co
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstanceRemainingCapacity")
-def _gi_capacity(state: SimState, h: Any, profile_id: Any, count: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceRemainingCapacity")
+def _gi_capacity(state: StateView, h: Any, profile_id: Any, count: Any) -> int:
     gpu = gpu_of(state, h)
     rules.require_mig(gpu)
     target(count).value = rules.remaining_capacity(gpu, rules.gi_profile(gpu, as_int(profile_id)))
@@ -125,7 +126,7 @@ def _gi_capacity(state: SimState, h: Any, profile_id: Any, count: Any) -> int:
 # -- GPU instances ---------------------------------------------------------------------------------
 
 
-def _gi_handle(gpu: SimGpu, gi: SimGi) -> int:
+def _gi_handle(gpu: AnyGpu, gi: AnyGi) -> int:
     return handle(KIND_GI, gpu.index, gi.serial)
 
 
@@ -158,8 +159,8 @@ def _fill(handles: list[Any], out: Any, count: Any, handle_type: Any, what: str)
     return NVML_SUCCESS
 
 
-@cfunc("nvmlDeviceGetGpuInstances")
-def _get_gis(state: SimState, h: Any, profile_id: Any, gis: Any, count: Any) -> int:
+@query("nvmlDeviceGetGpuInstances")
+def _get_gis(state: StateView, h: Any, profile_id: Any, gis: Any, count: Any) -> int:
     gpu = gpu_of(state, h)
     rules.require_mig(gpu)
     p = rules.gi_profile(gpu, as_int(profile_id))
@@ -167,16 +168,16 @@ def _get_gis(state: SimState, h: Any, profile_id: Any, gis: Any, count: Any) -> 
     return _fill(found, gis, count, pynvml.c_nvmlGpuInstance_t, "GPU instance")
 
 
-@cfunc("nvmlDeviceGetGpuInstanceById")
-def _gi_by_id(state: SimState, h: Any, gi_id: Any, gi: Any) -> int:
+@query("nvmlDeviceGetGpuInstanceById")
+def _gi_by_id(state: StateView, h: Any, gi_id: Any, gi: Any) -> int:
     gpu = gpu_of(state, h)
     rules.require_mig(gpu)
     set_pointer(target(gi), _gi_handle(gpu, rules.find_gi(gpu, as_int(gi_id))))
     return NVML_SUCCESS
 
 
-@cfunc("nvmlGpuInstanceGetInfo")
-def _gi_info(state: SimState, h: Any, info: Any) -> int:
+@query("nvmlGpuInstanceGetInfo")
+def _gi_info(state: StateView, h: Any, info: Any) -> int:
     gpu, gi = gi_of(state, h)
     out = target(info)
     out.device = ctypes.cast(handle(KIND_GPU, gpu.index), pynvml.c_nvmlDevice_t)
@@ -197,7 +198,7 @@ def _destroy_gi(state: SimState, h: Any) -> int:
 # -- compute instances -----------------------------------------------------------------------------
 
 
-def _ci_profile_info(state: SimState, h: Any, index: Any, eng: Any, info: Any, *, v2: bool) -> int:
+def _ci_profile_info(state: StateView, h: Any, index: Any, eng: Any, info: Any, *, v2: bool) -> int:
     gpu, gi = gi_of(state, h)
     out = target(info)
     if v2:
@@ -221,18 +222,18 @@ def _ci_profile_info(state: SimState, h: Any, index: Any, eng: Any, info: Any, *
     return NVML_SUCCESS
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstanceProfileInfoV")
-def _ci_profile_info_v(state: SimState, h: Any, index: Any, eng: Any, info: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstanceProfileInfoV")
+def _ci_profile_info_v(state: StateView, h: Any, index: Any, eng: Any, info: Any) -> int:
     return _ci_profile_info(state, h, index, eng, info, v2=True)
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstanceProfileInfo")
-def _ci_profile_info_v1(state: SimState, h: Any, index: Any, eng: Any, info: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstanceProfileInfo")
+def _ci_profile_info_v1(state: StateView, h: Any, index: Any, eng: Any, info: Any) -> int:
     return _ci_profile_info(state, h, index, eng, info, v2=False)
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstanceRemainingCapacity")
-def _ci_capacity(state: SimState, h: Any, profile_id: Any, count: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstanceRemainingCapacity")
+def _ci_capacity(state: StateView, h: Any, profile_id: Any, count: Any) -> int:
     gpu, gi = gi_of(state, h)
     cp = rules.ci_profile(gpu, gi, as_int(profile_id))
     existing = sum(1 for c in gi.cis if c.profile_id == cp.id)
@@ -240,8 +241,8 @@ def _ci_capacity(state: SimState, h: Any, profile_id: Any, count: Any) -> int:
     return NVML_SUCCESS
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstancePossiblePlacements")
-def _ci_placements(state: SimState, h: Any, profile_id: Any, placements: Any, count: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstancePossiblePlacements")
+def _ci_placements(state: StateView, h: Any, profile_id: Any, placements: Any, count: Any) -> int:
     gpu, gi = gi_of(state, h)
     cp = rules.ci_profile(gpu, gi, as_int(profile_id))
     n = target(count)
@@ -258,7 +259,7 @@ def _ci_placements(state: SimState, h: Any, profile_id: Any, placements: Any, co
     return NVML_SUCCESS
 
 
-def _ci_handle(gpu: SimGpu, ci: SimCi) -> int:
+def _ci_handle(gpu: AnyGpu, ci: AnyCi) -> int:
     return handle(KIND_CI, gpu.index, ci.serial)
 
 
@@ -282,23 +283,23 @@ def _create_ci_at(state: SimState, h: Any, profile_id: Any, placement: Any, ci: 
     return NVML_SUCCESS
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstances")
-def _get_cis(state: SimState, h: Any, profile_id: Any, cis: Any, count: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstances")
+def _get_cis(state: StateView, h: Any, profile_id: Any, cis: Any, count: Any) -> int:
     gpu, gi = gi_of(state, h)
     cp = rules.ci_profile(gpu, gi, as_int(profile_id))
     found = [_ci_handle(gpu, c) for c in gi.cis if c.profile_id == cp.id]
     return _fill(found, cis, count, pynvml.c_nvmlComputeInstance_t, "compute instance")
 
 
-@cfunc("nvmlGpuInstanceGetComputeInstanceById")
-def _ci_by_id(state: SimState, h: Any, ci_id: Any, ci: Any) -> int:
+@query("nvmlGpuInstanceGetComputeInstanceById")
+def _ci_by_id(state: StateView, h: Any, ci_id: Any, ci: Any) -> int:
     gpu, gi = gi_of(state, h)
     set_pointer(target(ci), _ci_handle(gpu, rules.find_ci(gpu, gi, as_int(ci_id))))
     return NVML_SUCCESS
 
 
-@cfunc("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
-def _ci_info(state: SimState, h: Any, info: Any) -> int:
+@query("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
+def _ci_info(state: StateView, h: Any, info: Any) -> int:
     """``device`` is the MIG device handle (its UUID is the MIG UUID), as drivers that real-world
     controllers were tested against return it, or the parent GPU as nvml.h documents it when the
     hardware is switched so (``SimulatedHardware.set_ci_info_device``)."""

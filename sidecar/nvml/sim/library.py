@@ -5,20 +5,20 @@ Its attributes emulate the C functions: they take what pynvml's wrappers pass (c
 ``byref`` out-parameters, caller-allocated arrays), write results through them and return
 ``nvmlReturn_t`` codes. The real pynvml wrappers, ctypes structs and ``NVMLError`` classes therefore run
 in every test, and the adapter cannot tell this library from the real one. Every call is one
-transaction on the state store: it is counted, may be faulted or delayed (the operator's knobs), then
+access to the state store: it is counted, may be faulted or delayed (the operator's knobs), then
 runs its implementation from ``devices`` or ``instances``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pynvml
 
 from sidecar.nvml.sim import devices, instances  # noqa: F401 - importing them registers their C functions
-from sidecar.nvml.sim.cabi import ERROR_STRINGS, FUNCTIONS, UNFAULTABLE, op_matches
+from sidecar.nvml.sim.cabi import ERROR_STRINGS, FUNCTIONS, QUERIES, UNFAULTABLE, op_matches
 from sidecar.nvml.sim.state import SimError, SimState
 from sidecar.nvml.sim.store import StateStore
 
@@ -34,15 +34,23 @@ class _CFunction:
         self.__name__ = name
         self.restype: Any = None
         self.argtypes: Any = None
-        self._library = library
         self._impl = impl
+        if name in UNFAULTABLE:
+            self._call = library.call_unfaultable
+        elif name in QUERIES:
+            self._call = library.call_query
+        else:
+            self._call = library.call
 
     def __call__(self, *args: Any) -> Any:
-        return self._library.call(self.__name__, self._impl, args)
+        return self._call(self.__name__, self._impl, args)
 
 
 class SimulatedLibrary:
-    """The emulated C API over a state store; attribute names are the C symbols pynvml fetches."""
+    """The emulated C API over a state store; attribute names are the C symbols pynvml fetches.
+
+    A call of a query (``cabi.query``) runs on the store's frozen view and so costs the store no
+    look for a change; every other call runs in a transaction on the mutable state."""
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
@@ -50,15 +58,10 @@ class SimulatedLibrary:
             setattr(self, symbol, _CFunction(self, symbol, impl))
 
     def call(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        if name in UNFAULTABLE:
-            with self.store.transaction(call=name):
-                pass  # counted like every other call, but never faulted or delayed
-            return impl(None, *args)
-        delay = 0.0
         started = time.perf_counter_ns()
         with self.store.transaction(call=name) as state:
-            delay = sum(s for op, s in state.latency.items() if op_matches(op, name))
-            code = self._consume_fault(state, name)
+            delay = _delay(state.latency, name) if state.latency else 0.0
+            code = _consume_fault(state, name) if state.faults else None
             if code is None:
                 try:
                     code = impl(state, *args)
@@ -70,19 +73,48 @@ class SimulatedLibrary:
             time.sleep(delay)  # outside the lock: a slow call does not stall every other caller
         return code
 
-    @staticmethod
-    def _consume_fault(state: SimState, name: str) -> int | None:
-        for fault in state.faults:
-            if not op_matches(fault.op, name):
-                continue
-            if fault.after > 0:
-                fault.after -= 1
-                continue
-            fault.times -= 1
-            if fault.times <= 0:
-                state.faults.remove(fault)
-            return fault.code
-        return None
+    def call_query(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """``call`` for a query: the same counting, faults, latency and driver time."""
+        started = time.perf_counter_ns()
+        with self.store.query(call=name) as q:
+            view = q.view
+            delay = _delay(view.latency, name) if view.latency else 0.0
+            code = None
+            if view.faults and any(op_matches(f.op, name) for f in view.faults):
+                code = _consume_fault(q.state(), name)  # a fault's countdown is a change to write
+            if code is None:
+                try:
+                    code = impl(view, *args)
+                except SimError as exc:
+                    code = exc.code
+            self.store.add_driver_ns(time.perf_counter_ns() - started)
+        if delay > 0:
+            time.sleep(delay)
+        return code
+
+    def call_unfaultable(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Counted like every other call, but never faulted or delayed."""
+        with self.store.query(call=name):
+            pass
+        return impl(None, *args)
+
+
+def _delay(latency: Mapping[str, float], name: str) -> float:
+    return sum(s for op, s in latency.items() if op_matches(op, name))
+
+
+def _consume_fault(state: SimState, name: str) -> int | None:
+    for fault in state.faults:
+        if not op_matches(fault.op, name):
+            continue
+        if fault.after > 0:
+            fault.after -= 1
+            continue
+        fault.times -= 1
+        if fault.times <= 0:
+            state.faults.remove(fault)
+        return fault.code
+    return None
 
 
 # -- installing into pynvml ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+import msgspec
+
 from sidecar.nvml import profiles
 from sidecar.nvml.sim.state import SimState
 
@@ -99,3 +101,27 @@ def sync_proc(root: Path, state: SimState, only: set[int] | None = None) -> None
                     shutil.rmtree(ci_dir, ignore_errors=True)
     for path, text in wanted.items():
         _write_if_changed(path, text)
+
+
+# -- when to sync -------------------------------------------------------------------------------------
+
+_GIS_ENCODER = msgspec.json.Encoder()
+
+Layout = tuple[str, tuple[tuple[int, bytes], ...]]  # boot ID, then (minor, encoded GIs) per GPU
+
+
+def layout_key(state: SimState) -> Layout:
+    """What the fake /proc tree depends on; the tree is rewritten only when this changes."""
+    return state.boot_id, tuple((g.minor, _GIS_ENCODER.encode(g.gis)) for g in state.gpus)
+
+
+def sync_changed(root: Path, state: SimState, before: Layout | None, after: Layout) -> None:
+    """Bring the fake /proc tree from ``before`` to ``after``: only the GPUs whose instances changed,
+    unless the boot, the GPU count or a minor number changed (then every GPU)."""
+    if before == after:
+        return
+    if before is None or before[0] != after[0] or [m for m, _ in before[1]] != [m for m, _ in after[1]]:
+        sync_proc(root, state)
+        return
+    pairs = zip(state.gpus, before[1], after[1], strict=True)
+    sync_proc(root, state, only={gpu.index for gpu, old, new in pairs if old != new})

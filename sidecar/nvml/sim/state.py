@@ -10,12 +10,18 @@ them into C-style return codes, and the Python test knobs share them, so an inst
 knob obeys the same placement and overlap rules as one created through NVML.
 
 The state structs are mutable on purpose: they are the machine, changed in place under the lock and
-encoded whole; values handed out to callers (``layout``) are frozen copies.
+encoded whole; values handed out to callers (``layout``) are frozen copies. The C functions that only
+read (queries: ``cabi.query``) get a frozen mirror instead (``StateView``: the same fields, tuples for
+lists), decoded from the same bytes: a query that tried to change the hardware would fail at once,
+so a store may skip looking for a change after one. The helpers below take either form.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import overload
 
 import msgspec
 
@@ -93,6 +99,76 @@ class SimState(msgspec.Struct):
     ci_info_device_is_parent: bool = False
 
 
+# -- the frozen mirror a query reads --------------------------------------------------------------------
+
+
+class CiView(msgspec.Struct, frozen=True):
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    mig_uuid: str
+    serial: int
+
+
+class GiView(msgspec.Struct, frozen=True):
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    serial: int
+    cis: tuple[CiView, ...] = ()
+
+
+class GpuView(msgspec.Struct, frozen=True):
+    index: int
+    uuid: str
+    model: str
+    minor: int
+    mig_current: bool
+    mig_pending: bool
+    lost: bool = False
+    gis: tuple[GiView, ...] = ()
+
+
+class FaultView(msgspec.Struct, frozen=True):
+    op: str
+    code: int
+    after: int = 0
+    times: int = 1
+
+
+class StateView(msgspec.Struct, frozen=True):
+    """``SimState`` as a query sees it: every field, none assignable, no list to append to. It must
+    encode to the same bytes as the state it was decoded from (a test holds it to that), so a field
+    added to ``SimState`` is added here too."""
+
+    version: int = STATE_VERSION
+    boot_id: str = ""
+    next_serial: int = 1
+    gpus: tuple[GpuView, ...] = ()
+    busy: tuple[str, ...] = ()
+    faults: tuple[FaultView, ...] = ()
+    latency: Mapping[str, float] = msgspec.field(default_factory=dict)
+    ci_info_device_is_parent: bool = False
+
+
+_VIEW_DECODER = msgspec.json.Decoder(StateView)
+
+
+def decode_view(raw: bytes) -> StateView:
+    """The frozen view of the encoded state ``raw``; its latency table is a read-only mapping too."""
+    view = _VIEW_DECODER.decode(raw)
+    msgspec.structs.force_setattr(view, "latency", MappingProxyType(view.latency))
+    return view
+
+
+AnyState = SimState | StateView
+AnyGpu = SimGpu | GpuView
+AnyGi = SimGi | GiView
+AnyCi = SimCi | CiView
+
+
 # -- building and numbering ---------------------------------------------------------------------------
 
 
@@ -122,43 +198,51 @@ def take_serial(state: SimState) -> int:
     return serial
 
 
-def model_of(gpu: SimGpu) -> profiles.GpuModel:
+def model_of(gpu: AnyGpu) -> profiles.GpuModel:
     return profiles.model(gpu.model)
 
 
-def require_mig(gpu: SimGpu) -> None:
+def require_mig(gpu: AnyGpu) -> None:
     if not gpu.mig_current:
         raise SimError(NVML_ERROR_NOT_SUPPORTED, f"MIG mode is disabled on GPU {gpu.index}")
 
 
-def gi_profile(gpu: SimGpu, profile_id: int) -> profiles.GiProfile:
+def gi_profile(gpu: AnyGpu, profile_id: int) -> profiles.GiProfile:
     p = model_of(gpu).profile_by_id(profile_id)
     if p is None:
         raise SimError(NVML_ERROR_INVALID_ARGUMENT, f"GPU {gpu.index} has no GI profile ID {profile_id}")
     return p
 
 
-def find_gi(gpu: SimGpu, gi_id: int) -> SimGi:
+@overload
+def find_gi(gpu: SimGpu, gi_id: int) -> SimGi: ...
+@overload
+def find_gi(gpu: GpuView, gi_id: int) -> GiView: ...
+def find_gi(gpu: AnyGpu, gi_id: int) -> AnyGi:
     for gi in gpu.gis:
         if gi.id == gi_id:
             return gi
     raise SimError(NVML_ERROR_NOT_FOUND, f"GPU {gpu.index} has no GPU instance {gi_id}")
 
 
-def find_ci(gpu: SimGpu, gi: SimGi, ci_id: int) -> SimCi:
+def find_ci(gpu: AnyGpu, gi: AnyGi, ci_id: int) -> AnyCi:
     for ci in gi.cis:
         if ci.id == ci_id:
             return ci
     raise SimError(NVML_ERROR_NOT_FOUND, f"GPU {gpu.index} GI {gi.id} has no compute instance {ci_id}")
 
 
-def mig_devices(gpu: SimGpu) -> list[tuple[SimGi, SimCi]]:
+def mig_devices(gpu: AnyGpu) -> list[tuple[AnyGi, AnyCi]]:
     """MIG devices are compute instances, enumerated in (GI ID, CI ID) order; a bare GI is none."""
-    gis = sorted(gpu.gis, key=lambda g: g.id)
-    return [(gi, ci) for gi in gis for ci in sorted(gi.cis, key=lambda c: c.id)]
+    gis: list[AnyGi] = sorted(gpu.gis, key=lambda g: g.id)
+    return [(gi, ci) for gi in gis for ci in _cis_by_id(gi)]
 
 
-def free_placements(gpu: SimGpu, profile: profiles.GiProfile) -> list[int]:
+def _cis_by_id(gi: AnyGi) -> list[AnyCi]:
+    return sorted(gi.cis, key=lambda c: c.id)
+
+
+def free_placements(gpu: AnyGpu, profile: profiles.GiProfile) -> list[int]:
     """Legal starts of ``profile`` that overlap no existing GI."""
     return [
         s
@@ -167,12 +251,12 @@ def free_placements(gpu: SimGpu, profile: profiles.GiProfile) -> list[int]:
     ]
 
 
-def remaining_capacity(gpu: SimGpu, profile: profiles.GiProfile) -> int:
+def remaining_capacity(gpu: AnyGpu, profile: profiles.GiProfile) -> int:
     existing = sum(1 for gi in gpu.gis if gi.profile_id == profile.id)
     return max(0, min(profile.instance_count - existing, len(free_placements(gpu, profile))))
 
 
-def auto_placement(gpu: SimGpu, profile: profiles.GiProfile) -> int:
+def auto_placement(gpu: AnyGpu, profile: profiles.GiProfile) -> int:
     """The start the driver picks when none is given: block the fewest still-free placements of other
     profiles, lowest start on a tie. Real drivers change this policy between releases; the sidecar
     never relies on it (it always passes a placement)."""
@@ -231,7 +315,7 @@ def create_gi(state: SimState, gpu: SimGpu, profile_id: int, start: int | None, 
     return gi
 
 
-def ci_profile(gpu: SimGpu, gi: SimGi, ci_profile_id: int) -> profiles.CiProfile:
+def ci_profile(gpu: AnyGpu, gi: AnyGi, ci_profile_id: int) -> profiles.CiProfile:
     if not 0 <= ci_profile_id < profiles.CI_PROFILE_COUNT:
         raise SimError(NVML_ERROR_INVALID_ARGUMENT, f"CI profile {ci_profile_id} out of range")
     gp = gi_profile(gpu, gi.profile_id)
@@ -241,7 +325,7 @@ def ci_profile(gpu: SimGpu, gi: SimGi, ci_profile_id: int) -> profiles.CiProfile
     raise SimError(NVML_ERROR_NOT_SUPPORTED, f"CI profile {ci_profile_id} is not supported in a {gp.name} GI")
 
 
-def ci_free_starts(gi: SimGi, cp: profiles.CiProfile) -> list[int]:
+def ci_free_starts(gi: AnyGi, cp: profiles.CiProfile) -> list[int]:
     end = cp.slice_count
     return [s for s in cp.starts if all(s + end <= c.start or c.start + c.size <= s for c in gi.cis)]
 

@@ -4,38 +4,59 @@ Like a real driver shared by the sidecar and ``nvidia-smi``: every access takes 
 file beside the state file around its read-modify-write, so a ``sim`` command and a running sidecar
 see each other's changes at their next call. A call reads one small file and writes only when
 something changed. Every call is also counted per C function (``CallCounters``).
+
+Two kinds of access: ``transaction`` hands out the mutable state and looks for a change afterwards
+(it encodes the whole state and compares); ``query`` hands out the frozen ``StateView`` of the same
+state, which nothing can change, so it skips that look. Most simulated calls are queries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import mmap
 import os
 import shutil
-import struct
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 import msgspec
 
-from sidecar.nvml.sim.procfs import sync_proc, write_proc_static
-from sidecar.nvml.sim.state import SimState
+from sidecar.nvml.sim.counters import CallCounters
+from sidecar.nvml.sim.procfs import Layout, layout_key, sync_changed, sync_proc, write_proc_static
+from sidecar.nvml.sim.state import SimState, StateView, decode_view
 
 # -- where the state lives ----------------------------------------------------------------------------
 
 
-class StateStore(Protocol):
-    """Access to the state under a lock. ``transaction`` writes back only if the state changed.
+class Query(Protocol):
+    """One query's access to the state, under the store's lock."""
 
-    ``transaction(call=NAME)`` also counts one call of the C function ``NAME``, under the same lock, so
-    a count is never lost to a concurrent caller and always sits beside the state change it caused."""
+    @property
+    def view(self) -> StateView:
+        """The state as it is, frozen."""
+        ...
+
+    def state(self) -> SimState:
+        """The mutable state, for the library's own bookkeeping (a fault's countdown on a query): once
+        asked for, the query ends like a transaction, writing back what changed."""
+        ...
+
+
+class StateStore(Protocol):
+    """Access to the state under a lock. ``transaction`` writes back only if the state changed;
+    ``query`` reads a frozen view and writes nothing unless ``Query.state`` was asked for.
+
+    ``call=NAME`` also counts one call of the C function ``NAME``, under the same lock, so a count is
+    never lost to a concurrent caller and always sits beside the state change it caused."""
 
     proc_root: Path | None
 
     def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]: ...
+
+    def query(self, call: str | None = None) -> contextlib.AbstractContextManager[Query]: ...
 
     def call_counts(self) -> dict[str, int]: ...
 
@@ -54,31 +75,15 @@ _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(SimState)
 
 
-Layout = tuple[str, tuple[tuple[int, bytes], ...]]  # boot ID, then (minor, encoded GIs) per GPU
-
-
-def layout_key(state: SimState) -> Layout:
-    """What the fake /proc tree depends on; the tree is rewritten only when this changes."""
-    return state.boot_id, tuple((g.minor, _ENCODER.encode(g.gis)) for g in state.gpus)
-
-
-def sync_changed(root: Path, state: SimState, before: Layout | None, after: Layout) -> None:
-    """Bring the fake /proc tree from ``before`` to ``after``: only the GPUs whose instances changed,
-    unless the boot, the GPU count or a minor number changed (then every GPU)."""
-    if before == after:
-        return
-    if before is None or before[0] != after[0] or [m for m, _ in before[1]] != [m for m, _ in after[1]]:
-        sync_proc(root, state)
-        return
-    pairs = zip(state.gpus, before[1], after[1], strict=True)
-    sync_proc(root, state, only={gpu.index for gpu, old, new in pairs if old != new})
-
-
 class MemoryStore:
-    """State in this process only (tests). A re-entrant lock serialises threads."""
+    """State in this process only (tests). A re-entrant lock serialises threads.
+
+    The view for queries is decoded from the encoded state the first time a query follows a
+    transaction; a transaction drops it, whether or not its body finished."""
 
     def __init__(self, state: SimState, proc_root: Path | None) -> None:
         self._state = state
+        self._view: StateView | None = None
         self._lock = threading.RLock()
         self._calls: dict[str, int] = {}
         self._driver_ns = 0
@@ -91,10 +96,24 @@ class MemoryStore:
     @contextlib.contextmanager
     def transaction(self, call: str | None = None) -> Iterator[SimState]:
         with self._lock:
-            if call is not None:
-                self._calls[call] = self._calls.get(call, 0) + 1
+            self._count(call)
+            self._view = None
             yield self._state
             self._sync(self._state)
+
+    def query(self, call: str | None = None) -> contextlib.AbstractContextManager[Query]:
+        return _MemoryQuery(self, call)
+
+    def _count(self, call: str | None) -> None:
+        if call is not None:
+            self._calls[call] = self._calls.get(call, 0) + 1
+
+    def _current_view(self) -> StateView:
+        if self._view is None:
+            # The first query after a transaction; one whose body raised has not synced /proc yet.
+            self._sync(self._state)
+            self._view = decode_view(_ENCODER.encode(self._state))
+        return self._view
 
     def call_counts(self) -> dict[str, int]:
         with self._lock:
@@ -121,120 +140,105 @@ class MemoryStore:
         self._written = layout
 
 
-class CallCounters:
-    """Calls per C function name in ``<state file>.calls``, shared by every process using that state,
-    and the state file's write generation.
+class _MemoryQuery:
+    __slots__ = ("_call", "_store", "_writing", "view")
+    view: StateView
 
-    Every simulated call is counted, so a count must not cost a rewrite of the state file: this file
-    is a fixed table mapped (``MAP_SHARED``) into each process once, and a count is one 8-byte store
-    into the mapping. Callers hold the state's flock, which serialises counting across processes.
+    def __init__(self, store: MemoryStore, call: str | None) -> None:
+        self._store, self._call, self._writing = store, call, False
 
-    Layout: the 8-byte magic, the uint64 write generation, the uint64 nanoseconds spent inside
-    simulated calls (``driver_ns``; zeroed by a reset), then ``SLOTS`` slots of 64 bytes, each a
-    NUL-padded C function name (56 bytes) and a count; integers little-endian. A name takes the first
-    empty slot the first time it is counted; a reset zeroes the slots. The generation only ever grows
-    (a reset leaves it alone): ``FileStore`` bumps it on every state write, and a process whose cached
-    state carries the current generation may skip reading and decoding the file. A file of the wrong
-    size or magic is re-initialised, never shrunk, so a process that mapped it earlier is never cut
-    short."""
+    def __enter__(self) -> _MemoryQuery:
+        store = self._store
+        store._lock.acquire()
+        try:
+            store._count(self._call)
+            self.view = store._current_view()
+        except BaseException:
+            store._lock.release()
+            raise
+        return self
 
-    MAGIC = b"HMSCALL3"
-    NAME = 56
-    SLOT = 64
-    SLOTS = 256
-    DRIVER_NS = len(MAGIC) + 8
-    HEADER = DRIVER_NS + 8
-    SIZE = HEADER + SLOT * SLOTS
-    _U64 = struct.Struct("<Q")
+    def state(self) -> SimState:
+        self._writing = True
+        self._store._view = None
+        return self._store._state
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._map: mmap.mmap | None = None
-        self._slots: dict[str, int] = {}  # name -> offset, re-checked against the file on every use
-        self._keys: dict[str, bytes] = {}  # name -> its NUL-padded slot key
-
-    def _mapping(self) -> mmap.mmap:
-        if self._map is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if os.fstat(fd).st_size != self.SIZE or os.pread(fd, len(self.MAGIC), 0) != self.MAGIC:
-                    os.pwrite(fd, self.MAGIC + bytes(self.SIZE - len(self.MAGIC)), 0)
-                    os.ftruncate(fd, self.SIZE)
-                self._map = mmap.mmap(fd, self.SIZE)
-            finally:
-                os.close(fd)  # the mapping keeps the file open
-        return self._map
-
-    def _offsets(self) -> Iterator[int]:
-        return iter(range(self.HEADER, self.SIZE, self.SLOT))
-
-    def add(self, name: str) -> None:
-        key = self._keys.get(name)
-        if key is None:
-            key = name.encode()
-            if not 0 < len(key) <= self.NAME or b"\0" in key:
-                raise ValueError(f"cannot count a call of {name!r}: not a C function name")
-            key = self._keys[name] = key.ljust(self.NAME, b"\0")
-        m = self._mapping()
-        offset = self._slots.get(name)
-        if offset is None or m[offset : offset + self.NAME] != key:  # first use, or a reset moved it
-            offset = self._slot(m, key)
-            self._slots[name] = offset
-        (count,) = self._U64.unpack_from(m, offset + self.NAME)
-        self._U64.pack_into(m, offset + self.NAME, count + 1)
-
-    def _slot(self, m: mmap.mmap, key: bytes) -> int:
-        for offset in self._offsets():
-            name = m[offset : offset + self.NAME]
-            if name == key:
-                return offset
-            if name[0] == 0:
-                m[offset : offset + self.NAME] = key
-                self._U64.pack_into(m, offset + self.NAME, 0)
-                return offset
-        raise RuntimeError(f"{self.path}: more than {self.SLOTS} distinct functions counted")
-
-    def counts(self) -> dict[str, int]:
-        m = self._mapping()
-        result: dict[str, int] = {}
-        for offset in self._offsets():
-            name = m[offset : offset + self.NAME]
-            if name[0] == 0:
-                break
-            result[name.rstrip(b"\0").decode()] = self._U64.unpack_from(m, offset + self.NAME)[0]
-        return result
-
-    def reset(self) -> None:
-        m = self._mapping()
-        m[self.DRIVER_NS :] = bytes(self.SIZE - self.DRIVER_NS)
-
-    def add_driver_ns(self, ns: int) -> None:
-        m = self._mapping()
-        (total,) = self._U64.unpack_from(m, self.DRIVER_NS)
-        self._U64.pack_into(m, self.DRIVER_NS, total + ns)
-
-    def driver_ns(self) -> int:
-        value: int = self._U64.unpack_from(self._mapping(), self.DRIVER_NS)[0]
-        return value
-
-    def generation(self) -> int:
-        value: int = self._U64.unpack_from(self._mapping(), len(self.MAGIC))[0]
-        return value
-
-    def bump_generation(self) -> int:
-        value = self.generation() + 1
-        self._U64.pack_into(self._mapping(), len(self.MAGIC), value)
-        return value
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if self._writing and exc_type is None:
+                self._store._sync(self._store._state)
+        finally:
+            self._store._lock.release()
 
 
-class _Cached(msgspec.Struct, frozen=True):
-    """The state as this process last read or wrote it, and how to tell that the file is unchanged."""
+class _Cached:
+    """The state as this process last read or wrote it, and how to tell that the file is unchanged.
 
-    generation: int
-    file_id: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns of the state file
-    raw: bytes
-    state: SimState
-    layout: Layout
+    ``raw`` is the file's content; the mutable state (with its layout) and the frozen view are decoded
+    from it when first asked for, so a process that only queries never decodes the mutable state."""
+
+    __slots__ = ("_layout", "_state", "_view", "file_id", "generation", "raw")
+
+    def __init__(
+        self,
+        generation: int,
+        file_id: tuple[int, int, int, int],  # st_dev, st_ino, st_size, st_mtime_ns of the state file
+        raw: bytes,
+        state: SimState | None = None,
+        layout: Layout | None = None,
+    ) -> None:
+        self.generation, self.file_id, self.raw = generation, file_id, raw
+        self._state, self._layout = state, layout
+        self._view: StateView | None = None
+
+    def state(self) -> SimState:
+        if self._state is None:
+            self._state = _DECODER.decode(self.raw)
+            self._layout = layout_key(self._state)  # before any body can change the state
+        return self._state
+
+    def layout(self) -> Layout:
+        """The layout of ``raw`` (``state`` was asked for first, so it was taken before any change)."""
+        assert self._layout is not None
+        return self._layout
+
+    def view(self) -> StateView:
+        if self._view is None:
+            self._view = decode_view(self.raw)
+        return self._view
+
+
+class _Descriptors:
+    """A store's open files, apart from the store so that they are closed when it is collected."""
+
+    __slots__ = ("lock", "state")
+
+    def __init__(self) -> None:
+        self.lock: int | None = None
+        self.state: int | None = None  # the state file as last opened, read or written
+
+    def close(self) -> None:
+        for fd in (self.lock, self.state):
+            if fd is not None:
+                os.close(fd)
+        self.lock = self.state = None
+
+
+_FILE_STORES: weakref.WeakSet[FileStore] = weakref.WeakSet()
+
+
+def _forget_lock_files() -> None:
+    """In a forked child, every store opens its own lock file at its next access: an inherited
+    descriptor shares the parent's flock, which would lock nothing between the two. Closing the
+    child's copy leaves the parent's lock alone. (The state file's descriptor is only read and
+    fstat'ed, which a shared descriptor does as well.)"""
+    for store in list(_FILE_STORES):
+        fd, store._fds.lock = store._fds.lock, None
+        if fd is not None:
+            os.close(fd)
+
+
+os.register_at_fork(after_in_child=_forget_lock_files)
 
 
 class FileStore:
@@ -243,12 +247,14 @@ class FileStore:
     Writes go to a temp file renamed over the state, so a reader never sees half a file. No fsync:
     the simulated hardware does not need to survive a crash of the host it is simulated on.
 
-    Every simulated NVML call is one transaction, so a transaction is kept cheap without giving up
-    the sharing: the lock file stays open (one ``flock`` per transaction, no open/close), and the
-    decoded state is kept between transactions and reused only while both the write generation in
+    Every simulated NVML call is one transaction or query, so each is kept cheap without giving up
+    the sharing: the lock file stays open (one ``flock`` per access, no open/close), and the
+    file's content is kept between accesses and reused only while both the write generation in
     ``<file>.calls`` and the state file's identity (device, inode, size, mtime) are what this process
     last saw, so a change by any other process, or an edit of the file by hand, is read at the next
-    call. A transaction that raises drops the kept state: it may have been changed half-way."""
+    call. The identity comes from an ``fstat`` of the state file kept open, cheaper than a ``stat`` of
+    its path: a file renamed over it or deleted leaves the open one with no link, and the path is
+    opened again. A transaction that raises drops the kept state: it may have been changed half-way."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -256,11 +262,12 @@ class FileStore:
         self.lock_path = path.with_name(path.name + ".lock")
         self.proc_root: Path | None = path.with_name(path.name + ".proc")
         self._thread_lock = threading.RLock()
-        self._lock_fd: int | None = None
-        self._lock_pid = 0
+        self._fds = _Descriptors()
+        weakref.finalize(self, self._fds.close)
         self._depth = 0
         self._counters = CallCounters(path.with_name(path.name + ".calls"))
         self._cached: _Cached | None = None
+        _FILE_STORES.add(self)
 
     @staticmethod
     def create(path: Path, state: SimState, overwrite: bool = False) -> FileStore:
@@ -279,43 +286,90 @@ class FileStore:
         return store
 
     def _lock_file(self) -> int:
-        """The lock file's descriptor, opened once per process. A forked child opens its own: an
-        inherited descriptor shares the parent's flock, which would lock nothing between the two."""
-        if self._lock_fd is None or self._lock_pid != os.getpid():
+        """The lock file's descriptor, opened once per process (``_forget_lock_files``)."""
+        fd = self._fds.lock
+        if fd is None:
             try:
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
             except FileNotFoundError:
                 self.lock_path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            self._lock_fd, self._lock_pid = fd, os.getpid()
-        return self._lock_fd
+            self._fds.lock = fd
+        return fd
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Thread lock, then the flock; re-entrant within a thread (the flock is taken once)."""
-        with self._thread_lock:
+        self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _acquire(self) -> None:
+        self._thread_lock.acquire()
+        try:
             if self._depth == 0:
                 fcntl.flock(self._lock_file(), fcntl.LOCK_EX)
             self._depth += 1
-            try:
-                yield
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    fcntl.flock(self._lock_file(), fcntl.LOCK_UN)
+        except BaseException:
+            self._thread_lock.release()
+            raise
+
+    def _release(self) -> None:
+        try:
+            self._depth -= 1
+            if self._depth == 0:
+                fcntl.flock(self._lock_file(), fcntl.LOCK_UN)
+        finally:
+            self._thread_lock.release()
 
     def _write(self, data: bytes) -> None:
+        """Replace the state file with ``data``; the new file is the one kept open from now on."""
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(self.path)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)  # as open() does
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            tmp.replace(self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._keep_open(fd)
         self._counters.bump_generation()
 
+    def _keep_open(self, fd: int | None) -> None:
+        old, self._fds.state = self._fds.state, fd
+        if old is not None:
+            os.close(old)
+
     def _file_id(self) -> tuple[int, int, int, int]:
+        """Device, inode, size and mtime of the file at the state's path, opened again if the one
+        kept open is no longer linked there (replaced or deleted)."""
+        fd = self._fds.state
+        if fd is not None:
+            st = os.fstat(fd)
+            if st.st_nlink:
+                return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+            self._keep_open(None)
         try:
-            st = os.stat(self._path)  # noqa: PTH116 - once per simulated call: a str, not a Path
+            fd = os.open(self._path, os.O_RDONLY)
         except FileNotFoundError:
             raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
+        self._keep_open(fd)
+        st = os.fstat(fd)
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _read(self) -> bytes:
+        """The content of the state file kept open (``_file_id`` opened it)."""
+        fd = self._fds.state
+        assert fd is not None
+        chunks, offset = [], 0
+        while chunk := os.pread(fd, 1 << 16, offset):
+            chunks.append(chunk)
+            offset += len(chunk)
+        return b"".join(chunks)
 
     def call_counts(self) -> dict[str, int]:
         with self._locked():
@@ -336,32 +390,33 @@ class FileStore:
     def transaction(self, call: str | None = None) -> contextlib.AbstractContextManager[SimState]:
         return _FileTransaction(self, call)
 
+    def query(self, call: str | None = None) -> contextlib.AbstractContextManager[Query]:
+        return _FileQuery(self, call)
+
     def _begin(self, call: str | None) -> _Cached:
-        """Under the flock (taken by the caller): count ``call``; the state, re-read only if changed."""
+        """Under the flock (taken by the caller): count ``call``; the file's content, re-read only if
+        changed. Until the access ends cleanly, nothing is kept (``_end``)."""
         if call is not None:
             self._counters.add(call)
-        cached, self._cached = self._cached, None  # restored only if the body finishes cleanly
+        cached, self._cached = self._cached, None
         generation, file_id = self._counters.generation(), self._file_id()
-        if cached is None or (cached.generation, cached.file_id) != (generation, file_id):
-            try:
-                raw = self.path.read_bytes()
-            except FileNotFoundError:
-                raise FileNotFoundError(f"simulated hardware state {self.path} does not exist") from None
-            state = _DECODER.decode(raw)
-            cached = _Cached(generation, file_id, raw, state, layout_key(state))
+        if cached is None or cached.generation != generation or cached.file_id != file_id:
+            cached = _Cached(generation, file_id, self._read())
         return cached
 
-    def _commit(self, cached: _Cached) -> None:
-        """Write the state back if the body changed it; keep it for the next transaction."""
-        state = cached.state
-        encoded = _ENCODER.encode(state)
-        if encoded != cached.raw:
-            self._write(encoded)
-            layout = layout_key(state)
-            if layout != cached.layout:
-                assert self.proc_root is not None
-                sync_changed(self.proc_root, state, cached.layout, layout)
-            cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
+    def _end(self, cached: _Cached, changed: bool) -> None:
+        """After a clean access: write the state back if ``changed`` says it may have changed and it
+        did; keep it for the next access."""
+        if changed:
+            state = cached.state()
+            encoded = _ENCODER.encode(state)
+            if encoded != cached.raw:
+                self._write(encoded)
+                layout = layout_key(state)
+                if layout != cached.layout():
+                    assert self.proc_root is not None
+                    sync_changed(self.proc_root, state, cached.layout(), layout)
+                cached = _Cached(self._counters.generation(), self._file_id(), encoded, state, layout)
         self._cached = cached
 
 
@@ -377,32 +432,52 @@ class _FileTransaction:
 
     def __enter__(self) -> SimState:
         store = self._store
-        store._thread_lock.acquire()
+        store._acquire()
         try:
-            if store._depth == 0:
-                fcntl.flock(store._lock_file(), fcntl.LOCK_EX)
-            store._depth += 1
-            try:
-                self._cached = store._begin(self._call)
-            except BaseException:
-                self._release()
-                raise
+            self._cached = store._begin(self._call)
+            return self._cached.state()
         except BaseException:
-            store._thread_lock.release()
+            store._release()
             raise
-        return self._cached.state
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         try:
             if exc_type is None:
                 assert self._cached is not None
-                self._store._commit(self._cached)
+                self._store._end(self._cached, changed=True)
         finally:
-            self._release()
-            self._store._thread_lock.release()
+            self._store._release()
 
-    def _release(self) -> None:
+
+class _FileQuery:
+    """``FileStore.query``: the same lock and counting as a transaction; the body gets the frozen
+    view, so the state cannot have changed unless ``state`` was asked for."""
+
+    __slots__ = ("_cached", "_call", "_store", "_writing", "view")
+    _cached: _Cached
+    view: StateView
+
+    def __init__(self, store: FileStore, call: str | None) -> None:
+        self._store, self._call, self._writing = store, call, False
+
+    def __enter__(self) -> _FileQuery:
         store = self._store
-        store._depth -= 1
-        if store._depth == 0:
-            fcntl.flock(store._lock_file(), fcntl.LOCK_UN)
+        store._acquire()
+        try:
+            self._cached = store._begin(self._call)
+            self.view = self._cached.view()
+        except BaseException:
+            store._release()
+            raise
+        return self
+
+    def state(self) -> SimState:
+        self._writing = True
+        return self._cached.state()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:
+                self._store._end(self._cached, changed=self._writing)
+        finally:
+            self._store._release()
