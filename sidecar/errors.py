@@ -26,9 +26,9 @@ UNAVAILABLE means "the same call may succeed later, with the same key"; the clie
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Mapping
 
 from sidecar.nvml.port import NvmlError
 
@@ -133,13 +133,24 @@ class ComputeInstanceNotOurs(UnverifiableState):
     blocking its placement), which is what recovery's planner decides by the same rule at gather."""
 
 
-@contextlib.contextmanager
-def nvml_errors(operation: str) -> Iterator[None]:
-    """The one boundary where ``NvmlError`` becomes the domain's ``NvmlFailure`` (cause kept)."""
-    try:
-        yield
-    except NvmlError as exc:
-        raise NvmlFailure(
-            f"{operation}: {exc.message} (nvml code {exc.code})",
-            {"nvml_code": str(exc.code), "operation": exc.operation},
-        ) from exc
+class nvml_errors:  # noqa: N801 - used as a function: ``with nvml_errors("...")``
+    """The one boundary where ``NvmlError`` becomes the domain's ``NvmlFailure`` (cause kept).
+
+    A plain context manager, not a generator: every NVML call of a decision passes through one."""
+
+    __slots__ = ("_operation",)
+
+    def __init__(self, operation: str) -> None:
+        self._operation = operation
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> None:
+        if isinstance(exc, NvmlError):
+            raise NvmlFailure(
+                f"{self._operation}: {exc.message} (nvml code {exc.code})",
+                {"nvml_code": str(exc.code), "operation": exc.operation},
+            ) from exc

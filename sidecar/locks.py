@@ -57,17 +57,32 @@ class Locks:
         with self.gpus([*known, *gpu_uuids]):
             yield
 
-    @contextlib.contextmanager
-    def claim(self, keys: Sequence[AllocationKey]) -> Iterator[None]:
+    def claim(self, keys: Sequence[AllocationKey]) -> _Claim:
         """Claim allocation keys for one request; waits while another request holds any of them."""
-        wanted = set(keys)
+        return _Claim(self, frozenset(keys))
+
+    def _take(self, wanted: frozenset[AllocationKey]) -> None:
         with self.keys:
             while wanted & self._claimed:
                 self.keys.wait()
             self._claimed |= wanted
-        try:
-            yield
-        finally:
-            with self.keys:
-                self._claimed -= wanted
-                self.keys.notify_all()
+
+    def _give_back(self, wanted: frozenset[AllocationKey]) -> None:
+        with self.keys:
+            self._claimed -= wanted
+            self.keys.notify_all()
+
+
+class _Claim:
+    """``Locks.claim`` as a plain context manager (every Allocate, Release and Undo takes one)."""
+
+    __slots__ = ("_locks", "_wanted")
+
+    def __init__(self, locks: Locks, wanted: frozenset[AllocationKey]) -> None:
+        self._locks, self._wanted = locks, wanted
+
+    def __enter__(self) -> None:
+        self._locks._take(self._wanted)
+
+    def __exit__(self, *_: object) -> None:
+        self._locks._give_back(self._wanted)

@@ -110,17 +110,13 @@ def decode_generation(path: Path, data: bytes) -> int:
     return ceiling
 
 
+_ENVELOPE_HEAD = b'{"version":%d,"checksum":"%s' % (RECORD_VERSION, CHECKSUM_PREFIX.encode())
+
+
 def _envelope(payload: bytes) -> bytes:
     """The file content around the exact ``payload`` bytes: version, checksum over them, newline."""
-    return (
-        b'{"version":'
-        + str(RECORD_VERSION).encode()
-        + b',"checksum":"'
-        + _checksum(payload).encode()
-        + b'","record":'
-        + payload
-        + b"}\n"
-    )
+    digest = hashlib.sha256(payload).hexdigest().encode()
+    return b'%s%s","record":%s}\n' % (_ENVELOPE_HEAD, digest, payload)
 
 
 def _verified_payload(name: str, path: Path, data: bytes) -> bytes:
