@@ -59,16 +59,20 @@ def _invalid(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, {"field": field})
 
 
-def _at_most(value: str, limit: int, what: str, field: str) -> None:
-    if len(value) > limit // 4 and len(value.encode()) > limit:  # no UTF-8 character passes 4 bytes
-        size = len(value.encode())
-        raise _invalid(f"{what} is {size} bytes, more than {limit}: {clip(value)}", field)
+def _fits(value: str, limit: int) -> bool:
+    """Whether ``value`` is at most ``limit`` bytes in UTF-8 (no character passes 4 bytes)."""
+    return len(value) <= limit // 4 or len(value.encode()) <= limit
+
+
+def _too_long(value: str, limit: int, what: str, field: str) -> InvalidRequest:
+    return _invalid(f"{what} is {len(value.encode())} bytes, more than {limit}: {clip(value)}", field)
 
 
 def placement(message: Any, where: str) -> Placement:
     if not message.HasField("placement"):
         raise _invalid(f"{where}: placement is missing", f"{where}.placement")
-    value = Placement(int(message.placement.start), int(message.placement.size))
+    given = message.placement
+    value = Placement(int(given.start), int(given.size))
     if value.size <= 0:
         raise _invalid(f"{where}: placement size must be at least 1", f"{where}.placement")
     return value
@@ -85,7 +89,8 @@ def gpu_uuid(value: str, where: str) -> str:
 def profile_name(value: str, where: str, field: str) -> str:
     if not value:
         raise _invalid(f"{where}: profile is missing", field)
-    _at_most(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
+    if not _fits(value, MAX_PROFILE_BYTES):
+        raise _too_long(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
     return value
 
 
@@ -98,30 +103,35 @@ def reservation(message: Any, where: str) -> Reservation:
 def pod_uid(value: str, where: str, field: str) -> str:
     if not value:
         raise _invalid(f"{where}: pod uid is missing", field)
-    _at_most(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
+    if not _fits(value, MAX_POD_UID_BYTES):
+        raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
     if not POD_UID_RE.match(value):
         raise _invalid(f"{where}: {clip(value)} is not a pod UID", field)
     return value
 
 
 def pod(message: Any, has_pod: bool, where: str) -> PodRef:
-    uid_field = f"{where}.pod.uid"
-    if not has_pod:
-        raise _invalid(f"{where}: pod uid is missing", uid_field)
-    uid = pod_uid(message.uid, where, uid_field)
+    uid = message.uid if has_pod else ""
+    if not (uid and _fits(uid, MAX_POD_UID_BYTES) and POD_UID_RE.match(uid)):
+        pod_uid(uid, where, f"{where}.pod.uid")  # raises, saying why
     # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
-    namespace = message.namespace
-    _at_most(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
+    namespace, name = message.namespace, message.name
+    if not _fits(namespace, MAX_NAMESPACE_BYTES):
+        raise _too_long(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
     if namespace and not DNS_LABEL_RE.match(namespace):
         raise _invalid(
             f"{where}: pod namespace {clip(namespace)} is not a DNS label", f"{where}.pod.namespace"
         )
-    _at_most(message.name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
-    return PodRef(uid, namespace, message.name)
+    if not _fits(name, MAX_POD_NAME_BYTES):
+        raise _too_long(name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
+    return PodRef(uid, namespace, name)
 
 
 def container_name(value: str, where: str) -> str:
-    _at_most(value, MAX_CONTAINER_NAME_BYTES, f"{where}: container name", f"{where}.container_name")
+    if not _fits(value, MAX_CONTAINER_NAME_BYTES):
+        raise _too_long(
+            value, MAX_CONTAINER_NAME_BYTES, f"{where}: container name", f"{where}.container_name"
+        )
     return value
 
 
@@ -132,11 +142,11 @@ def allocate(request: Any) -> AllocateRequest:
     devices: list[DeviceRequest] = []
     seen: set[int] = set()
     for position, device in enumerate(request.devices):
-        where = f"devices[{position}]"
-        if device.device_index in seen:
-            raise _invalid(f"{where}: device_index {device.device_index} repeats", f"{where}.device_index")
-        seen.add(device.device_index)
-        devices.append(DeviceRequest(int(device.device_index), reservation(device, where)))
+        where, index = f"devices[{position}]", int(device.device_index)
+        if index in seen:
+            raise _invalid(f"{where}: device_index {index} repeats", f"{where}.device_index")
+        seen.add(index)
+        devices.append(DeviceRequest(index, reservation(device, where)))
     return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
 
 
