@@ -39,6 +39,8 @@ Files in the directory:
   process could otherwise lock a fresh inode).
 - ``.<name>.tmp-<random>``: a write in progress; never ends in ``.json``, ignored by readers and
   swept by ``open()`` (a crash between write and rename leaves one behind and the old record intact).
+  On tmpfs (``/var/run`` on a node) a record that is there already is rewritten in place instead,
+  padded with trailing spaces to its old length (``durable.rewrite_in_place``: all or nothing too).
 
 Permissions: directory 0750, files 0600 (records name pods; nothing outside the node agent needs them).
 The sidecar runs as root and trusts these files to say which GPU instances it may destroy, so
@@ -55,10 +57,10 @@ import os
 import stat
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from sidecar.durable import TEMP_MARKER, atomic_write
+from sidecar.durable import TEMP_MARKER, ShortWriteError, atomic_write, on_tmpfs, rewrite_in_place
 from sidecar.errors import StateWriteFailed
 from sidecar.hami_files import is_record_filename as is_hami_record
 from sidecar.ownership import OwnershipRecord, is_record_name, record_name
@@ -223,8 +225,11 @@ class RecordStore:
     A record file that still holds the bytes this store last wrote to it is known sound: it is not
     decoded again before it is replaced (reading it is cheap, decoding and verifying it is not)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, in_place: bool | None = None) -> None:
+        """``in_place``: rewrite sound record files in place (None: when the directory is on tmpfs)."""
         self.directory = directory
+        self._want_in_place = in_place
+        self._in_place = False
         self._lock = threading.Lock()  # the fd, ``_closed``, ``_writing``, ``_file_locks``; no fsync under it
         self._idle = threading.Condition(self._lock)  # close() waits on it for ``_writing`` mutations
         self._writing = 0
@@ -290,6 +295,8 @@ class RecordStore:
                 os.close(fd)
                 raise StateWriteFailed(f"preparing state directory {self.directory} failed: {exc}") from exc
             self._lock_fd, self._dir_fd = fd, dir_fd
+            want = self._want_in_place
+            self._in_place = on_tmpfs(self.directory) if want is None else want
 
     def close(self) -> None:
         """Release the flock (the lock file stays: unlinking it would let two processes lock two inodes).
@@ -383,6 +390,8 @@ class RecordStore:
         """Write ``data`` as record ``name``, or delete it (``data`` None), through ``_mutate_file``."""
         path = self.path(name)
 
+        sound: list[bytes] = []  # the content of the sound file ``exists`` read, when there is one
+
         def exists() -> bool:
             try:
                 current = _read_bytes(name, path)
@@ -390,14 +399,24 @@ class RecordStore:
                     decode_record(name, path, current)
             except RecordNotFound:
                 return data is not None
+            sound.append(current)
             return True
 
-        self._mutate_file(path, exists, data, "ownership record")
+        self._mutate_file(path, exists, data, "ownership record", sound)
 
-    def _mutate_file(self, path: Path, check: Callable[[], bool], data: bytes | None, what: str) -> None:
+    def _mutate_file(
+        self,
+        path: Path,
+        check: Callable[[], bool],
+        data: bytes | None,
+        what: str,
+        sound: Sequence[bytes] = (),
+    ) -> None:
         """The one function that changes the directory: under the file's lock, ``check`` reads the
         current file (CorruptRecord propagates: a corrupt file is the operator's to inspect) and says
         whether a change is due; then ``data`` replaces the file atomically, or it goes (``data`` None).
+        On tmpfs a sound file ``check`` read (``sound``: its content) is rewritten in place instead
+        (``durable.rewrite_in_place``: the same all-or-nothing, in one system call).
 
         A store that was never opened is opened here, so no mutation ever happens outside the flock; a
         closed one raises StateWriteFailed and writes nothing (``close`` waits for the writes in flight)."""
@@ -422,8 +441,7 @@ class RecordStore:
                         path.unlink(missing_ok=True)
                         os.fsync(dir_fd)
                     else:
-                        atomic_write(path, data, FILE_MODE, dir_fd)
-                        self._written[path] = data
+                        self._written[path] = self._replace(path, data, dir_fd, sound)
                 except OSError as exc:
                     action = "deleting" if data is None else "writing"
                     raise StateWriteFailed(f"{action} {what} {path} failed: {exc}") from exc
@@ -431,6 +449,25 @@ class RecordStore:
             with self._lock:
                 self._writing -= 1
                 self._idle.notify_all()
+
+    def _replace(self, path: Path, data: bytes, dir_fd: int, sound: Sequence[bytes]) -> bytes:
+        """Make ``data`` the content of ``path`` (OSError, the old content kept); the bytes the file
+        holds afterwards."""
+        if self._in_place and sound:
+            try:
+                padded = rewrite_in_place(path, data, sound[0])
+            except ShortWriteError:
+                # Neither old nor new: a whole replace makes it the new, or failing that the old.
+                try:
+                    atomic_write(path, data, FILE_MODE, dir_fd)
+                except OSError:
+                    atomic_write(path, sound[0], FILE_MODE, dir_fd)
+                    raise
+                return data
+            if padded is not None:
+                return padded
+        atomic_write(path, data, FILE_MODE, dir_fd)
+        return data
 
 
 __all__ = [

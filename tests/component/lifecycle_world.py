@@ -143,7 +143,9 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
     hw = SimulatedHardware.create([("h100-80gb", 2), ("a100-40gb", 1)], proc_root=tmp_path / "proc")
     install(hw)
     port = PynvmlBackend(retry_wait=False)
-    records = RecordStore(tmp_path / "state")
+    # As on tmpfs (/var/run on a node): a record is rewritten in place. The e2e tests run the sidecar
+    # with its state on a disk directory, where a record is replaced (temp file, rename).
+    records = RecordStore(tmp_path / "state", in_place=True)
     records.open()
     cdi_dir = tmp_path / "cdi"
     cdi = CdiSpecs(cdi_dir if cdi_enabled else None, proc_root=tmp_path / "proc")
@@ -158,7 +160,7 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
 def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recovery:
     """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
     world.records.close()
-    records = RecordStore(world.records.directory)
+    records = RecordStore(world.records.directory, in_place=True)
     records.open()
     cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
     world.records, world.cdi = records, cdi

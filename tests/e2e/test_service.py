@@ -445,7 +445,7 @@ class TestRecordsVerifyCommand:
         assert "1 valid (0 stale), 0 corrupt" in ok.stdout
 
         (record,) = sidecar.state_dir.glob("*.json")
-        record.write_bytes(record.read_bytes()[:-5])
+        record.write_bytes(record.read_bytes().rstrip()[:-5])
         bad = sidecar.cli("records", "verify", "--state-dir", str(sidecar.state_dir))
         assert bad.returncode == 1
         assert "CORRUPT" in bad.stdout
