@@ -105,7 +105,9 @@ def rewrite_in_place(path: Path, data: bytes, old: bytes) -> bytes | None:
     killed (the kernel looks for a fatal signal between pages, not inside one, and needs no memory
     for a page it has). The file is then the old content or the new, as after a rename, in one
     system call instead of seven. The trailing spaces are JSON whitespace: every reader takes them
-    as the end of the document. ShortWriteError if the kernel wrote part of it all the same."""
+    as the end of the document. Unlike a rename, a reader in another process that reads during the
+    copy can see a mix (``records verify``, which takes no lock). ShortWriteError if the kernel wrote
+    part of it all the same."""
     padded = data if len(data) >= len(old) else data + b" " * (len(old) - len(data))
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if len(padded) > mmap.PAGESIZE or (limit != resource.RLIM_INFINITY and limit < len(padded)):
