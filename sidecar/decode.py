@@ -111,9 +111,7 @@ def pod_uid(value: str, where: str, field: str) -> str:
 
 
 def pod(message: Any, has_pod: bool, where: str) -> PodRef:
-    uid = message.uid if has_pod else ""
-    if not (uid and _fits(uid, MAX_POD_UID_BYTES) and POD_UID_RE.match(uid)):
-        pod_uid(uid, where, f"{where}.pod.uid")  # raises, saying why
+    uid = pod_uid(message.uid if has_pod else "", where, f"{where}.pod.uid")
     # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
     namespace, name = message.namespace, message.name
     if not _fits(namespace, MAX_NAMESPACE_BYTES):

@@ -110,13 +110,12 @@ def decode_generation(path: Path, data: bytes) -> int:
     return ceiling
 
 
-_ENVELOPE_HEAD = b'{"version":%d,"checksum":"%s' % (RECORD_VERSION, CHECKSUM_PREFIX.encode())
+_ENVELOPE_HEAD = b'{"version":%d,"checksum":"' % RECORD_VERSION
 
 
 def _envelope(payload: bytes) -> bytes:
     """The file content around the exact ``payload`` bytes: version, checksum over them, newline."""
-    digest = hashlib.sha256(payload).hexdigest().encode()
-    return b'%s%s","record":%s}\n' % (_ENVELOPE_HEAD, digest, payload)
+    return b'%s%s","record":%s}\n' % (_ENVELOPE_HEAD, _checksum(payload).encode(), payload)
 
 
 def _verified_payload(name: str, path: Path, data: bytes) -> bytes:

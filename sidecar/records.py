@@ -453,20 +453,21 @@ class RecordStore:
     def _replace(self, path: Path, data: bytes, dir_fd: int, sound: Sequence[bytes]) -> bytes:
         """Make ``data`` the content of ``path`` (OSError, the old content kept); the bytes the file
         holds afterwards."""
+        torn = False  # a short write in place left the file neither old nor new
         if self._in_place and sound:
             try:
                 padded = rewrite_in_place(path, data, sound[0])
             except ShortWriteError:
-                # Neither old nor new: a whole replace makes it the new, or failing that the old.
-                try:
-                    atomic_write(path, data, FILE_MODE, dir_fd)
-                except OSError:
-                    atomic_write(path, sound[0], FILE_MODE, dir_fd)
-                    raise
-                return data
-            if padded is not None:
-                return padded
-        atomic_write(path, data, FILE_MODE, dir_fd)
+                torn = True
+            else:
+                if padded is not None:
+                    return padded
+        try:
+            atomic_write(path, data, FILE_MODE, dir_fd)
+        except OSError:
+            if torn:
+                atomic_write(path, sound[0], FILE_MODE, dir_fd)  # the old record whole again
+            raise
         return data
 
 

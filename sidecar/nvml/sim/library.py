@@ -63,10 +63,7 @@ class SimulatedLibrary:
             delay = _delay(state.latency, name) if state.latency else 0.0
             code = _consume_fault(state, name) if state.faults else None
             if code is None:
-                try:
-                    code = impl(state, *args)
-                except SimError as exc:
-                    code = exc.code
+                code = _answer(impl, state, args)
             # The driver's own time (the lock, the state, the call), not the modelled latency below.
             self.store.add_driver_ns(time.perf_counter_ns() - started)
         if delay > 0:
@@ -83,10 +80,7 @@ class SimulatedLibrary:
             if view.faults and any(op_matches(f.op, name) for f in view.faults):
                 code = _consume_fault(q.state(), name)  # a fault's countdown is a change to write
             if code is None:
-                try:
-                    code = impl(view, *args)
-                except SimError as exc:
-                    code = exc.code
+                code = _answer(impl, view, args)
             self.store.add_driver_ns(time.perf_counter_ns() - started)
         if delay > 0:
             time.sleep(delay)
@@ -97,6 +91,14 @@ class SimulatedLibrary:
         with self.store.query(call=name):
             pass
         return impl(None, *args)
+
+
+def _answer(impl: Callable[..., Any], on: Any, args: tuple[Any, ...]) -> Any:
+    """The C function's return code: what ``impl`` returns, or the code of the SimError it raises."""
+    try:
+        return impl(on, *args)
+    except SimError as exc:
+        return exc.code
 
 
 def _delay(latency: Mapping[str, float], name: str) -> float:
