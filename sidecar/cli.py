@@ -264,7 +264,9 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
                     f"hami-mig-sidecar reclaim: the sidecar has no GPU with index {args.gpu}", file=sys.stderr
                 )
                 return EXIT_FAILED
-            request = pb.ReclaimIdleRequest(gpu_uuid=gpu.uuid, mig_uuids=args.mig_uuid or [])
+            request = pb.ReclaimIdleRequest(
+                gpu_uuid=gpu.uuid, mig_uuids=args.mig_uuid or [], force=args.force
+            )
             response = stub.ReclaimIdle(request, timeout=args.timeout)
         except grpc.RpcError as exc:
             return _rpc_failure("reclaim", socket, exc)
@@ -273,13 +275,18 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
             response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
         sys.stdout.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    elif not response.reclaimed:
+        return EXIT_OK
+    if not response.reclaimed:
         sys.stdout.write(f"GPU {gpu.index} ({gpu.uuid}): no IDLE instance to reclaim\n")
-    else:
-        for ref in response.reclaimed:
-            sys.stdout.write(
-                f"reclaimed {ref.mig_uuid} {ref.profile}@{_placement(ref.placement)} on GPU {gpu.index}\n"
-            )
+    for ref in response.reclaimed:
+        sys.stdout.write(
+            f"reclaimed {ref.mig_uuid} {ref.profile}@{_placement(ref.placement)} on GPU {gpu.index}\n"
+        )
+    for ref in response.kept:
+        sys.stdout.write(
+            f"kept {ref.mig_uuid} {ref.profile}@{_placement(ref.placement)} on GPU {gpu.index}:"
+            " a pending reservation keeps it (--force overrides)\n"
+        )
     return EXIT_OK
 
 
@@ -355,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask a running sidecar to destroy IDLE instances of one GPU (ReclaimIdle): the ones "
         "named with --mig-uuid, or every IDLE one. ACTIVE, ERROR and foreign instances are never destroyed; "
         "a named one that is not IDLE, an unknown MIG UUID or a running process refuses the whole call "
-        "and nothing is destroyed (exit 1, the reason printed).",
+        "and nothing is destroyed (exit 1, the reason printed). An IDLE instance a pending reservation "
+        "keeps is left (listed as kept), or refuses the call when named (RESERVED), unless --force.",
     )
     reclaim.add_argument(
         "--socket",
@@ -371,6 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an IDLE instance to destroy (repeatable; default: every IDLE instance of the GPU)",
     )
     reclaim.add_argument("--json", action="store_true", help="print the ReclaimIdle response as JSON")
+    reclaim.add_argument(
+        "--force",
+        action="store_true",
+        help="destroy IDLE instances a pending reservation keeps, too (the scheduler's pod will fail)",
+    )
     reclaim.add_argument(
         "--timeout",
         type=float,

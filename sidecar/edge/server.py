@@ -341,7 +341,10 @@ class MigSidecarServicer:
         def answer() -> Any:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             current, pending, needs_reset = self.lifecycle.set_mig_mode(
-                gpu_uuid, bool(request.enabled), reclaim_idle=bool(request.reclaim_idle)
+                gpu_uuid,
+                bool(request.enabled),
+                reclaim_idle=bool(request.reclaim_idle),
+                force=bool(request.force),
             )
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
@@ -364,8 +367,11 @@ class MigSidecarServicer:
         def answer() -> Any:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             mig_uuids = decode.mig_uuids(request.mig_uuids, "mig_uuids")
-            reclaimed = self.lifecycle.reclaim_idle(gpu_uuid, mig_uuids)
-            return pb.ReclaimIdleResponse(reclaimed=[encode.encode_ref(ref) for ref in reclaimed])
+            done = self.lifecycle.reclaim_idle(gpu_uuid, mig_uuids, force=bool(request.force))
+            return pb.ReclaimIdleResponse(
+                reclaimed=[encode.encode_ref(ref) for ref in done.reclaimed],
+                kept=[encode.encode_ref(ref) for ref in done.kept],
+            )
 
         return self._handle("ReclaimIdle", context, answer)
 

@@ -110,15 +110,22 @@ class Allocator:
         return rooms
 
     def decide_without_room(self, v: Validated) -> Decision:
-        """The decision from the table alone (``Create()`` means: the placement must be gathered)."""
+        """The decision from the table alone (``Create()`` means: the placement must be gathered).
+
+        The guards are consulted here already: an IDLE instance at the reservation that another
+        key's pending reservation keeps is PLACEMENT_BUSY (``guarded_by``), never reused."""
+        ctx = self.ctx
         res = v.device.reservation
-        held = self.ctx.table.held_by(v.key)
-        decided = decide(res, held, self.ctx.table.get(record_name(res.gpu_uuid, res.placement)), None)
+        held = ctx.table.held_by(v.key)
+        at = ctx.table.get(record_name(res.gpu_uuid, res.placement))
+        decided = decide(res, held, at, None, ctx.pending.guards(ctx.table.referenced, v.key))
         if isinstance(decided, Conflict):
             raise KeyConflict(
                 f"allocation {v.key} already holds {decided.held.reservation}, not {res}",
                 {"key": str(v.key), "held": str(decided.held.reservation), "requested": str(res)},
             )
+        if isinstance(decided, Busy):
+            raise placement_busy(res.gpu_uuid, res.placement, decided)
         return decided
 
     def room_for(self, v: Validated) -> Room:

@@ -40,6 +40,7 @@ class Context:
         self.table = Table(self.records)
         self.generations = Generations(self.records)
         self.inventory = Inventory(self.port)
+        self.port = self.inventory.port  # every GI listing also refreshes the advice's layout view
 
     def require_recovered(self) -> None:
         """The gate of every transaction: nothing changes before startup recovery succeeded."""

@@ -88,14 +88,16 @@ class Lifecycle:
         """(destroyed, idled): the rollback of a successful Allocate for (pod, container)."""
         return undo.undo_allocate(self.ctx, pod_uid, container_index)
 
-    def reclaim_idle(self, gpu_uuid: str, mig_uuids: Sequence[str] = ()) -> list[InstanceRef]:
+    def reclaim_idle(
+        self, gpu_uuid: str, mig_uuids: Sequence[str] = (), *, force: bool = False
+    ) -> reclaim.Reclaimed:
         """Destroy IDLE instances of a GPU (the named ones; none named: all); the one way to ask for it."""
-        return reclaim.reclaim_idle(self.ctx, gpu_uuid, mig_uuids)
+        return reclaim.reclaim_idle(self.ctx, gpu_uuid, mig_uuids, force=force)
 
     def set_mig_mode(
-        self, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False
+        self, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False
     ) -> tuple[bool, bool, bool]:
-        return migmode.set_mig_mode(self.ctx, gpu_uuid, enabled, reclaim_idle=reclaim_idle)
+        return migmode.set_mig_mode(self.ctx, gpu_uuid, enabled, reclaim_idle=reclaim_idle, force=force)
 
     # -- used by recovery and the reconciler ---------------------------------------------------------
     def install(
@@ -144,6 +146,10 @@ class Lifecycle:
 
     def retry_error(self, name: str) -> InstanceRef | None:
         return teardown.retry_error(self.ctx, name)
+
+    def refresh_layout(self) -> list[str]:
+        """List every MIG-enabled GPU's GIs into the advice's layout view (``views.refresh_layout``)."""
+        return views.refresh_layout(self.ctx)
 
 
 __all__ = [

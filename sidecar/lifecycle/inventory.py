@@ -1,16 +1,22 @@
-"""What the hardware is: cached GPU facts and profile tables, and the GetState snapshot.
+"""What the hardware is: cached GPU facts and profile tables, the live layout advice reads, GetState.
 
-Allocations never trust a cached foreign view: each reads the live GI layout of its GPU, so anything
-created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. Only the read-only advice
-(``RankPlacements``) and the idle policy use the foreign GIs of the last listing (``foreign_view``),
-refreshed by the reconciler each round: advice may lag an operator's change by one round, never an
-allocation.
+Allocations never trust a cached layout: each reads the live GI layout of its GPU, so anything
+created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. The read-only advice
+(``RankPlacements``) and the idle policy read the *layout view* instead: the GI listing of each GPU
+as last seen, which costs them no NVML call. It is kept current three ways: every GI listing the
+lifecycle makes anyway (an Allocate's, a destroy's, GetState's, a refused create's) replaces it
+(``ListingTap``), the sidecar's own GI creates and destroys edit it, and the reconciler lists every
+MIG-enabled GPU each round (``views.refresh_layout``). So advice lags a change made outside the
+sidecar by one reconciler round at most, and not at all once any call has listed that GPU. Which
+of the listed GIs are foreign is judged when the view is read, against the records then
+(``foreign_view``), so a listing taken before a record changed never makes an owned GI foreign.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 
@@ -19,7 +25,7 @@ from sidecar.model import placement
 from sidecar.model.domain import ForeignInstance, State
 from sidecar.model.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.nvml.port import GpuInfo, GpuInstanceInfo, GpuInstanceProfile, NvmlError, NvmlPort
+from sidecar.nvml.port import GpuInfo, GpuInstanceInfo, GpuInstanceProfile, NvmlError, NvmlPort, Placement
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.generation import Generations
 from sidecar.store.table import Table
@@ -44,12 +50,12 @@ class Inventory:
     """Static GPU facts and profile tables, cached; MIG mode is always read live."""
 
     def __init__(self, port: NvmlPort) -> None:
-        self.port = port
         self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
         # GPU UUID -> (MIG mode, its profile table) for recovery: re-read only when the mode changes.
         self._recovery_profiles: dict[str, tuple[bool, tuple[GpuInstanceProfile, ...]]] = {}
         self._gpus: dict[str, GpuInfo] = {}
-        self._foreign: dict[str, tuple[ForeignInstance, ...]] = {}
+        self._layout: dict[str, tuple[GpuInstanceInfo, ...]] = {}  # GPU UUID -> its GIs as last seen
+        self.port: NvmlPort = ListingTap(port, self)
 
     def gpu_info(self, gpu_uuid: str) -> GpuInfo:
         """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
@@ -116,28 +122,48 @@ class Inventory:
         """A mode change may unbind or reset the device: its minor and profiles are read afresh."""
         self._gpus.pop(gpu_uuid, None)
         self._profiles.pop(gpu_uuid, None)
-        self._foreign.pop(gpu_uuid, None)
+        self._layout.pop(gpu_uuid, None)
 
-    def foreign_view(self, gpu_uuid: str) -> tuple[ForeignInstance, ...] | None:
-        """The foreign GIs of the GPU's last listing (``note_foreign``); None before the first."""
-        return self._foreign.get(gpu_uuid)
-
-    def note_foreign(
-        self, gpu_uuid: str, live: Sequence[GpuInstanceInfo], owned: Sequence[OwnershipRecord]
-    ) -> tuple[ForeignInstance, ...]:
-        """Remember the GIs of a listing that no record claims. Call with the GPU lock held, so no
-        half-done create of ours (a GI not recorded yet) is taken for a foreign one. No CI lookups:
-        advice needs the placement only."""
-        foreign = tuple(
-            ForeignInstance(gpu_uuid, self.profile_name(gpu_uuid, gi.profile_id), gi.placement, gi.id)
+    def foreign_view(
+        self, gpu_uuid: str, owned: Sequence[OwnershipRecord]
+    ) -> tuple[ForeignInstance, ...] | None:
+        """The GIs of the GPU's layout view that no record in ``owned`` claims; None before the GPU
+        was first listed. No NVML call: profile names come from the cached tables only."""
+        live = self._layout.get(gpu_uuid)
+        if live is None:
+            return None
+        return tuple(
+            ForeignInstance(gpu_uuid, self._cached_profile_name(gpu_uuid, gi.profile_id), gi.placement, gi.id)
             for gi in placement.foreign_instances(live, owned)
         )
-        self._foreign[gpu_uuid] = foreign
-        return foreign
+
+    def note_listing(self, gpu_uuid: str, live: Sequence[GpuInstanceInfo]) -> None:
+        """A GI listing of the GPU was read just now: it becomes the GPU's layout view."""
+        self._layout[gpu_uuid] = tuple(live)
+
+    def note_created(self, gi: GpuInstanceInfo) -> None:
+        """The sidecar created ``gi``: the view gains it (a GPU never listed stays unlisted)."""
+        live = self._layout.get(gi.gpu_uuid)
+        if live is not None:
+            self._layout[gi.gpu_uuid] = (*(g for g in live if g.id != gi.id), gi)
+
+    def note_destroyed(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        """The sidecar destroyed that GI: the view loses it."""
+        live = self._layout.get(gpu_uuid)
+        if live is not None:
+            self._layout[gpu_uuid] = tuple(g for g in live if g.id != gpu_instance_id)
 
     def forget_foreign(self) -> None:
         """Recovery may adopt foreign GIs or leave records aside: the next advice lists afresh."""
-        self._foreign.clear()
+        self._layout.clear()
+
+    def _cached_profile_name(self, gpu_uuid: str, profile_id: int) -> str:
+        tables = (self._profiles.get(gpu_uuid, ()), self._recovery_profiles.get(gpu_uuid, (False, ()))[1])
+        for table in tables:
+            for profile in table:
+                if profile.id == profile_id:
+                    return profile.name
+        return f"profile-id-{profile_id}"
 
     def require_mig_enabled(self, gpu_uuid: str) -> GpuInfo:
         """The GPU as NVML describes it now; MigDisabled unless MIG is enabled now and stays enabled
@@ -154,6 +180,32 @@ class Inventory:
                 },
             )
         return live
+
+
+class ListingTap:
+    """The port the lifecycle talks to: NVML as it is, with every GI listing and every GI create and
+    destroy also kept in the inventory's layout view (module docstring). It adds no NVML call."""
+
+    def __init__(self, inner: NvmlPort, inventory: Inventory) -> None:
+        self.inner = inner
+        self.inventory = inventory
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        live = self.inner.gpu_instances(gpu_uuid)
+        self.inventory.note_listing(gpu_uuid, live)
+        return live
+
+    def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
+        gi = self.inner.create_gpu_instance(gpu_uuid, profile_id, placement)
+        self.inventory.note_created(gi)
+        return gi
+
+    def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id)
+        self.inventory.note_destroyed(gpu_uuid, gpu_instance_id)
+
+    def __getattr__(self, name: str) -> Any:  # every other port method, as it is
+        return getattr(self.inner, name)
 
 
 def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:

@@ -19,12 +19,14 @@ from sidecar.nvml.port import (
 
 
 def set_mig_mode(
-    ctx: Context, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False
+    ctx: Context, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False
 ) -> tuple[bool, bool, bool]:
     """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists,
     and answers InstanceInUse when the driver refuses the change because a process runs on the GPU.
     ``reclaim_idle`` (with ``enabled=False``): the IDLE instances are destroyed first; anything else
-    on the GPU refuses as ``reclaim_for_disable`` says, before anything is destroyed.
+    on the GPU refuses as ``reclaim_for_disable`` says, before anything is destroyed. A disable is
+    refused (Reserved) while a pending reservation is on the GPU (``pending.Guards.on_gpu``), unless
+    ``force``.
 
     PLACEMENT_BUSY (FAILED_PRECONDITION) rather than INVALID_REQUEST because the request is well
     formed and becomes valid once the instances are gone; the metadata names ``blocker`` =
@@ -34,6 +36,7 @@ def set_mig_mode(
     port = ctx.port
     with ctx.locks.gpu(gpu_uuid):
         if not enabled:
+            reclaim.refuse_reserved(gpu_uuid, ctx.pending.guards(ctx.table.referenced, force=force))
             if reclaim_idle:
                 reclaim.reclaim_for_disable(ctx, gpu_uuid)
             owned = ctx.table.on_gpu(gpu_uuid)

@@ -9,7 +9,9 @@ races an allocation on the same GPU. An instance is *referenced* when the plugin
 (before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
 live pod: it is left alone then, because destroying a device under a
 running container is worse than keeping a broken one. A destroy that still fails leaves the instance
-ERROR with the new ``last_error``; the next round tries again. With an idle policy configured, each
+ERROR with the new ``last_error``; the next round tries again. Each round then lists the GIs of every
+MIG-enabled GPU into the advice's layout view (``views.refresh_layout``), so ``RankPlacements`` sees a
+GI created or destroyed outside the sidecar within one round. With an idle policy configured, each
 round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
 repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
 """
@@ -34,6 +36,7 @@ class ReconcileReport(msgspec.Struct, frozen=True):
     still_failing: tuple[str, ...] = ()
     cdi_removed: tuple[str, ...] = ()
     trimmed: tuple[InstanceRef, ...] = ()
+    layout_refreshed: tuple[str, ...] = ()  # the GPUs whose GIs were listed into the advice's view
 
 
 class Reconciler:
@@ -69,12 +72,18 @@ class Reconciler:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
         cdi_removed = self.lifecycle.cdi.retry_removals()
+        try:
+            refreshed = self.lifecycle.refresh_layout()
+        except SidecarError as exc:
+            _log.warning("layout view not refreshed this round: %s", exc)
+            refreshed = []
         trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
         return ReconcileReport(
             destroyed=tuple(destroyed),
             still_failing=tuple(failing),
             cdi_removed=tuple(cdi_removed),
             trimmed=tuple(trimmed),
+            layout_refreshed=tuple(refreshed),
         )
 
     def kick(self) -> None:

@@ -1,16 +1,19 @@
 """One GPU as the advice sees it (``advice.GpuView``), built from what the lifecycle already knows.
 
 ``RankPlacements`` and the idle policy both rank placements over the same view, so both get it here:
-the owned instances from the in-memory table, the foreign GIs of the last listing
-(``Inventory.foreign_view``), the record files left for the operator, and the scheduler's pending
-reservations. Creates and destroys in flight are in the table already (CREATING and DELETING records
-are written before the hardware is touched), so they block like any occupant. Nothing here mutates
-NVML; after the first call per GPU (profile table, one GI listing) it makes no NVML call at all.
+the owned instances from the in-memory table, the foreign GIs of the layout view
+(``Inventory.foreign_view``: the last listing, kept current by every listing the lifecycle makes and
+by the reconciler's ``refresh_layout`` each round), the record files left for the operator, and the
+scheduler's pending reservations. Creates and destroys in flight are in the table already (CREATING
+and DELETING records are written before the hardware is touched), so they block like any occupant.
+Nothing here mutates NVML; after the first call per GPU (profile table, one GI listing) it makes no
+NVML call at all.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import math
 from collections.abc import Collection, Sequence
 
@@ -18,9 +21,11 @@ from sidecar.lifecycle import create
 from sidecar.lifecycle.context import Context
 from sidecar.model.advice import GpuView, Hold, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.model.domain import ForeignInstance, Reservation
-from sidecar.model.errors import nvml_errors
+from sidecar.model.errors import SidecarError, nvml_errors
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInstanceProfile
+
+_log = logging.getLogger(__name__)
 
 
 def pending_reservations(ctx: Context) -> frozenset[Reservation]:
@@ -67,18 +72,39 @@ def memory_slices(profiles: Sequence[GpuInstanceProfile]) -> int:
 
 
 def foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
-    """The foreign GIs of the last listing; the first call for a GPU lists it (under its lock)."""
-    cached = ctx.inventory.foreign_view(gpu_uuid)
+    """The foreign GIs of the layout view; the first call for a GPU lists it (under its lock)."""
+    cached = ctx.inventory.foreign_view(gpu_uuid, ctx.table.on_gpu(gpu_uuid))
     return refresh_foreign(ctx, gpu_uuid) if cached is None else cached
 
 
 def refresh_foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
-    """List the GPU's GIs under its lock and remember the foreign ones. MigDisabled / NvmlFailure."""
+    """List the GPU's GIs under its lock (the listing becomes its layout view) and return the
+    foreign ones. MigDisabled / NvmlFailure."""
     with ctx.locks.gpu(gpu_uuid):
         ctx.inventory.require_mig_enabled(gpu_uuid)
         with nvml_errors(f"list GPU instances of {gpu_uuid}"):
-            live = ctx.port.gpu_instances(gpu_uuid)
-        return ctx.inventory.note_foreign(gpu_uuid, live, ctx.table.on_gpu(gpu_uuid))
+            ctx.port.gpu_instances(gpu_uuid)
+        listed = ctx.inventory.foreign_view(gpu_uuid, ctx.table.on_gpu(gpu_uuid))
+    assert listed is not None  # the listing just made is the view
+    return listed
+
+
+def refresh_layout(ctx: Context) -> list[str]:
+    """The reconciler's round: list the GIs of every MIG-enabled GPU (each under its lock), so the
+    advice sees a change made outside the sidecar within one round. Returns the GPUs listed; a GPU
+    whose listing fails keeps its view until the next round (logged), and the others are listed."""
+    with nvml_errors("list GPUs"):
+        gpus = ctx.port.gpus()
+    listed: list[str] = []
+    for gpu in sorted((g for g in gpus if g.mig_current), key=lambda g: g.index):
+        try:
+            with ctx.locks.gpu(gpu.uuid), nvml_errors(f"list GPU instances of {gpu.uuid}"):
+                ctx.port.gpu_instances(gpu.uuid)
+        except SidecarError as exc:
+            _log.warning("layout view of %s not refreshed: %s", gpu.uuid, exc)
+            continue
+        listed.append(gpu.uuid)
+    return listed
 
 
 def gpu_view(ctx: Context, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuView:
@@ -115,4 +141,5 @@ __all__ = [
     "rank",
     "records_for_the_operator",
     "refresh_foreign",
+    "refresh_layout",
 ]

@@ -32,6 +32,7 @@ import msgspec
 from msgspec.structs import replace
 
 from sidecar.model.domain import ForeignInstance, Reservation, State
+from sidecar.model.pending import Guards
 from sidecar.nvml.port import Placement
 
 
@@ -118,7 +119,7 @@ class _Occupant(msgspec.Struct, frozen=True):
 
 def occupants(view: GpuView) -> list[_Occupant]:
     """Every occupant of the GPU's slices, IDLE instances that may be touched marked with ``instance``."""
-    reserved = {(r.profile, r.placement) for r in view.pending if r.gpu_uuid == view.gpu_uuid}
+    guards = Guards.of_reservations(r for r in view.pending if r.gpu_uuid == view.gpu_uuid)
     out: list[_Occupant] = [
         _Occupant(r.placement, RESERVED, f"pending reservation {r.profile}@{r.placement}")
         for r in view.pending
@@ -129,9 +130,12 @@ def occupants(view: GpuView) -> list[_Occupant]:
             out.append(_Occupant(inst.placement, str(inst.state), inst.describe()))
         elif inst.busy:
             out.append(_Occupant(inst.placement, IN_USE, f"{inst.describe()} running processes"))
-        elif (inst.profile, inst.placement) not in reserved:
+        elif (
+            guards.keeps(Reservation(view.gpu_uuid, inst.profile, inst.placement), inst.state, inst.mig_uuid)
+            is None
+        ):
             out.append(_Occupant(inst.placement, str(State.IDLE), inst.describe(), inst))
-        # An IDLE instance under a pending reservation is covered by the RESERVED occupant above.
+        # An IDLE instance a guard keeps (``pending.Guards``) is covered by the RESERVED occupant above.
     for f in view.foreign:
         out.append(
             _Occupant(f.placement, FOREIGN, f"foreign GPU instance {f.gpu_instance_id} at {f.placement}")

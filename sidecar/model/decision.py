@@ -5,7 +5,9 @@ reservation, the placement plan of the live layout) and applies what ``decide`` 
 
 - a key holds one instance: holding another reservation is a KEY_CONFLICT (``Conflict``);
 - a complete ACTIVE instance the key holds is answered as it is (``AlreadyHeld``);
-- an IDLE instance at exactly the reservation is reused (``Reuse``);
+- an IDLE instance at exactly the reservation is reused (``Reuse``), unless a guard keeps it for
+  another key (``pending.Guards``: that key's pending reservation is at exactly its spot): it is a
+  blocker then (``Busy``), checked before anything else is judged;
 - otherwise the instance is created, reclaiming only IDLE instances in the way (``Create``), or,
   when anything else is in the way, nothing changes (``Busy``, see ``placement.plan_placement``);
 - an ERROR instance in the way (at exactly the reservation or overlapping it) is the reconciler's
@@ -70,7 +72,7 @@ def needs_placement(
 ) -> bool:
     """True when ``decide`` needs a placement plan: the device is neither held nor reusable."""
     return not isinstance(
-        decide(reservation, held_by_key, at_reservation, None), (Conflict, AlreadyHeld, Reuse)
+        decide(reservation, held_by_key, at_reservation, None), (Conflict, AlreadyHeld, Reuse, Busy)
     )
 
 
@@ -92,12 +94,16 @@ def decide(
         return Conflict(held_by_key)
     if held_by_key is not None and held_by_key.state is State.ACTIVE and held_by_key.identity is not None:
         return AlreadyHeld(held_by_key)
+    guards = guards or Guards()
     idle = reusable(reservation, at_reservation)
     if idle is not None:
+        why = guards.why(idle)
+        if why is not None:
+            return Busy((Blocker(str(idle.state), idle.placement, idle.gpu_instance_id, idle, why),))
         return Reuse(idle)
     if placement_plan is None:
         return Create()
-    return make_room(placement_plan, guards or Guards())
+    return make_room(placement_plan, guards)
 
 
 def make_room(plan: PlacementPlan, guards: Guards) -> Create | Busy:

@@ -14,6 +14,7 @@
     ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
     ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
     ├── NotIdle                       FAILED_PRECONDITION NOT_IDLE         (ReclaimIdle: named, not IDLE)
+    ├── Reserved                      FAILED_PRECONDITION RESERVED         (a pending reservation keeps it)
     ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
     │   └── ComputeInstanceNotOurs                        (a CI in a GI recorded bare: never destroyed)
     ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
@@ -101,6 +102,14 @@ class NotIdle(SidecarError):
     """An owned instance named for a reclaim that is not IDLE (ACTIVE, ERROR, in flight): never destroyed."""
 
     reason = "NOT_IDLE"
+    code = Code.FAILED_PRECONDITION
+
+
+class Reserved(SidecarError):
+    """A reclaim named an IDLE instance a pending reservation keeps, or a MIG disable met a pending
+    reservation on its GPU: refused unless forced (``force``); ``guarded_by`` names the reservation."""
+
+    reason = "RESERVED"
     code = Code.FAILED_PRECONDITION
 
 

@@ -35,6 +35,7 @@ from msgspec.structs import replace
 
 from sidecar.model.advice import Cost, GpuView, OwnedInstance, rank_placements
 from sidecar.model.domain import Reservation, State
+from sidecar.model.pending import Guards
 from sidecar.nvml.port import Placement
 
 
@@ -75,11 +76,14 @@ def _protected(view: GpuView, pending: Collection[Reservation]) -> frozenset[Res
 
 
 def trimmable(view: GpuView, inst: OwnedInstance, protected: Collection[Reservation]) -> bool:
-    """IDLE, no process on it, and no pending reservation names exactly its reservation."""
+    """IDLE, no process on it, and no guard keeps it (``pending.Guards.keeps``: a pending
+    reservation at exactly its reservation)."""
+    guards = Guards.of_reservations(protected)
     return (
         inst.state is State.IDLE
         and not inst.busy
-        and Reservation(view.gpu_uuid, inst.profile, inst.placement) not in protected
+        and guards.keeps(Reservation(view.gpu_uuid, inst.profile, inst.placement), inst.state, inst.mig_uuid)
+        is None
     )
 
 

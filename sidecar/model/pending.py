@@ -2,9 +2,12 @@
 
 A pending reservation is an ``ActiveAllocation`` without runtime identity: the scheduler reserved
 the GPU, profile and placement for a pod, the plugin has not allocated it yet. It guards an IDLE or
-ERROR instance at exactly that reservation from placement pressure, from the reconciler's ERROR
-retry and from an Allocate's inline ERROR retry, until that key's Allocate comes (the reservation
-is then the key's own) or the reservation leaves the plugin's list: ``SyncActive``'s list replaces
+ERROR instance at exactly that reservation from every path that would take it from that pod: another
+pod's Allocate reusing it, placement pressure, ``ReclaimIdle`` and the reclaim before a MIG disable
+(unless the operator forces them), the idle policy, the reconciler's ERROR retry and an Allocate's
+inline ERROR retry; a MIG disable is refused while any reservation is on the GPU. It lasts until
+that key's Allocate comes (the reservation is then the key's own) or the reservation leaves the
+plugin's list: ``SyncActive``'s list replaces
 the set, ``Recover`` sets it, and a successful ``Allocate`` consumes its keys' entries. The set
 lives in memory only: the plugin sends it again with every list.
 
@@ -23,7 +26,10 @@ from sidecar.model.ownership import OwnershipRecord
 
 
 class PendingReservation(msgspec.Struct, frozen=True):
-    key: AllocationKey
+    """``key`` None: a reservation known only by its place (the idle policy's plain values); it
+    guards against every requester."""
+
+    key: AllocationKey | None
     reservation: Reservation
 
 
@@ -33,25 +39,64 @@ def pending_of(active: Iterable[ActiveAllocation]) -> frozenset[PendingReservati
 
 
 class Guards(msgspec.Struct, frozen=True):
-    """What keeps an owned instance from being destroyed now, as plain values.
+    """What keeps an owned instance from being destroyed or handed to another pod now, as plain values.
 
-    ``requester`` is the key of the Allocate asking (None for the reconciler): its own pending
-    reservation does not guard against it, since that Allocate is what the reservation waited for."""
+    The one rule every path consults (``keeps``): Allocate's decision (reuse, reclaim, the inline
+    ERROR retry), ``ReclaimIdle``, the reclaim before a MIG disable, the reconciler's ERROR retry,
+    the idle policy and the advice. ``requester`` is the key of the Allocate asking (None for
+    everything else): its own pending reservation does not guard against it, since that Allocate is
+    what the reservation waited for. ``force`` is the operator's override of ``ReclaimIdle`` and
+    ``SetMigMode``: pending reservations guard nothing then (a live pod's ERROR instance still does,
+    and no reclaim touches an ERROR instance anyway)."""
 
     referenced: frozenset[str] = frozenset()
     pending: frozenset[PendingReservation] = frozenset()
     requester: AllocationKey | None = None
+    force: bool = False
+
+    @classmethod
+    def of_reservations(cls, reservations: Iterable[Reservation]) -> Guards:
+        """Guards of reservations known by place only (no key: they guard against everyone)."""
+        return cls(pending=frozenset(PendingReservation(None, r) for r in reservations))
+
+    def keeps(self, reservation: Reservation, state: State, mig_uuid: str | None) -> str | None:
+        """Why the instance at ``reservation`` in ``state`` must be left alone (an error's wording),
+        or None when it may be destroyed or handed to the requester."""
+        if state is State.ERROR and mig_uuid and mig_uuid in self.referenced:
+            return "a live pod holds it (the last pod list names its MIG UUID)"
+        if state not in (State.IDLE, State.ERROR):
+            return None
+        holder = self.reserved_by(reservation)
+        return None if holder is None else f"pending reservation of {holder}"
 
     def why(self, record: OwnershipRecord) -> str | None:
-        """Why ``record`` must not be destroyed now (an error's wording), or None when it may be."""
-        if record.state is State.ERROR and record.mig_uuid is not None and record.mig_uuid in self.referenced:
-            return "a live pod holds it (the last pod list names its MIG UUID)"
-        if record.state not in (State.IDLE, State.ERROR):
+        """``keeps`` for an owned record."""
+        return self.keeps(record.reservation, record.state, record.mig_uuid)
+
+    def reserved_by(self, reservation: Reservation) -> str | None:
+        """Who (another key, or "the scheduler") holds a pending reservation at exactly ``reservation``."""
+        if self.force:
             return None
         for p in sorted(self.pending, key=lambda p: str(p.key)):
-            if p.reservation == record.reservation and p.key != self.requester:
-                return f"pending reservation of {p.key}"
+            if p.reservation == reservation and (p.key is None or p.key != self.requester):
+                return "the scheduler" if p.key is None else str(p.key)
         return None
+
+    def on_gpu(self, gpu_uuid: str) -> tuple[PendingReservation, ...]:
+        """The pending reservations on a GPU that guard against this requester (none with ``force``):
+        a MIG disable is refused while there is one, since the scheduler placed a pod there."""
+        if self.force:
+            return ()
+        return tuple(
+            sorted(
+                (
+                    p
+                    for p in self.pending
+                    if p.reservation.gpu_uuid == gpu_uuid and (p.key is None or p.key != self.requester)
+                ),
+                key=lambda p: (str(p.key), p.reservation.placement.start),
+            )
+        )
 
 
 class PendingSet:
@@ -72,8 +117,10 @@ class PendingSet:
         done = set(keys)
         self.current = frozenset(p for p in self.current if p.key not in done)
 
-    def guards(self, referenced: frozenset[str], requester: AllocationKey | None = None) -> Guards:
-        return Guards(referenced, self.current, requester)
+    def guards(
+        self, referenced: frozenset[str], requester: AllocationKey | None = None, *, force: bool = False
+    ) -> Guards:
+        return Guards(referenced, self.current, requester, force)
 
 
 __all__ = ["Guards", "PendingReservation", "PendingSet", "pending_of"]

@@ -2159,7 +2159,10 @@ type SetMigModeRequest struct {
 	GpuUuid string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
 	Enabled bool                   `protobuf:"varint,2,opt,name=enabled,proto3" json:"enabled,omitempty"`
 	// With enabled=false: destroy the GPU's IDLE instances first (as ReclaimIdle), then disable MIG.
-	ReclaimIdle   bool `protobuf:"varint,3,opt,name=reclaim_idle,json=reclaimIdle,proto3" json:"reclaim_idle,omitempty"`
+	ReclaimIdle bool `protobuf:"varint,3,opt,name=reclaim_idle,json=reclaimIdle,proto3" json:"reclaim_idle,omitempty"`
+	// The operator's override: a disable is refused (RESERVED) while a pending reservation is on the
+	// GPU, and reclaim_idle spares the IDLE instance a pending reservation keeps, unless force is set.
+	Force         bool `protobuf:"varint,4,opt,name=force,proto3" json:"force,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2211,6 +2214,13 @@ func (x *SetMigModeRequest) GetEnabled() bool {
 func (x *SetMigModeRequest) GetReclaimIdle() bool {
 	if x != nil {
 		return x.ReclaimIdle
+	}
+	return false
+}
+
+func (x *SetMigModeRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
 	}
 	return false
 }
@@ -2378,7 +2388,10 @@ type ReclaimIdleRequest struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	GpuUuid string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
 	// MIG UUIDs of IDLE instances on that GPU; empty means every IDLE instance on it.
-	MigUuids      []string `protobuf:"bytes,2,rep,name=mig_uuids,json=migUuids,proto3" json:"mig_uuids,omitempty"`
+	MigUuids []string `protobuf:"bytes,2,rep,name=mig_uuids,json=migUuids,proto3" json:"mig_uuids,omitempty"`
+	// The operator's override: destroy IDLE instances a pending reservation keeps, too. Without it,
+	// such an instance is kept (listed in kept) by a reclaim of all, and naming it is refused (RESERVED).
+	Force         bool `protobuf:"varint,3,opt,name=force,proto3" json:"force,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2427,9 +2440,18 @@ func (x *ReclaimIdleRequest) GetMigUuids() []string {
 	return nil
 }
 
+func (x *ReclaimIdleRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
+	}
+	return false
+}
+
 type ReclaimIdleResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Reclaimed     []*InstanceRef         `protobuf:"bytes,1,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Reclaimed []*InstanceRef         `protobuf:"bytes,1,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
+	// IDLE instances a reclaim of all left because a pending reservation keeps them (never with force).
+	Kept          []*InstanceRef `protobuf:"bytes,2,rep,name=kept,proto3" json:"kept,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2467,6 +2489,13 @@ func (*ReclaimIdleResponse) Descriptor() ([]byte, []int) {
 func (x *ReclaimIdleResponse) GetReclaimed() []*InstanceRef {
 	if x != nil {
 		return x.Reclaimed
+	}
+	return nil
+}
+
+func (x *ReclaimIdleResponse) GetKept() []*InstanceRef {
+	if x != nil {
+		return x.Kept
 	}
 	return nil
 }
@@ -2819,11 +2848,12 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"generation\x18\x01 \x01(\x04R\n" +
 	"generation\x120\n" +
 	"\x04gpus\x18\x02 \x03(\v2\x1c.hami.migsidecar.v1.GpuStateR\x04gpus\x120\n" +
-	"\x14pending_cdi_removals\x18\x03 \x03(\tR\x12pendingCdiRemovals\"k\n" +
+	"\x14pending_cdi_removals\x18\x03 \x03(\tR\x12pendingCdiRemovals\"\x81\x01\n" +
 	"\x11SetMigModeRequest\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aenabled\x18\x02 \x01(\bR\aenabled\x12!\n" +
-	"\freclaim_idle\x18\x03 \x01(\bR\vreclaimIdle\"m\n" +
+	"\freclaim_idle\x18\x03 \x01(\bR\vreclaimIdle\x12\x14\n" +
+	"\x05force\x18\x04 \x01(\bR\x05force\"m\n" +
 	"\x12SetMigModeResponse\x126\n" +
 	"\bmig_mode\x18\x01 \x01(\v2\x1b.hami.migsidecar.v1.MigModeR\amigMode\x12\x1f\n" +
 	"\vneeds_reset\x18\x02 \x01(\bR\n" +
@@ -2833,12 +2863,14 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x0fcontainer_index\x18\x02 \x01(\rR\x0econtainerIndex\"\x8c\x01\n" +
 	"\x14UndoAllocateResponse\x12=\n" +
 	"\tdestroyed\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\tdestroyed\x125\n" +
-	"\x05idled\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x05idled\"L\n" +
+	"\x05idled\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x05idled\"b\n" +
 	"\x12ReclaimIdleRequest\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x1b\n" +
-	"\tmig_uuids\x18\x02 \x03(\tR\bmigUuids\"T\n" +
+	"\tmig_uuids\x18\x02 \x03(\tR\bmigUuids\x12\x14\n" +
+	"\x05force\x18\x03 \x01(\bR\x05force\"\x89\x01\n" +
 	"\x13ReclaimIdleResponse\x12=\n" +
-	"\treclaimed\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\"L\n" +
+	"\treclaimed\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\x123\n" +
+	"\x04kept\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x04kept\"L\n" +
 	"\x15RankPlacementsRequest\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\"\xaa\x02\n" +
@@ -2988,39 +3020,40 @@ var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
 	8,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
 	8,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
 	8,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 39: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
-	2,  // 40: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
-	8,  // 41: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
-	39, // 42: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
-	17, // 43: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	21, // 44: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	23, // 45: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	6,  // 46: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	10, // 47: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	13, // 48: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	15, // 49: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	30, // 50: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	32, // 51: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	34, // 52: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	36, // 53: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	38, // 54: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	18, // 55: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	22, // 56: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	25, // 57: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	9,  // 58: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	11, // 59: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	14, // 60: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	16, // 61: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	31, // 62: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	33, // 63: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	35, // 64: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	37, // 65: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	40, // 66: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	55, // [55:67] is the sub-list for method output_type
-	43, // [43:55] is the sub-list for method input_type
-	43, // [43:43] is the sub-list for extension type_name
-	43, // [43:43] is the sub-list for extension extendee
-	0,  // [0:43] is the sub-list for field type_name
+	8,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
+	3,  // 40: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	2,  // 41: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
+	8,  // 42: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	39, // 43: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	17, // 44: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	21, // 45: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	23, // 46: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	6,  // 47: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	10, // 48: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	13, // 49: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	15, // 50: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	30, // 51: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	32, // 52: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	34, // 53: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	36, // 54: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	38, // 55: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	18, // 56: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	22, // 57: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	25, // 58: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	9,  // 59: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	11, // 60: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	14, // 61: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	16, // 62: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	31, // 63: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	33, // 64: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	35, // 65: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	37, // 66: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	40, // 67: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	56, // [56:68] is the sub-list for method output_type
+	44, // [44:56] is the sub-list for method input_type
+	44, // [44:44] is the sub-list for extension type_name
+	44, // [44:44] is the sub-list for extension extendee
+	0,  // [0:44] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }

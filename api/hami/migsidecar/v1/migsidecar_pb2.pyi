@@ -390,14 +390,16 @@ class GetStateResponse(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuState, _Mapping]]] = ..., pending_cdi_removals: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetMigModeRequest(_message.Message):
-    __slots__ = ("gpu_uuid", "enabled", "reclaim_idle")
+    __slots__ = ("gpu_uuid", "enabled", "reclaim_idle", "force")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_IDLE_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     enabled: bool
     reclaim_idle: bool
-    def __init__(self, gpu_uuid: _Optional[str] = ..., enabled: _Optional[bool] = ..., reclaim_idle: _Optional[bool] = ...) -> None: ...
+    force: bool
+    def __init__(self, gpu_uuid: _Optional[str] = ..., enabled: _Optional[bool] = ..., reclaim_idle: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class SetMigModeResponse(_message.Message):
     __slots__ = ("mig_mode", "needs_reset")
@@ -424,18 +426,22 @@ class UndoAllocateResponse(_message.Message):
     def __init__(self, destroyed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., idled: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
 
 class ReclaimIdleRequest(_message.Message):
-    __slots__ = ("gpu_uuid", "mig_uuids")
+    __slots__ = ("gpu_uuid", "mig_uuids", "force")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     MIG_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     mig_uuids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gpu_uuid: _Optional[str] = ..., mig_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+    force: bool
+    def __init__(self, gpu_uuid: _Optional[str] = ..., mig_uuids: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ReclaimIdleResponse(_message.Message):
-    __slots__ = ("reclaimed",)
+    __slots__ = ("reclaimed", "kept")
     RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     reclaimed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
-    def __init__(self, reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+    kept: _containers.RepeatedCompositeFieldContainer[InstanceRef]
+    def __init__(self, reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., kept: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
 
 class RankPlacementsRequest(_message.Message):
     __slots__ = ("gpu_uuid", "profile")
