@@ -34,7 +34,7 @@ class TestReclaimIdle:
         held = active(world, "pod-c", 0, 2)
         other_gpu = idle(world, "pod-d", 1, 0)
 
-        reclaimed = world.lifecycle.reclaim_idle(world.uuid(0))
+        reclaimed = world.lifecycle.reclaim_idle(world.uuid(0)).reclaimed
 
         assert {r.identity.mig_uuid for r in reclaimed if r.identity} == {a, b}
         assert world.live_mig_uuids() == {held, other_gpu}
@@ -45,7 +45,7 @@ class TestReclaimIdle:
 
     def test_named_instances_only(self, world: World) -> None:
         a, b = idle(world, "pod-a", 0, 0), idle(world, "pod-b", 0, 1)
-        reclaimed = world.lifecycle.reclaim_idle(world.uuid(0), [b])
+        reclaimed = world.lifecycle.reclaim_idle(world.uuid(0), [b]).reclaimed
         assert [r.identity.mig_uuid for r in reclaimed if r.identity] == [b]
         assert by_state(world) == {a: State.IDLE}
         world.assert_consistent()
@@ -53,7 +53,7 @@ class TestReclaimIdle:
     def test_a_gpu_without_idle_instances_reclaims_nothing(self, world: World) -> None:
         active(world, "pod-a", 0, 0)
         before = world.everything()
-        assert world.lifecycle.reclaim_idle(world.uuid(0)) == []
+        assert world.lifecycle.reclaim_idle(world.uuid(0)).reclaimed == ()
         assert world.everything() == before
 
     def test_a_named_active_instance_is_not_idle_and_nothing_is_destroyed(self, world: World) -> None:
