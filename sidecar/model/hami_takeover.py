@@ -13,8 +13,12 @@ Per HAMi record file, one outcome (never two, so no file is both kept and conver
   allocation as owner when the pod list names that runtime identity, ``IDLE`` otherwise - and
   HAMi's file is removed only after that record is durable.
 - **finish**: as convert, but the sidecar already holds a record of that very instance (same MIG
-  UUID): a crash came between writing ours and removing HAMi's, or the pod list's adoption made it.
-  Only HAMi's file is removed.
+  UUID) that comes from this takeover: a crash came between writing ours (marked as taken over) and
+  removing HAMi's, or the pod list's adoption made it in this very recovery. Only HAMi's file is
+  removed.
+- **conflict** (a keep): the sidecar already owned that instance by a record of its own from before
+  (not taken over from HAMi; ``own_records``). The sidecar's record wins as it is, provenance
+  unchanged; HAMi's file stays for the operator and the conflict is named in ``errors``.
 - **keep**: anything else - it does not decode, has another version, is misnamed, its GPU is not
   visible, or the live hardware contradicts it. The file stays untouched and is named in
   ``errors``; the instance it points at (when one can be found) stays foreign: never reused, never
@@ -109,6 +113,9 @@ class TakeoverInputs:
     owned: Sequence[OwnershipRecord] = ()
     # GIs recovery has already decided otherwise (a kept or corrupt record of its own): never taken.
     claimed: frozenset[tuple[str, int]] = frozenset()
+    # MIG UUIDs of the sidecar's own records from before this recovery that were not taken over from
+    # HAMi: an instance the sidecar owned by its own right, which a HAMi file never relabels.
+    own_records: frozenset[str] = frozenset()
     cdi_devices: dict[str, str] = field(default_factory=dict)  # MIG UUID -> the sidecar's CDI name
     boot_id: str = ""
     now: str = ""
@@ -221,6 +228,15 @@ class _Planner:
                 )
                 continue
             own = self.owned_by_uuid.get(f.record.mig_uuid)
+            if own is not None and f.record.mig_uuid in self.inputs.own_records:
+                self.keep(
+                    f.file.filename,
+                    f"it names {f.record.mig_uuid}, which the sidecar already owns by its own record"
+                    f" {own.name} ({own.state}); the sidecar's record stays as it is and the file is left"
+                    " for the operator",
+                    (),
+                )
+                continue
             if own is not None:
                 finished.append(Finish(f.file.filename, own.name, f.record.mig_uuid))
                 continue

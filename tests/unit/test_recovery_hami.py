@@ -213,11 +213,9 @@ class TestAnActiveHamiInstanceIsAdoptedForItsPodAndKeepsHamisSpec:
             pod("pod-a", mig(1)).owner,
             TAKEN_OVER_FROM,
         )
-        assert isinstance(adopt.actions[0], PutRecord)
-        assert finish.actions == (
-            PutRecord(ours),
-            RemoveHamiRecord(record_filename(mig(1)), ours.name, mig(1)),
-        )
+        # The mark goes into the adoption's own write: no crash leaves an unmarked record of it.
+        assert adopt.actions[0] == PutRecord(ours)
+        assert finish.actions == (RemoveHamiRecord(record_filename(mig(1)), ours.name, mig(1)),)
 
     def test_it_is_reported_adopted_active_once(self) -> None:
         p = plan(inputs(layout(mig(1)), hami=[hami_record(mig(1))], active=[pod("pod-a", mig(1))]))
@@ -274,19 +272,25 @@ class TestACrashBetweenTheTwoWritesIsFinishedByTheNextPlan:
         order = [type(a) for a in p.actions if isinstance(a, PutRecord | RemoveHamiRecord)]
         assert order == [PutRecord, RemoveHamiRecord]
 
-    def test_an_unmarked_record_of_that_instance_is_marked_before_hamis_file_goes(self) -> None:
+    def test_a_hami_file_naming_an_instance_the_sidecar_owns_by_its_own_record_is_a_conflict(self) -> None:
+        """The sidecar's record wins as it is (provenance unchanged), HAMi's file stays for the
+        operator and the conflict is named."""
         first = plan(inputs(layout(mig(1)), hami=[hami_record(mig(1))]))
-        unmarked = msgspec.structs.replace(first.table[0], taken_over_from="")
-        crashed = msgspec.structs.replace(
+        own = msgspec.structs.replace(first.table[0], taken_over_from="")
+        conflicting = msgspec.structs.replace(
             inputs(layout(mig(1)), hami=[hami_record(mig(1))]),
-            records=(unmarked,),
+            records=(own,),
             generation=first.generation,
         )
-        p = plan(crashed)
-        assert table(p)[mig(1)].taken_over_from == TAKEN_OVER_FROM
-        marks = [a.record for a in p.actions if isinstance(a, PutRecord)]
-        assert marks[-1].taken_over_from == TAKEN_OVER_FROM
-        assert hami_removed(p) == [record_filename(mig(1))]
+        p = plan(conflicting)
+        assert table(p)[mig(1)] == own
+        assert hami_removed(p) == []
+        assert [a for a in p.actions if isinstance(a, PutRecord)] == []
+        assert p.report.preserved_foreign == ()
+        [line] = p.report.errors
+        assert record_filename(mig(1)) in line
+        assert "already owns" in line
+        assert own.name in line
 
     def test_a_second_plan_over_a_complete_takeover_changes_nothing(self) -> None:
         before = inputs(

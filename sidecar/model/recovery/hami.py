@@ -8,7 +8,9 @@ is ``hami_takeover.plan_takeover``; this module turns it into steps:
 - convert: PutRecord (the sidecar's record, durable first), then RemoveHamiRecord; rule 5 appends
   the EnsureCdi of the sidecar's own spec to the same step.
 - finish: RemoveHamiRecord alone, after every step that writes records (the pod list's adoption of
-  the instance, in this plan, writes its record first); the record is marked as taken over.
+  the instance, in this plan, writes its record first, marked as taken over in that same write).
+- conflict: a HAMi file naming an instance the sidecar owned by its own record before: kept, the
+  sidecar's record unchanged, the conflict in errors.
 - keep: the instance is foreign and its MIG UUIDs' spec files stay; the file is named in errors.
 - HAMi specs to remove go last, after every record step.
 """
@@ -19,6 +21,7 @@ import msgspec
 
 from sidecar.model.domain import State
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover, pointed_at
+from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.recovery.books import Books, live_ref
 from sidecar.model.recovery.steps import (
     PutRecord,
@@ -50,6 +53,9 @@ def take_over_hami(b: Books) -> Books:
             gpus=inputs.gpus,
             active=inputs.active,
             owned=tuple(b.table.values()),
+            own_records=frozenset(
+                r.mig_uuid for r in inputs.records if r.mig_uuid and r.taken_over_from != TAKEN_OVER_FROM
+            ),
             claimed=frozenset(gi for gi in b.claimed if gi not in owned_gis),
             cdi_devices=inputs.cdi_devices,
             boot_id=inputs.boot_id,
@@ -84,7 +90,8 @@ def take_over_hami(b: Books) -> Books:
         if ours.taken_over_from != TAKEN_OVER_FROM:
             ours = msgspec.structs.replace(ours, taken_over_from=TAKEN_OVER_FROM)
             b.table[fin.record_name] = ours
-            actions = (PutRecord(ours), *actions)
+            if not _mark_in_its_write(b, ours):
+                actions = (PutRecord(ours), *actions)
         b.steps.append(
             Step(subject=f"finish taking over {fin.filename} ({fin.record_name})", actions=actions)
         )
@@ -98,6 +105,22 @@ def take_over_hami(b: Books) -> Books:
             Step(subject=f"remove HAMi's CDI spec {spec.filename}", actions=(RemoveHamiSpec(spec.mig_uuid),))
         )
     return b
+
+
+def _mark_in_its_write(b: Books, marked: OwnershipRecord) -> bool:
+    """Put the mark into the step of this plan that writes the record (the pod list's adoption), so
+    no crash can leave an unmarked record of a HAMi instance on disk (the next recovery would take it
+    for the sidecar's own and keep HAMi's file as a conflict). False when no step writes it."""
+    for i, step in enumerate(b.steps):
+        if step.record_name != marked.name or not any(isinstance(a, PutRecord) for a in step.actions):
+            continue
+        actions = tuple(PutRecord(marked) if isinstance(a, PutRecord) else a for a in step.actions)
+        on_failure = step.on_failure
+        if on_failure is not None:
+            on_failure = msgspec.structs.replace(on_failure, taken_over_from=TAKEN_OVER_FROM)
+        b.steps[i] = msgspec.structs.replace(step, actions=actions, on_failure=on_failure)
+        return True
+    return False
 
 
 def _foreign(b: Books, keep: Keep) -> None:
