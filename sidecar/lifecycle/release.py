@@ -88,6 +88,7 @@ def sync_active(
         if r.state is State.IDLE
         and r.mig_uuid is not None
         and (r.reservation, r.mig_uuid) in by_identity
+        and names(by_identity[(r.reservation, r.mig_uuid)], r)
         and r.idled_generation <= generation
     ]
     idled: list[InstanceRef] = []
@@ -125,6 +126,14 @@ def sync_active(
                 reactivated.append(instance_ref(current))
     raise_first(failures)
     return idled, reactivated
+
+
+def names(alloc: ActiveAllocation, record: OwnershipRecord) -> bool:
+    """Whether a listed allocation names the recorded instance (``Identity.names``: the rule
+    ``Recover`` applies too: the MIG UUID, and the GI and CI IDs unless the list gave them as 0)."""
+    return (
+        alloc.identity is not None and record.identity is not None and alloc.identity.names(record.identity)
+    )
 
 
 def put_each(

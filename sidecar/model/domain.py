@@ -85,6 +85,23 @@ class Identity(msgspec.Struct, frozen=True):
     compute_instance_id: int
     mig_uuid: str
 
+    @property
+    def ids_told(self) -> bool:
+        """False when GI and CI IDs are both 0: the contract's "not told" (a pod list that knows the
+        instance by its MIG UUID alone)."""
+        return self.gpu_instance_id != 0 or self.compute_instance_id != 0
+
+    def names(self, live: Identity) -> bool:
+        """Whether this identity, as a pod list gives it, names the instance whose identity is
+        ``live``: the same MIG UUID (the driver never mints one twice), and the same GI and CI IDs
+        when they are told. The one acceptance rule of ``Recover`` and ``SyncActive``."""
+        if self.mig_uuid != live.mig_uuid:
+            return False
+        return not self.ids_told or (
+            self.gpu_instance_id == live.gpu_instance_id
+            and self.compute_instance_id == live.compute_instance_id
+        )
+
 
 class InstanceRef(msgspec.Struct, frozen=True):
     """A reservation plus the identity it had; what responses list (``InstanceRef`` in the contract)."""

@@ -297,7 +297,9 @@ class _Planner:
             (
                 a
                 for a in inputs.active
-                if a.identity == identity and a.reservation.gpu_uuid == record.parent_gpu_uuid
+                if a.identity is not None
+                and a.identity.names(identity)
+                and a.reservation.gpu_uuid == record.parent_gpu_uuid
             ),
             None,
         )

@@ -5,8 +5,10 @@ See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in 
 
 from __future__ import annotations
 
+import msgspec
+
 from sidecar.model import errors
-from sidecar.model.domain import ActiveAllocation, State
+from sidecar.model.domain import ActiveAllocation, Identity, State
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, record_name
 from sidecar.model.recovery.books import Books, live_ref
 from sidecar.model.recovery.steps import Action, PutRecord, Reported, Step
@@ -18,7 +20,8 @@ def adopt_active(b: Books) -> Books:
     by_instance: dict[tuple[str, int], ActiveAllocation] = {}
     unverifiable: list[str] = []
     keys: set[str] = set()
-    for alloc in b.inputs.active:
+    for listed in b.inputs.active:
+        alloc = listed
         seen = by_key.get(alloc.key)
         if seen is not None:
             if seen.reservation != alloc.reservation or seen.identity != alloc.identity:
@@ -35,6 +38,7 @@ def adopt_active(b: Books) -> Books:
             keys.add(str(alloc.key))
             unverifiable.append(f"allocation {alloc.key} ({alloc.reservation}): {why}")
             continue
+        alloc = with_live_identity(b, alloc)
         assert alloc.identity is not None
         instance = (alloc.reservation.gpu_uuid, alloc.identity.gpu_instance_id)
         other = by_instance.get(instance)
@@ -224,8 +228,21 @@ def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -
     return True
 
 
+def with_live_identity(b: Books, alloc: ActiveAllocation) -> ActiveAllocation:
+    """A verified allocation with the identity of the live instance it names (its GI and CI IDs
+    filled in when the pod list gave the MIG UUID alone, ``Identity.names``)."""
+    gi = b.gi_at(alloc.reservation.gpu_uuid, alloc.reservation.placement)
+    assert gi is not None  # verified
+    assert alloc.identity is not None
+    ci = gi.compute_instances[0]
+    return msgspec.structs.replace(alloc, identity=Identity(gi.info.id, ci.id, ci.mig_uuid))
+
+
 def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
-    """Why an allocation does not match the live hardware exactly, or None when it does."""
+    """Why an allocation does not match the live hardware exactly, or None when it does.
+
+    Exactly means ``Identity.names``: the MIG UUID, and the GI and CI IDs unless the pod list gave
+    the MIG UUID alone (both IDs 0), which is the rule ``SyncActive`` applies too."""
     identity, reservation = alloc.identity, alloc.reservation
     if identity is None:
         return None  # a pending reservation: accepted, never verified (``sidecar.model.pending``)
@@ -234,8 +251,13 @@ def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
         return f"GPU {reservation.gpu_uuid} is not on this node"
     if not gpu.info.mig_current:
         return f"MIG is disabled on GPU {reservation.gpu_uuid}"
-    gi = next((g for g in gpu.gpu_instances if g.info.id == identity.gpu_instance_id), None)
+    if identity.ids_told:
+        gi = next((g for g in gpu.gpu_instances if g.info.id == identity.gpu_instance_id), None)
+    else:
+        gi = b.gi_at(reservation.gpu_uuid, reservation.placement)
     if gi is None:
+        if not identity.ids_told:
+            return f"no GPU instance is at placement {reservation.placement}"
         return f"GPU instance {identity.gpu_instance_id} does not exist"
     profile = b.profile_of(reservation.gpu_uuid, gi.info.profile_id)
     live_name = profile.name if profile is not None else f"profile-id-{gi.info.profile_id}"
@@ -246,7 +268,7 @@ def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
     if len(gi.compute_instances) != 1:
         return f"GPU instance {gi.info.id} has {len(gi.compute_instances)} compute instances, not one"
     ci = gi.compute_instances[0]
-    if ci.id != identity.compute_instance_id:
+    if identity.ids_told and ci.id != identity.compute_instance_id:
         return f"compute instance is {ci.id}, not {identity.compute_instance_id}"
     if ci.mig_uuid != identity.mig_uuid:
         return f"the live MIG UUID is {ci.mig_uuid}, not {identity.mig_uuid}"
