@@ -35,6 +35,13 @@ MAX_NAMESPACE_BYTES = 63
 MAX_POD_NAME_BYTES = 253
 MAX_CONTAINER_NAME_BYTES = 63
 MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
+# Counts of the repeated fields. A node holds at most 8 GPUs of 7 MIG devices each (56 instances):
+# one container asks for at most that many devices, and a pod list names each live instance once plus
+# at most one pending reservation per placement. The bounds leave room far past that, and with the
+# name limits above they bound the largest valid request (``limits.MAX_REQUEST_BYTES``).
+MAX_DEVICES = 64
+MAX_ACTIVE = 1024
+MAX_ALLOWED_PROFILES = 256
 CLIP_CHARS = 64
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -137,6 +144,11 @@ def allocate(request: Any) -> AllocateRequest:
     owner = pod(request.pod, request.HasField("pod"), "request")
     container = container_name(request.container_name, "request")
     require(len(request.devices) > 0, "request: devices is empty", field="devices")
+    require(
+        len(request.devices) <= MAX_DEVICES,
+        f"request: {len(request.devices)} devices, more than {MAX_DEVICES}",
+        field="devices",
+    )
     devices: list[DeviceRequest] = []
     seen: set[int] = set()
     for position, device in enumerate(request.devices):
@@ -150,6 +162,11 @@ def allocate(request: Any) -> AllocateRequest:
 
 def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
     """ActiveAllocation protos -> domain. An empty ``mig_uuid`` means "no runtime identity known"."""
+    require(
+        len(messages) <= MAX_ACTIVE,
+        f"active: {len(messages)} allocations, more than {MAX_ACTIVE}",
+        field="active",
+    )
     decoded: list[ActiveAllocation] = []
     for position, message in enumerate(messages):
         where = f"active[{position}]"
@@ -181,6 +198,11 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
 
 
 def allowed_profiles(names: Sequence[str]) -> list[str]:
+    require(
+        len(names) <= MAX_ALLOWED_PROFILES,
+        f"allowed_profiles: {len(names)} names, more than {MAX_ALLOWED_PROFILES}",
+        field="allowed_profiles",
+    )
     for position, name in enumerate(names):
         profile_name(name, f"allowed_profiles[{position}]", f"allowed_profiles[{position}]")
     return list(names)

@@ -38,6 +38,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 import sidecar
 from sidecar.edge import decode, encode
+from sidecar.edge.limits import MAX_REQUEST_BYTES
 from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.logs import event
@@ -432,6 +433,9 @@ class SidecarServer:
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            # Exactly what the largest valid request needs (``limits``); above it the transport
+            # answers RESOURCE_EXHAUSTED before any handler runs.
+            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
         )
         register(servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)

@@ -14,6 +14,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from inprocess_sidecar import CALL_TIMEOUT_S, InProcessSidecar, inprocess_sidecar
 from sidecar_process import error_info, failure
 
+from sidecar.edge import decode, limits
 from sidecar.model.domain import State
 from sidecar.nvml.port import Placement
 from sidecar.store.records import GENERATION_FILE, MAX_GENERATION, OwnershipRecord
@@ -118,7 +119,7 @@ class TestNamesAreHeldToKubernetesLimits:
             ("namespace", "-leading-dash"),
             ("name", "p" * 254),
             ("container_name", "c" * 64),
-            ("container_name", MEGA),
+            ("container_name", "c" * 100_000),
         ],
         ids=lambda v: v if len(v) < 20 else f"{len(v)} chars",
     )
@@ -140,11 +141,11 @@ class TestNamesAreHeldToKubernetesLimits:
             (o.pod.uid, len(o.pod.namespace), len(o.pod.name), len(o.container_name)) for o in owners
         ] == [(uid, 63, 253, 63)]
 
-    def test_a_megabyte_container_name_in_sync_active_is_refused(self, car: InProcessSidecar) -> None:
+    def test_a_64_kib_container_name_in_sync_active_is_refused(self, car: InProcessSidecar) -> None:
         car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
         active = pb.ActiveAllocation(
             pod=pb.PodRef(uid="pod-a", namespace="default", name="pod-a"),
-            container_name=MEGA,
+            container_name="c" * 65536,
             gpu_uuid=car.gpu_uuids()[0],
             profile="1g.10gb",
             placement=pb.Placement(start=0, size=1),
@@ -157,12 +158,53 @@ class TestNamesAreHeldToKubernetesLimits:
             {"field": "active[0].container_name"},
         )
 
-
-class TestErrorsStaySmall:
-    def test_ten_thousand_unknown_profile_names_give_a_short_unknown_profile(
+    def test_a_body_above_the_largest_valid_request_is_resource_exhausted_by_the_transport(
         self, car: InProcessSidecar
     ) -> None:
+        """The receive limit is what the largest valid request needs; above it gRPC itself refuses,
+        before any handler: RESOURCE_EXHAUSTED without ErrorInfo (the README's error table)."""
+        for name, largest in limits.largest_requests().items():
+            assert largest.ByteSize() <= limits.MAX_REQUEST_BYTES, name
+        active = pb.ActiveAllocation(
+            pod=pb.PodRef(uid="pod-a", namespace="default", name="pod-a"),
+            container_name=MEGA,
+            gpu_uuid=car.gpu_uuids()[0],
+            profile="1g.10gb",
+            placement=pb.Placement(start=0, size=1),
+        )
+        request = pb.SyncActiveRequest(generation=0, active=[active])
+        assert request.ByteSize() > limits.MAX_REQUEST_BYTES
+        before = car.world()
+        with pytest.raises(grpc.RpcError) as caught:
+            car.stub.SyncActive(request, timeout=CALL_TIMEOUT_S)
+        assert error_info(caught.value) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "", {})
+        assert car.world() == before
+
+    def test_the_largest_valid_sync_active_gets_through(self, car: InProcessSidecar) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        request = limits.largest_requests()["SyncActive"]
+        request.generation = 0
+        for a in request.active:
+            a.gpu_uuid = car.gpu_uuids()[0]
+        before = car.world()
+        answer = car.stub.SyncActive(request, timeout=CALL_TIMEOUT_S)  # it names no instance
+        assert (list(answer.idled), list(answer.reactivated)) == ([], [])
+        assert car.world() == before
+
+
+class TestErrorsStaySmall:
+    def test_ten_thousand_profile_names_are_more_than_a_request_may_name(self, car: InProcessSidecar) -> None:
         names = [f"{n}g.{n}gb" for n in range(10_000)]
+        request = pb.DiscoverProfilesRequest(gpu_uuid=car.gpu_uuids()[0], allowed_profiles=names)
+        code, reason, metadata = refused(lambda: car.stub.DiscoverProfiles(request, timeout=CALL_TIMEOUT_S))
+        assert (code, reason, metadata) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_REQUEST",
+            {"field": "allowed_profiles"},
+        )
+
+    def test_the_most_unknown_profile_names_give_a_short_unknown_profile(self, car: InProcessSidecar) -> None:
+        names = [f"{n}g.{n}gb" for n in range(decode.MAX_ALLOWED_PROFILES)]
         request = pb.DiscoverProfilesRequest(gpu_uuid=car.gpu_uuids()[0], allowed_profiles=names)
         code, reason, metadata = refused(lambda: car.stub.DiscoverProfiles(request, timeout=CALL_TIMEOUT_S))
         assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_PROFILE")

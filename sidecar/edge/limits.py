@@ -1,0 +1,84 @@
+"""The largest request the sidecar accepts on the wire, computed from what ``decode`` lets through.
+
+Every field of every request is bounded by ``decode`` (name lengths in bytes, counts of repeated
+fields, integer widths), so the largest valid request of each RPC is a fixed message: this module
+builds it and measures it. The server's receive limit is set to the largest of them
+(``MAX_REQUEST_BYTES``), so any valid request fits and a body above it is refused by the transport
+before it is read into memory: RESOURCE_EXHAUSTED, with gRPC's own message and no ErrorInfo (the
+sidecar's handlers never see it). Below the limit, a request that breaks a bound is the sidecar's
+INVALID_REQUEST as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+
+from sidecar.edge import decode
+
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+_GPU = "GPU-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
+_MIG = "MIG-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
+
+
+def _placement() -> Any:
+    return pb.Placement(start=_U32, size=_U32)
+
+
+def _pod() -> Any:
+    return pb.PodRef(
+        uid="u" * decode.MAX_POD_UID_BYTES,
+        namespace="n" * decode.MAX_NAMESPACE_BYTES,
+        name="p" * decode.MAX_POD_NAME_BYTES,
+    )
+
+
+def _active() -> Any:
+    return pb.ActiveAllocation(
+        pod=_pod(),
+        container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
+        container_index=_U32,
+        device_index=_U32,
+        gpu_uuid=_GPU,
+        profile="g" * decode.MAX_PROFILE_BYTES,
+        placement=_placement(),
+        mig_uuid=_MIG,
+        gpu_instance_id=_U32,
+        compute_instance_id=_U32,
+    )
+
+
+def largest_requests() -> dict[str, Any]:
+    """The largest valid request of each RPC whose request has a repeated or unbounded field."""
+    device = pb.DeviceRequest(
+        device_index=_U32, gpu_uuid=_GPU, profile="g" * decode.MAX_PROFILE_BYTES, placement=_placement()
+    )
+    active = [_active() for _ in range(decode.MAX_ACTIVE)]
+    return {
+        "Allocate": pb.AllocateRequest(
+            pod=_pod(),
+            container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
+            container_index=_U32,
+            devices=[device] * decode.MAX_DEVICES,
+        ),
+        "Recover": pb.RecoverRequest(active=active),
+        "SyncActive": pb.SyncActiveRequest(generation=_U64, active=active),
+        "DiscoverProfiles": pb.DiscoverProfilesRequest(
+            gpu_uuid=_GPU, allowed_profiles=["g" * decode.MAX_PROFILE_BYTES] * decode.MAX_ALLOWED_PROFILES
+        ),
+        "ReclaimIdle": pb.ReclaimIdleRequest(
+            gpu_uuid=_GPU, mig_uuids=[_MIG] * decode.MAX_MIG_UUIDS, force=True
+        ),
+    }
+
+
+def _largest() -> int:
+    biggest = max(int(m.ByteSize()) for m in largest_requests().values())
+    return -(-biggest // 1024) * 1024  # rounded up to whole KiB
+
+
+MAX_REQUEST_BYTES = _largest()
+
+__all__ = ["MAX_REQUEST_BYTES", "largest_requests"]
