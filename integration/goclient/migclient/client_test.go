@@ -1431,3 +1431,28 @@ func TestReleaseByPodListTakesNoListWhileTheSidecarHasRestartedAgainSinceItsReco
 		t.Fatalf("SyncActive must carry the last run's generation 4: %v", r.syncs)
 	}
 }
+
+func TestARequestTheTransportRefusesAsTooLargeIsATypedErrorAndNotRetried(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{status.Error(codes.ResourceExhausted, "grpc: received message larger than max (1048576 vs. 729088)")}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if !errors.Is(err, ErrRequestTooLarge) || !IsReason(err, ReasonRequestTooLarge) {
+		t.Fatalf("not the typed too-large error: %v", err)
+	}
+	if CodeOf(err) != codes.ResourceExhausted || len(r.allocates) != 1 {
+		t.Fatalf("code %v after %d calls, want RESOURCE_EXHAUSTED after one", CodeOf(err), len(r.allocates))
+	}
+	var e *Error
+	if !errors.As(err, &e) || e.Retryable() {
+		t.Fatalf("a too-large request must not be retryable: %v", err)
+	}
+}
+
+func TestAResourceExhaustedWithTheSidecarsReasonKeepsItsReason(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{sidecarError(codes.ResourceExhausted, "SOMETHING_ELSE", nil)}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if errors.Is(err, ErrRequestTooLarge) || !IsReason(err, "SOMETHING_ELSE") {
+		t.Fatalf("a reasoned RESOURCE_EXHAUSTED was taken for the transport's: %v", err)
+	}
+}

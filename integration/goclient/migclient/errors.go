@@ -35,6 +35,13 @@ const (
 	ReasonNotIdle = "NOT_IDLE"
 	// ReasonUnknownInstance: ReclaimIdle named a MIG UUID the sidecar does not hold on that GPU.
 	ReasonUnknownInstance = "UNKNOWN_INSTANCE"
+	// ReasonReserved: ReclaimIdle named an IDLE instance a pending reservation keeps, or a MIG
+	// disable met a pending reservation on its GPU (metadata guarded_by names it); force overrides.
+	ReasonReserved = "RESERVED"
+	// ReasonRequestTooLarge: the request was larger than the sidecar's receive limit (the largest
+	// valid request), so gRPC refused it with RESOURCE_EXHAUSTED before the sidecar saw it, without
+	// an ErrorInfo. Not retried: the same request is refused again. See ErrRequestTooLarge.
+	ReasonRequestTooLarge = "REQUEST_TOO_LARGE"
 	// ReasonInternal: a bug in the sidecar (code INTERNAL; the sidecar logs its traceback).
 	// Not retried: the same request would meet the same bug.
 	ReasonInternal = "INTERNAL"
@@ -64,6 +71,10 @@ const (
 	// same request may succeed later.
 	ReasonSidecarUnreachable = "SIDECAR_UNREACHABLE"
 )
+
+// ErrRequestTooLarge is matched (errors.Is) by every *Error with ReasonRequestTooLarge: a request
+// above the sidecar's receive limit, refused by the transport (RESOURCE_EXHAUSTED, no ErrorInfo).
+var ErrRequestTooLarge = errors.New("migsidecar: request larger than the sidecar accepts")
 
 // Error is every error this package returns for a call to the sidecar. It carries the gRPC code
 // and the ErrorInfo reason and metadata so that a device plugin can branch on the reason (for
@@ -126,6 +137,11 @@ func (e *Error) detail() string {
 		fmt.Fprintf(&b, " [%s]", strings.Join(parts, " "))
 	}
 	return b.String()
+}
+
+// Is makes errors.Is(err, ErrRequestTooLarge) true for a request the transport refused as too large.
+func (e *Error) Is(target error) bool {
+	return target == ErrRequestTooLarge && e.Reason == ReasonRequestTooLarge
 }
 
 // Unwrap exposes the underlying cause (a gRPC status error, a context error or the callback's
@@ -203,6 +219,10 @@ func fromRPC(op string, err error, attempts int) *Error {
 		return &Error{Op: op, Code: code, Message: err.Error(), Attempts: attempts, cause: err}
 	}
 	reason, md := errorInfo(st)
+	if reason == "" && st.Code() == codes.ResourceExhausted {
+		// The transport's own refusal of a body above the receive limit: it carries no ErrorInfo.
+		reason = ReasonRequestTooLarge
+	}
 	return &Error{Op: op, Code: st.Code(), Reason: reason, Metadata: md, Message: st.Message(), Attempts: attempts, cause: err}
 }
 

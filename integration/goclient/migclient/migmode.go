@@ -18,6 +18,13 @@ func ReclaimIdle() MigModeOption {
 	return func(r *pb.SetMigModeRequest) { r.ReclaimIdle = true }
 }
 
+// Force is the operator's override of the pending-reservation guard: a disable is otherwise
+// refused (RESERVED) while the scheduler has a pending reservation on the GPU, and ReclaimIdle()
+// spares the IDLE instance such a reservation keeps.
+func Force() MigModeOption {
+	return func(r *pb.SetMigModeRequest) { r.Force = true }
+}
+
 // SetMigMode enables or disables MIG mode on one GPU.
 func (c *Client) SetMigMode(ctx context.Context, gpuUUID string, enabled bool, opts ...MigModeOption) (SetMigModeResult, error) {
 	req := &pb.SetMigModeRequest{GpuUuid: gpuUUID, Enabled: enabled}
@@ -38,14 +45,31 @@ func (c *Client) SetMigMode(ctx context.Context, gpuUUID string, enabled bool, o
 
 // ReclaimIdle destroys IDLE instances the sidecar owns on one GPU: the named ones, or all of
 // them when migUUIDs is empty. A named instance that is not IDLE fails with NOT_IDLE, an unknown
-// one with UNKNOWN_INSTANCE, and one running processes with INSTANCE_IN_USE (retried until the
-// deadline, as for Allocate); in each case nothing is destroyed.
+// one with UNKNOWN_INSTANCE, one a pending reservation keeps with RESERVED, and one running
+// processes with INSTANCE_IN_USE (retried until the deadline, as for Allocate); in each case
+// nothing is destroyed. A reclaim of all skips the instances a pending reservation keeps (see
+// ReclaimIdleResult for them, and its force for the override).
 func (c *Client) ReclaimIdle(ctx context.Context, gpuUUID string, migUUIDs ...string) ([]InstanceRef, error) {
+	res, err := c.ReclaimIdleResult(ctx, gpuUUID, false, migUUIDs...)
+	return res.Reclaimed, err
+}
+
+// ReclaimResult is what a ReclaimIdle did: the instances destroyed, and those a pending
+// reservation kept (a reclaim of all without force only).
+type ReclaimResult struct {
+	Reclaimed []InstanceRef
+	Kept      []InstanceRef
+}
+
+// ReclaimIdleResult is ReclaimIdle with the kept instances and the operator's override: with
+// force, IDLE instances a pending reservation keeps are destroyed too (the pod the scheduler
+// placed there will fail its Allocate).
+func (c *Client) ReclaimIdleResult(ctx context.Context, gpuUUID string, force bool, migUUIDs ...string) (ReclaimResult, error) {
 	const op = "ReclaimIdle"
 	if gpuUUID == "" {
-		return nil, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID is empty", nil)
+		return ReclaimResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID is empty", nil)
 	}
-	req := &pb.ReclaimIdleRequest{GpuUuid: gpuUUID, MigUuids: migUUIDs}
+	req := &pb.ReclaimIdleRequest{GpuUuid: gpuUUID, MigUuids: migUUIDs, Force: force}
 	var resp *pb.ReclaimIdleResponse
 	err := c.withRecovery(ctx, op, c.opts.CallTimeout, func(ctx context.Context) error {
 		var err error
@@ -53,7 +77,7 @@ func (c *Client) ReclaimIdle(ctx context.Context, gpuUUID string, migUUIDs ...st
 		return err
 	})
 	if err != nil {
-		return nil, err
+		return ReclaimResult{}, err
 	}
-	return instanceRefsFromPB(resp.GetReclaimed()), nil
+	return ReclaimResult{Reclaimed: instanceRefsFromPB(resp.GetReclaimed()), Kept: instanceRefsFromPB(resp.GetKept())}, nil
 }
