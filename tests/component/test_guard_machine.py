@@ -9,6 +9,7 @@ the guard at work); a lost or stolen instance is not.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -100,10 +101,8 @@ class GuardMachine(RuleBasedStateMachine):
     @rule(pod=st.sampled_from(PODS), spot=st.sampled_from(SPOTS))
     def allocate(self, pod: str, spot: tuple[str, int, int]) -> None:
         self.step(by=AllocationKey(pod, 0, 0))
-        try:
+        with contextlib.suppress(SidecarError):
             self.world.allocate(pod, self._dev(spot))
-        except SidecarError:
-            pass
 
     @rule(pod=st.sampled_from(PODS), spot=st.sampled_from(SPOTS))
     def cache_an_instance(self, pod: str, spot: tuple[str, int, int]) -> None:
@@ -124,10 +123,8 @@ class GuardMachine(RuleBasedStateMachine):
         start = data.draw(st.sampled_from(reserved))
         spots = [s for s in SPOTS if (s[1] == start if exact else s[1] <= start < s[1] + s[2])]
         self.step(by=AllocationKey(pod, 0, 0))
-        try:
+        with contextlib.suppress(SidecarError):
             self.world.allocate(pod, self._dev(data.draw(st.sampled_from(spots))))
-        except SidecarError:
-            pass
 
     @rule(pod=st.sampled_from(PODS))
     def release(self, pod: str) -> None:
@@ -199,10 +196,8 @@ class GuardMachine(RuleBasedStateMachine):
             return
         mig = data.draw(st.sampled_from(owned))
         self.step(forced=force)
-        try:
+        with contextlib.suppress(SidecarError):
             self.world.lifecycle.reclaim_idle(self.world.uuid(0), [mig], force=force)
-        except SidecarError:
-            pass
 
     @rule(reclaim=st.booleans(), force=st.booleans())
     def disable(self, reclaim: bool, force: bool) -> None:
@@ -211,18 +206,14 @@ class GuardMachine(RuleBasedStateMachine):
             if r.owner is not None:
                 self.world.lifecycle.release(r.owner.pod.uid)
         self.step(forced=force)
-        try:
+        with contextlib.suppress(SidecarError):
             self.world.lifecycle.set_mig_mode(self.world.uuid(0), False, reclaim_idle=reclaim, force=force)
-        except SidecarError:
-            pass
 
     @rule()
     def enable(self) -> None:
         self.step()
-        try:
+        with contextlib.suppress(SidecarError):
             self.world.lifecycle.set_mig_mode(self.world.uuid(0), True)
-        except SidecarError:
-            pass
 
     @rule()
     def idle_policy_and_reconciler(self) -> None:
