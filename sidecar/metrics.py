@@ -37,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
 from sidecar.domain import AllocateResult, Outcome, Placement, State
+from sidecar.idle_policy import Cause
 from sidecar.liveness import Liveness
 from sidecar.nvml.port import (
     ComputeInstanceInfo,
@@ -117,6 +118,8 @@ class Metrics:
             ["cause"],
             registry=self.registry,
         )
+        for cause in Cause:  # exported at 0 before the first trim, so the dashboard can name it
+            self.idle_trims.labels(cause.value)
         self.allocations = prometheus_client.Counter(
             f"{PREFIX}_allocations",
             "Devices handed out by Allocate, by GPU and outcome (created, reused); retries of an "
