@@ -173,8 +173,6 @@ class TestWalkThrough:
         assert "hami-mig-sidecar call Allocate: FAILED_PRECONDITION PLACEMENT_BUSY: placement 4:1" in err
         assert "  blocker=ACTIVE\n" in err
         assert "1 valid (0 stale), 0 corrupt" in out
-        status = run_shell(
-            "hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", in_readme_dir_again(tmp_path)
-        )
+        status = run_shell("hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", workdir)
         assert re.search(r"^0\s+IDLE\s+3g\.40gb\s+4:4\s", status.stdout, re.MULTILINE), status.stdout
         assert re.search(r"^1\s+1g\.10gb\s+0:1\s", status.stdout, re.MULTILINE), status.stdout  # foreign
