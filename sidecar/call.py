@@ -116,8 +116,11 @@ def cmd_call(args: argparse.Namespace) -> int:
     path, request_class, response_class = methods[args.method]
     text = sys.stdin.read() if args.request == "-" else args.request
     try:
-        request = json_format.Parse(text, request_class())
-    except json_format.ParseError as exc:
+        document = json.loads(text)
+        if not isinstance(document, dict):
+            raise json_format.ParseError(f"want a JSON object, got {type(document).__name__}")
+        request = json_format.ParseDict(document, request_class())
+    except (ValueError, json_format.ParseError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"hami-mig-sidecar call {args.method}: the request does not parse: {exc}", file=sys.stderr)
         return EXIT_USAGE
     target = _connect("call", args.socket)
@@ -133,14 +136,14 @@ def cmd_call(args: argparse.Namespace) -> int:
             response = stub(request, timeout=args.timeout)
         except grpc.RpcError as exc:
             return print_failure(f"call {args.method}", exc)
-    document = json_format.MessageToDict(
+    answer = json_format.MessageToDict(
         response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     if args.field is None:
-        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
         return EXIT_OK
     try:
-        value = _field(document, args.field)
+        value = _field(answer, args.field)
     except KeyError as exc:
         print(
             f"hami-mig-sidecar call {args.method}: the response has no {args.field} ({exc})", file=sys.stderr
