@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,8 +47,6 @@ def status_kib(pid: int, field: str) -> int:
 
 
 def free_port() -> int:
-    import socket  # noqa: PLC0415
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -114,9 +114,11 @@ def main() -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-        subprocess.run(["rm", "-rf", str(root)], check=False)
-    print(f"{len(gpus)} GPUs x {INSTANCES_PER_GPU} instances ({instances} in GetState), {args.rounds} rounds, "
-          f"metrics page {scraped} bytes")  # fmt: skip
+        shutil.rmtree(root, ignore_errors=True)
+    print(
+        f"{len(gpus)} GPUs x {INSTANCES_PER_GPU} instances ({instances} in GetState), "
+        f"{args.rounds} rounds, metrics page {scraped} bytes"
+    )
     print(f"resident after start: {after_start / 1024:.1f} MiB")
     print(f"resident memory, {len(gpus)} GPUs x {INSTANCES_PER_GPU} instances: {rss / 1024:.1f} MiB")
     print(f"peak resident (VmHWM): {peak / 1024:.1f} MiB")

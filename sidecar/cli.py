@@ -8,7 +8,7 @@ Subcommands:
 * ``reclaim --gpu N [--mig-uuid U ...]`` — ask a running sidecar to destroy IDLE instances of a GPU
   (ReclaimIdle): the named ones, or every IDLE one; exits 1 on a refusal, naming its reason;
 * ``call METHOD [JSON]`` — send one request of the contract as JSON, print the response as JSON;
-  ``health [--service NAME]`` — exit 0 only when the health service answers SERVING (``sidecar.call``);
+  ``health [--service NAME]`` — exit 0 only when the health service answers SERVING (``sidecar.edge.call``);
 * ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
   and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
   maintenance script;
@@ -52,7 +52,8 @@ def _env_default(flag: str, fallback: str) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from sidecar import app, config, logs  # noqa: PLC0415 - gRPC and NVML load only when serving
+    from sidecar import app, config  # noqa: PLC0415 - gRPC and NVML load only when serving
+    from sidecar.lifecycle import logs  # noqa: PLC0415 - gRPC and NVML load only when serving
 
     try:
         settings = config.load(args, os.environ)
@@ -170,7 +171,7 @@ def format_status(info: Any, state: Any) -> str:
 
 def socket_trouble(socket: Path) -> str:
     """Why nothing can be asked on ``socket``, as one line; "" when something answers there."""
-    from sidecar.unixsocket import Probe, probe  # noqa: PLC0415
+    from sidecar.edge.unixsocket import Probe, probe  # noqa: PLC0415
 
     try:
         found = probe(socket)
@@ -288,7 +289,7 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
 
 
 def _current_boot_id() -> str | None:
-    from sidecar.records import BOOT_ID_PATH  # noqa: PLC0415
+    from sidecar.store.records import BOOT_ID_PATH  # noqa: PLC0415
 
     try:
         return (Path("/proc") / BOOT_ID_PATH).read_text().strip()
@@ -297,7 +298,7 @@ def _current_boot_id() -> str | None:
 
 
 def _cmd_records_verify(args: argparse.Namespace) -> int:
-    from sidecar import record_verify  # noqa: PLC0415
+    from sidecar.store import record_verify  # noqa: PLC0415
 
     boot_id = args.boot_id if args.boot_id is not None else _current_boot_id()
     try:
@@ -315,7 +316,8 @@ def _cmd_records_verify(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sidecar import call, config  # noqa: PLC0415
+    from sidecar import config  # noqa: PLC0415
+    from sidecar.edge import call  # noqa: PLC0415
     from sidecar.nvml.sim import cli as simcli  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
@@ -389,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
             "help": f"the sidecar's socket [env {config.env_name('--socket')}; "
             f"default: {config.DEFAULT_SOCKET}]",
         },
+        socket_trouble,
     )
 
     records_parser = commands.add_parser("records", help="inspect ownership records offline")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import call, cli
+from sidecar import cli
+from sidecar.edge import call
 
 
 def test_field_walks_keys_and_list_indexes() -> None:

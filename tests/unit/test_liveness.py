@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.liveness import Liveness
+from sidecar.lifecycle.liveness import Liveness
 
 
 class Clock:
