@@ -282,6 +282,12 @@ func (m *Manager) ResetIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int,
 }
 
 func (m *Manager) enableIdle(deviceCount int, inUse map[int]struct{}) ([]int, error) {
+	if err := m.live(); err != nil {
+		return nil, err
+	}
+	if err := m.refresh(); err != nil { // the modes now, not those seen at New
+		return nil, err
+	}
 	reset := []int{}
 	for i := 0; i < deviceCount; i++ {
 		if _, busy := inUse[i]; busy {
