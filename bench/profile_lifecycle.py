@@ -20,12 +20,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sidecar.cdi import CdiSpecs
-from sidecar.domain import AllocateRequest, DeviceRequest, Placement, PodRef, Reservation
-from sidecar.lifecycle import Lifecycle
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.model.domain import AllocateRequest, DeviceRequest, PodRef, Reservation
+from sidecar.nvml.port import Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
-from sidecar.records import RecordStore
+from sidecar.store.cdi import CdiSpecs
+from sidecar.store.records import RecordStore
 
 
 def request(gpu: str, pod: str, profile: str, start: int, size: int) -> AllocateRequest:

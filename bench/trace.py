@@ -54,7 +54,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from trace_state import MEMORY_SLICES, SCHEDULERS, Mirror, NotServedError, Settler, placement
 
-from sidecar.domain import Placement
+from sidecar.nvml.port import Placement
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8

@@ -22,9 +22,10 @@ import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
-from sidecar.advice import GpuView, OwnedInstance
-from sidecar.domain import ForeignInstance, Placement, State
-from sidecar.idle_policy import node_reserve
+from sidecar.model.advice import GpuView, OwnedInstance
+from sidecar.model.domain import ForeignInstance, State
+from sidecar.model.idle_policy import node_reserve
+from sidecar.nvml.port import Placement
 
 MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
 

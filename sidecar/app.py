@@ -37,18 +37,19 @@ from pathlib import Path
 from types import FrameType
 from typing import Protocol
 
-from sidecar import nvml, unixsocket
-from sidecar.cdi import CdiSpecs
+from sidecar import nvml
 from sidecar.config import ServeConfig
-from sidecar.idle_trim import IdleTrimmer
-from sidecar.lifecycle import Lifecycle
-from sidecar.logs import event
-from sidecar.metrics import MeteredPort, Metrics
+from sidecar.edge import unixsocket
+from sidecar.edge.metrics import MeteredPort, Metrics
+from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.logs import event
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.lifecycle.recover import Recovery
 from sidecar.nvml.port import NvmlError, NvmlPort
-from sidecar.reconciler import Reconciler
-from sidecar.records import BOOT_ID_PATH, RecordStore, StateDirLocked, StateWriteFailed
-from sidecar.recovery.apply import Recovery
-from sidecar.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.store.cdi import CdiSpecs
+from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked, StateWriteFailed
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,8 @@ def _env_default(flag: str, fallback: str) -> str:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from sidecar import app, config, logs  # noqa: PLC0415 - gRPC and NVML load only when serving
+    from sidecar import app, config  # noqa: PLC0415 - gRPC and NVML load only when serving
+    from sidecar.lifecycle import logs  # noqa: PLC0415 - gRPC and NVML load only when serving
 
     try:
         settings = config.load(args, os.environ)
@@ -168,7 +169,7 @@ def format_status(info: Any, state: Any) -> str:
 
 def _socket_trouble(socket: Path) -> str:
     """Why nothing can be asked on ``socket``, as one line; "" when something answers there."""
-    from sidecar.unixsocket import Probe, probe  # noqa: PLC0415
+    from sidecar.edge.unixsocket import Probe, probe  # noqa: PLC0415
 
     try:
         found = probe(socket)
@@ -286,7 +287,7 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
 
 
 def _current_boot_id() -> str | None:
-    from sidecar.records import BOOT_ID_PATH  # noqa: PLC0415
+    from sidecar.store.records import BOOT_ID_PATH  # noqa: PLC0415
 
     try:
         return (Path("/proc") / BOOT_ID_PATH).read_text().strip()
@@ -295,7 +296,7 @@ def _current_boot_id() -> str | None:
 
 
 def _cmd_records_verify(args: argparse.Namespace) -> int:
-    from sidecar import record_verify  # noqa: PLC0415
+    from sidecar.store import record_verify  # noqa: PLC0415
 
     boot_id = args.boot_id if args.boot_id is not None else _current_boot_id()
     try:

@@ -23,11 +23,11 @@ from typing import Literal
 
 import msgspec
 
-from sidecar.cdi import DEFAULT_KIND
-from sidecar.cdi_format import parse_kind
-from sidecar.domain import PROFILE_NAME_RE
-from sidecar.idle_policy import IdleSettings
+from sidecar.model.domain import PROFILE_NAME_RE
+from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
+from sidecar.store.cdi import DEFAULT_KIND
+from sidecar.store.cdi_format import parse_kind
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
 

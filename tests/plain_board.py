@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.domain import Placement
-from sidecar.nvml.port import GpuInstanceProfile
+from sidecar.nvml.port import GpuInstanceProfile, Placement
 
 # name -> (GI profile ID, full-size CI profile ID, placement size, placement starts)
 TABLE = {

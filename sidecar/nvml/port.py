@@ -22,8 +22,6 @@ from typing import Protocol
 
 import msgspec
 
-from sidecar.domain import Placement
-
 # nvmlReturn_t values the domain reasons about (nvml.h).
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
@@ -40,6 +38,25 @@ NVML_ERROR_IN_USE = 19
 NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 NVML_ERROR_NOT_READY = 27
 NVML_ERROR_UNKNOWN = 999
+
+
+class Placement(msgspec.Struct, frozen=True):
+    """A range ``[start, start + size)`` of memory slices.
+
+    ``size`` counts memory slices, not compute slices."""
+
+    start: int
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    def overlaps(self, other: Placement) -> bool:
+        return self.start < other.end and other.start < self.end
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.size}"
 
 
 class NvmlError(Exception):

@@ -44,7 +44,6 @@ from typing import Any, TypeVar
 
 import pynvml
 
-from sidecar.domain import Placement
 from sidecar.nvml.calls import TRANSIENT_CODES, TRANSIENT_DESTROY_CODES, Caller, mapped
 from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
@@ -55,6 +54,7 @@ from sidecar.nvml.port import (
     GpuInstanceInfo,
     GpuInstanceProfile,
     NvmlError,
+    Placement,
 )
 from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
 

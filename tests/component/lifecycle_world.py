@@ -14,26 +14,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.cdi import CdiSpecs
-from sidecar.domain import (
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.recover import Recovery
+from sidecar.model.domain import (
     ActiveAllocation,
     AllocateRequest,
     AllocateResult,
     DeviceRequest,
     Identity,
     Owner,
-    Placement,
     PodRef,
     Reservation,
     State,
 )
-from sidecar.lifecycle import Lifecycle
-from sidecar.nvml.port import GpuInfo
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import GpuInfo, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install
-from sidecar.ownership import OwnershipRecord
-from sidecar.records import RecordStore
-from sidecar.recovery.apply import Recovery
+from sidecar.store.cdi import CdiSpecs
+from sidecar.store.records import RecordStore
 
 BOOT_ID = "0b5b8e4a-7a57-4a3b-9a57-6f2f0c1a0b1c"
 

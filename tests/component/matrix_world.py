@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import pytest
 from lifecycle_world import Dev, LiveGi, World, active_of
 
-from sidecar import errors, hami_store
-from sidecar.cdi import ForeignSpecFile
-from sidecar.domain import ActiveAllocation, AllocateResult, Outcome, State
-from sidecar.hami_takeover import read_record_file
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.reconciler import Reconciler
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, AllocateResult, Outcome, State
+from sidecar.model.hami_takeover import read_record_file
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.store.cdi import ForeignSpecFile
+from sidecar.store.hami_records import record_files as hami_record_files
 
 FOREVER = 1000  # more attempts than any bounded retry makes
 # A foreign instance (made by an operator) on the A100 every scenario starts with, and the profile
@@ -118,7 +119,7 @@ def hami_records(world: World) -> set[str]:
     """The MIG UUIDs HAMi's record files in the state directory name (each decodes: the tests write
     them as HAMi does)."""
     found = set()
-    for name, data in hami_store.record_files(world.records.directory):
+    for name, data in hami_record_files(world.records.directory):
         file = read_record_file(name, data)
         assert file.record is not None, f"{name}: {file.why}"
         found.add(file.record.mig_uuid)

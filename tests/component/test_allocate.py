@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, restart
 
-from sidecar import errors
-from sidecar.domain import ActiveAllocation, Outcome, Owner, Placement, PodRef, Reservation, State
-from sidecar.lifecycle import Lifecycle
-from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.records import record_name
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, Reservation, State
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
+from sidecar.store.records import record_name
 
 H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
 

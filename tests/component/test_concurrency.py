@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from lifecycle_world import World, active_of
 
-from sidecar import errors
-from sidecar.domain import Outcome, State
+from sidecar.model import errors
+from sidecar.model.domain import Outcome, State
 
 THREADS = 32
 ROUNDS = 4

@@ -22,12 +22,13 @@ from hami_format import write_record, write_spec
 from lifecycle_world import Dev, World, restart
 from matrix_world import FOREVER, Held, before, check, probe_reuse, settle, standard_start
 
-from sidecar import crashpoints, errors
-from sidecar.domain import ActiveAllocation, Identity, Outcome, Owner, Placement, PodRef, Reservation, State
-from sidecar.idle_policy import IdleSettings
-from sidecar.idle_trim import IdleTrimmer
-from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NVML_ERROR_UNKNOWN
-from sidecar.reconciler import Reconciler
+from sidecar.lifecycle import crashpoints
+from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Identity, Outcome, Owner, PodRef, Reservation, State
+from sidecar.model.idle_policy import IdleSettings
+from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NVML_ERROR_UNKNOWN, Placement
 
 CREATE = (
     "after-record-creating",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lifecycle_world import World
 
-from sidecar.domain import Outcome
+from sidecar.model.domain import Outcome
 
 MODE = {"nvmlDeviceGetMigMode": 1}
 # Look up by MIG UUID, its processes: the instance is live (the UUID proves its CI and GI) and unused.

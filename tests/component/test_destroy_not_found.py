@@ -16,12 +16,12 @@ import msgspec
 import pytest
 from lifecycle_world import World, gis, restart
 
-from sidecar import errors
-from sidecar.domain import Outcome, State
-from sidecar.errors import Code
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.lifecycle.teardown import destroy_hardware
+from sidecar.model import errors
+from sidecar.model.domain import Outcome, State
+from sidecar.model.errors import Code
 from sidecar.nvml.port import NVML_ERROR_NOT_FOUND, NVML_ERROR_UNKNOWN, NvmlError
-from sidecar.reconciler import Reconciler
-from sidecar.teardown import destroy_hardware
 
 FOREVER = 1000
 # Every NVML call a destroy makes that can answer NOT_FOUND for a live instance; a lookup by ID runs

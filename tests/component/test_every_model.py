@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from lifecycle_world import BOOT_ID, World
 
-from sidecar.cdi import CdiSpecs
-from sidecar.domain import Outcome
-from sidecar.errors import SidecarError
-from sidecar.lifecycle import Lifecycle
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.model.domain import Outcome
+from sidecar.model.errors import SidecarError
 from sidecar.nvml import profiles
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
-from sidecar.records import RecordStore
+from sidecar.store.cdi import CdiSpecs
+from sidecar.store.records import RecordStore
 
 
 def _world(tmp_path: Path, key: str) -> World:

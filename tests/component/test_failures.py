@@ -13,11 +13,13 @@ from typing import Any
 import pytest
 from lifecycle_world import BOOT_ID, Dev, World, gis, restart
 
-from sidecar import durable, errors
-from sidecar.domain import Identity, Outcome, Placement, State
-from sidecar.ownership import OwnershipRecord
-from sidecar.reconciler import Reconciler
-from sidecar.recovery.plan import plan
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import Identity, Outcome, State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.recovery.plan import plan
+from sidecar.nvml.port import Placement
+from sidecar.store import durable
 
 NVML_ERROR_UNKNOWN = 999
 NVML_ERROR_TIMEOUT = 10

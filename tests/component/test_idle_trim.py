@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import Dev, World, gis
 
-from sidecar import errors
-from sidecar.domain import Identity, State
-from sidecar.idle_policy import IdleSettings
-from sidecar.idle_trim import IdleTrimmer
-from sidecar.metrics import Metrics
-from sidecar.reconciler import Reconciler
-from sidecar.views import last_used
+from sidecar.edge.metrics import Metrics
+from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.lifecycle.views import last_used
+from sidecar.model import errors
+from sidecar.model.domain import Identity, State
+from sidecar.model.idle_policy import IdleSettings
 
 TTL = 600.0
 FAR_FUTURE = 1e12

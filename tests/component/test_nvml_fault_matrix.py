@@ -27,12 +27,12 @@ import pytest
 from lifecycle_world import World, build_world, restart
 from matrix_world import Held, before, check, probe_reuse, settle, standard_start
 
-from sidecar import errors
-from sidecar.domain import State
-from sidecar.idle_policy import IdleSettings
-from sidecar.idle_trim import IdleTrimmer
+from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import State
+from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml.sim import OP_ALIASES, uninstall
-from sidecar.reconciler import Reconciler
 
 FOREVER = 1000
 FAR_FUTURE = 1e12  # the idle trim's clock: every IDLE instance is past its TTL

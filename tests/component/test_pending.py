@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, restart
 
-from sidecar import errors
-from sidecar.domain import ActiveAllocation, Outcome, Owner, Placement, PodRef, Reservation, State
-from sidecar.reconciler import Reconciler
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, Reservation, State
+from sidecar.nvml.port import Placement
 
 NVML_ERROR_UNKNOWN = 999
 FOREVER = 1000

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, restart
 
-from sidecar import errors
-from sidecar.advice import FOREIGN, Cost
-from sidecar.domain import Placement
-from sidecar.ownership import record_name
+from sidecar.model import errors
+from sidecar.model.advice import FOREIGN, Cost
+from sidecar.model.ownership import record_name
+from sidecar.nvml.port import Placement
 
 
 def layout_with_every_class(world: World) -> dict[str, str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World
 
-from sidecar import errors
-from sidecar.domain import State
+from sidecar.model import errors
+from sidecar.model.domain import State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 
 FOREVER = 1000

@@ -7,10 +7,10 @@ import threading
 import pytest
 from lifecycle_world import World
 
-from sidecar import cdi as cdi_module
-from sidecar import errors
-from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
-from sidecar.reconciler import Reconciler
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, State
+from sidecar.store import cdi as cdi_module
 
 NVML_ERROR_UNKNOWN = 999
 FOREVER = 1000

@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, restart
 
-from sidecar import errors
-from sidecar.domain import Outcome, Placement
-from sidecar.ownership import OwnershipRecord, record_name
+from sidecar.model import errors
+from sidecar.model.domain import Outcome
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.nvml.port import Placement
 
 
 def hide_the_last_gpu_and_reset_it(world: World) -> None:

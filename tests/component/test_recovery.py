@@ -14,20 +14,15 @@ from collections.abc import Iterable
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
-from sidecar import errors, record_verify
-from sidecar.domain import (
-    ActiveAllocation,
-    Identity,
-    Outcome,
-    Placement,
-    State,
-)
-from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.lifecycle.recover import Recovery
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Identity, Outcome, State
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.recovery.plan import plan
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
 from sidecar.nvml.sim.state import SimGpu
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.reconciler import Reconciler
-from sidecar.recovery.apply import Recovery
-from sidecar.recovery.plan import plan
+from sidecar.store import record_verify
 
 FOREVER = 1000
 

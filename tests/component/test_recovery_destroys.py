@@ -13,12 +13,12 @@ import msgspec
 import pytest
 from lifecycle_world import BOOT_ID, World, gis, recovery_of, restart
 
-from sidecar import errors
-from sidecar.domain import Identity, Outcome, Placement, State
-from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.reconciler import Reconciler
-from sidecar.recovery.plan import plan
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import Identity, Outcome, State
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.recovery.plan import plan
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
 
 FOREVER = 1000  # more attempts than any bounded retry makes
 ORPHAN = Placement(4, 4)

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 from lifecycle_world import World, active_of, recovery_of, restart
 
-from sidecar import errors
+from sidecar.lifecycle import recover as apply
+from sidecar.model import errors
+from sidecar.model.recovery.plan import plan
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.recovery import apply
-from sidecar.recovery.plan import plan
 
 # The C functions that read a GPU's profile table (GI profiles and their possible placements).
 PROFILE_TABLE = ("nvmlDeviceGetGpuInstanceProfileInfoV", "nvmlDeviceGetGpuInstancePossiblePlacements_v2")

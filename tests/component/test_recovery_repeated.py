@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, recovery_of, restart
 
-from sidecar import errors, record_verify
-from sidecar.domain import ActiveAllocation, Outcome, State
-from sidecar.generation import GENERATION_BLOCK
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Outcome, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.reconciler import Reconciler
-from sidecar.records import GENERATION_FILE
+from sidecar.store import record_verify
+from sidecar.store.generation import GENERATION_BLOCK
+from sidecar.store.records import GENERATION_FILE
 
 
 def owners(world: World) -> dict[str, tuple[State, str | None]]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, active_of
 
-from sidecar import errors
-from sidecar.domain import ActiveAllocation, Outcome, Owner, PodRef, State
-from sidecar.ownership import OwnershipRecord
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, State
+from sidecar.model.ownership import OwnershipRecord
 
 
 class TestRelease:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, active_of, restart
 
-from sidecar import errors
-from sidecar.domain import Outcome, State
+from sidecar.lifecycle.reconciler import Reconciler
+from sidecar.model import errors
+from sidecar.model.domain import Outcome, State
+from sidecar.model.ownership import Origin
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
-from sidecar.ownership import Origin
-from sidecar.reconciler import Reconciler
 
 FOREVER = 1000
 

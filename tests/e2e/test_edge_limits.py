@@ -14,8 +14,9 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from inprocess_sidecar import CALL_TIMEOUT_S, InProcessSidecar, inprocess_sidecar
 from sidecar_process import error_info, failure
 
-from sidecar.domain import Placement, State
-from sidecar.records import GENERATION_FILE, MAX_GENERATION, OwnershipRecord
+from sidecar.model.domain import State
+from sidecar.nvml.port import Placement
+from sidecar.store.records import GENERATION_FILE, MAX_GENERATION, OwnershipRecord
 
 pytestmark = pytest.mark.e2e
 

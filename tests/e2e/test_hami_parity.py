@@ -33,7 +33,7 @@ from sidecar_process import (
     states,
 )
 
-from sidecar import crashpoints
+from sidecar.lifecycle import crashpoints
 
 pytestmark = pytest.mark.e2e
 

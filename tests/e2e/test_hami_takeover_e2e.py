@@ -13,7 +13,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami_format import record_filename, spec_filename, write_record, write_spec
 from sidecar_process import Sidecar, SidecarFactory, allocate_one, instances, snapshot_dir
 
-from sidecar import crashpoints
+from sidecar.lifecycle import crashpoints
 
 pytestmark = pytest.mark.e2e
 

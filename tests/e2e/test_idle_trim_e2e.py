@@ -12,7 +12,7 @@ from sidecar_process import CALL_TIMEOUT_S, SidecarFactory, allocate_one, layout
 from test_lifecycle_socket import wait_until
 from test_recovery_e2e import DELETE_POINTS, assert_converged
 
-from sidecar import crashpoints
+from sidecar.lifecycle import crashpoints
 
 # Any instance idle for a millisecond is due, and the round comes only when a release wakes it.
 TTL_NOW = ["--idle-ttl", "0.001", "--reconcile-interval", "3600"]

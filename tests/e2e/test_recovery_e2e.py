@@ -27,7 +27,7 @@ from sidecar_process import (
     states,
 )
 
-from sidecar import crashpoints
+from sidecar.lifecycle import crashpoints
 from sidecar.nvml.sim import SimulatedHardware
 
 pytestmark = pytest.mark.e2e

@@ -147,8 +147,8 @@ class TestStartupFailures:
 CRASH_IN_CDI_WRITE = """
 import os, sys
 from pathlib import Path
-from sidecar import durable
-from sidecar.cdi import CdiSpecs
+from sidecar.store import durable
+from sidecar.store.cdi import CdiSpecs
 
 os.fsync = lambda fd: os._exit(137)  # killed between writing the temp file and renaming it
 durable.atomic_write(CdiSpecs(Path(sys.argv[1])).spec_path(sys.argv[2]), b"{}", 0o644)

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from sidecar_process import DEFAULT_SIM_GPUS, Sidecar, snapshot_dir
 
-from sidecar.domain import Placement, State
-from sidecar.ownership import OwnershipRecord
-from sidecar.records import RecordStore
+from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import Placement
+from sidecar.store.records import RecordStore
 
 GPU = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 

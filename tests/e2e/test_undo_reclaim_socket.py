@@ -28,7 +28,7 @@ from sidecar_process import (
 from test_hami_takeover_e2e import TAKEOVER_POINTS  # armed by the takeover crash tests
 from test_recovery_e2e import assert_converged, crash_during
 
-from sidecar import crashpoints
+from sidecar.lifecycle import crashpoints
 
 pytestmark = pytest.mark.e2e
 

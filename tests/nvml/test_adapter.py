@@ -10,7 +10,6 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from sidecar.domain import Placement
 from sidecar.nvml import BackendUnavailableError, open_backend, profiles
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
@@ -18,6 +17,7 @@ from sidecar.nvml.port import (
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_TIMEOUT,
     NvmlError,
+    Placement,
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall

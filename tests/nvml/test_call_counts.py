@@ -12,8 +12,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from sidecar.domain import Placement
-from sidecar.nvml.port import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError
+from sidecar.nvml.port import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.nvml.sim.cli import register

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sidecar import cli
-from sidecar.domain import Placement
 from sidecar.nvml import probe, profiles
+from sidecar.nvml.port import Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.domain import Placement
 from sidecar.nvml import profiles
+from sidecar.nvml.port import Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import pynvml as nv
 import pytest
 
-from sidecar.domain import Placement
-from sidecar.nvml.port import NVML_ERROR_IN_USE
+from sidecar.nvml.port import NVML_ERROR_IN_USE, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.nvml.sim.state import SimError

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.domain import Placement
-from sidecar.nvml.port import NVML_ERROR_IN_USE, NvmlError
+from sidecar.nvml.port import NVML_ERROR_IN_USE, NvmlError, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.nvml.sim.cli import ENV_SIM_STATE, register

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.advice import (
+from sidecar.model.advice import (
     FOREIGN,
     IN_USE,
     RESERVED,
@@ -19,7 +16,8 @@ from sidecar.advice import (
     OwnedInstance,
     rank_placements,
 )
-from sidecar.domain import ForeignInstance, Placement, Reservation, State
+from sidecar.model.domain import ForeignInstance, Reservation, State
+from sidecar.nvml.port import Placement
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 OTHER_GPU = "GPU-aaaaaaaa-2222-3333-4444-555555555555"
@@ -169,16 +167,6 @@ def test_free_slices_after_counts_idle_slices_as_free_as_the_contract_says() -> 
 
 def test_duplicate_placements_collapse() -> None:
     assert len(rank_placements("1g.10gb", (Placement(0, 1), Placement(0, 1)), view())) == 1
-
-
-def test_advice_imports_nothing_with_io() -> None:
-    code = (
-        "import sys, sidecar.advice; "
-        "bad = [m for m in ('sidecar.records', 'sidecar.lifecycle', 'sidecar.nvml', 'pynvml', 'grpc') "
-        "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # -- property: the classes agree with the overlaps ----------------------------------------------------

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.cdi import CdiSpecs, ForeignSpecFile
-from sidecar.domain import Identity
-from sidecar.errors import StateWriteFailed
+from sidecar.model.domain import Identity
+from sidecar.model.errors import StateWriteFailed
+from sidecar.store.cdi import CdiSpecs, ForeignSpecFile
 
 MIG_A = "MIG-5c2f3a9e-1111-2222-3333-444455556666"
 MIG_B = "MIG-00000000-aaaa-bbbb-cccc-dddddddddddd"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hami_format import spec_bytes, spec_filename, write_spec
 
-from sidecar.cdi import CdiSpecs
+from sidecar.store.cdi import CdiSpecs
 
 MIG = "MIG-0f0e0d0c-bbbb-5bbb-8bbb-000000000001"
 OTHER = "MIG-0f0e0d0c-bbbb-5bbb-8bbb-000000000002"

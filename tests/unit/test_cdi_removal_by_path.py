@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.cdi import CdiSpecs
+from sidecar.store.cdi import CdiSpecs
 
 MIG_A = "MIG-5c2f3a9e-1111-2222-3333-444455556666"
 MIG_B = "MIG-00000000-aaaa-bbbb-cccc-dddddddddddd"

@@ -9,9 +9,10 @@ import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar import cli
-from sidecar.domain import Placement, State
-from sidecar.ownership import OwnershipRecord
-from sidecar.records import RecordStore
+from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import Placement
+from sidecar.store.records import RecordStore
 
 GPU = "GPU-4b4ce45e-7021-44ba-8aff-a13c0183670f"
 MIG = "MIG-2923e22f-df83-5d8f-88fe-e176c7516c96"

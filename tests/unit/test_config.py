@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from sidecar import config
-from sidecar.cdi import CdiSpecs
 from sidecar.config import ConfigError, MetricsAddress, ServeConfig, SimGpu
-from sidecar.idle_policy import IdleSettings
+from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
+from sidecar.store.cdi import CdiSpecs
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> ServeConfig:

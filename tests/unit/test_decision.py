@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from sidecar.decision import AlreadyHeld, Busy, Conflict, Create, Reuse, decide, needs_placement
-from sidecar.domain import (
-    ActiveAllocation,
-    AllocationKey,
-    Identity,
-    Owner,
-    Placement,
-    PodRef,
-    Reservation,
-    State,
-)
-from sidecar.ownership import OwnershipRecord
-from sidecar.pending import Guards, PendingReservation, pending_of
-from sidecar.placement import FOREIGN, Blocker, PlacementPlan
+from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Reuse, decide, needs_placement
+from sidecar.model.domain import ActiveAllocation, AllocationKey, Identity, Owner, PodRef, Reservation, State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.pending import Guards, PendingReservation, pending_of
+from sidecar.model.placement import FOREIGN, Blocker, PlacementPlan
+from sidecar.nvml.port import Placement
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 RES = Reservation(GPU, "1g.10gb", Placement(0, 1))

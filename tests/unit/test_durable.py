@@ -12,10 +12,10 @@ import msgspec
 import pytest
 from test_records import make_record
 
-from sidecar import durable, records
-from sidecar.domain import State
-from sidecar.errors import StateWriteFailed
-from sidecar.records import RecordStore
+from sidecar.model.domain import State
+from sidecar.model.errors import StateWriteFailed
+from sidecar.store import durable, records
+from sidecar.store.records import RecordStore
 
 
 def mount_type(path: Path) -> str:

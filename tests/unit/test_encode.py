@@ -4,16 +4,9 @@ from __future__ import annotations
 
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
-from sidecar import encode
-from sidecar.domain import (
-    AllocatedDevice,
-    AllocateResult,
-    Identity,
-    InstanceRef,
-    Outcome,
-    Placement,
-    Reservation,
-)
+from sidecar.edge import encode
+from sidecar.model.domain import AllocatedDevice, AllocateResult, Identity, InstanceRef, Outcome, Reservation
+from sidecar.nvml.port import Placement
 
 GPU = "GPU-12345678-1234-4234-8234-123456789abc"
 MIG_A = "MIG-aaaaaaaa-1234-5234-8234-123456789abc"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.errors import StateWriteFailed
-from sidecar.generation import GENERATION_BLOCK, Generations
-from sidecar.records import RecordStore, read_generation
+from sidecar.model.errors import StateWriteFailed
+from sidecar.store.generation import GENERATION_BLOCK, Generations
+from sidecar.store.records import RecordStore, read_generation
 
 
 class GatedStore(RecordStore):

@@ -7,9 +7,9 @@ import hashlib
 import pytest
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
 
-from sidecar import hami_files
-from sidecar.domain import Placement
-from sidecar.hami_files import HamiRecordError, decode_record, hami_record_hint, recognize_spec
+from sidecar.model import hami_files
+from sidecar.model.hami_files import HamiRecordError, decode_record, hami_record_hint, recognize_spec
+from sidecar.nvml.port import Placement
 
 MIG = "MIG-0f0e0d0c-bbbb-5bbb-8bbb-000000000001"
 GPU = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"

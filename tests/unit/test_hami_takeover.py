@@ -11,17 +11,17 @@ from dataclasses import dataclass
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
 from plain_board import TABLE, profiles
 
-from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
-from sidecar.hami_files import HamiSpec, recognize_spec
-from sidecar.hami_takeover import (
+from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
+from sidecar.model.hami_files import HamiSpec, recognize_spec
+from sidecar.model.hami_takeover import (
     HamiRecordFile,
     TakeoverInputs,
     TakeoverPlan,
     plan_takeover,
     read_record_file,
 )
-from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
-from sidecar.records import OwnershipRecord, record_name
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile, Placement
+from sidecar.store.records import OwnershipRecord, record_name
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 GPU1 = "GPU-11111111-aaaa-4aaa-8aaa-111111111111"

@@ -9,11 +9,12 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami_format import record_filename, write_record
 
 from sidecar import cli
-from sidecar.domain import Placement, State
-from sidecar.encode import encode_instance
-from sidecar.ownership import OwnershipRecord
-from sidecar.record_verify import format_report, verify
-from sidecar.records import RecordStore
+from sidecar.edge.encode import encode_instance
+from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import Placement
+from sidecar.store.record_verify import format_report, verify
+from sidecar.store.records import RecordStore
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 MIG = "MIG-5c2f3a9e-1111-2222-3333-444455556666"

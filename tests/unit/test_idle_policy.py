@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from sidecar.advice import GpuView, OwnedInstance
-from sidecar.domain import ForeignInstance, Placement, Reservation, State
-from sidecar.idle_policy import Cause, Trim, node_reserve, trim
+from sidecar.model.advice import GpuView, OwnedInstance
+from sidecar.model.domain import ForeignInstance, Reservation, State
+from sidecar.model.idle_policy import Cause, Trim, node_reserve, trim
+from sidecar.nvml.port import Placement
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 GPU2 = "GPU-22222222-2222-3333-4444-555555555555"

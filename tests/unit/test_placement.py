@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar import placement
-from sidecar.domain import Owner, Placement, PodRef, State
-from sidecar.nvml.port import GpuInstanceInfo, GpuInstanceProfile
-from sidecar.ownership import OwnershipRecord
+from sidecar.model import placement
+from sidecar.model.domain import Owner, PodRef, State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import GpuInstanceInfo, GpuInstanceProfile, Placement
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 OTHER_GPU = "GPU-aaaaaaaa-2222-3333-4444-555555555555"

@@ -18,11 +18,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sidecar.domain import Owner, Placement, PodRef, State
-from sidecar.errors import StateWriteFailed
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.record_verify import format_report, verify
-from sidecar.records import CorruptRecord, RecordNotFound, RecordStore, StateDirLocked
+from sidecar.model.domain import Owner, PodRef, State
+from sidecar.model.errors import StateWriteFailed
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.nvml.port import Placement
+from sidecar.store.record_verify import format_report, verify
+from sidecar.store.records import CorruptRecord, RecordNotFound, RecordStore, StateDirLocked
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 OTHER_GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -229,9 +230,9 @@ class TestFilesOnDisk:
             import resource, signal, sys
             from pathlib import Path
             import msgspec
-            from sidecar.domain import State
-            from sidecar.errors import StateWriteFailed
-            from sidecar.records import RecordStore
+            from sidecar.model.domain import State
+            from sidecar.model.errors import StateWriteFailed
+            from sidecar.store.records import RecordStore
             store = RecordStore(Path(sys.argv[1]), in_place=sys.argv[3] == "1")
             store.open()
             rec = msgspec.structs.replace(store.load(sys.argv[2]), state=State.IDLE)
@@ -376,7 +377,7 @@ class TestSingleWriter:
             """
             import sys
             from pathlib import Path
-            from sidecar.records import RecordStore, StateDirLocked
+            from sidecar.store.records import RecordStore, StateDirLocked
             try:
                 RecordStore(Path(sys.argv[1])).open()
             except StateDirLocked:

@@ -15,12 +15,11 @@ import msgspec
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
 from plain_board import profiles
 
-from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
-from sidecar.hami_files import HamiSpec, recognize_spec
-from sidecar.hami_takeover import TAKEN_OVER_FROM, HamiRecordFile, read_record_file
-from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.recovery.plan import (
+from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
+from sidecar.model.hami_files import HamiSpec, recognize_spec
+from sidecar.model.hami_takeover import TAKEN_OVER_FROM, HamiRecordFile, read_record_file
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.recovery.plan import (
     DestroyOwned,
     EnsureCdi,
     Inputs,
@@ -33,6 +32,7 @@ from sidecar.recovery.plan import (
     RemoveHamiSpec,
     plan,
 )
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 BOOT = "boot-now"

@@ -15,12 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plain_board import TABLE, profiles
 
-from sidecar import errors
-from sidecar.domain import ActiveAllocation, Identity, Owner, Placement, PodRef, Reservation, State
-from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo
-from sidecar.ownership import OwnershipRecord, record_name
-from sidecar.recovery import plan as recovery_plan
-from sidecar.recovery.plan import (
+from sidecar.model import errors
+from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.recovery import plan as recovery_plan
+from sidecar.model.recovery.plan import (
     CorruptFile,
     DeleteRecord,
     DestroyOwned,
@@ -34,6 +33,7 @@ from sidecar.recovery.plan import (
     placement_from_record_name,
     plan,
 )
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 GPU1 = "GPU-11111111-aaaa-4aaa-8aaa-111111111111"
@@ -1246,7 +1246,7 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
 
 
 class TestPendingReservations:
-    """An allocation without runtime identity: scheduled, not yet allocated (``sidecar.pending``)."""
+    """An allocation without runtime identity: scheduled, not yet allocated (``sidecar.model.pending``)."""
 
     def pending(self, pod: str, gpu: str, profile: str, start: int, size: int) -> ActiveAllocation:
         return ActiveAllocation(owner(pod), Reservation(gpu, profile, Placement(start, size)))

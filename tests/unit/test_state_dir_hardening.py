@@ -15,11 +15,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sidecar.domain import Placement, State
-from sidecar.errors import StateWriteFailed
-from sidecar.ownership import OwnershipRecord
-from sidecar.record_verify import format_report, verify
-from sidecar.records import (
+from sidecar.model.domain import State
+from sidecar.model.errors import StateWriteFailed
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import Placement
+from sidecar.store.record_verify import format_report, verify
+from sidecar.store.records import (
     GENERATION_FILE,
     MAX_GENERATION,
     CorruptRecord,

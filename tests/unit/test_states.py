@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.domain import Placement, State
-from sidecar.ownership import OwnershipRecord
-from sidecar.states import RECOVERY_TRANSITIONS, TRANSITIONS, IllegalTransition, enter, is_legal, transition
+from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.states import (
+    RECOVERY_TRANSITIONS,
+    TRANSITIONS,
+    IllegalTransition,
+    enter,
+    is_legal,
+    transition,
+)
+from sidecar.nvml.port import Placement
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from sidecar.domain import Placement
 from sidecar.nvml import profiles
-from sidecar.nvml.port import NVML_ERROR_IN_USE, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND
+from sidecar.nvml.port import NVML_ERROR_IN_USE, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND, Placement
 from sidecar.nvml.sim import state as rules
 from sidecar.nvml.sim.cabi import OP_ALIASES, known_op, parse_code
 from sidecar.nvml.sim.state import SimError, SimFault, SimGpu, SimState

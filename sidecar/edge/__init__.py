@@ -1,0 +1,1 @@
+"""The gRPC edge: requests decoded, answers encoded, the socket and the metrics endpoint."""

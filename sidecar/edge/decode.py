@@ -1,0 +1,186 @@
+"""Request protos -> validated domain values: what the gRPC edge lets through, and nothing more.
+
+A malformed request never reaches the lifecycle: every check here raises ``InvalidRequest``
+(INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. Names are held to
+Kubernetes' own limits, because a name is stored in a record and repeated in every GetState: a pod
+UID of at most 128 bytes, a namespace that is a DNS label (at most 63), a pod name of at most 253
+bytes and a container name of at most 63. Error messages quote an input through ``clip``, so an
+answer never grows with the request (a client's header limit would turn it into a reasonless
+RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from sidecar.model.domain import (
+    GPU_UUID_RE,
+    MIG_UUID_RE,
+    POD_UID_RE,
+    ActiveAllocation,
+    AllocateRequest,
+    DeviceRequest,
+    Identity,
+    Owner,
+    PodRef,
+    Reservation,
+)
+from sidecar.model.errors import InvalidRequest
+from sidecar.nvml.port import Placement
+
+MAX_POD_UID_BYTES = 128
+MAX_NAMESPACE_BYTES = 63
+MAX_POD_NAME_BYTES = 253
+MAX_CONTAINER_NAME_BYTES = 63
+MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
+CLIP_CHARS = 64
+DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def clip(value: str, limit: int = CLIP_CHARS) -> str:
+    """``value`` quoted as ``ascii()`` does (no control or non-ASCII bytes reach a message), cut to
+    about ``limit`` characters with its full length said, so a quote never grows with the input."""
+    quoted = ascii(value)
+    if len(quoted) <= limit:
+        return quoted
+    return f"{quoted[:limit]}... ({len(value)} characters)"
+
+
+def require(condition: bool, message: str, **metadata: str) -> None:
+    """For checks whose message costs nothing to build; the hot checks below build theirs (quoting
+    the input, naming the field) only once they fail, as every Allocate passes them all."""
+    if not condition:
+        raise InvalidRequest(message, metadata)
+
+
+def _invalid(message: str, field: str) -> InvalidRequest:
+    return InvalidRequest(message, {"field": field})
+
+
+def _fits(value: str, limit: int) -> bool:
+    """Whether ``value`` is at most ``limit`` bytes in UTF-8 (no character passes 4 bytes)."""
+    return len(value) <= limit // 4 or len(value.encode()) <= limit
+
+
+def _too_long(value: str, limit: int, what: str, field: str) -> InvalidRequest:
+    return _invalid(f"{what} is {len(value.encode())} bytes, more than {limit}: {clip(value)}", field)
+
+
+def placement(message: Any, where: str) -> Placement:
+    if not message.HasField("placement"):
+        raise _invalid(f"{where}: placement is missing", f"{where}.placement")
+    given = message.placement
+    value = Placement(int(given.start), int(given.size))
+    if value.size <= 0:
+        raise _invalid(f"{where}: placement size must be at least 1", f"{where}.placement")
+    return value
+
+
+def gpu_uuid(value: str, where: str) -> str:
+    if not value:
+        raise _invalid(f"{where}: gpu_uuid is missing", f"{where}.gpu_uuid")
+    if not GPU_UUID_RE.match(value):
+        raise _invalid(f"{where}: {clip(value)} is not a GPU UUID", f"{where}.gpu_uuid")
+    return value
+
+
+def profile_name(value: str, where: str, field: str) -> str:
+    if not value:
+        raise _invalid(f"{where}: profile is missing", field)
+    if not _fits(value, MAX_PROFILE_BYTES):
+        raise _too_long(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
+    return value
+
+
+def reservation(message: Any, where: str) -> Reservation:
+    gpu = gpu_uuid(message.gpu_uuid, where)
+    profile = profile_name(message.profile, where, f"{where}.profile")
+    return Reservation(gpu, profile, placement(message, where))
+
+
+def pod_uid(value: str, where: str, field: str) -> str:
+    if not value:
+        raise _invalid(f"{where}: pod uid is missing", field)
+    if not _fits(value, MAX_POD_UID_BYTES):
+        raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
+    if not POD_UID_RE.match(value):
+        raise _invalid(f"{where}: {clip(value)} is not a pod UID", field)
+    return value
+
+
+def pod(message: Any, has_pod: bool, where: str) -> PodRef:
+    uid = pod_uid(message.uid if has_pod else "", where, f"{where}.pod.uid")
+    # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
+    namespace, name = message.namespace, message.name
+    if not _fits(namespace, MAX_NAMESPACE_BYTES):
+        raise _too_long(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
+    if namespace and not DNS_LABEL_RE.match(namespace):
+        raise _invalid(
+            f"{where}: pod namespace {clip(namespace)} is not a DNS label", f"{where}.pod.namespace"
+        )
+    if not _fits(name, MAX_POD_NAME_BYTES):
+        raise _too_long(name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
+    return PodRef(uid, namespace, name)
+
+
+def container_name(value: str, where: str) -> str:
+    if not _fits(value, MAX_CONTAINER_NAME_BYTES):
+        raise _too_long(
+            value, MAX_CONTAINER_NAME_BYTES, f"{where}: container name", f"{where}.container_name"
+        )
+    return value
+
+
+def allocate(request: Any) -> AllocateRequest:
+    owner = pod(request.pod, request.HasField("pod"), "request")
+    container = container_name(request.container_name, "request")
+    require(len(request.devices) > 0, "request: devices is empty", field="devices")
+    devices: list[DeviceRequest] = []
+    seen: set[int] = set()
+    for position, device in enumerate(request.devices):
+        where, index = f"devices[{position}]", int(device.device_index)
+        if index in seen:
+            raise _invalid(f"{where}: device_index {index} repeats", f"{where}.device_index")
+        seen.add(index)
+        devices.append(DeviceRequest(index, reservation(device, where)))
+    return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
+
+
+def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
+    """ActiveAllocation protos -> domain. An empty ``mig_uuid`` means "no runtime identity known"."""
+    decoded: list[ActiveAllocation] = []
+    for position, message in enumerate(messages):
+        where = f"active[{position}]"
+        ref = pod(message.pod, message.HasField("pod"), where)
+        container = container_name(message.container_name, where)
+        owner = Owner(ref, container, int(message.container_index), int(message.device_index))
+        identity = None
+        if message.mig_uuid:
+            if not MIG_UUID_RE.match(message.mig_uuid):
+                raise _invalid(f"{where}: {clip(message.mig_uuid)} is not a MIG UUID", f"{where}.mig_uuid")
+            identity = Identity(
+                int(message.gpu_instance_id), int(message.compute_instance_id), message.mig_uuid
+            )
+        decoded.append(ActiveAllocation(owner, reservation(message, where), identity))
+    return decoded
+
+
+MAX_MIG_UUIDS = 64  # a GPU holds at most 7 MIG devices; more names than this is not a real request
+
+
+def mig_uuids(values: Sequence[str], where: str) -> list[str]:
+    """MIG UUIDs named by a request, each checked for shape (whether it exists is the lifecycle's)."""
+    require(len(values) <= MAX_MIG_UUIDS, f"{where}: {len(values)} MIG UUIDs, more than {MAX_MIG_UUIDS}")
+    for position, value in enumerate(values):
+        if not MIG_UUID_RE.match(value):
+            field = f"{where}[{position}]"
+            raise _invalid(f"{field}: {clip(value)} is not a MIG UUID", field)
+    return list(values)
+
+
+def allowed_profiles(names: Sequence[str]) -> list[str]:
+    for position, name in enumerate(names):
+        profile_name(name, f"allowed_profiles[{position}]", f"allowed_profiles[{position}]")
+    return list(names)

@@ -1,0 +1,269 @@
+"""Prometheus metrics (architecture section 9), on a private registry per application.
+
+Why a private ``CollectorRegistry``: tests start several applications in one process and the global
+registry would refuse the second set of metric names; a private one also keeps library metrics out.
+
+Where the numbers come from:
+
+* instances by GPU and state, and the reconciler backlog (ERROR instances + queued CDI removals), are
+  read from the lifecycle at scrape time, so they cannot drift from the table they describe;
+* creations, destructions and NVML errors by operation and code are counted at the hardware port by
+  ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
+  every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
+* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses;
+* idle instances and the age of the oldest per GPU are read from the table at scrape time, trims of
+  the idle policy are counted by cause as the reconciler makes them.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+
+from sidecar.lifecycle.views import last_used
+from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import (
+    ComputeInstanceInfo,
+    GpuInfo,
+    GpuInstanceInfo,
+    GpuInstanceProfile,
+    NvmlError,
+    NvmlPort,
+    Placement,
+)
+
+PREFIX = "hami_mig_sidecar"
+
+_T = TypeVar("_T")
+
+# RPCs are ~1 ms of gRPC overhead; creates are dominated by NVML (tens of ms to seconds on hardware).
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+class Metrics:
+    """The sidecar's metrics. ``watch`` connects the scrape-time gauges to the lifecycle's state."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.rpc_latency = prometheus_client.Histogram(
+            f"{PREFIX}_rpc_duration_seconds",
+            "Time to answer a gRPC call of the MigSidecar service, by method and status code.",
+            ["method", "code"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.reuse_hits = prometheus_client.Counter(
+            f"{PREFIX}_reuse_hits",
+            "Allocations served by an IDLE instance with exactly the requested reservation.",
+            registry=self.registry,
+        )
+        self.creations = prometheus_client.Counter(
+            f"{PREFIX}_gpu_instance_creations",
+            "GPU instances created on the hardware (including ones rolled back later).",
+            registry=self.registry,
+        )
+        self.destructions = prometheus_client.Counter(
+            f"{PREFIX}_gpu_instance_destructions",
+            "GPU instances destroyed on the hardware (reclaims, rollbacks, reconciler retries, recovery).",
+            registry=self.registry,
+        )
+        self.reclaims = prometheus_client.Counter(
+            f"{PREFIX}_reclaims",
+            "IDLE instances destroyed because they blocked a requested placement.",
+            registry=self.registry,
+        )
+        self.nvml_errors = prometheus_client.Counter(
+            f"{PREFIX}_nvml_errors",
+            "NVML calls that failed after the adapter's bounded retries, by port operation and nvmlReturn_t.",
+            ["operation", "code"],
+            registry=self.registry,
+        )
+        self.idle_trims = prometheus_client.Counter(
+            f"{PREFIX}_idle_trims",
+            "IDLE instances the idle policy destroyed in the background, by cause (ttl, max_idle, reserve).",
+            ["cause"],
+            registry=self.registry,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch(
+        self,
+        instances: Callable[[], Sequence[OwnershipRecord]],
+        pending_cdi_removals: Callable[[], Sequence[str]],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """Expose instances by GPU and state, idle ones and their age, and the reconciler backlog,
+        computed at every scrape."""
+        self.registry.register(_StateCollector(instances, pending_cdi_removals, clock))
+
+    def serve(self, host: str, port: int) -> None:
+        """Start the HTTP endpoint (``/metrics``) on a daemon thread."""
+        self._server, self._thread = prometheus_client.start_http_server(
+            port, addr=host, registry=self.registry
+        )
+
+    @property
+    def bound_port(self) -> int | None:
+        return None if self._server is None else int(self._server.server_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+class _StateCollector:
+    def __init__(
+        self,
+        instances: Callable[[], Sequence[OwnershipRecord]],
+        pending_cdi_removals: Callable[[], Sequence[str]],
+        clock: Callable[[], float],
+    ) -> None:
+        self._instances = instances
+        self._pending = pending_cdi_removals
+        self._clock = clock
+
+    def describe(self) -> Iterable[Metric]:
+        return [*self._families({}, 0), *self._idle({}, {})]
+
+    def collect(self) -> Iterable[Metric]:
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        idle: collections.Counter[str] = collections.Counter()
+        oldest: dict[str, float] = {}
+        errors = 0
+        now = self._clock()
+        for record in self._instances():
+            counts[(record.gpu_uuid, record.state.value)] += 1
+            errors += record.state is State.ERROR
+            if record.state is State.IDLE:
+                idle[record.gpu_uuid] += 1
+                used = last_used(record)
+                age = 0.0 if math.isinf(used) else max(now - used, 0.0)
+                oldest[record.gpu_uuid] = max(oldest.get(record.gpu_uuid, 0.0), age)
+        return [*self._families(counts, errors + len(self._pending())), *self._idle(idle, oldest)]
+
+    @staticmethod
+    def _idle(idle: dict[str, int], oldest: dict[str, float]) -> list[Metric]:
+        count = GaugeMetricFamily(
+            f"{PREFIX}_idle_instances", "IDLE owned instances per GPU (the idle cache).", labels=["gpu"]
+        )
+        age = GaugeMetricFamily(
+            f"{PREFIX}_idle_oldest_age_seconds",
+            "Seconds since the least recently used IDLE instance of the GPU went IDLE.",
+            labels=["gpu"],
+        )
+        for gpu in sorted(idle):
+            count.add_metric([gpu], idle[gpu])
+            age.add_metric([gpu], oldest[gpu])
+        return [count, age]
+
+    @staticmethod
+    def _families(counts: dict[tuple[str, str], int], backlog: int) -> list[Metric]:
+        instances = GaugeMetricFamily(
+            f"{PREFIX}_instances", "Owned MIG instances by GPU and lifecycle state.", labels=["gpu", "state"]
+        )
+        for (gpu, state), count in sorted(counts.items()):
+            instances.add_metric([gpu, state], count)
+        pending = GaugeMetricFamily(
+            f"{PREFIX}_reconciler_backlog",
+            "Work waiting for the reconciler: ERROR instances plus queued CDI spec removals.",
+            value=backlog,
+        )
+        return [instances, pending]
+
+
+class MeteredPort:
+    """An ``NvmlPort`` that forwards every call and counts creations, destructions and NVML errors."""
+
+    def __init__(self, inner: NvmlPort, metrics: Metrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    def _call(self, operation: str, call: Callable[[], _T]) -> _T:
+        try:
+            return call()
+        except NvmlError as exc:
+            self.metrics.nvml_errors.labels(operation, str(exc.code)).inc()
+            raise
+
+    def gpus(self) -> list[GpuInfo]:
+        return self._call("gpus", self.inner.gpus)
+
+    def gpu(self, gpu_uuid: str) -> GpuInfo:
+        return self._call("gpu", lambda: self.inner.gpu(gpu_uuid))
+
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
+        return self._call("set_mig_mode", lambda: self.inner.set_mig_mode(gpu_uuid, enabled))
+
+    def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        return self._call("gpu_instance_profiles", lambda: self.inner.gpu_instance_profiles(gpu_uuid))
+
+    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        return self._call("gpu_instances", lambda: self.inner.gpu_instances(gpu_uuid))
+
+    def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
+        return self._call(
+            "compute_instances", lambda: self.inner.compute_instances(gpu_uuid, gpu_instance_id)
+        )
+
+    def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
+        info = self._call(
+            "create_gpu_instance", lambda: self.inner.create_gpu_instance(gpu_uuid, profile_id, placement)
+        )
+        self.metrics.creations.inc()
+        return info
+
+    def create_compute_instance(
+        self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
+    ) -> ComputeInstanceInfo:
+        return self._call(
+            "create_compute_instance",
+            lambda: self.inner.create_compute_instance(gpu_uuid, gpu_instance_id, ci_profile_id),
+        )
+
+    def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
+        self._call(
+            "destroy_compute_instance",
+            lambda: self.inner.destroy_compute_instance(gpu_uuid, gpu_instance_id, compute_instance_id),
+        )
+
+    def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        self._call("destroy_gpu_instance", lambda: self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id))
+        self.metrics.destructions.inc()
+
+    def mig_device_processes(self, mig_uuid: str) -> int:
+        return self._call("mig_device_processes", lambda: self.inner.mig_device_processes(mig_uuid))
+
+    def gpu_processes(self, gpu_uuid: str) -> int:
+        return self._call("gpu_processes", lambda: self.inner.gpu_processes(gpu_uuid))

@@ -1,0 +1,451 @@
+"""The gRPC edge: decode request protos into domain values, call the lifecycle, encode the answers.
+
+This is the only module that speaks gRPC (style habit 1); ``decode`` and ``encode`` hold the pure
+proto <-> domain translations it uses. It validates requests before anything else
+sees them (a malformed request never reaches the lifecycle, so INVALID_REQUEST wins over the
+lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), and maps every
+``SidecarError`` to the contract's error model (architecture section 4): the status code from
+``SidecarError.code`` plus a ``google.rpc.ErrorInfo`` (domain ``migsidecar.hami.io``, the error's
+``reason`` and metadata) packed in the status details, so the Go client branches on ``reason``
+instead of parsing messages. Anything else that escapes a handler is a bug: it is logged with its
+traceback and answered INTERNAL.
+
+Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
+process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
+succeeded — and server reflection, so ``grpcurl -unix`` works without the .proto file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import msgspec
+from google.protobuf import any_pb2, message_factory
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+
+import sidecar
+from sidecar.edge import decode, encode
+from sidecar.edge.metrics import Metrics
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.logs import event
+from sidecar.lifecycle.recover import Recovery
+from sidecar.model import domain
+from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
+
+log = logging.getLogger(__name__)
+
+ERROR_DOMAIN = "migsidecar.hami.io"
+API_VERSION = "v1"
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MigSidecar"].full_name
+DEFAULT_WORKERS = 16
+# An error's message and ErrorInfo metadata together stay under about 1 KB (see ``error_status``).
+MAX_MESSAGE_BYTES = 448
+MAX_METADATA_KEY_BYTES = 32
+MAX_METADATA_VALUE_BYTES = 128
+MAX_METADATA_BYTES = 448
+UNKNOWN_SHOWN = 8  # unknown profile names quoted in an UNKNOWN_PROFILE error; the rest are counted
+
+_T = TypeVar("_T")
+
+
+class ServerInfo(msgspec.Struct, frozen=True):
+    """The facts ``GetInfo`` reports that do not change while the process lives."""
+
+    backend: str
+    boot_id: str
+    cdi_enabled: bool
+    adopt_existing: bool
+    started_at: dt.datetime
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes (cut at a character boundary, marked with "...")."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "..."
+
+
+def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """The ErrorInfo metadata of an error, each value cut and the whole within ``MAX_METADATA_BYTES``:
+    the entries that no longer fit are left out (the message and the log still say everything)."""
+    kept: dict[str, str] = {}
+    used = 0
+    for key, value in metadata.items():
+        entry = {_cut(key, MAX_METADATA_KEY_BYTES): _cut(value, MAX_METADATA_VALUE_BYTES)}
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in entry.items())
+        if used + size > MAX_METADATA_BYTES:
+            break
+        kept.update(entry)
+        used += size
+    return kept
+
+
+def error_status(err: SidecarError) -> Any:
+    """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata).
+
+    Message and metadata are bounded so an error stays near 1 KB whatever a request repeated into
+    them: gRPC carries both in the trailers, and a client's header limit (8 KB in grpcio) would turn
+    a longer one into RESOURCE_EXHAUSTED without a reason."""
+    code = grpc.StatusCode[err.code.name]
+    info = error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=ERROR_DOMAIN, metadata=bounded_metadata(err.metadata)
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = _cut(err.message, MAX_MESSAGE_BYTES)
+    return status_pb2.Status(code=code.value[0], message=message, details=[detail])
+
+
+def internal_status(method: str) -> Any:
+    info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN, metadata={"method": method})
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    message = f"{method}: internal error in the sidecar (see its log)"
+    return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message, details=[detail])
+
+
+# -- the servicer ------------------------------------------------------------------------------------------
+
+
+class MigSidecarServicer:
+    """Implements ``hami.migsidecar.v1.MigSidecar``. Registered by name (gRPC looks methods up)."""
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        recovery: Recovery,
+        info: ServerInfo,
+        metrics: Metrics,
+        on_recovered: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.recovery = recovery
+        self.info = info
+        self.metrics = metrics
+        self.on_recovered = on_recovered
+        # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
+        self.on_change: Callable[[], None] = lambda: None
+        # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
+        self._calls = threading.Condition()
+        self._in_flight = 0
+        self._draining = False
+
+    def drain(self) -> None:
+        """Refuse calls from now on and return once no call is inside a handler any more.
+
+        gRPC's ``stop(grace)`` stops answering after the grace period but does not stop handler
+        threads: a call past it still creates GI/CI and writes records. Shutdown waits here before it
+        closes NVML and releases the state directory lock, so no handler outlives either. No bound of
+        our own: the pod's termination grace period kills the process, and every step is crash-safe."""
+        with self._calls:
+            self._draining = True
+            running = self._in_flight
+        if running:
+            event(log, logging.INFO, "waiting for in-flight calls", calls=running)
+        with self._calls:
+            self._calls.wait_for(lambda: self._in_flight == 0)
+
+    def refusing_undecodable(
+        self, method: str, behaviour: Callable[[Any, grpc.ServicerContext], Any]
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        """``behaviour``, answering INVALID_REQUEST for a body that did not decode (``Undecodable``)."""
+
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            if not isinstance(request, Undecodable):
+                return behaviour(request, context)
+            why = request.why
+
+            def refuse() -> Any:
+                raise InvalidRequest(
+                    f"{method}: the request body does not decode: {decode.clip(why, 200)}", {"field": ""}
+                )
+
+            return self._handle(method, context, refuse)
+
+        return call
+
+    # Every RPC goes through here: one place for error mapping, the INTERNAL fallback and latency.
+    def _handle(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+        with self._calls:
+            refused = self._draining
+            if not refused:
+                self._in_flight += 1
+        if refused:
+            # Only a call that reached its thread as the server stopped gets here; gRPC answers the
+            # others itself, with this same status, which the client takes as "sidecar restarting".
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: the sidecar is shutting down")
+        try:
+            return self._answer(method, context, call)
+        finally:
+            with self._calls:
+                self._in_flight -= 1
+                self._calls.notify_all()
+
+    def _answer(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            try:
+                return call()
+            except SidecarError as err:
+                code = grpc.StatusCode[err.code.name]
+                event(log, logging.INFO, "rpc failed", method=method, reason=err.reason, error=err.message)
+                status = error_status(err)
+            except Exception:  # noqa: BLE001 - the last line of defence: a bug must answer, not hang
+                code = grpc.StatusCode.INTERNAL
+                event(log, logging.ERROR, "rpc crashed", method=method, exc_info=True)
+                status = internal_status(method)
+            context.abort_with_status(rpc_status.to_status(status))
+        finally:
+            self.metrics.rpc_latency.labels(method, code.name).observe(time.perf_counter() - started)
+
+    def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
+        def answer() -> Any:
+            message = pb.GetInfoResponse(
+                api_version=API_VERSION,
+                sidecar_version=sidecar.__version__,
+                backend=self.info.backend,
+                boot_id=self.info.boot_id,
+                recovered=self.lifecycle.recovered,
+                cdi_enabled=self.info.cdi_enabled,
+                adopt_existing=self.info.adopt_existing,
+                generation=self.lifecycle.generation,
+            )
+            message.started_at.FromDatetime(self.info.started_at)
+            return message
+
+        return self._handle("GetInfo", context, answer)
+
+    def ListGpus(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            with nvml_errors("listing GPUs failed"):
+                gpus = self.lifecycle.port.gpus()
+            return pb.ListGpusResponse(
+                gpus=[encode.encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
+            )
+
+        return self._handle("ListGpus", context, answer)
+
+    def DiscoverProfiles(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            requested = decode.allowed_profiles(request.allowed_profiles)
+            profiles = self.lifecycle.profiles(gpu_uuid)
+            known = {profile.name for profile in profiles}
+            unknown = sorted(set(requested) - known)
+            if unknown:
+                listed = ", ".join(decode.clip(name) for name in unknown[:UNKNOWN_SHOWN])
+                more = f" and {len(unknown) - UNKNOWN_SHOWN} more" if len(unknown) > UNKNOWN_SHOWN else ""
+                raise UnknownProfile(
+                    f"GPU {gpu_uuid} has no profile {listed}{more}",
+                    {"gpu_uuid": gpu_uuid, "profile": ",".join(unknown[:UNKNOWN_SHOWN])},
+                )
+            allowed = set(requested) or known
+            max_sms = max((profile.multiprocessor_count for profile in profiles), default=0)
+            return pb.DiscoverProfilesResponse(
+                profiles=[
+                    pb.Profile(
+                        name=profile.name,
+                        gi_profile_id=profile.id,
+                        ci_profile_id=profile.ci_profile_id,
+                        slice_count=profile.slice_count,
+                        memory_mb=profile.memory_mb,
+                        # HAMi's own formula (register.go): ceil(SMs*100 / max SMs of the GPU's profiles).
+                        core_percent=math.ceil(profile.multiprocessor_count * 100 / max_sms)
+                        if max_sms
+                        else 0,
+                        instance_count=profile.instance_count,
+                        placements=[encode.pb_placement(p) for p in profile.placements],
+                    )
+                    for profile in profiles
+                    if profile.name in allowed
+                ]
+            )
+
+        return self._handle("DiscoverProfiles", context, answer)
+
+    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            decoded = decode.allocate(request)
+            result = self.lifecycle.allocate(decoded)
+            reused = sum(device.outcome is domain.Outcome.REUSED for device in result.devices)
+            if reused:
+                self.metrics.reuse_hits.inc(reused)
+            if result.reclaimed:
+                self.metrics.reclaims.inc(len(result.reclaimed))
+            self.on_change()
+            return encode.encode_allocated(result)
+
+        return self._handle("Allocate", context, answer)
+
+    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            decode.pod_uid(request.pod_uid, "request", "pod_uid")
+            released = self.lifecycle.release(request.pod_uid)
+            self.on_change()
+            return pb.ReleaseResponse(released=[encode.encode_ref(ref) for ref in released])
+
+        return self._handle("Release", context, answer)
+
+    def SyncActive(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            active = decode.active(request.active)
+            idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
+            self.on_change()
+            return pb.SyncActiveResponse(
+                idled=[encode.encode_ref(ref) for ref in idled],
+                reactivated=[encode.encode_ref(ref) for ref in reactivated],
+            )
+
+        return self._handle("SyncActive", context, answer)
+
+    def Recover(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            active = decode.active(request.active)
+            report = self.recovery.recover(active)  # recovery logs its own summary
+            self.on_recovered()
+            return encode.encode_report(report)
+
+        return self._handle("Recover", context, answer)
+
+    def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
+
+    def RankPlacements(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            profile = decode.profile_name(request.profile, "request", "profile")
+            ranked = self.lifecycle.rank_placements(gpu_uuid, profile)
+            return pb.RankPlacementsResponse(placements=[encode.encode_ranked(gpu_uuid, r) for r in ranked])
+
+        return self._handle("RankPlacements", context, answer)
+
+    def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            current, pending, needs_reset = self.lifecycle.set_mig_mode(
+                gpu_uuid, bool(request.enabled), reclaim_idle=bool(request.reclaim_idle)
+            )
+            return pb.SetMigModeResponse(
+                mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
+            )
+
+        return self._handle("SetMigMode", context, answer)
+
+    def UndoAllocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            pod_uid = decode.pod_uid(request.pod_uid, "request", "pod_uid")
+            destroyed, idled = self.lifecycle.undo_allocate(pod_uid, int(request.container_index))
+            return pb.UndoAllocateResponse(
+                destroyed=[encode.encode_ref(ref) for ref in destroyed],
+                idled=[encode.encode_ref(ref) for ref in idled],
+            )
+
+        return self._handle("UndoAllocate", context, answer)
+
+    def ReclaimIdle(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
+            mig_uuids = decode.mig_uuids(request.mig_uuids, "mig_uuids")
+            reclaimed = self.lifecycle.reclaim_idle(gpu_uuid, mig_uuids)
+            return pb.ReclaimIdleResponse(reclaimed=[encode.encode_ref(ref) for ref in reclaimed])
+
+        return self._handle("ReclaimIdle", context, answer)
+
+
+class Undecodable:
+    """What a request body that does not parse as its message turns into; the handler refuses it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that hands an unparsable body on as ``Undecodable``: grpcio answers a
+    raising deserializer with a bare INTERNAL, and the contract says INVALID_REQUEST."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return parse
+
+
+def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
+    """Serve every RPC of the contract that ``servicer`` implements, with tolerant deserializers.
+
+    Built from the service descriptor instead of the generated ``add_..._to_server``, which demands a
+    method for every RPC of the proto: one the servicer does not implement yet is left out, and
+    gRPC answers it UNIMPLEMENTED."""
+    service = pb.DESCRIPTOR.services_by_name["MigSidecar"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name, None)
+        if behaviour is None:
+            continue
+        response_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            servicer.refusing_undecodable(method.name, behaviour),
+            request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # grpcio's own registered-method fast path (what the generated code calls); not in grpc-stubs yet.
+    server.add_registered_method_handlers(service.full_name, handlers)  # type: ignore[attr-defined]
+
+
+class SidecarServer:
+    """The gRPC server on one Unix socket: MigSidecar, health and reflection, on a thread pool.
+
+    The thread pool lets GPUs proceed in parallel; the lifecycle serializes per GPU. Socket-file
+    housekeeping (directory, stale file, mode) belongs to the composition root, which holds the state
+    directory lock while doing it.
+    """
+
+    def __init__(self, servicer: MigSidecarServicer, max_workers: int = DEFAULT_WORKERS) -> None:
+        self.servicer = servicer
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        )
+        register(servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def mark_recovered(self) -> None:
+        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+
+    def start(self, socket_path: str) -> None:
+        """Bind ``unix://socket_path`` and start answering. Raises RuntimeError if the bind fails."""
+        self._server.add_insecure_port(f"unix://{socket_path}")
+        self._server.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
+        towards their clients; return only once every handler has returned (``drain``)."""
+        self.health.enter_graceful_shutdown()
+        self._server.stop(grace_s).wait()
+        self.servicer.drain()

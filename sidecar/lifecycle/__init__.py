@@ -1,0 +1,1 @@
+"""The lifecycle: the facade, its transactions, the reconciler and the Recover transaction."""

@@ -1,0 +1,317 @@
+"""Allocate: all or nothing across the devices of a request (architecture section 5).
+
+The transaction gathers (what each key holds, the IDLE instance at each reservation, the live
+layout), asks the pure ``decision.decide`` what each device does, and applies it. A failure
+after any device changed something rolls the whole request back (``undo_allocation``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgspec
+
+from sidecar.lifecycle import crashpoints
+from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.create import create, placement_busy, require_no_record_for_the_operator
+from sidecar.lifecycle.reclaim import require_no_processes
+from sidecar.lifecycle.teardown import destroy, destroy_error
+from sidecar.lifecycle.validate import Validated, validate
+from sidecar.model import placement
+from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
+from sidecar.model.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome, State
+from sidecar.model.errors import (
+    InstanceInUse,
+    KeyConflict,
+    NvmlFailure,
+    SidecarError,
+    UnverifiableState,
+    nvml_errors,
+)
+from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.nvml.port import GpuInstanceInfo, NvmlError, NvmlPort, Placement
+
+_log = logging.getLogger(__name__)
+
+
+class _Done(msgspec.Struct, frozen=True):
+    """What one device of an allocation did, so a later failure can roll it back."""
+
+    allocated: AllocatedDevice
+    record_name: str
+
+
+class Room(msgspec.Struct, frozen=True):
+    """What a Create device needs, judged once under the GPU lock and handed to its create.
+
+    ``live``: the GI listing it was judged on, handed on to the destroys (None: the records alone
+    showed the placement free, or covered only by IDLE instances ``proven`` live by their MIG UUID,
+    so the create goes ahead and a refusal of the driver names the blocker)."""
+
+    reclaim: tuple[OwnershipRecord, ...] = ()
+    retry: tuple[OwnershipRecord, ...] = ()  # ERROR instances in the way, destroyed first (``retry_error``)
+    live: tuple[GpuInstanceInfo, ...] | None = None
+    proven: bool = False
+
+
+class Allocator:
+    """The Allocate transaction over the shared lifecycle parts."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def allocate(self, request: AllocateRequest) -> AllocateResult:
+        """All or nothing across the devices of the request."""
+        ctx = self.ctx
+        ctx.require_recovered()
+        validated = validate(ctx.inventory, request)
+        with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
+            # Decided once from the table, under the locks (KEY_CONFLICT first). What an earlier device
+            # creates or reclaims cannot change a later one's decision: devices never overlap and
+            # keys differ, so the decisions hold until each device is applied.
+            decisions = [self.decide_without_room(v) for v in validated]
+            held = [isinstance(d, AlreadyHeld) for d in decisions]
+            # The mode is read once under the lock, by the GPUs of devices that need hardware (a
+            # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
+            # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
+            # the CDI spec is rendered from its minor number. An instance the key holds needs neither.
+            now = {
+                uuid: ctx.inventory.require_mig_enabled(uuid)
+                for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
+            }
+            validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
+            rooms = self.judge_all(validated, decisions)
+            done: list[_Done] = []
+            reclaimed: list[InstanceRef] = []
+            try:
+                for i, v in enumerate(validated):
+                    done.append(self.allocate_one(v, decisions[i], rooms.get(i), reclaimed))
+            except Exception:
+                self.undo_allocation(done)
+                raise
+            # Each key's own pending reservation waited for this Allocate: it guards nothing now.
+            ctx.pending.consume(v.key for v in validated)
+            return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
+
+    def judge_all(self, validated: Sequence[Validated], decisions: Sequence[Decision]) -> dict[int, Room]:
+        """Judge every device's placement before any device changes anything.
+
+        A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
+        otherwise have reclaimed idle instances for an earlier one already, and a rollback cannot
+        bring those back. The devices of one request never overlap (validated), so what an earlier
+        device creates or reclaims cannot change the verdict for a later one. A reusable instance
+        that still runs processes is checked too when some device reclaims (``reuse`` checks it
+        again after verifying the instance live). Returns the room of each Create device by index."""
+        rooms = {i: self.room_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)}
+        for decided in decisions if any(r.reclaim for r in rooms.values()) else ():
+            if isinstance(decided, Reuse):
+                require_no_processes(self.ctx, decided.record)
+        return rooms
+
+    def decide_without_room(self, v: Validated) -> Decision:
+        """The decision from the table alone (``Create()`` means: the placement must be gathered)."""
+        res = v.device.reservation
+        held = self.ctx.table.held_by(v.key)
+        decided = decide(res, held, self.ctx.table.get(record_name(res.gpu_uuid, res.placement)), None)
+        if isinstance(decided, Conflict):
+            raise KeyConflict(
+                f"allocation {v.key} already holds {decided.held.reservation}, not {res}",
+                {"key": str(v.key), "held": str(decided.held.reservation), "requested": str(res)},
+            )
+        return decided
+
+    def room_for(self, v: Validated) -> Room:
+        """The ERROR instances to retry and the IDLE ones to reclaim for the placement;
+        PlacementBusy / InstanceInUse otherwise.
+
+        Reads only: the record files left for the operator, the owned records, the guards (the MIG
+        UUIDs live pods hold, the pending reservations), and, unless the records alone show the
+        placement free (then the create itself is the check, ``create``), the live layout and the
+        process counts of the candidates."""
+        ctx = self.ctx
+        gpu = v.gpu.uuid
+        res = v.device.reservation
+        require_no_record_for_the_operator(ctx, gpu, res.placement)
+        aside, _ = ctx.table.left_aside()
+        recorded = [*ctx.table.on_gpu(gpu), *aside.values()]
+        overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
+        if not overlapping:
+            return Room()
+        guards = ctx.pending.guards(ctx.table.referenced, v.key)
+        # A guarded instance in the way is for ``decide`` to judge (it blocks); only unguarded ones
+        # may be proven and reclaimed without a listing.
+        if not any(guards.why(r) for r in overlapping):
+            proven = self.prove_reclaim(overlapping, res.placement)
+            if proven:
+                return Room(reclaim=proven, proven=True)
+        with nvml_errors(f"list GPU instances of {gpu}"):
+            live = ctx.port.gpu_instances(gpu)
+        plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
+        decided = decide(res, None, None, plan, guards)
+        if isinstance(decided, Busy):
+            raise placement_busy(gpu, res.placement, decided)
+        assert isinstance(decided, Create)
+        for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
+            require_no_processes(self.ctx, r)
+        return Room(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live))
+
+    def prove_reclaim(
+        self, overlapping: Sequence[OwnershipRecord], wanted: Placement
+    ) -> tuple[OwnershipRecord, ...]:
+        """The owned IDLE instances in the way, when they alone are: () when it takes a listing to tell.
+
+        Each is proven live by its MIG UUID, in its recorded GI, so its recorded slices are its own;
+        when those slices cover ``wanted`` nothing else can sit there, and once they are destroyed
+        the placement is free. Anything else (a record not IDLE or not in the table, slices of
+        ``wanted`` no such instance covers, an instance not found) is judged on a listing.
+        InstanceInUse as for ``reclaim.require_no_processes``."""
+        table = self.ctx.table
+        if any(
+            r.state is not State.IDLE or table.get(r.name) != r or r.mig_uuid is None for r in overlapping
+        ):
+            return ()
+        covered = {
+            s for r in overlapping for s in range(r.placement.start, r.placement.start + r.placement.size)
+        }
+        if not covered.issuperset(range(wanted.start, wanted.start + wanted.size)):
+            return ()
+        ordered = tuple(sorted(overlapping, key=lambda r: (r.placement.start, r.placement.size)))
+        for r in ordered:
+            try:
+                self.verify_live(r)
+            except UnverifiableState:
+                return ()
+        return ordered
+
+    def allocate_one(
+        self, v: Validated, decided: Decision, room: Room | None, reclaimed: list[InstanceRef]
+    ) -> _Done:
+        """Apply ``decided`` for one device (``room``: its ``judge_all`` verdict when it creates)."""
+        if isinstance(decided, AlreadyHeld):
+            held = decided.record
+            return _Done(self.allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
+        if isinstance(decided, Reuse):
+            same_spot = decided.record
+            return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
+        assert room is not None
+        for r in room.retry:  # first: a retry that fails must not have cost any idle instance
+            reclaimed.append(self.retry_error(r))
+        if room.retry:
+            crashpoints.crashpoint("after-inline-error-retry")
+        for r in room.reclaim:
+            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live, proven=room.proven))
+        created = create(self.ctx, v, listed=room.live is not None)
+        return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
+
+    def retry_error(self, record: OwnershipRecord) -> InstanceRef:
+        """Destroy an ERROR instance in the request's way now, as the reconciler would later.
+
+        The same recorded teardown (``teardown.destroy_error``). Whatever stops it, the instance
+        stays ERROR (or, proven not ours, foreign) and the answer is UNAVAILABLE: the reconciler
+        keeps retrying, so the same request may succeed later (a STATE_WRITE_FAILED stays as it is)."""
+        try:
+            return destroy_error(self.ctx, record)
+        except (NvmlFailure, UnverifiableState) as exc:
+            raise NvmlFailure(
+                f"ERROR instance {record.profile}@{record.placement} ({record.mig_uuid or 'no MIG UUID'})"
+                f" on {record.gpu_uuid} is in the way and its destroy failed again: {exc}",
+                {
+                    **exc.metadata,
+                    "blocker": "ERROR",
+                    "record": record.name,
+                    "gpu_uuid": record.gpu_uuid,
+                    "placement": str(record.placement),
+                    "mig_uuid": record.mig_uuid or "",
+                },
+            ) from exc
+
+    @staticmethod
+    def allocated(v: Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:
+        identity = record.identity
+        assert identity is not None  # ACTIVE records are complete by construction
+        return AllocatedDevice(
+            device_index=v.device.device_index,
+            reservation=record.reservation,
+            identity=identity,
+            cdi_device=record.cdi_device,
+            outcome=outcome,
+        )
+
+    def reuse(self, v: Validated, record: OwnershipRecord) -> OwnershipRecord:
+        """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner."""
+        ctx = self.ctx
+        # Only a real identity mismatch condemns the instance. An NVML error says nothing about it:
+        # ERROR would make the reconciler destroy a healthy instance, so it stays IDLE and the
+        # request fails with NVML_ERROR (the client retries the same key).
+        try:
+            self.verify_live(record)
+        except UnverifiableState as exc:
+            ctx.table.fail(record, f"reuse verification failed: {exc}")
+            raise
+        identity = record.identity
+        assert identity is not None
+        cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
+        active = ctx.activate(msgspec.structs.replace(record, cdi_device=cdi_device), v.owner)
+        ctx.table.put(active)
+        return active
+
+    def verify_live(self, record: OwnershipRecord) -> None:
+        """The recorded MIG UUID is live and runs no process (InstanceInUse).
+
+        The lookup by MIG UUID proves the CI, and with it the GI: the driver mints the UUID at the
+        CI's create and never again, and a GI cannot be destroyed or re-created under a live CI. So
+        the CI is the one recorded, in the GI recorded with it (the record took both from the same
+        create, or recovery matched both against the GPU's listing), with its recorded profile and
+        placement. Gone: UnverifiableState. An NVML error proves nothing either way: NvmlFailure."""
+        mig_uuid = record.mig_uuid
+        assert mig_uuid is not None  # IDLE records are complete by construction
+        with nvml_errors(f"verify idle instance {record.name}"):
+            try:
+                processes = self.ctx.port.mig_device_processes(mig_uuid)
+            except NvmlError as exc:
+                if not exc.not_found or still_listed(self.ctx.port, record):
+                    raise  # a NOT_FOUND the GPU's own listing contradicts proves nothing
+                processes = None
+        if processes is None:
+            raise UnverifiableState(
+                f"the compute instance of {record.name} ({mig_uuid}) is gone"
+                f" (recorded GI {record.gpu_instance_id}, CI {record.compute_instance_id})",
+                {"record": record.name, "mig_uuid": mig_uuid},
+            )
+        if processes > 0:
+            raise InstanceInUse(
+                f"idle instance {mig_uuid} at {record.placement} still runs {processes} processes",
+                {"mig_uuid": mig_uuid, "processes": str(processes), "gpu_uuid": record.gpu_uuid},
+            )
+
+    def undo_allocation(self, done: Sequence[_Done]) -> None:
+        """A failed allocation destroys what it created and gives back what it reused (newest first).
+
+        Created instances are destroyed, reused ones go IDLE again, ones the key already held stay."""
+        ctx = self.ctx
+        for d in reversed(done):
+            outcome = d.allocated.outcome
+            record = ctx.table.get(d.record_name)
+            if record is None or outcome is Outcome.ALREADY_ALLOCATED:
+                continue
+            try:
+                if outcome is Outcome.CREATED:
+                    destroy(ctx, record, mark_deleting=True)
+                else:
+                    ctx.table.put(ctx.idle(record))
+            except SidecarError as exc:
+                _log.error("rollback of %s (%s) failed: %s", record.name, outcome, exc)
+
+
+def still_listed(port: NvmlPort, record: OwnershipRecord) -> bool:
+    """Whether the GPU still lists ``record``'s GI (its ID, profile, placement) holding its CI (ID and
+    MIG UUID): NVML can answer NOT_FOUND for an instance that exists (see ``teardown``), so a lookup's
+    NOT_FOUND condemns the instance only when this listing agrees. Raises NvmlError."""
+    gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
+    if gi is None or not placement.owns(record, gi):
+        return False
+    return any(
+        ci.id == record.compute_instance_id and ci.mig_uuid == record.mig_uuid
+        for ci in port.compute_instances(record.gpu_uuid, gi.id)
+    )

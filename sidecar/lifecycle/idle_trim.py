@@ -1,0 +1,170 @@
+"""The idle policy applied: the reconciler's background trim of IDLE instances (issue: idle policy).
+
+``idle_policy.trim`` decides over plain values; this module gathers them (``views.gpu_view``) and
+applies the answer through the recorded teardown (IDLE -> DELETING -> CI and GI destroyed -> CDI spec
+removed -> record deleted), so a crash anywhere in a trim leaves what recovery finishes like any
+reclaim. One instance at a time, each under its GPU lock, and the decision is taken again under that
+lock just before the destroy: an Allocate that reused the instance, a pending reservation that came
+meanwhile, or a process found running on it (one NVML call per victim) each spare it. ACTIVE, ERROR,
+CREATING/DELETING and foreign instances are never candidates (``idle_policy.trimmable``), so the lock
+is held for one destroy at most and an Allocate on that GPU waits for that one only.
+
+With a free reserve the decision needs every MIG-enabled GPU and its foreign GIs. The reconciler runs
+a round after every Allocate and Release, so those are listed at most every ``relist_s`` seconds, not
+on every round: a round that trims nothing then costs no NVML call and takes no GPU lock. The GPU of a
+chosen victim is listed again under its lock before the destroy, so no trim acts on a stale foreign view.
+
+``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
+move time instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from sidecar.lifecycle import crashpoints, views
+from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.teardown import destroy
+from sidecar.model.advice import GpuView
+from sidecar.model.domain import InstanceRef, State
+from sidecar.model.errors import SidecarError, nvml_errors
+from sidecar.model.idle_policy import IdleSettings, Trim, node_reserve, trim
+from sidecar.model.ownership import record_name
+from sidecar.nvml.port import NvmlError
+
+_log = logging.getLogger(__name__)
+
+
+class Trimmed(msgspec.Struct, frozen=True):
+    ref: InstanceRef
+    cause: str
+
+
+class IdleTrimmer:
+    """One pass of the idle policy over every GPU with owned instances."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        settings: IdleSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_trim: Callable[[str], None] = lambda cause: None,
+        relist_s: float = 10.0,
+    ) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.clock = clock
+        self.on_trim = on_trim
+        self.relist_s = relist_s
+        self._listed: tuple[float, list[str]] | None = None  # (when, the MIG-enabled GPUs then)
+
+    def run_once(self) -> list[Trimmed]:
+        """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
+        if not self.settings.enabled or not self.ctx.recovered:
+            return []
+        gpus = self._gpus()
+        busy: set[str] = set()
+        out: list[Trimmed] = []
+        # Every round destroys one instance, or marks one busy, or finds the choice changed under the
+        # lock; the bound only guards against a choice that keeps changing.
+        for _ in range(2 * len(self.ctx.table.instances()) + 2):
+            first = self._decide(gpus, busy)
+            if not first:
+                break
+            try:
+                done = self._apply(first[0], gpus, busy)
+            except SidecarError as exc:
+                _log.warning("idle trim of %s failed: %s", first[0].instance.describe(), exc)
+                break
+            if done is not None:
+                self.on_trim(done.cause)
+                out.append(done)
+        return out
+
+    def _gpus(self) -> list[str]:
+        """The GPUs to look at: with a reserve every MIG-enabled one (an empty GPU is where a profile
+        is ready), its foreign view listed afresh; otherwise those with owned instances."""
+        if not self.settings.reserve:
+            return sorted({r.gpu_uuid for r in self.ctx.table.instances()})
+        now = self.clock()
+        if self._listed is not None and 0 <= now - self._listed[0] < self.relist_s:
+            return self._listed[1]
+        out: list[str] = []
+        try:
+            with nvml_errors("list GPUs"):
+                gpus = self.ctx.port.gpus()
+        except SidecarError as exc:
+            _log.warning("idle trim skipped: %s", exc)
+            return []
+        for gpu in sorted(g.uuid for g in gpus if g.mig_current):
+            try:
+                views.refresh_foreign(self.ctx, gpu)
+            except SidecarError as exc:
+                _log.warning("idle trim leaves %s out: %s", gpu, exc)
+                continue
+            out.append(gpu)
+        self._listed = (now, out)
+        return out
+
+    def _apply(self, chosen: Trim, gpus: list[str], busy: set[str]) -> Trimmed | None:
+        """Destroy the chosen instance if, under its GPU lock, it is still the first choice, still
+        IDLE and runs no process. None when it was spared."""
+        with self.ctx.locks.gpu(chosen.gpu_uuid):
+            if self.settings.reserve:
+                views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
+            again = self._decide(gpus, busy)
+            if not again or again[0] != chosen:
+                return None
+            record = self.ctx.table.get(record_name(chosen.gpu_uuid, chosen.instance.placement))
+            if record is None or record.state is not State.IDLE:  # decided under this lock: never
+                return None
+            if self._runs_processes(record.mig_uuid):
+                busy.add(record.mig_uuid or "")
+                return None
+            crashpoints.crashpoint("before-idle-trim")
+            _log.info("trimming idle instance %s (%s)", record.name, chosen.cause)
+            ref = destroy(self.ctx, record, mark_deleting=True)
+        return Trimmed(ref, str(chosen.cause))
+
+    def _decide(self, gpus: list[str], busy: set[str]) -> list[Trim]:
+        """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
+        then the node's reserve."""
+        s = self.settings
+        gpu_views: list[GpuView] = [views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
+        pending = views.pending_reservations(self.ctx)
+        reserve = {}
+        if s.reserve:
+            reserve = {
+                g: {p.name: p.placements for p in self.ctx.inventory.profiles(g) if p.name in s.reserve}
+                for g in gpus
+            }
+        per_gpu = trim(
+            gpu_views,
+            self.clock(),
+            ttl_s=s.ttl_s,
+            max_idle_per_gpu=s.max_idle_per_gpu,
+            reserve=reserve if s.reserve_per_gpu else None,
+            pending=pending,
+        )
+        if per_gpu or not s.reserve or s.reserve_per_gpu:
+            return per_gpu
+        return node_reserve(gpu_views, reserve, pending=pending)
+
+    def _runs_processes(self, mig_uuid: str | None) -> bool:
+        """A process on the instance (a pod in its grace period) spares it; an NVML error too."""
+        if mig_uuid is None:
+            return False
+        try:
+            with nvml_errors(f"count processes on {mig_uuid}"):
+                return self.ctx.port.mig_device_processes(mig_uuid) > 0
+        except (SidecarError, NvmlError) as exc:
+            _log.warning("cannot count processes on %s, not trimming it: %s", mig_uuid, exc)
+            return True
+
+
+__all__ = ["IdleTrimmer", "Trimmed"]

@@ -1,0 +1,212 @@
+"""What the hardware is: cached GPU facts and profile tables, and the GetState snapshot.
+
+Allocations never trust a cached foreign view: each reads the live GI layout of its GPU, so anything
+created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. Only the read-only advice
+(``RankPlacements``) and the idle policy use the foreign GIs of the last listing (``foreign_view``),
+refreshed by the reconciler each round: advice may lag an operator's change by one round, never an
+allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgspec
+
+from sidecar.lifecycle.locks import Locks
+from sidecar.model import placement
+from sidecar.model.domain import ForeignInstance, State
+from sidecar.model.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import GpuInfo, GpuInstanceInfo, GpuInstanceProfile, NvmlError, NvmlPort
+from sidecar.store.cdi import CdiSpecs
+from sidecar.store.generation import Generations
+from sidecar.store.table import Table
+
+_log = logging.getLogger(__name__)
+
+
+class GpuSnapshot(msgspec.Struct, frozen=True):
+    gpu: GpuInfo
+    busy: bool
+    instances: tuple[OwnershipRecord, ...]
+    foreign: tuple[ForeignInstance, ...]
+
+
+class StateSnapshot(msgspec.Struct, frozen=True):
+    generation: int
+    gpus: tuple[GpuSnapshot, ...]
+    pending_cdi_removals: tuple[str, ...]
+
+
+class Inventory:
+    """Static GPU facts and profile tables, cached; MIG mode is always read live."""
+
+    def __init__(self, port: NvmlPort) -> None:
+        self.port = port
+        self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
+        # GPU UUID -> (MIG mode, its profile table) for recovery: re-read only when the mode changes.
+        self._recovery_profiles: dict[str, tuple[bool, tuple[GpuInstanceProfile, ...]]] = {}
+        self._gpus: dict[str, GpuInfo] = {}
+        self._foreign: dict[str, tuple[ForeignInstance, ...]] = {}
+
+    def gpu_info(self, gpu_uuid: str) -> GpuInfo:
+        """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
+
+        The MIG mode in the cached value is stale by design; callers that need it use ``port.gpu``."""
+        info = self._gpus.get(gpu_uuid)
+        if info is None:
+            with nvml_errors("list GPUs"):
+                gpus = self.port.gpus()
+            self._gpus = {g.uuid: g for g in gpus}
+            info = self._gpus.get(gpu_uuid)
+        if info is None:
+            raise UnknownGpu(f"no GPU with UUID {gpu_uuid!r} on this node", {"gpu_uuid": gpu_uuid})
+        return info
+
+    def profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        """The GPU's GI profiles (cached per GPU after the first successful read). UnknownGpu if absent."""
+        cached = self._profiles.get(gpu_uuid)
+        if cached is None:
+            self.gpu_info(gpu_uuid)
+            with nvml_errors(f"read GPU instance profiles of {gpu_uuid}"):
+                read = tuple(self.port.gpu_instance_profiles(gpu_uuid))
+            if read:  # an empty answer (driver not ready) is not worth remembering
+                self._profiles[gpu_uuid] = read
+            cached = read
+        return list(cached)
+
+    def profiles_at_mode(self, info: GpuInfo) -> tuple[GpuInstanceProfile, ...]:
+        """The profile table of ``info``'s GPU, read once per MIG mode (recovery's gather).
+
+        The table is a fixed hardware fact while the mode stays the same, so a repeated Recover does
+        not re-read it; ``info`` carries the mode just read live, and a different mode re-reads it.
+        Raises NvmlError. Safe from several threads at once: each GPU has its own key."""
+        cached = self._recovery_profiles.get(info.uuid)
+        if cached is not None:
+            if cached[0] == info.mig_current:
+                return cached[1]
+            del self._recovery_profiles[info.uuid]  # the mode changed: the table read before is void
+        read = tuple(self.port.gpu_instance_profiles(info.uuid))
+        if read:  # an empty answer (driver not ready) is not worth remembering
+            self._recovery_profiles[info.uuid] = (info.mig_current, read)
+        return read
+
+    def resolve_profile(self, gpu_uuid: str, name: str) -> GpuInstanceProfile:
+        """Full profile name -> profile; UnknownProfile if the GPU has no such profile."""
+        for profile in self.profiles(gpu_uuid):
+            if profile.name == name:
+                return profile
+        raise UnknownProfile(
+            f"GPU {gpu_uuid} has no MIG profile {name!r}", {"gpu_uuid": gpu_uuid, "profile": name}
+        )
+
+    def profile_by_id(self, gpu_uuid: str, profile_id: int) -> GpuInstanceProfile | None:
+        for profile in self.profiles(gpu_uuid):
+            if profile.id == profile_id:
+                return profile
+        return None
+
+    def profile_name(self, gpu_uuid: str, profile_id: int) -> str:
+        profile = self.profile_by_id(gpu_uuid, profile_id)
+        return profile.name if profile else f"profile-id-{profile_id}"
+
+    def forget(self, gpu_uuid: str) -> None:
+        """A mode change may unbind or reset the device: its minor and profiles are read afresh."""
+        self._gpus.pop(gpu_uuid, None)
+        self._profiles.pop(gpu_uuid, None)
+        self._foreign.pop(gpu_uuid, None)
+
+    def foreign_view(self, gpu_uuid: str) -> tuple[ForeignInstance, ...] | None:
+        """The foreign GIs of the GPU's last listing (``note_foreign``); None before the first."""
+        return self._foreign.get(gpu_uuid)
+
+    def note_foreign(
+        self, gpu_uuid: str, live: Sequence[GpuInstanceInfo], owned: Sequence[OwnershipRecord]
+    ) -> tuple[ForeignInstance, ...]:
+        """Remember the GIs of a listing that no record claims. Call with the GPU lock held, so no
+        half-done create of ours (a GI not recorded yet) is taken for a foreign one. No CI lookups:
+        advice needs the placement only."""
+        foreign = tuple(
+            ForeignInstance(gpu_uuid, self.profile_name(gpu_uuid, gi.profile_id), gi.placement, gi.id)
+            for gi in placement.foreign_instances(live, owned)
+        )
+        self._foreign[gpu_uuid] = foreign
+        return foreign
+
+    def forget_foreign(self) -> None:
+        """Recovery may adopt foreign GIs or leave records aside: the next advice lists afresh."""
+        self._foreign.clear()
+
+    def require_mig_enabled(self, gpu_uuid: str) -> GpuInfo:
+        """The GPU as NVML describes it now; MigDisabled unless MIG is enabled now and stays enabled
+        after the next reset."""
+        with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+            live = self.port.gpu(gpu_uuid)
+        if not (live.mig_current and live.mig_pending):
+            raise MigDisabled(
+                f"MIG is not enabled on {gpu_uuid} (current={live.mig_current}, pending={live.mig_pending})",
+                {
+                    "gpu_uuid": gpu_uuid,
+                    "current": str(live.mig_current),
+                    "pending": str(live.mig_pending),
+                },
+            )
+        return live
+
+
+def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:
+    """An ACTIVE instance or a running process on the GPU; an NVML error counts as busy."""
+    if any(r.gpu_uuid == gpu_uuid and r.state is State.ACTIVE for r in table.instances()):
+        return True
+    try:
+        return port.gpu_processes(gpu_uuid) > 0
+    except NvmlError:
+        return True
+
+
+def snapshot(
+    inventory: Inventory, table: Table, locks: Locks, generations: Generations, cdi: CdiSpecs
+) -> StateSnapshot:
+    """Everything GetState shows. Each GPU is read under its lock so no half-done create shows up
+    as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged)."""
+    port = inventory.port
+    with nvml_errors("list GPUs"):
+        gpus = port.gpus()
+    out: list[GpuSnapshot] = []
+    for gpu in gpus:
+        with locks.gpu(gpu.uuid):
+            owned = tuple(sorted(table.on_gpu(gpu.uuid), key=lambda r: (r.placement.start, r.placement.size)))
+            foreign: list[ForeignInstance] = []
+            if gpu.mig_current:
+                try:
+                    foreign = _foreign(inventory, gpu.uuid, owned)
+                except (NvmlError, SidecarError) as exc:
+                    _log.warning("cannot list foreign instances of %s: %s", gpu.uuid, exc)
+            busy = gpu_busy(port, table, gpu.uuid)
+        out.append(GpuSnapshot(gpu=gpu, busy=busy, instances=owned, foreign=tuple(foreign)))
+    return StateSnapshot(
+        generation=generations.current,
+        gpus=tuple(out),
+        pending_cdi_removals=tuple(cdi.pending_removals()),
+    )
+
+
+def _foreign(inventory: Inventory, gpu_uuid: str, owned: Sequence[OwnershipRecord]) -> list[ForeignInstance]:
+    port = inventory.port
+    out: list[ForeignInstance] = []
+    for gi in placement.foreign_instances(port.gpu_instances(gpu_uuid), owned):
+        profile = inventory.profile_by_id(gpu_uuid, gi.profile_id)
+        cis = port.compute_instances(gpu_uuid, gi.id)
+        out.append(
+            ForeignInstance(
+                gpu_uuid=gpu_uuid,
+                profile=profile.name if profile else f"profile-id-{gi.profile_id}",
+                placement=gi.placement,
+                gpu_instance_id=gi.id,
+                compute_instance_id=cis[0].id if cis else None,
+                mig_uuid=cis[0].mig_uuid if cis else None,
+            )
+        )
+    return out

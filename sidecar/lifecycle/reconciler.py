@@ -1,0 +1,111 @@
+"""Background retries (architecture section 5 and the spec's CDI lifecycle).
+
+Retries the destruction of ERROR instances that no active allocation references and no pending
+reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
+gone) and retries queued CDI removals.
+
+Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
+races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
+(before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
+live pod: it is left alone then, because destroying a device under a
+running container is worse than keeping a broken one. A destroy that still fails leaves the instance
+ERROR with the new ``last_error``; the next round tries again. With an idle policy configured, each
+round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
+repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+
+from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.model.domain import InstanceRef, State
+from sidecar.model.errors import SidecarError
+
+_log = logging.getLogger(__name__)
+
+
+class ReconcileReport(msgspec.Struct, frozen=True):
+    destroyed: tuple[InstanceRef, ...] = ()
+    still_failing: tuple[str, ...] = ()
+    cdi_removed: tuple[str, ...] = ()
+    trimmed: tuple[InstanceRef, ...] = ()
+
+
+class Reconciler:
+    def __init__(
+        self, lifecycle: Lifecycle, interval_s: float = 10.0, idle: IdleTrimmer | None = None
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.interval_s = interval_s
+        self.idle = idle
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_once(self) -> ReconcileReport:
+        """One round: every unreferenced ERROR instance, then the queued CDI removals.
+
+        Returns nothing to do before recovery has succeeded: until then the table is not trusted.
+        """
+        if not self.lifecycle.recovered:
+            return ReconcileReport()
+        destroyed: list[InstanceRef] = []
+        failing: list[str] = []
+        for record in self.lifecycle.instances():
+            if record.state is not State.ERROR:
+                continue
+            try:
+                ref = self.lifecycle.retry_error(record.name)
+            except SidecarError as exc:
+                _log.warning("ERROR instance %s still cannot be destroyed: %s", record.name, exc)
+                failing.append(record.name)
+                continue
+            if ref is not None:
+                _log.info("destroyed ERROR instance %s", record.name)
+                destroyed.append(ref)
+        cdi_removed = self.lifecycle.cdi.retry_removals()
+        trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
+        return ReconcileReport(
+            destroyed=tuple(destroyed),
+            still_failing=tuple(failing),
+            cdi_removed=tuple(cdi_removed),
+            trimmed=tuple(trimmed),
+        )
+
+    def kick(self) -> None:
+        """Run the next round now rather than at the end of the interval (after a release or an
+        allocation, the idle policy may have work: the free reserve is restored off the next
+        request's path)."""
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the loop to end and wait for it; prompt because the loop sleeps on an Event."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - one bad round must not end background retries for good
+                _log.exception("reconciler round failed")

@@ -1,0 +1,157 @@
+"""Release and SyncActive: ACTIVE instances go IDLE (never destroyed), IDLE ones may come back.
+
+Both change a batch of instances; one instance's failure is kept for the end of the batch
+(``put_each``, ``raise_first``) so one corrupt file does not keep the others from changing.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+from sidecar.lifecycle import crashpoints
+from sidecar.lifecycle.context import Context
+from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
+from sidecar.model.errors import Code, InvalidRequest, SidecarError
+from sidecar.model.ownership import OwnershipRecord, instance_ref
+
+_log = logging.getLogger(__name__)
+
+
+def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
+    """A confirmed pod release: its ACTIVE instances become IDLE. Never destroys; unknown pod = []."""
+    ctx.require_recovered()
+    if not POD_UID_RE.match(pod_uid):
+        raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
+    targets = [
+        r
+        for r in ctx.table.instances()
+        if r.state is State.ACTIVE and r.owner is not None and r.owner.pod.uid == pod_uid
+    ]
+    released: list[InstanceRef] = []
+    failures: list[SidecarError] = []
+    with ctx.locks.gpus(r.gpu_uuid for r in targets):
+        for r in targets:
+            current = ctx.table.get(r.name)
+            if current is None or current.state is not State.ACTIVE or current.owner != r.owner:
+                continue  # changed while we waited for the lock
+            if put_each(ctx, failures, ctx.idle, current):
+                released.append(instance_ref(current))
+    raise_first(failures)
+    return released
+
+
+def sync_active(
+    ctx: Context, generation: int, active: Sequence[ActiveAllocation]
+) -> tuple[list[InstanceRef], list[InstanceRef]]:
+    """Returns (idled, reactivated): level-triggered release from a fresh pod list.
+
+    An ACTIVE instance whose key is not listed and that was activated at or before ``generation``
+    becomes IDLE (one activated later raced the pod list and is left alone). An IDLE instance whose
+    reservation and MIG UUID are listed, and that went IDLE at or before ``generation``, is held by a
+    live pod after all and becomes ACTIVE again with that owner; one that went IDLE later was
+    released after the list was taken, which still names the pod that is gone, and stays IDLE.
+    Listed entries that match nothing are ignored. Entries without runtime identity are pending
+    reservations: their keys count as listed, and they replace the pending set (``sidecar.model.pending``),
+    which keeps the IDLE or ERROR instance at exactly each one from being destroyed. Never destroys
+    anything.
+
+    A ``generation`` larger than any handed out is no fence at all: InvalidRequest, nothing changes."""
+    ctx.require_recovered()
+    handed_out = ctx.generations.current
+    if generation > handed_out:
+        raise InvalidRequest(
+            f"generation {generation} was never handed out (the current one is {handed_out}); read"
+            " it with GetInfo before listing pods",
+            {"generation": str(generation), "current": str(handed_out)},
+        )
+    listed_keys = {a.key for a in active}
+    by_identity: dict[tuple[Reservation, str], ActiveAllocation] = {
+        (a.reservation, a.identity.mig_uuid): a for a in active if a.identity is not None
+    }
+    ctx.table.referenced = frozenset(mig for _, mig in by_identity)
+    ctx.pending.replace(active)  # the entries without runtime identity (``sidecar.model.pending``)
+    crashpoints.crashpoint("after-sync-pending")
+    table = ctx.table.instances()
+    to_idle = [
+        r
+        for r in table
+        if r.state is State.ACTIVE
+        and r.owner is not None
+        and r.owner.key not in listed_keys
+        and r.activated_generation <= generation
+    ]
+    to_activate = [
+        (r, by_identity[(r.reservation, r.mig_uuid)])
+        for r in table
+        if r.state is State.IDLE
+        and r.mig_uuid is not None
+        and (r.reservation, r.mig_uuid) in by_identity
+        and r.idled_generation <= generation
+    ]
+    idled: list[InstanceRef] = []
+    reactivated: list[InstanceRef] = []
+    failures: list[SidecarError] = []
+    gpus = [r.gpu_uuid for r in to_idle] + [r.gpu_uuid for r, _ in to_activate]
+    # A reactivation gives an allocation key an instance, as Allocate does: it claims the key first
+    # (the same order Allocate takes), so an Allocate of that key on another GPU is either done or
+    # has not begun, never half-way past its key check.
+    keys = sorted({alloc.key for _, alloc in to_activate}, key=str)
+    with ctx.locks.claim(keys), ctx.locks.gpus(gpus):
+        for r in to_idle:
+            current = ctx.table.get(r.name)
+            if (
+                current is None
+                or current.state is not State.ACTIVE
+                or current.owner != r.owner
+                or current.activated_generation > generation
+            ):
+                continue
+            if put_each(ctx, failures, ctx.idle, current):
+                idled.append(instance_ref(current))
+        for r, alloc in to_activate:
+            current = ctx.table.get(r.name)
+            if (
+                current is None
+                or current.state is not State.IDLE
+                or current.mig_uuid != r.mig_uuid
+                or current.idled_generation > generation
+            ):
+                continue
+            if ctx.table.held_by(alloc.key) is not None:
+                continue  # that key already holds another instance; never give it two
+            if put_each(ctx, failures, functools.partial(ctx.activate, owner=alloc.owner), current):
+                reactivated.append(instance_ref(current))
+    raise_first(failures)
+    return idled, reactivated
+
+
+def put_each(
+    ctx: Context,
+    failures: list[SidecarError],
+    change: Callable[[OwnershipRecord], OwnershipRecord],
+    record: OwnershipRecord,
+) -> bool:
+    """One instance's change in a batch: a failure is kept for the end of the batch instead of
+    stopping it. True when the change was made."""
+    try:
+        ctx.table.put(change(record))
+    except SidecarError as exc:
+        _log.error("%s", exc)
+        failures.append(exc)
+        return False
+    return True
+
+
+def raise_first(failures: Sequence[SidecarError]) -> None:
+    """The first failure of a batch, once every other instance of it has been dealt with.
+
+    A retryable one (UNAVAILABLE) comes first: the client repeats the call, which finishes the rest,
+    and the failure no retry clears (a corrupt record file) is answered once only it is left."""
+    if failures:
+        first = next((f for f in failures if f.code is Code.UNAVAILABLE), failures[0])
+        if len(failures) > 1:
+            first.message = f"{first.message} (and {len(failures) - 1} more, logged)"
+            first.args = (first.message,)
+        raise first

@@ -1,0 +1,118 @@
+"""One GPU as the advice sees it (``advice.GpuView``), built from what the lifecycle already knows.
+
+``RankPlacements`` and the idle policy both rank placements over the same view, so both get it here:
+the owned instances from the in-memory table, the foreign GIs of the last listing
+(``Inventory.foreign_view``), the record files left for the operator, and the scheduler's pending
+reservations. Creates and destroys in flight are in the table already (CREATING and DELETING records
+are written before the hardware is touched), so they block like any occupant. Nothing here mutates
+NVML; after the first call per GPU (profile table, one GI listing) it makes no NVML call at all.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Collection, Sequence
+
+from sidecar.lifecycle import create
+from sidecar.lifecycle.context import Context
+from sidecar.model.advice import GpuView, Hold, OwnedInstance, RankedPlacement, rank_placements
+from sidecar.model.domain import ForeignInstance, Reservation
+from sidecar.model.errors import nvml_errors
+from sidecar.model.ownership import OwnershipRecord
+from sidecar.nvml.port import GpuInstanceProfile
+
+
+def pending_reservations(ctx: Context) -> frozenset[Reservation]:
+    """The scheduler's pending reservations (architecture 4.1, ``sidecar.model.pending``): they protect an
+    IDLE instance from the idle policy and keep advice off their placements."""
+    return frozenset(p.reservation for p in ctx.pending.current)
+
+
+def last_used(record: OwnershipRecord) -> float:
+    """When the instance last stopped serving a pod, in seconds since the epoch: the record's
+    ``since``, stamped when it entered its state (for an IDLE instance: when it went IDLE, or when
+    recovery restored it). An unreadable stamp counts as "just now", so it is never trimmed for age."""
+    try:
+        return dt.datetime.fromisoformat(record.since).timestamp()
+    except ValueError:
+        return math.inf
+
+
+def owned_instance(record: OwnershipRecord, *, busy: bool = False) -> OwnedInstance:
+    return OwnedInstance(
+        profile=record.profile,
+        placement=record.placement,
+        state=record.state,
+        mig_uuid=record.mig_uuid or "",
+        gpu_instance_id=record.gpu_instance_id,
+        compute_instance_id=record.compute_instance_id,
+        last_used=last_used(record),
+        busy=busy,
+    )
+
+
+def records_for_the_operator(ctx: Context, gpu_uuid: str) -> tuple[Hold, ...]:
+    """The record files on the GPU that ``Allocate`` refuses to create over (PLACEMENT_BUSY), as
+    ``create.records_for_the_operator`` finds them: a corrupt one, or one without a boot id."""
+    return tuple(
+        Hold(left.placement, left.blocker, f"ownership record {left.path} ({left.blocker})")
+        for left in create.records_for_the_operator(ctx, gpu_uuid)
+    )
+
+
+def memory_slices(profiles: Sequence[GpuInstanceProfile]) -> int:
+    """The GPU's size on the memory-slice axis: the end of its furthest legal placement."""
+    return max((p.end for prof in profiles for p in prof.placements), default=0)
+
+
+def foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
+    """The foreign GIs of the last listing; the first call for a GPU lists it (under its lock)."""
+    cached = ctx.inventory.foreign_view(gpu_uuid)
+    return refresh_foreign(ctx, gpu_uuid) if cached is None else cached
+
+
+def refresh_foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
+    """List the GPU's GIs under its lock and remember the foreign ones. MigDisabled / NvmlFailure."""
+    with ctx.locks.gpu(gpu_uuid):
+        ctx.inventory.require_mig_enabled(gpu_uuid)
+        with nvml_errors(f"list GPU instances of {gpu_uuid}"):
+            live = ctx.port.gpu_instances(gpu_uuid)
+        return ctx.inventory.note_foreign(gpu_uuid, live, ctx.table.on_gpu(gpu_uuid))
+
+
+def gpu_view(ctx: Context, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuView:
+    """The GPU's view; ``busy`` names MIG UUIDs of IDLE instances known to run processes."""
+    return GpuView(
+        gpu_uuid=gpu_uuid,
+        memory_slices=memory_slices(ctx.inventory.profiles(gpu_uuid)),
+        owned=tuple(owned_instance(r, busy=r.mig_uuid in busy) for r in ctx.table.on_gpu(gpu_uuid)),
+        foreign=foreign(ctx, gpu_uuid),
+        holds=records_for_the_operator(ctx, gpu_uuid),
+        pending=tuple(r for r in pending_reservations(ctx) if r.gpu_uuid == gpu_uuid),
+    )
+
+
+def rank(ctx: Context, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
+    """``RankPlacements``: every legal placement of ``profile`` on the GPU, best first.
+
+    NotRecovered before recovery (the table is not trusted yet); UnknownGpu / UnknownProfile as for
+    ``Allocate``. Read-only; an IDLE instance that still runs
+    processes ranks as REUSE here (counting them costs an NVML call per instance), and ``Allocate``
+    answers INSTANCE_IN_USE for it as usual."""
+    ctx.require_recovered()
+    legal = ctx.inventory.resolve_profile(gpu_uuid, profile).placements
+    return rank_placements(profile, legal, gpu_view(ctx, gpu_uuid))
+
+
+__all__ = [
+    "foreign",
+    "gpu_view",
+    "last_used",
+    "memory_slices",
+    "owned_instance",
+    "pending_reservations",
+    "rank",
+    "records_for_the_operator",
+    "refresh_foreign",
+]

@@ -1,0 +1,1 @@
+"""Pure values and rules: no I/O is imported below this package."""

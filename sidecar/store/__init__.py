@@ -1,0 +1,1 @@
+"""Durable state: ownership records, the generation, the in-memory table and the CDI specs."""
