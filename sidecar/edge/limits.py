@@ -1,4 +1,6 @@
-"""The largest request the sidecar accepts on the wire, computed from what ``decode`` lets through.
+"""The sizes the edge bounds: the largest request it accepts, and how large an error may grow.
+
+The largest request is computed from what ``decode`` lets through.
 
 Every field of every request is bounded by ``decode`` (name lengths in bytes, counts of repeated
 fields, integer widths), so the largest valid request of each RPC is a fixed message: this module
@@ -81,4 +83,34 @@ def _largest() -> int:
 
 MAX_REQUEST_BYTES = _largest()
 
-__all__ = ["MAX_REQUEST_BYTES", "largest_requests"]
+# An error's message and ErrorInfo metadata together stay under about 1 KB (see ``error_status``).
+MAX_MESSAGE_BYTES = 448
+MAX_METADATA_KEY_BYTES = 32
+MAX_METADATA_VALUE_BYTES = 128
+MAX_METADATA_BYTES = 448
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` in at most ``limit`` UTF-8 bytes (cut at a character boundary, marked with "...")."""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "..."
+
+
+def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """The ErrorInfo metadata of an error, each value cut and the whole within ``MAX_METADATA_BYTES``:
+    the entries that no longer fit are left out (the message and the log still say everything)."""
+    kept: dict[str, str] = {}
+    used = 0
+    for key, value in metadata.items():
+        entry = {cut(key, MAX_METADATA_KEY_BYTES): cut(value, MAX_METADATA_VALUE_BYTES)}
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in entry.items())
+        if used + size > MAX_METADATA_BYTES:
+            break
+        kept.update(entry)
+        used += size
+    return kept
+
+
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "bounded_metadata", "cut", "largest_requests"]

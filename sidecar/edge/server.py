@@ -40,7 +40,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 import sidecar
 from sidecar.edge import decode, encode
-from sidecar.edge.limits import MAX_REQUEST_BYTES
+from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, cut
 from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.liveness import Liveness
@@ -55,11 +55,6 @@ ERROR_DOMAIN = "migsidecar.hami.io"
 API_VERSION = "v1"
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MigSidecar"].full_name
 DEFAULT_WORKERS = 16
-# An error's message and ErrorInfo metadata together stay under about 1 KB (see ``error_status``).
-MAX_MESSAGE_BYTES = 448
-MAX_METADATA_KEY_BYTES = 32
-MAX_METADATA_VALUE_BYTES = 128
-MAX_METADATA_BYTES = 448
 UNKNOWN_SHOWN = 8  # unknown profile names quoted in an UNKNOWN_PROFILE error; the rest are counted
 
 _T = TypeVar("_T")
@@ -78,29 +73,6 @@ class ServerInfo(msgspec.Struct, frozen=True):
 # -- errors -------------------------------------------------------------------------------------------
 
 
-def _cut(text: str, limit: int) -> str:
-    """``text`` in at most ``limit`` UTF-8 bytes (cut at a character boundary, marked with "...")."""
-    data = text.encode()
-    if len(data) <= limit:
-        return text
-    return data[: limit - 3].decode(errors="ignore") + "..."
-
-
-def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
-    """The ErrorInfo metadata of an error, each value cut and the whole within ``MAX_METADATA_BYTES``:
-    the entries that no longer fit are left out (the message and the log still say everything)."""
-    kept: dict[str, str] = {}
-    used = 0
-    for key, value in metadata.items():
-        entry = {_cut(key, MAX_METADATA_KEY_BYTES): _cut(value, MAX_METADATA_VALUE_BYTES)}
-        size = sum(len(k.encode()) + len(v.encode()) for k, v in entry.items())
-        if used + size > MAX_METADATA_BYTES:
-            break
-        kept.update(entry)
-        used += size
-    return kept
-
-
 def error_status(err: SidecarError) -> Any:
     """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata).
 
@@ -113,7 +85,7 @@ def error_status(err: SidecarError) -> Any:
     )
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = _cut(err.message, MAX_MESSAGE_BYTES)
+    message = cut(err.message, MAX_MESSAGE_BYTES)
     return status_pb2.Status(code=code.value[0], message=message, details=[detail])
 
 
