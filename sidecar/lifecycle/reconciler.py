@@ -9,9 +9,11 @@ races an allocation on the same GPU. An instance is *referenced* when the plugin
 (before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
 live pod: it is left alone then, because destroying a device under a
 running container is worse than keeping a broken one. A destroy that still fails leaves the instance
-ERROR with the new ``last_error``; the next round tries again. Each round then lists the GIs of every
-MIG-enabled GPU into the advice's layout view (``views.refresh_layout``), so ``RankPlacements`` sees a
-GI created or destroyed outside the sidecar within one round. With an idle policy configured, each
+ERROR with the new ``last_error``; the next round tries again. A round then lists the GIs of every
+MIG-enabled GPU into the advice's layout view (``views.refresh_layout``) when ``interval_s`` has passed
+on ``clock`` since the last listing, so ``RankPlacements`` sees a GI created or destroyed outside the
+sidecar within one interval; the rounds an Allocate or a Release kicks in between make no listing
+(they would take every GPU lock beside the request path). With an idle policy configured, each
 round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
 repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
 Each round of the thread is registered with ``liveness`` while it runs: a round stuck past the
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -49,10 +53,14 @@ class Reconciler:
         interval_s: float = 10.0,
         idle: IdleTrimmer | None = None,
         liveness: Liveness | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.lifecycle = lifecycle
         self.interval_s = interval_s
         self.idle = idle
+        self.clock = clock
+        self._listed_at: float | None = None  # when ``refresh_layout`` last ran, on ``clock``
         self.liveness = liveness if liveness is not None else Liveness(float("inf"))
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -80,11 +88,7 @@ class Reconciler:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
         cdi_removed = self.lifecycle.cdi.retry_removals()
-        try:
-            refreshed = self.lifecycle.refresh_layout()
-        except SidecarError as exc:
-            _log.warning("layout view not refreshed this round: %s", exc)
-            refreshed = []
+        refreshed = self._refresh_layout()
         trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
         return ReconcileReport(
             destroyed=tuple(destroyed),
@@ -93,6 +97,18 @@ class Reconciler:
             trimmed=tuple(trimmed),
             layout_refreshed=tuple(refreshed),
         )
+
+    def _refresh_layout(self) -> list[str]:
+        """The layout listing, once per ``interval_s`` on ``clock``; the GPUs listed ([] when not due)."""
+        now = self.clock()
+        if self._listed_at is not None and 0 <= now - self._listed_at < self.interval_s:
+            return []
+        self._listed_at = now
+        try:
+            return self.lifecycle.refresh_layout()
+        except SidecarError as exc:
+            _log.warning("layout view not refreshed this round: %s", exc)
+            return []
 
     def kick(self) -> None:
         """Run the next round now rather than at the end of the interval (after a release or an

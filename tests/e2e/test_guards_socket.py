@@ -115,17 +115,25 @@ def inproc() -> Iterator[InProcessSidecar]:
 def test_advice_sees_an_out_of_band_create_and_destroy_within_one_reconciler_round(
     inproc: InProcessSidecar,
 ) -> None:
+    """The reconciler's clock is the test's: one interval passes when the test says so."""
+    reconciler = inproc.app.reconciler
+    now = [1000.0]
+    reconciler.clock = lambda: now[0]
+    reconciler.run_once()
     gpu = inproc.gpu_uuids()[0]
-    assert rank(inproc, gpu, "1g.10gb")[3].cost == pb.FREE  # the GPU is listed: the view exists
+    assert rank(inproc, gpu, "1g.10gb")[3].cost == pb.FREE
     hw = SimulatedHardware.open(inproc.sim_state)
     made = hw.create_instance(0, "1g.10gb", 3, 1)  # what an operator's nvidia-smi would do
 
-    inproc.app.reconciler.run_once()  # one round
+    assert reconciler.run_once().layout_refreshed == ()  # a kicked round within the interval
+    now[0] += reconciler.interval_s  # one interval later: the round lists every GPU
+    assert set(reconciler.run_once().layout_refreshed) == set(inproc.gpu_uuids())
     after_create = rank(inproc, gpu, "1g.10gb")[3]
     assert (after_create.cost, after_create.blocker) == (pb.BLOCKED, "foreign")
 
     hw.destroy_instance(0, made.id)
-    inproc.app.reconciler.run_once()
+    now[0] += reconciler.interval_s
+    reconciler.run_once()
     assert rank(inproc, gpu, "1g.10gb")[3].cost == pb.FREE
 
 
