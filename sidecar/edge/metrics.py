@@ -29,7 +29,7 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
-from sidecar.lifecycle.views import last_used
+from sidecar.lifecycle.gpu_views import last_used
 from sidecar.model.domain import State
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import (

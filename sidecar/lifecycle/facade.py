@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 
-from sidecar.lifecycle import inventory, migmode, reclaim, release, teardown, undo, views
+from sidecar.lifecycle import gpu_views, inventory, migmode, reclaim, release, teardown, undo
 from sidecar.lifecycle.allocate import Allocator
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.inventory import GpuSnapshot, StateSnapshot
@@ -64,7 +64,7 @@ class Lifecycle:
         return self.ctx.table.get(name)
 
     def rank_placements(self, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
-        return views.rank(self.ctx, gpu_uuid, profile)
+        return gpu_views.rank(self.ctx, gpu_uuid, profile)
 
     def snapshot(self) -> StateSnapshot:
         c = self.ctx

@@ -82,14 +82,14 @@ class TestAReactivationWaitsForAnAllocateOfItsKey:
         listed = active_of("pod-a", old)  # a pod list still naming the old instance
         # The Allocate pauses where it judges the placement, past its key check, holding the key.
         judging, resume = threading.Event(), threading.Event()
-        room_for = world.lifecycle.allocator.room_for
+        clearance_for = world.lifecycle.allocator.clearance_for
 
-        def paused_room_for(v: Any) -> Any:
+        def paused_clearance_for(v: Any) -> Any:
             judging.set()
             assert resume.wait(60), "the test never resumed the Allocate"
-            return room_for(v)
+            return clearance_for(v)
 
-        monkeypatch.setattr(world.lifecycle.allocator, "room_for", paused_room_for)
+        monkeypatch.setattr(world.lifecycle.allocator, "clearance_for", paused_clearance_for)
         claim_waits = threading.Event()
         keys = world.lifecycle.locks.keys
         wait = keys.wait

@@ -8,9 +8,9 @@ import pytest
 from lifecycle_world import Dev, World, gis
 
 from sidecar.edge.metrics import Metrics
+from sidecar.lifecycle.gpu_views import last_used
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.reconciler import Reconciler
-from sidecar.lifecycle.views import last_used
 from sidecar.model import errors
 from sidecar.model.domain import Identity, State
 from sidecar.model.idle_policy import IdleSettings
