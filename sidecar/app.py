@@ -42,6 +42,7 @@ from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
 from sidecar.edge.metrics import MeteredPort, Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.logs import event
@@ -205,21 +206,12 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     metrics = Metrics()
     port = MeteredPort(backend.port, metrics)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
-    lifecycle = Lifecycle(port, records, cdi, boot_id)
-    recovery = Recovery(
-        lifecycle,
-        port,
-        records,
-        cdi,
-        boot_id,
-        adopt_existing=config.adopt_existing,
-        hami_takeover=config.hami_takeover,
-    )
+    ctx = Context(port, records, cdi, boot_id)  # the one context, given once to each of its users
+    lifecycle = Lifecycle(ctx)
+    recovery = Recovery(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None
     if config.idle.enabled:
-        idle = IdleTrimmer(
-            lifecycle.ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc()
-        )
+        idle = IdleTrimmer(ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc())
     reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle)
     metrics.watch(lifecycle.instances, cdi.pending_removals)
     info = ServerInfo(

@@ -39,9 +39,8 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 import sidecar
 from sidecar.edge import decode, encode
 from sidecar.edge.metrics import Metrics
-from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.logs import event
-from sidecar.lifecycle.recover import Recovery
 from sidecar.model import domain
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 
@@ -129,8 +128,8 @@ class MigSidecarServicer:
 
     def __init__(
         self,
-        lifecycle: Lifecycle,
-        recovery: Recovery,
+        lifecycle: Service,
+        recovery: Recover,
         info: ServerInfo,
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,
@@ -236,7 +235,7 @@ class MigSidecarServicer:
     def ListGpus(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             with nvml_errors("listing GPUs failed"):
-                gpus = self.lifecycle.port.gpus()
+                gpus = self.lifecycle.gpus()
             return pb.ListGpusResponse(
                 gpus=[encode.encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
             )

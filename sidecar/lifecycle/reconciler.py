@@ -4,7 +4,7 @@ Retries the destruction of ERROR instances that no active allocation references 
 reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
 gone) and retries queued CDI removals.
 
-Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
+Each attempt runs under the GPU lock of its instance through ``Maintenance.retry_error``, so it never
 races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
 (before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
 live pod: it is left alone then, because destroying a device under a
@@ -21,8 +21,8 @@ import threading
 
 import msgspec
 
-from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.interfaces import Maintenance
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
 
@@ -38,7 +38,7 @@ class ReconcileReport(msgspec.Struct, frozen=True):
 
 class Reconciler:
     def __init__(
-        self, lifecycle: Lifecycle, interval_s: float = 10.0, idle: IdleTrimmer | None = None
+        self, lifecycle: Maintenance, interval_s: float = 10.0, idle: IdleTrimmer | None = None
     ) -> None:
         self.lifecycle = lifecycle
         self.interval_s = interval_s
@@ -68,7 +68,7 @@ class Reconciler:
             if ref is not None:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
-        cdi_removed = self.lifecycle.cdi.retry_removals()
+        cdi_removed = self.lifecycle.retry_cdi_removals()
         trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
         return ReconcileReport(
             destroyed=tuple(destroyed),

@@ -11,7 +11,7 @@ picture was read and verified.
   ``plan``: runs them in order. All of these are pure (a test imports them in a fresh interpreter).
 - ``apply``: the imperative shell, ``Recovery``: gather (reads everything, modifies nothing),
   apply (records first; a failing step puts its instance in ERROR, or leaves it foreign when it
-  turns out not to be ours), then ``Lifecycle.install``.
+  turns out not to be ours), then ``Context.install``.
 
 This package imports nothing on its own: ``from sidecar.lifecycle.recover import Recovery``.
 
