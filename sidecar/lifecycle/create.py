@@ -20,7 +20,7 @@ from sidecar.model import placement
 from sidecar.model.decision import Busy
 from sidecar.model.domain import MIG_UUID_RE, Identity, State
 from sidecar.model.errors import NvmlFailure, SidecarError, UnverifiableState, nvml_errors
-from sidecar.model.ownership import Origin, OwnershipRecord
+from sidecar.model.ownership import Origin, OwnershipRecord, live_record
 from sidecar.model.states import enter, now_rfc3339
 from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError, Placement
 
@@ -70,8 +70,8 @@ def create_instance(ctx: Context, v: Validated, *, listed: bool = True) -> Owner
         # Known in memory only: ACTIVE records it. A crash before that leaves the GI record with
         # ``ci_create_issued``, which tells recovery that the one CI in that GI is ours (as for a crash
         # right after the CI create), so this write would buy nothing but a third of a create's fsyncs.
-        known = msgspec.structs.replace(
-            known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid, ci_create_issued=False
+        known = live_record(
+            res.profile, gi, ci, state=State.CREATING, owner=v.owner, boot_id=ctx.boot_id, since=rec.since
         )
         if not MIG_UUID_RE.match(ci.mig_uuid):
             # R450/R460 drivers answer MIG-GPU-<uuid>/<gi>/<ci>: built from reused IDs, it cannot

@@ -44,7 +44,7 @@ from sidecar.model.hami_files import (
     decode_record,
     hami_record_hint,
 )
-from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.ownership import OwnershipRecord, live_record
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
 
 TAKEN_OVER_FROM = "hami"  # ``OwnershipRecord.taken_over_from`` of a converted record
@@ -166,8 +166,8 @@ class _Found(msgspec.Struct, frozen=True):
     file: HamiRecordFile
     record: HamiRecord
     gi: tuple[str, int]
-    gi_profile_id: int
-    ci_profile_id: int
+    live: GpuInstanceInfo
+    ci: ComputeInstanceInfo
 
 
 def pointed_at(gpus: Sequence[LiveGpuView], hint: RecordHint) -> list[tuple[str, int]]:
@@ -270,9 +270,7 @@ class _Planner:
         if where in self.inputs.claimed:
             self.keep(file.filename, "its GPU instance is held aside by the sidecar's own record", ())
             return None
-        profile = _profile(gpu, gi.info.profile_id)
-        assert profile is not None  # _mismatch checked it
-        return _Found(file, record, where, gi.info.profile_id, profile.ci_profile_id)
+        return _Found(file, record, where, gi.info, gi.compute_instances[0])  # _mismatch checked it
 
     def convert(self, found: _Found) -> OwnershipRecord:
         record, inputs = found.record, self.inputs
@@ -285,16 +283,11 @@ class _Planner:
             ),
             None,
         )
-        return OwnershipRecord(
-            gpu_uuid=record.parent_gpu_uuid,
-            profile=record.profile,
-            gi_profile_id=found.gi_profile_id,
-            ci_profile_id=found.ci_profile_id,
-            placement=record.where,
+        return live_record(
+            record.profile,
+            found.live,
+            found.ci,
             state=State.ACTIVE if holder is not None else State.IDLE,
-            gpu_instance_id=record.gpu_instance_id,
-            compute_instance_id=record.compute_instance_id,
-            mig_uuid=record.mig_uuid,
             owner=holder.owner if holder is not None else None,
             activated_generation=inputs.generation if holder is not None else 0,
             idled_generation=0 if holder is not None else inputs.generation,
