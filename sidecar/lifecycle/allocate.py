@@ -1,4 +1,4 @@
-"""Allocate: all or nothing across the devices of a request (architecture section 5).
+"""Allocate: all or nothing across the devices of a request (``docs/architecture.md``, "Layers").
 
 The transaction gathers (what each key holds, the IDLE instance at each reservation, the live
 layout), asks the pure ``decision.decide`` what each device does, and applies it. A failure

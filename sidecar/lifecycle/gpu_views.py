@@ -24,7 +24,7 @@ from sidecar.store.left_for_operator import records_for_the_operator
 
 
 def pending_reservations(ctx: Context) -> frozenset[Reservation]:
-    """The scheduler's pending reservations (architecture 4.1, ``sidecar.model.pending``): they protect an
+    """The scheduler's pending reservations (``sidecar.model.pending``): they protect an
     IDLE instance from the idle policy and keep advice off their placements."""
     return frozenset(p.reservation for p in ctx.pending.current)
 

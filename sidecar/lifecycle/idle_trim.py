@@ -1,4 +1,4 @@
-"""The idle policy applied: the reconciler's background trim of IDLE instances (issue: idle policy).
+"""The idle policy applied: the reconciler's background trim of IDLE instances.
 
 ``idle_policy.trim`` decides over plain values; this module gathers them (``gpu_views.gpu_view``) and
 applies the answer through the recorded teardown (IDLE -> DELETING -> CI and GI destroyed -> CDI spec
@@ -9,13 +9,7 @@ meanwhile, or a process found running on it (one NVML call per victim) each spar
 CREATING/DELETING and foreign instances are never candidates (``idle_policy.trimmable``), so the lock
 is held for one destroy at most and an Allocate on that GPU waits for that one only.
 
-With a free reserve the decision needs every MIG-enabled GPU and its foreign GIs. The reconciler runs
-a round after every Allocate and Release, so those are listed at most every ``relist_s`` seconds, not
-on every round: a round that trims nothing then costs no NVML call and takes no GPU lock. The GPU of a
-chosen victim is listed again under its lock before the destroy, so no trim acts on a stale foreign view.
-
-``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
-move time instead of sleeping.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.idle_trim``.
 """
 
 from __future__ import annotations

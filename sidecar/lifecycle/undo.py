@@ -1,4 +1,4 @@
-"""UndoAllocate: the plugin's rollback of an Allocate that succeeded (architecture 4.1).
+"""UndoAllocate: the plugin's rollback of an Allocate that succeeded.
 
 HAMi's plugin rolls back an Allocate whose later step failed (the runtime-identity annotation patch,
 the answer to kubelet). The instances that Allocate created are destroyed, through the recorded

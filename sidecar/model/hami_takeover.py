@@ -7,24 +7,7 @@ each of HAMi's files; recovery applies the decision.
 
 Per HAMi record file, one outcome (never two, so no file is both kept and converted):
 
-- **convert**: it decodes, and the live GI at exactly its placement on its parent GPU matches it in
-  everything the sidecar checks of its own records (profile name, GI ID, exactly one CI, the
-  full-size CI profile, CI ID, MIG UUID). It becomes a sidecar record - ``ACTIVE`` with the
-  allocation as owner when the pod list names that runtime identity, ``IDLE`` otherwise - and
-  HAMi's file is removed only after that record is durable.
-- **finish**: as convert, but the sidecar already holds a record of that very instance (same MIG
-  UUID): a crash came between writing ours and removing HAMi's, or the pod list's adoption made it.
-  Only HAMi's file is removed.
-- **keep**: anything else - it does not decode, has another version, is misnamed, its GPU is not
-  visible, or the live hardware contradicts it. The file stays untouched and is named in
-  ``errors``; the instance it points at (when one can be found) stays foreign: never reused, never
-  adopted, never destroyed. Two HAMi files pointing at one instance are both kept.
-
-HAMi's CDI specs: a running container re-resolves its CDI names when kubelet restarts it, so the spec
-of an instance that is ``ACTIVE`` stays until that instance is destroyed (teardown removes it then).
-So does the spec of any live instance the sidecar does not own. Specs of ``IDLE`` owned instances
-(reuse hands out the sidecar's own spec) and strays (no live instance) are removed - but only once
-the takeover is complete: no HAMi record file is kept, so nothing of HAMi's is left to judge.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.hami_takeover``.
 """
 
 from __future__ import annotations
