@@ -1,4 +1,4 @@
-"""ReclaimIdle, and the reclaim that SetMigMode(enabled=false, reclaim_idle=true) runs first.
+"""ReclaimIdle: destroy IDLE owned instances of a GPU on request.
 
 Only IDLE owned instances are ever destroyed here, through the recorded destroy of ``teardown``
 (DELETING recorded -> CI, GI destroyed -> CDI spec removed -> record deleted). Every refusal is
@@ -16,24 +16,12 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
-from sidecar.lifecycle.release import raise_first
-from sidecar.lifecycle.teardown import destroy
+from sidecar.lifecycle.steps import destroy_all, require_no_processes
 from sidecar.model.domain import MIG_UUID_RE, InstanceRef, State
-from sidecar.model.errors import (
-    InstanceInUse,
-    InvalidRequest,
-    NotIdle,
-    PlacementBusy,
-    Reserved,
-    SidecarError,
-    UnknownInstance,
-    nvml_errors,
-)
+from sidecar.model.errors import InvalidRequest, NotIdle, Reserved, UnknownInstance
 from sidecar.model.ownership import OwnershipRecord, instance_ref
 from sidecar.model.pending import Guards
-from sidecar.model.placement import FOREIGN, Blocker, foreign_instances
 
 
 class Reclaimed(msgspec.Struct, frozen=True):
@@ -62,7 +50,7 @@ def reclaim_idle(
     with ctx.locks.gpu(gpu_uuid):
         guards = ctx.pending.guards(ctx.table.referenced, force=force)
         chosen, kept = choose(ctx, gpu_uuid, mig_uuids, guards)
-        reclaimed = destroy_all(ctx, chosen)
+        reclaimed = destroy_all(ctx, chosen, "after-reclaim-idle-one")
     return Reclaimed(tuple(reclaimed), tuple(instance_ref(r) for r in kept))
 
 
@@ -104,105 +92,3 @@ def choose(
     for record in chosen:
         require_no_processes(ctx, record)
     return chosen, kept
-
-
-def refuse_reserved(gpu_uuid: str, guards: Guards) -> None:
-    """Reserved while a pending reservation (of anyone ``guards`` guards against) is on the GPU: a
-    MIG disable would pull the GPU from under the pod the scheduler placed there."""
-    reserved = guards.on_gpu(gpu_uuid)
-    if reserved:
-        first = reserved[0]
-        why = f"pending reservation of {first.key or 'the scheduler'}"
-        raise Reserved(
-            f"cannot disable MIG on {gpu_uuid}: {why} at {first.reservation.profile}@"
-            f"{first.reservation.placement} ({len(reserved)} on this GPU); nothing was destroyed"
-            " (force overrides)",
-            {
-                "gpu_uuid": gpu_uuid,
-                "guarded_by": why,
-                "placement": str(first.reservation.placement),
-                "profile": first.reservation.profile,
-                "reservations": str(len(reserved)),
-            },
-        )
-
-
-def destroy_each(
-    ctx: Context, chosen: Sequence[OwnershipRecord], point: str, failures: list[SidecarError]
-) -> list[InstanceRef]:
-    """Destroy ``chosen`` one by one, crash point ``point`` after each; a failure (ERROR) is added to
-    ``failures`` and does not stop the others. Returns what was destroyed."""
-    destroyed: list[InstanceRef] = []
-    for record in chosen:
-        try:
-            destroyed.append(destroy(ctx, record, mark_deleting=True))
-        except SidecarError as exc:
-            failures.append(exc)
-        crashpoints.crashpoint(point)
-    return destroyed
-
-
-def destroy_all(ctx: Context, chosen: Sequence[OwnershipRecord]) -> list[InstanceRef]:
-    """Destroy chosen IDLE instances one by one; a failure (ERROR) does not stop the others."""
-    failures: list[SidecarError] = []
-    reclaimed = destroy_each(ctx, chosen, "after-reclaim-idle-one", failures)
-    raise_first(failures)
-    return reclaimed
-
-
-def reclaim_for_disable(ctx: Context, gpu_uuid: str) -> list[InstanceRef]:
-    """Destroy every IDLE instance of a GPU whose MIG mode is about to be disabled. GPU lock held.
-
-    Refuses first, destroying nothing, while anything that must outlive it is there: an owned
-    instance in any other state or a foreign GI (PlacementBusy, the blocker in the metadata as for
-    an Allocate), or a process anywhere on the GPU (InstanceInUse: MIG could not be disabled anyway)."""
-    owned = sorted(ctx.table.on_gpu(gpu_uuid), key=lambda r: (r.placement.start, r.placement.size))
-    kept = [r for r in owned if r.state is not State.IDLE]
-    if kept:
-        first = kept[0]
-        blocker = Blocker(first.state.value, first.placement, first.gpu_instance_id, first)
-        raise PlacementBusy(
-            f"cannot disable MIG on {gpu_uuid}: {blocker.describe()} is not IDLE"
-            f" ({len(kept)} owned instances are not); nothing was destroyed",
-            {**blocker.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(kept))},
-        )
-    with nvml_errors(f"read MIG mode of {gpu_uuid}"):
-        mig_on = ctx.port.gpu(gpu_uuid).mig_current
-    if mig_on:
-        with nvml_errors(f"list GPU instances of {gpu_uuid}"):
-            foreign = foreign_instances(ctx.port.gpu_instances(gpu_uuid), owned)
-        if foreign:
-            gi = foreign[0]
-            blocker = Blocker(FOREIGN, gi.placement, gi.id)
-            raise PlacementBusy(
-                f"cannot disable MIG on {gpu_uuid}: {blocker.describe()} is not owned by this sidecar;"
-                " nothing was destroyed",
-                {**blocker.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(foreign))},
-            )
-    with nvml_errors(f"count processes on {gpu_uuid}"):
-        running = ctx.port.gpu_processes(gpu_uuid)
-    if running:
-        raise InstanceInUse(
-            f"cannot disable MIG on {gpu_uuid}: {running} processes run on it; nothing was destroyed",
-            {"gpu_uuid": gpu_uuid, "processes": str(running)},
-        )
-    reclaimed = destroy_all(ctx, owned)
-    crashpoints.crashpoint("after-reclaim-for-disable")
-    return reclaimed
-
-
-def require_no_processes(ctx: Context, record: OwnershipRecord) -> None:
-    """InstanceInUse while a process runs on an instance; an NVML error refuses too (NvmlFailure).
-
-    Before a destroy and before an idle instance is handed to a new pod (one in its grace period
-    still runs there: two pods would share a device). Nothing changes; the caller retries later."""
-    if record.mig_uuid is None:
-        return
-    with nvml_errors(f"count processes on {record.mig_uuid}"):
-        running = ctx.port.mig_device_processes(record.mig_uuid)
-    if running > 0:
-        raise InstanceInUse(
-            f"instance {record.mig_uuid} at {record.placement} still runs {running} processes;"
-            " nothing was destroyed",
-            {"mig_uuid": record.mig_uuid, "processes": str(running), "gpu_uuid": record.gpu_uuid},
-        )

@@ -6,8 +6,7 @@ reservation, the placement plan of the live layout) and applies what ``decide`` 
 - a key holds one instance: holding another reservation is a KEY_CONFLICT (``Conflict``);
 - a complete ACTIVE instance the key holds is answered as it is (``AlreadyHeld``);
 - an IDLE instance at exactly the reservation is reused (``Reuse``), unless a guard keeps it for
-  another key (``pending.Guards``: that key's pending reservation is at exactly its spot): it is a
-  blocker then (``Busy``), checked before anything else is judged;
+  another key's pending reservation (``pending.Guards``): then it is a blocker (``Busy``);
 - otherwise the instance is created, reclaiming only IDLE instances in the way (``Create``), or,
   when anything else is in the way, nothing changes (``Busy``, see ``placement.plan_placement``);
 - an ERROR instance in the way (at exactly the reservation or overlapping it) is the reconciler's

@@ -3,36 +3,7 @@
 It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``sim.SimulatedLibrary``. What it
 takes care of, so that the domain never has to:
 
-* profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is
-  addressed by the ID the profile info returns;
-* caller-allocated arrays: possible placements are fetched with a count query (NULL array) and then a
-  sized array; GI/CI lists use arrays sized by the profile's ``instanceCount``;
-* placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
-  argument through untouched;
-* ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
-* the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
-* handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
-  handles are cached by UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup
-  can take seconds on a loaded node).
-
-What is cached, and why that is safe (every NVML call is a driver round trip on the Allocate path of
-kubelet, and ``sim stats`` counts them): only facts that cannot change while the driver that answered
-them stays loaded and the device stays bound, which is also the lifetime of the cached GPU handles
-they are read through. A MIG mode change may rebind the device (nvml.h: minor number and handle may
-change), so ``set_mig_mode`` drops everything cached about that GPU.
-
-* per GPU: index, minor number, name, total memory — properties of the physical device;
-* per GPU: the GI profile table (ID and instance count of every profile index) — fixed for a GPU model
-  and driver, and independent of occupancy. An empty table is never cached (Ampere answers
-  NOT_SUPPORTED for every index while MIG is disabled), and GIs are never listed from one;
-* per GPU and GI profile: the CI profile table (ID and instance count of every CI profile index) —
-  fixed the same way, and likewise never cached or listed from when empty.
-
-Everything that describes the *layout* is read live on every call: MIG mode (current and pending),
-the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
-or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
-
-Errors are mapped and transient ones retried in ``calls`` (``mapped``, ``Caller``).
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.pynvml_backend``.
 """
 
 from __future__ import annotations

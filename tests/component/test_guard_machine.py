@@ -57,7 +57,7 @@ class GuardMachine(RuleBasedStateMachine):
 
     # -- what the guards keep, before a step ------------------------------------------------------------
     def kept(self) -> list[Kept]:
-        ctx = self.world.lifecycle.ctx
+        ctx = self.world.ctx
         out: list[Kept] = []
         for p in ctx.pending.current:
             res = p.reservation
@@ -82,7 +82,7 @@ class GuardMachine(RuleBasedStateMachine):
     def no_reserved_instance_is_stolen_or_destroyed(self) -> None:
         if self.forced:
             return
-        table = self.world.lifecycle.ctx.table
+        table = self.world.ctx.table
         live = self.world.live_mig_uuids()
         for key, mig, name, _ in self.before:
             rec = table.get(name)
@@ -117,7 +117,7 @@ class GuardMachine(RuleBasedStateMachine):
     @rule(data=st.data(), pod=st.sampled_from(PODS), exact=st.booleans())
     def intrude(self, data: st.DataObject, pod: str, exact: bool) -> None:
         """Another pod asks for a reserved instance's spot, or for one overlapping it."""
-        reserved = sorted(p.reservation.placement.start for p in self.world.lifecycle.ctx.pending.current)
+        reserved = sorted(p.reservation.placement.start for p in self.world.ctx.pending.current)
         if not reserved:
             return
         start = data.draw(st.sampled_from(reserved))
@@ -219,7 +219,7 @@ class GuardMachine(RuleBasedStateMachine):
     def idle_policy_and_reconciler(self) -> None:
         """The most eager policy there is (every IDLE instance is past its TTL and over the cap)."""
         self.step()
-        ctx = self.world.lifecycle.ctx
+        ctx = self.world.ctx
         trimmer = IdleTrimmer(ctx, IdleSettings(ttl_s=0.0, max_idle_per_gpu=0), clock=lambda: 4e9)
         Reconciler(self.world.lifecycle, idle=trimmer).run_once()
 
@@ -234,7 +234,7 @@ class GuardMachine(RuleBasedStateMachine):
             return
         record = data.draw(st.sampled_from(idle))
         self.step()
-        self.world.lifecycle.ctx.table.fail(record, "a destroy failed (test)")
+        self.world.ctx.table.fail(record, "a destroy failed (test)")
 
 
 GuardMachine.TestCase.settings = settings(
