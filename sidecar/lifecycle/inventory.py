@@ -6,8 +6,8 @@ created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. The r
 as last seen, which costs them no NVML call. It is kept current three ways: every GI listing the
 lifecycle makes anyway (an Allocate's, a destroy's, GetState's, a refused create's) replaces it
 (``ListingTap``), the sidecar's own GI creates and destroys edit it, and the reconciler lists every
-MIG-enabled GPU each round (``views.refresh_layout``). So advice lags a change made outside the
-sidecar by one reconciler round at most, and not at all once any call has listed that GPU. Which
+MIG-enabled GPU once per interval (``gpu_views.refresh_layout``). So advice lags a change outside the
+sidecar by one reconciler interval at most, and not at all once any call has listed that GPU. Which
 of the listed GIs are foreign is judged when the view is read, against the records then
 (``foreign_view``), so a listing taken before a record changed never makes an owned GI foreign.
 """
