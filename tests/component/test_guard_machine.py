@@ -59,7 +59,7 @@ class GuardMachine(RuleBasedStateMachine):
     def kept(self) -> list[Kept]:
         ctx = self.world.ctx
         out: list[Kept] = []
-        for p in ctx.pending.current:
+        for p in sorted(ctx.pending.current, key=lambda p: (str(p.key), str(p.reservation))):
             res = p.reservation
             rec = ctx.table.get(record_name(res.gpu_uuid, res.placement))
             if (
@@ -190,11 +190,14 @@ class GuardMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), force=st.booleans())
     def reclaim_named(self, data: st.DataObject, force: bool) -> None:
-        reserved = sorted(mig for _, mig, _, _ in self.kept())
-        owned = reserved or sorted(r.mig_uuid for r in self.world.lifecycle.instances() if r.mig_uuid)
-        if not owned:
+        # Drawn by record name (placement-derived): MIG UUIDs are fresh on every run, and a draw must
+        # not depend on them (hypothesis replays the same choices).
+        by_name = {r.name: r.mig_uuid for r in self.world.lifecycle.instances() if r.mig_uuid}
+        reserved = sorted(name for _, _, name, _ in self.kept() if name in by_name)
+        names = reserved or sorted(by_name)
+        if not names:
             return
-        mig = data.draw(st.sampled_from(owned))
+        mig = by_name[data.draw(st.sampled_from(names))]
         self.step(forced=force)
         with contextlib.suppress(SidecarError):
             self.world.lifecycle.reclaim_idle(self.world.uuid(0), [mig], force=force)
@@ -208,6 +211,17 @@ class GuardMachine(RuleBasedStateMachine):
         self.step(forced=force)
         with contextlib.suppress(SidecarError):
             self.world.lifecycle.set_mig_mode(self.world.uuid(0), False, reclaim_idle=reclaim, force=force)
+
+    @rule(data=st.data(), reclaim=st.booleans())
+    def disable_under_a_reservation(self, data: st.DataObject, reclaim: bool) -> None:
+        """The operator's disable while the scheduler has placed a pod on an IDLE instance."""
+        self.reserve_an_idle_instance(data, "r1")
+        for r in self.world.lifecycle.instances():
+            if r.owner is not None:
+                self.world.lifecycle.release(r.owner.pod.uid)
+        self.step()
+        with contextlib.suppress(SidecarError):
+            self.world.lifecycle.set_mig_mode(self.world.uuid(0), False, reclaim_idle=reclaim)
 
     @rule()
     def enable(self) -> None:
