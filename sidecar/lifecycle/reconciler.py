@@ -9,6 +9,7 @@ The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.reconcil
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -50,7 +51,10 @@ class Reconciler:
         self._listed_at: float | None = None  # when ``refresh_layout`` last ran, on ``clock``
         self.liveness = liveness if liveness is not None else Liveness(float("inf"))
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        # Kicks are counted, not flagged: one that comes while the loop wakes for another (between
+        # the wait and the next round) still gets a round of its own.
+        self._wake = threading.Condition()
+        self._kicks = 0
         self._thread: threading.Thread | None = None
 
     def run_once(self) -> ReconcileReport:
@@ -101,28 +105,36 @@ class Reconciler:
         """Run the next round now rather than at the end of the interval (after a release or an
         allocation, the idle policy may have work: the free reserve is restored off the next
         request's path)."""
-        self._wake.set()
+        with self._wake:
+            self._kicks += 1
+            self._wake.notify()
 
     def start(self) -> None:
         """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        with self._wake:
+            seen = self._kicks  # a kick from here on gets its round, however soon the thread runs
+        self._thread = threading.Thread(target=self._loop, args=(seen,), name="reconciler", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Ask the loop to end and wait for it; prompt because the loop sleeps on an Event."""
+        """Ask the loop to end and wait for it; prompt because the loop sleeps on a condition."""
         self._stop.set()
-        self._wake.set()
+        self.kick()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
 
-    def _loop(self) -> None:
+    def _kicked_since(self, seen: int) -> bool:
+        return self._kicks != seen
+
+    def _loop(self, seen: int) -> None:
         while True:
-            self._wake.wait(self.interval_s)
-            self._wake.clear()
+            with self._wake:
+                self._wake.wait_for(functools.partial(self._kicked_since, seen), self.interval_s)
+                seen = self._kicks
             if self._stop.is_set():
                 return
             try:
