@@ -215,6 +215,8 @@ GO_E2E_TESTS = [
     "TestAnErrorInstanceOverlappingThePlacementIsRetriedInsideEnsureAllocation",
     "TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt",
     "TestTheRegisterHelperPublishesAnIdleInstanceFirstAndItsReclaimLast",
+    "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
+    "TestTheLazyAdapterAnswersThePR3128MethodSet",
 ]
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.

@@ -44,6 +44,7 @@ from sidecar.edge.metrics import MeteredPort, Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.lifecycle.recover import Recovery
@@ -203,7 +204,8 @@ class Application:
 def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: str) -> Application:
     """Wire everything from an open backend and a locked record store. No socket is touched here."""
     metrics = Metrics()
-    port = MeteredPort(backend.port, metrics)
+    liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
+    port = MeteredPort(backend.port, metrics, liveness)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
     lifecycle = Lifecycle(port, records, cdi, boot_id)
     recovery = Recovery(
@@ -220,8 +222,11 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         idle = IdleTrimmer(
             lifecycle.ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc()
         )
-    reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle)
-    metrics.watch(lifecycle.instances, cdi.pending_removals)
+    reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle, liveness=liveness)
+    metrics.watch(
+        lifecycle.instances, cdi.pending_removals, recovered=lambda: lifecycle.recovered, liveness=liveness
+    )
+    metrics.idle_ttl.set(config.idle.ttl_s or 0)
     info = ServerInfo(
         backend=backend.kind,
         boot_id=boot_id,
@@ -230,7 +235,7 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         started_at=dt.datetime.now(dt.UTC),
     )
     servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
-    server = SidecarServer(servicer)
+    server = SidecarServer(servicer, liveness=liveness)
     app = Application(
         config=config,
         backend=backend,

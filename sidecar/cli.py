@@ -7,6 +7,8 @@ Subcommands:
   foreign instances as a table, or the responses as JSON for machines;
 * ``reclaim --gpu N [--mig-uuid U ...]`` — ask a running sidecar to destroy IDLE instances of a GPU
   (ReclaimIdle): the named ones, or every IDLE one; exits 1 on a refusal, naming its reason;
+* ``call METHOD [JSON]`` — send one request of the contract as JSON, print the response as JSON;
+  ``health [--service NAME]`` — exit 0 only when the health service answers SERVING (``sidecar.edge.call``);
 * ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
   and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
   maintenance script;
@@ -167,7 +169,7 @@ def format_status(info: Any, state: Any) -> str:
     return "\n".join(out) + "\n"
 
 
-def _socket_trouble(socket: Path) -> str:
+def socket_trouble(socket: Path) -> str:
     """Why nothing can be asked on ``socket``, as one line; "" when something answers there."""
     from sidecar.edge.unixsocket import Probe, probe  # noqa: PLC0415
 
@@ -192,7 +194,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     # gRPC takes only an absolute path after unix://; a relative one is resolved here, as a shell would.
     socket = Path(args.socket).absolute()
-    trouble = _socket_trouble(socket)
+    trouble = socket_trouble(socket)
     if trouble:
         print(f"hami-mig-sidecar status: {trouble}", file=sys.stderr)
         return EXIT_FAILED
@@ -315,6 +317,7 @@ def _cmd_records_verify(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from sidecar import config  # noqa: PLC0415
+    from sidecar.edge import call  # noqa: PLC0415
     from sidecar.nvml.sim import cli as simcli  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
@@ -379,6 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="per-call deadline (destroys on real hardware take a while)",
     )
     reclaim.set_defaults(func=_cmd_reclaim)
+
+    call.register(
+        commands,
+        {
+            "default": _env_default("--socket", str(config.DEFAULT_SOCKET)),
+            "metavar": "PATH",
+            "help": f"the sidecar's socket [env {config.env_name('--socket')}; "
+            f"default: {config.DEFAULT_SOCKET}]",
+        },
+        socket_trouble,
+    )
 
     records_parser = commands.add_parser("records", help="inspect ownership records offline")
     records_commands = records_parser.add_subparsers(dest="records_command", metavar="ACTION", required=True)

@@ -36,6 +36,7 @@ DEFAULT_STATE_DIR = Path("/var/run/hami/dynamic-mig-state")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
 MAX_SOCKET_PATH_BYTES = 107
@@ -202,6 +203,14 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         default=str(DEFAULT_SHUTDOWN_GRACE_S),
         metavar="SECONDS",
     ),
+    FlagSpec(
+        "--stuck-threshold",
+        "stuck_threshold",
+        "Seconds an NVML call or a reconciler round may run before the health service answers "
+        "NOT_SERVING (the liveness probe then restarts the container; a restart is crash-safe).",
+        default=str(DEFAULT_STUCK_THRESHOLD_S),
+        metavar="SECONDS",
+    ),
 )
 
 
@@ -234,6 +243,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "INFO"
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    stuck_threshold_s: float = DEFAULT_STUCK_THRESHOLD_S
     idle: IdleSettings = IdleSettings()
 
     @property
@@ -436,5 +446,6 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         log_level=log_level,
         reconcile_interval_s=_seconds(raw["reconcile_interval"], origin["reconcile_interval"]),
         shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
+        stuck_threshold_s=_seconds(raw["stuck_threshold"], origin["stuck_threshold"]),
         idle=_idle_settings(raw, origin),
     )

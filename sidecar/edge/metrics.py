@@ -10,9 +10,16 @@ Where the numbers come from:
 * creations, destructions and NVML errors by operation and code are counted at the hardware port by
   ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
   every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
-* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses;
+* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses, and so
+  are allocated devices by GPU and outcome, reclaims by GPU and Allocate latency by outcome (what
+  the dashboard in ``deploy/`` shows per GPU);
 * idle instances and the age of the oldest per GPU are read from the table at scrape time, trims of
-  the idle policy are counted by cause as the reconciler makes them.
+  the idle policy are counted by cause as the reconciler makes them;
+* whether a Recover succeeded, and the age of the oldest running NVML call and reconciler round
+  (``sidecar.lifecycle.liveness``) are read at scrape time; the start time and the idle TTL are set once.
+
+Every metric named by ``deploy/prometheus-rules.yaml`` and ``deploy/grafana-dashboard.json`` is
+exported (a test scrapes a running sidecar for each).
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
+from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.views import last_used
-from sidecar.model.domain import State
+from sidecar.model.domain import AllocateResult, Outcome, State
+from sidecar.model.idle_policy import Cause
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import (
     ComputeInstanceInfo,
@@ -110,6 +119,38 @@ class Metrics:
             ["cause"],
             registry=self.registry,
         )
+        for cause in Cause:  # exported at 0 before the first trim, so the dashboard can name it
+            self.idle_trims.labels(cause.value)
+        self.allocations = prometheus_client.Counter(
+            f"{PREFIX}_allocations",
+            "Devices handed out by Allocate, by GPU and outcome (created, reused); retries of an "
+            "allocation already made are not counted.",
+            ["gpu", "outcome"],
+            registry=self.registry,
+        )
+        self.gpu_reclaims = prometheus_client.Counter(
+            f"{PREFIX}_gpu_reclaims",
+            "IDLE instances an Allocate destroyed because they blocked its placement, by GPU.",
+            ["gpu"],
+            registry=self.registry,
+        )
+        self.allocate_latency = prometheus_client.Histogram(
+            f"{PREFIX}_allocate_duration_seconds",
+            "Time to decide an Allocate, by outcome: reused, created, reclaimed (a reclaim was needed), "
+            "already_allocated (a retry), failed.",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.start_time = prometheus_client.Gauge(
+            f"{PREFIX}_start_time_seconds",
+            "When the sidecar started, in seconds since the epoch.",
+            registry=self.registry,
+        )
+        self.start_time.set_to_current_time()
+        self.idle_ttl = prometheus_client.Gauge(
+            f"{PREFIX}_idle_ttl_seconds", "The idle policy's --idle-ttl (0 when off).", registry=self.registry
+        )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -118,10 +159,31 @@ class Metrics:
         instances: Callable[[], Sequence[OwnershipRecord]],
         pending_cdi_removals: Callable[[], Sequence[str]],
         clock: Callable[[], float] = time.time,
+        *,
+        recovered: Callable[[], bool] = lambda: False,
+        liveness: Liveness | None = None,
     ) -> None:
-        """Expose instances by GPU and state, idle ones and their age, and the reconciler backlog,
-        computed at every scrape."""
+        """Expose instances by GPU and state, idle ones and their age, the reconciler backlog, the
+        queued CDI removals, whether a Recover succeeded and how long the oldest running NVML call and
+        reconciler round have run, computed at every scrape."""
         self.registry.register(_StateCollector(instances, pending_cdi_removals, clock))
+        self.registry.register(_HealthCollector(recovered, liveness))
+
+    def count_allocate(self, result: AllocateResult) -> str:
+        """Count an Allocate's devices and reclaims by GPU; returns its outcome label."""
+        for device in result.devices:
+            if device.outcome is not Outcome.ALREADY_ALLOCATED:
+                self.allocations.labels(device.reservation.gpu_uuid, device.outcome.value.lower()).inc()
+        for ref in result.reclaimed:
+            self.gpu_reclaims.labels(ref.reservation.gpu_uuid).inc()
+        outcomes = {device.outcome for device in result.devices}
+        if result.reclaimed:
+            return "reclaimed"
+        if Outcome.CREATED in outcomes:
+            return "created"
+        if outcomes == {Outcome.ALREADY_ALLOCATED}:
+            return "already_allocated"
+        return "reused"
 
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (``/metrics``) on a daemon thread."""
@@ -171,7 +233,8 @@ class _StateCollector:
                 used = last_used(record)
                 age = 0.0 if math.isinf(used) else max(now - used, 0.0)
                 oldest[record.gpu_uuid] = max(oldest.get(record.gpu_uuid, 0.0), age)
-        return [*self._families(counts, errors + len(self._pending())), *self._idle(idle, oldest)]
+        removals = len(self._pending())
+        return [*self._families(counts, errors + removals, removals), *self._idle(idle, oldest)]
 
     @staticmethod
     def _idle(idle: dict[str, int], oldest: dict[str, float]) -> list[Metric]:
@@ -189,7 +252,7 @@ class _StateCollector:
         return [count, age]
 
     @staticmethod
-    def _families(counts: dict[tuple[str, str], int], backlog: int) -> list[Metric]:
+    def _families(counts: dict[tuple[str, str], int], backlog: int, removals: int = 0) -> list[Metric]:
         instances = GaugeMetricFamily(
             f"{PREFIX}_instances", "Owned MIG instances by GPU and lifecycle state.", labels=["gpu", "state"]
         )
@@ -200,19 +263,54 @@ class _StateCollector:
             "Work waiting for the reconciler: ERROR instances plus queued CDI spec removals.",
             value=backlog,
         )
-        return [instances, pending]
+        removals_family = GaugeMetricFamily(
+            f"{PREFIX}_pending_cdi_removals",
+            "CDI spec files queued for removal (their instance is gone; the reconciler retries).",
+            value=removals,
+        )
+        return [instances, pending, removals_family]
+
+
+class _HealthCollector:
+    def __init__(self, recovered: Callable[[], bool], liveness: Liveness | None) -> None:
+        self._recovered = recovered
+        self._liveness = liveness
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterable[Metric]:
+        recovered = GaugeMetricFamily(
+            f"{PREFIX}_recovered",
+            "1 once a Recover has succeeded (Allocate is refused before).",
+            value=1 if self._recovered() else 0,
+        )
+        busy = GaugeMetricFamily(
+            f"{PREFIX}_busy_seconds",
+            "Seconds the oldest running NVML call (part=nvml) or reconciler round (part=reconciler) has "
+            "run; 0 when none runs. Past --stuck-threshold the health service answers NOT_SERVING.",
+            labels=["part"],
+        )
+        ages = self._liveness.oldest() if self._liveness is not None else {}
+        for part in ("nvml", "reconciler"):
+            busy.add_metric([part], ages.get(part, 0.0))
+        return [recovered, busy]
 
 
 class MeteredPort:
     """An ``NvmlPort`` that forwards every call and counts creations, destructions and NVML errors."""
 
-    def __init__(self, inner: NvmlPort, metrics: Metrics) -> None:
+    def __init__(self, inner: NvmlPort, metrics: Metrics, liveness: Liveness | None = None) -> None:
         self.inner = inner
         self.metrics = metrics
+        self.liveness = liveness
 
     def _call(self, operation: str, call: Callable[[], _T]) -> _T:
         try:
-            return call()
+            if self.liveness is None:
+                return call()
+            with self.liveness.running("nvml"):
+                return call()
         except NvmlError as exc:
             self.metrics.nvml_errors.labels(operation, str(exc.code)).inc()
             raise

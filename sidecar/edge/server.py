@@ -12,7 +12,9 @@ traceback and answered INTERNAL.
 
 Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
 process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
-succeeded — and server reflection, so ``grpcurl -unix`` works without the .proto file.
+succeeded; both answer NOT_SERVING while an NVML call or a reconciler round has run longer than the
+stuck threshold (``sidecar.lifecycle.liveness``; evaluated at every Check, which is what the probes call), and
+SERVING again once it returned — and server reflection, so ``grpcurl`` works without the .proto file.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import sidecar
 from sidecar.edge import decode, encode
 from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.recover import Recovery
 from sidecar.model import domain
@@ -283,8 +286,14 @@ class MigSidecarServicer:
 
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
-            decoded = decode.allocate(request)
-            result = self.lifecycle.allocate(decoded)
+            started = time.perf_counter()
+            outcome = "failed"
+            try:
+                decoded = decode.allocate(request)
+                result = self.lifecycle.allocate(decoded)
+                outcome = self.metrics.count_allocate(result)
+            finally:
+                self.metrics.allocate_latency.labels(outcome).observe(time.perf_counter() - started)
             reused = sum(device.outcome is domain.Outcome.REUSED for device in result.devices)
             if reused:
                 self.metrics.reuse_hits.inc(reused)
@@ -413,6 +422,18 @@ def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
     server.add_registered_method_handlers(service.full_name, handlers)  # type: ignore[attr-defined]
 
 
+class _CheckedHealth(health.HealthServicer):
+    """grpc's health servicer, with the statuses brought up to date before each Check answers."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        super().__init__(experimental_non_blocking=True)
+        self._refresh = refresh
+
+    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
+        self._refresh()
+        return super().Check(request, context)
+
+
 class SidecarServer:
     """The gRPC server on one Unix socket: MigSidecar, health and reflection, on a thread pool.
 
@@ -421,9 +442,18 @@ class SidecarServer:
     directory lock while doing it.
     """
 
-    def __init__(self, servicer: MigSidecarServicer, max_workers: int = DEFAULT_WORKERS) -> None:
+    def __init__(
+        self,
+        servicer: MigSidecarServicer,
+        max_workers: int = DEFAULT_WORKERS,
+        liveness: Liveness | None = None,
+    ) -> None:
         self.servicer = servicer
-        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.liveness = liveness
+        self._recovered = False
+        self._stuck: tuple[str, float] | None = None
+        self._health_lock = threading.Lock()
+        self.health = _CheckedHealth(self.refresh_health)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         )
@@ -436,7 +466,26 @@ class SidecarServer:
         self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def mark_recovered(self) -> None:
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self._recovered = True
+        self.refresh_health()
+
+    def refresh_health(self) -> None:
+        """Set both health services from recovery and liveness (logged when liveness changes)."""
+        stuck = self.liveness.stuck() if self.liveness is not None else None
+        with self._health_lock:
+            was, self._stuck = self._stuck, stuck
+            if (was is None) != (stuck is None):
+                if stuck is not None:
+                    part, age = stuck
+                    event(log, logging.ERROR, "stuck: health NOT_SERVING", part=part, seconds=round(age, 1))
+                else:
+                    event(log, logging.INFO, "no longer stuck: health SERVING")
+            serving, not_serving = (
+                health_pb2.HealthCheckResponse.SERVING,
+                health_pb2.HealthCheckResponse.NOT_SERVING,
+            )
+            self.health.set("", not_serving if stuck else serving)
+            self.health.set(SERVICE_NAME, serving if self._recovered and not stuck else not_serving)
 
     def start(self, socket_path: str) -> None:
         """Bind ``unix://socket_path`` and start answering. Raises RuntimeError if the bind fails."""

@@ -12,6 +12,8 @@ running container is worse than keeping a broken one. A destroy that still fails
 ERROR with the new ``last_error``; the next round tries again. With an idle policy configured, each
 round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
 repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
+Each round of the thread is registered with ``liveness`` while it runs: a round stuck past the
+threshold turns the health service NOT_SERVING.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import msgspec
 
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.liveness import Liveness
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
 
@@ -38,11 +41,16 @@ class ReconcileReport(msgspec.Struct, frozen=True):
 
 class Reconciler:
     def __init__(
-        self, lifecycle: Lifecycle, interval_s: float = 10.0, idle: IdleTrimmer | None = None
+        self,
+        lifecycle: Lifecycle,
+        interval_s: float = 10.0,
+        idle: IdleTrimmer | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
         self.lifecycle = lifecycle
         self.interval_s = interval_s
         self.idle = idle
+        self.liveness = liveness if liveness is not None else Liveness(float("inf"))
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,6 +114,7 @@ class Reconciler:
             if self._stop.is_set():
                 return
             try:
-                self.run_once()
+                with self.liveness.running("reconciler"):
+                    self.run_once()
             except Exception:  # noqa: BLE001 - one bad round must not end background retries for good
                 _log.exception("reconciler round failed")

@@ -145,3 +145,34 @@ class TestRecordsVerifyExample:
         result = run_shell(line, in_readme_dir(car, tmp_path))
         assert result.returncode == 0, result.stdout + result.stderr
         assert "1 valid (0 stale), 0 corrupt" in result.stdout
+
+
+class TestWalkThrough:
+    """ "Talking to it" as a reader on a fresh clone does it: the console script only, no grpcurl or jq."""
+
+    def test_every_command_of_the_walk_through_runs_as_written(
+        self, sidecar: Sidecar, tmp_path: Path
+    ) -> None:
+        walk = block_with("hami-mig-sidecar call Allocate")
+        simulator = block_with("hami-mig-sidecar sim $S list")
+        assert "grpcurl" not in walk + simulator
+        assert "jq " not in walk + simulator
+        script = "\n".join(["set -x", walk, simulator])  # one terminal: the export carries over
+        workdir = in_readme_dir(sidecar, tmp_path)
+        result = run_shell(script, workdir)
+        assert result.returncode == 0, result.stdout + result.stderr
+        # Every command ran (bash -x traces each before it runs; -e stopped at none).
+        traced = [line for line in result.stderr.splitlines() if line.startswith("+ hami-mig-sidecar ")]
+        run = [c for c in commands(walk) + commands(simulator) if c.startswith("hami-mig-sidecar ")]
+        assert len(traced) >= len(run), result.stderr
+        out, err = result.stdout, result.stderr
+        assert "(process): SERVING" in out
+        assert "hami.migsidecar.v1.MigSidecar: SERVING" in out
+        assert '"outcome": "CREATED"' in out
+        assert '"released": [' in out
+        assert "hami-mig-sidecar call Allocate: FAILED_PRECONDITION PLACEMENT_BUSY: placement 4:1" in err
+        assert "  blocker=ACTIVE\n" in err
+        assert "1 valid (0 stale), 0 corrupt" in out
+        status = run_shell("hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", workdir)
+        assert re.search(r"^0\s+IDLE\s+3g\.40gb\s+4:4\s", status.stdout, re.MULTILINE), status.stdout
+        assert re.search(r"^1\s+1g\.10gb\s+0:1\s", status.stdout, re.MULTILINE), status.stdout  # foreign

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/hami"
@@ -98,7 +100,7 @@ func specNames(t *testing.T) []string {
 }
 
 func owner(uid string) hami.Owner {
-	return hami.Owner{PodUID: uid, Namespace: "e2e", Name: "pod-" + uid, ContainerName: "main"}
+	return hami.Owner{PodUID: uid, PodNamespace: "e2e", PodName: "pod-" + uid, ContainerName: "main"}
 }
 
 // TestAnErrorInstanceAtTheExactKeyIsRetriedInsideEnsureAllocation is HAMi's
@@ -107,18 +109,18 @@ func owner(uid string) hami.Owner {
 // destroys it inside the call and creates a new one. Needs a quiet reconciler, which would
 // otherwise destroy the ERROR instance first.
 func TestAnErrorInstanceAtTheExactKeyIsRetriedInsideEnsureAllocation(t *testing.T) {
-	ctx, c, _, gpus := setup(t)
-	m, err := hami.New(ctx, c)
+	ctx, c, p, gpus := setup(t)
+	m, err := hami.NewLazy(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
 	a, gpu := owner("exact"), int(gpus[0].Index)
-	first, err := m.EnsureAllocation(ctx, a, 0, gpu, "1g.10gb", hami.Placement{Start: 4, Size: 1})
+	first, err := m.EnsureAllocation(a, gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 4, Size: 1})
 	if err != nil || !first.Created {
 		t.Fatalf("first Allocate: %+v %v", first, err)
 	}
 	sim(t, "fault", "destroy-gi", "UNKNOWN", "--times", "1")
-	if _, err := m.UndoContainer(ctx, a); err != nil { // the annotation patch failed
+	if err := m.Release(first.MigUUID); err != nil { // a later device of the container failed
 		t.Logf("undo: %v", err)
 	}
 	noFaultsLeft(t)
@@ -126,7 +128,7 @@ func TestAnErrorInstanceAtTheExactKeyIsRetriedInsideEnsureAllocation(t *testing.
 		t.Fatalf("after the failed rollback: %v", s)
 	}
 
-	again, err := m.EnsureAllocation(ctx, a, 0, gpu, "1g.10gb", hami.Placement{Start: 4, Size: 1})
+	again, err := m.EnsureAllocation(a, gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 4, Size: 1})
 	if err != nil {
 		t.Fatalf("Allocate at the ERROR instance's key: %v", err)
 	}
@@ -150,7 +152,7 @@ func TestAnErrorInstanceAtTheExactKeyIsRetriedInsideEnsureAllocation(t *testing.
 // inline and creates, so the one EnsureAllocation succeeds. Needs a quiet reconciler.
 func TestAnErrorInstanceOverlappingThePlacementIsRetriedInsideEnsureAllocation(t *testing.T) {
 	ctx, c, p, gpus := setup(t)
-	m, err := hami.New(ctx, c)
+	m, err := hami.NewLazy(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,12 +163,15 @@ func TestAnErrorInstanceOverlappingThePlacementIsRetriedInsideEnsureAllocation(t
 		cached = append(cached, allocate(ctx, t, c, p, req).Devices[0].MigUUID)
 		p.forget(uid)
 	}
-	if res, err := m.ReconcileActiveAllocations(ctx, p.list); err != nil || len(res.Idled) != 2 {
-		t.Fatalf("release: %+v %v", res, err)
+	if err := m.ReconcileActiveAllocations(nil); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if s := states(ctx, t, c); s[cached[0]] != pb.InstanceState_IDLE || s[cached[1]] != pb.InstanceState_IDLE {
+		t.Fatalf("after the release: %v", s)
 	}
 	sim(t, "fault", "destroy-gi", "UNKNOWN", "--times", "1")
 
-	got, err := m.EnsureAllocation(ctx, owner("big"), 0, gpu, "3g.40gb", hami.Placement{Start: 4, Size: 4})
+	got, err := m.EnsureAllocation(owner("big"), gpu, "3g.40gb", nvml.GpuInstancePlacement{Start: 4, Size: 4})
 	if err != nil {
 		t.Fatalf("Allocate over an instance whose destroy failed: %v", err)
 	}
@@ -192,7 +197,7 @@ func TestAnErrorInstanceOverlappingThePlacementIsRetriedInsideEnsureAllocation(t
 // Allocate, which destroys it inline and creates.
 func TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt(t *testing.T) {
 	ctx, c, p, gpus := setup(t)
-	m, err := hami.New(ctx, c)
+	m, err := hami.NewLazy(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,11 +208,11 @@ func TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt(t *testing
 	sim(t, "fault", "destroy-gi", "UNKNOWN", "--times", "1000000")
 	for _, uid := range []string{"guarded", "unguarded"} {
 		start := map[string]uint32{"guarded": 0, "unguarded": 4}[uid]
-		res, err := m.EnsureAllocation(ctx, owner(uid), 0, gpu, "1g.10gb", hami.Placement{Start: start, Size: 1})
+		res, err := m.EnsureAllocation(owner(uid), gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: start, Size: 1})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := m.UndoContainer(ctx, owner(uid)); err != nil {
+		if err := m.Release(res.MigUUID); err != nil {
 			t.Logf("undo %s: %v", uid, err)
 		}
 		broken = append(broken, res.MigUUID)
@@ -220,7 +225,7 @@ func TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt(t *testing
 	p.active["queued"] = []*pb.ActiveAllocation{{Pod: &pb.PodRef{Uid: "queued", Namespace: "e2e", Name: "pod-queued"},
 		ContainerName: "main", GpuUuid: gpus[0].UUID, Profile: "1g.10gb", Placement: &pb.Placement{Start: 0, Size: 1}}}
 	p.mu.Unlock()
-	if _, err := m.ReconcileActiveAllocations(ctx, p.list); err != nil {
+	if err := m.ReconcileActiveAllocations(nil); err != nil {
 		t.Fatalf("SyncActive with a pending reservation: %v", err)
 	}
 	sim(t, "faults", "--clear")
@@ -239,7 +244,7 @@ func TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt(t *testing
 		t.Fatalf("GPU instances after the reconciler: %v, want only the guarded one's", gis)
 	}
 
-	res, err := m.EnsureAllocation(ctx, owner("queued"), 0, gpu, "1g.10gb", hami.Placement{Start: 0, Size: 1})
+	res, err := m.EnsureAllocation(owner("queued"), gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1})
 	if err != nil || !res.Created || !slices.Equal(res.Reclaimed, []string{guarded}) {
 		t.Fatalf("the reservation's own Allocate: %+v %v", res, err)
 	}
@@ -258,11 +263,11 @@ func TestTheRegisterHelperPublishesAnIdleInstanceFirstAndItsReclaimLast(t *testi
 	if _, err := c.ReleaseByPodList(ctx, p.list); err != nil {
 		t.Fatal(err)
 	}
-	m, err := hami.New(ctx, c)
+	m, err := hami.NewLazy(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
-	profiles, _, err := m.DiscoverProfiles(ctx, int(gpus[0].Index), []string{"1g.10gb", "2g.20gb"})
+	profiles, _, err := m.Manager().DiscoverProfiles(int(gpus[0].Index), []string{"1g.10gb", "2g.20gb"})
 	if err != nil {
 		t.Fatal(err)
 	}

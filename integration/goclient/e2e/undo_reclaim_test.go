@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/hami"
@@ -19,34 +21,36 @@ func TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas(t *
 	if _, err := c.ReleaseByPodList(ctx, p.list); err != nil {
 		t.Fatal(err)
 	}
-	m, err := hami.New(ctx, c)
+	m, err := hami.New(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
-	owner := hami.Owner{PodUID: "second", Namespace: "e2e", Name: "second", ContainerName: "main"}
-	res, err := m.EnsureContainer(ctx, owner, []hami.Reservation{
-		{DeviceIndex: 0, GPUIndex: int(gpus[0].Index), Profile: "1g.10gb", Placement: hami.Placement{Start: 0, Size: 1}},
-		{DeviceIndex: 1, GPUIndex: int(gpus[0].Index), Profile: "1g.10gb", Placement: hami.Placement{Start: 1, Size: 1}},
-	})
-	if err != nil {
-		t.Fatal(err)
+	owner := hami.Owner{PodUID: "second", PodNamespace: "e2e", PodName: "second", ContainerName: "main"}
+	gpu := int(gpus[0].Index)
+	reused, took, err := m.EnsureAllocation(owner, gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1})
+	if err != nil || !took || reused != first.Devices[0].MigUUID {
+		t.Fatalf("device 0: %s %t %v, want %s reused", reused, took, err, first.Devices[0].MigUUID)
 	}
-	if !res[0].Reused || res[0].MigUUID != first.Devices[0].MigUUID || !res[1].Created {
-		t.Fatalf("results %+v", res)
+	owner.DeviceIndex = 1
+	created, took, err := m.EnsureAllocation(owner, gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 1, Size: 1})
+	if err != nil || !took {
+		t.Fatalf("device 1: %s %t %v", created, took, err)
 	}
-	undo, err := m.UndoContainer(ctx, owner) // the annotation patch failed
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(undo.Destroyed) != 1 || undo.Destroyed[0].MigUUID != res[1].MigUUID || len(undo.Idled) != 1 {
-		t.Fatalf("undo %+v", undo)
+	// A later step failed: HAMi's rollback releases what it took, newest first.
+	for _, uuid := range []string{created, reused} {
+		if err := m.Release(uuid); err != nil {
+			t.Fatal(err)
+		}
 	}
 	s := states(ctx, t, c)
 	if len(s) != 1 || s[first.Devices[0].MigUUID] != pb.InstanceState_IDLE {
 		t.Fatalf("after rollback: %v", s)
 	}
-	if again, err := m.UndoContainer(ctx, owner); err != nil || len(again.Destroyed)+len(again.Idled) != 0 {
-		t.Fatalf("repeated undo: %+v %v", again, err)
+	if uuids, _ := hardware(t); !slices.Equal(uuids, []string{reused}) {
+		t.Fatalf("hardware after rollback: %v, want only %s", uuids, reused)
+	}
+	if err := m.Release(reused); err != nil || len(states(ctx, t, c)) != 1 {
+		t.Fatalf("repeated release: %v %v", err, states(ctx, t, c))
 	}
 }
 
@@ -80,20 +84,22 @@ func TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst(t *testing.T) 
 	if _, err := c.ReleaseByPodList(ctx, p.list); err != nil {
 		t.Fatal(err)
 	}
-	m, err := hami.New(ctx, c)
+	l, err := hami.NewLazy(ctx, c, p.list)
 	if err != nil {
 		t.Fatal(err)
 	}
-	inUse := map[int]struct{}{}
-	for _, g := range gpus {
-		if g.UUID != gpus[1].UUID {
-			inUse[int(g.Index)] = struct{}{}
-		}
+	// The two simulated H100s change MIG mode in place (the A100 would wait for a reset).
+	const h100s = 2
+	// A GPU in use that is in MIG mode stops the pass before anything changes.
+	if done, err := l.DisableIdleGPUs(h100s, map[int]struct{}{int(gpus[0].Index): {}}); err == nil || len(done) != 0 {
+		t.Fatalf("a busy MIG GPU: disabled %v, %v", done, err)
 	}
-	// The simulated H100 changes MIG mode in place, so the disable must be done, not pending.
-	done, err := m.DisableIdleGPUs(ctx, inUse)
-	if err != nil || !slices.Equal(done, []int{int(gpus[1].Index)}) {
-		t.Fatalf("disabled %v, %v; want GPU %d", done, err, gpus[1].Index)
+	if s := states(ctx, t, c); len(s) != 1 {
+		t.Fatalf("the refused pass changed the instances: %v", s)
+	}
+	done, err := l.DisableIdleGPUs(h100s, nil)
+	if err != nil || !slices.Equal(done, []int{0, 1}) {
+		t.Fatalf("disabled %v, %v; want both H100s", done, err)
 	}
 	if s := states(ctx, t, c); len(s) != 0 {
 		t.Fatalf("instances left after disable: %v", s)
@@ -103,15 +109,27 @@ func TestDisablingMigOnAGPUWithOnlyIdleInstancesDestroysThemFirst(t *testing.T) 
 		t.Fatal(err)
 	}
 	for _, g := range after {
-		if on := g.UUID != gpus[1].UUID; g.MigMode.Current != on || g.MigMode.Pending != on {
-			t.Fatalf("GPU %d MIG mode %+v after disabling only GPU %d", g.Index, g.MigMode, gpus[1].Index)
+		if on := g.Index >= h100s; g.MigMode.Current != on || g.MigMode.Pending != on {
+			t.Fatalf("GPU %d MIG mode %+v after disabling GPUs 0 and 1", g.Index, g.MigMode)
 		}
 	}
 	if _, gis := hardware(t); len(gis) != 0 {
 		t.Fatalf("GPU instances left after disable: %v", gis)
 	}
-	// A second pass finds nothing to do: the GPU is off, not pending.
-	if again, err := m.DisableIdleGPUs(ctx, inUse); err != nil || len(again) != 0 {
+	// A second pass finds them off, not pending, and changes nothing.
+	if again, err := l.DisableIdleGPUs(h100s, nil); err != nil || len(again) != h100s {
 		t.Fatalf("second pass: %v %v", again, err)
+	}
+	// In mig mode again: RestoreAllocations enables MIG on the GPUs not in use.
+	if err := l.RestoreAllocations(h100s, nil, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	if after, err = c.ListGpus(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range after {
+		if !g.MigMode.Current {
+			t.Fatalf("GPU %d MIG mode %+v after RestoreAllocations", g.Index, g.MigMode)
+		}
 	}
 }

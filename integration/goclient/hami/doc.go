@@ -1,14 +1,21 @@
-// Package hami gives HAMi's NVIDIA device plugin the method set of its in-process MIG manager
-// (MigInstanceManager in pkg/device-plugin/nvidiadevice/nvinternal/plugin) on top of the
-// sidecar, so that porting the plugin is a swap of the manager's type plus the few extra
-// arguments the sidecar needs (the pod and container an allocation belongs to, a context).
+// Package hami lets HAMi's NVIDIA device plugin hand its dynamic MIG lifecycle to the sidecar
+// with no glue code: Manager has the method set the plugin calls on its in-process
+// MigInstanceManager at HAMi v2.10 (V210), and Lazy the set after the lazy-lifecycle rewrite,
+// PR #3128 (LazyLifecycle). HAMi declares a small interface over that method set, keeps its
+// in-process manager behind it and picks one of the two at startup; docs/porting-hami.md shows
+// each changed line.
 //
-// HAMi's types are mirrored here (Placement, AllocationResult, RuntimeInfo, ...) rather than
-// imported: its module is not published where this one is built. Each method's comment names
-// the HAMi call site it replaces and what changes there.
+// The method set is HAMi's, names, arguments and results, with go-nvml's
+// nvml.GpuInstancePlacement. HAMi's own key and runtime-identity types are unexported, so no
+// type outside its package could satisfy an interface that names them; instead HAMi makes
+// those names aliases of AllocationKey and RuntimeInfo here, which have its field names and
+// types, and its code, the in-process manager's included, compiles unchanged. Two things are
+// added: EnsureAllocation's first argument, the Owner of the allocation (the pod, container and
+// device HAMi has at that call and the sidecar keys allocations by), and CDIDevice, the CDI
+// device name the sidecar wrote for a MIG UUID, which the container must get under the CDI
+// device-list strategies instead of one HAMi builds. Every conversion (GPU index to UUID,
+// HAMi's values to the contract) happens here. The context is given once, at construction.
 //
-// The one rule every call site must keep: the container gets the CDI device name the sidecar
-// returned (AllocationResult.CDIDevice), never one the plugin builds itself. The sidecar wrote
-// that spec; a name derived by the plugin may point at a file that does not exist, or at one
-// the sidecar no longer owns.
+// Subpackage kube turns HAMi's pod list (hami.io/vgpu-mig-allocations) into the sidecar's
+// active allocations; this package and migclient do not depend on Kubernetes.
 package hami

@@ -2,8 +2,12 @@ package hami
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"math"
+	"sort"
+	"sync"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
@@ -11,180 +15,177 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/register"
 )
 
-// Placement mirrors nvml.GpuInstancePlacement as HAMi's manager takes it.
-type Placement struct {
-	Start uint32
-	Size  uint32
-}
-
-// Owner is what HAMi's manager does not receive and the sidecar needs: the allocation key's
-// pod and container. HAMi has it at Allocate time (getPendingPod, the container index with
-// init containers first).
-type Owner struct {
-	PodUID         string
-	Namespace      string
-	Name           string
-	ContainerName  string
-	ContainerIndex uint32
-}
-
-// Reservation is one device of a container as the scheduler reserved it.
-type Reservation struct {
-	DeviceIndex uint32
-	GPUIndex    int
-	Profile     string
-	Placement   Placement
-}
-
-// AllocationResult mirrors HAMi's migAllocationResult, plus the runtime identity and the CDI
-// device name the sidecar returns.
-type AllocationResult struct {
-	MigUUID   string
-	GIID      uint32
-	CIID      uint32
-	CDIDevice string // use this in the container; never build a name (see the package doc)
-	Created   bool
-	Reused    bool
-	Reclaimed []string
-}
-
-// RuntimeInfo mirrors HAMi's migAllocationRuntimeInfo.
-type RuntimeInfo struct {
-	MigUUID   string
-	Profile   string
-	Placement Placement
-	GIID      uint32
-	CIID      uint32
-}
-
-// ErrNeedsReset marks a MIG mode change that waits for a GPU reset (HAMi's errMigModeNeedsReset).
-var ErrNeedsReset = errors.New("MIG mode change pending: reset the GPU (nvidia-smi --gpu-reset) or reboot the VM")
-
-// ErrNotLive is AdoptAllocation's "annotated MIG allocation is not live".
-var ErrNotLive = errors.New("annotated MIG allocation is not live")
-
-// Manager replaces MigInstanceManager. GPU indexes are resolved through ListGpus once, at New:
-// HAMi's manager speaks indexes, the sidecar UUIDs.
+// Manager stands in for HAMi v2.10's MigInstanceManager (see V210). It keeps no allocation
+// state of its own: the sidecar holds it, so a new Manager over the same sidecar (a restarted
+// plugin) answers exactly as the old one would, and a restarted sidecar recovers from the pod
+// list given at construction. GPU indexes (HAMi's) are mapped to UUIDs (the sidecar's) through
+// ListGpus.
 type Manager struct {
-	c    *migclient.Client
-	gpus []migclient.GPU
+	ctx    context.Context
+	c      *migclient.Client
+	list   migclient.ListActiveFunc
+	closes bool // Shutdown closes c (Dial made it)
+
+	mu       sync.Mutex
+	gpus     []migclient.GPU
+	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
+	shutdown bool
 }
 
-// New replaces NewMigInstanceManager + Init. The client should carry Options.ListActive (the
-// node's fresh pod list, pending reservations included) so that a restarted sidecar recovers.
-func New(ctx context.Context, c *migclient.Client) (*Manager, error) {
+// New builds the adapter over a client. ctx bounds every call the adapter makes (HAMi passes
+// the plugin's context); list is the node's fresh pod list as the sidecar's active allocations
+// (kube.NodeAllocations builds it from HAMi's pod client), the same callback the client should
+// carry as Options.ListActive so that a restarted sidecar recovers. Shutdown leaves c open.
+func New(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc) (*Manager, error) {
 	gpus, err := c.ListGpus(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{c: c, gpus: gpus}, nil
+	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}}, nil
 }
 
-func (m *Manager) gpu(index int) (migclient.GPU, error) {
-	for _, g := range m.gpus {
-		if int(g.Index) == index {
-			return g, nil
-		}
-	}
-	return migclient.GPU{}, fmt.Errorf("no GPU with index %d", index)
-}
-
-// EnsureContainer replaces the per-device EnsureAllocation loop of GetContainerDeviceStrArray:
-// one Allocate for every device of the container, all or nothing, so a failure on a later
-// device leaves nothing of the earlier ones (HAMi's deferred rollback is not needed for it).
-func (m *Manager) EnsureContainer(ctx context.Context, owner Owner, devices []Reservation) ([]AllocationResult, error) {
-	req := migclient.AllocateRequest{
-		Pod:           migclient.PodRef{UID: owner.PodUID, Namespace: owner.Namespace, Name: owner.Name},
-		ContainerName: owner.ContainerName, ContainerIndex: owner.ContainerIndex,
-	}
-	for _, d := range devices {
-		g, err := m.gpu(d.GPUIndex)
-		if err != nil {
-			return nil, err
-		}
-		req.Devices = append(req.Devices, migclient.DeviceRequest{DeviceIndex: d.DeviceIndex, GPUUUID: g.UUID,
-			Profile: d.Profile, Placement: migclient.Placement{Start: d.Placement.Start, Size: d.Placement.Size}})
-	}
-	res, err := m.c.Allocate(ctx, req)
+// Dial connects to the sidecar at socket and builds the adapter; opts.ListActive is the pod
+// list (see New). Shutdown closes the connection.
+func Dial(ctx context.Context, socket string, opts migclient.Options) (*Manager, error) {
+	c, err := migclient.New(ctx, socket, opts)
 	if err != nil {
 		return nil, err
 	}
+	m, err := New(ctx, c, opts.ListActive)
+	if err != nil {
+		_ = c.Close()
+		return nil, err
+	}
+	m.closes = true
+	return m, nil
+}
+
+// Client is the sidecar client under the adapter, for what HAMi's method set does not cover.
+func (m *Manager) Client() *migclient.Client { return m.c }
+
+func (m *Manager) live() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.shutdown {
+		return ErrShutdown
+	}
+	return nil
+}
+
+// gpu maps HAMi's GPU index to the sidecar's GPU, listing the GPUs again when the index is not
+// known (a MIG mode change may renumber them).
+func (m *Manager) gpu(index int) (migclient.GPU, error) {
+	if err := m.live(); err != nil {
+		return migclient.GPU{}, err
+	}
+	for attempt := 0; ; attempt++ {
+		m.mu.Lock()
+		gpus := m.gpus
+		m.mu.Unlock()
+		for _, g := range gpus {
+			if int(g.Index) == index {
+				return g, nil
+			}
+		}
+		if attempt == 1 {
+			return migclient.GPU{}, fmt.Errorf("the sidecar lists no GPU with index %d", index)
+		}
+		fresh, err := m.c.ListGpus(m.ctx)
+		if err != nil {
+			return migclient.GPU{}, err
+		}
+		m.mu.Lock()
+		m.gpus = fresh
+		m.mu.Unlock()
+	}
+}
+
+func index32(what string, v int) (uint32, error) {
+	if v < 0 || v > math.MaxUint32 {
+		return 0, fmt.Errorf("%s %d is out of range", what, v)
+	}
+	return uint32(v), nil
+}
+
+// allocate sends one device of the owner's container; the sidecar keys it by (pod, container
+// index, device index), so each of HAMi's per-device calls is its own all-or-nothing Allocate.
+func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (migclient.AllocatedDevice, []string, error) {
+	g, err := m.gpu(gpuIndex)
+	if err != nil {
+		return migclient.AllocatedDevice{}, nil, err
+	}
+	container, err := index32("container index", owner.ContainerIndex)
+	if err != nil {
+		return migclient.AllocatedDevice{}, nil, err
+	}
+	device, err := index32("device index", owner.DeviceIndex)
+	if err != nil {
+		return migclient.AllocatedDevice{}, nil, err
+	}
+	res, err := m.c.Allocate(m.ctx, migclient.AllocateRequest{
+		Pod:           migclient.PodRef{UID: owner.PodUID, Namespace: owner.PodNamespace, Name: owner.PodName},
+		ContainerName: owner.ContainerName, ContainerIndex: container,
+		Devices: []migclient.DeviceRequest{{DeviceIndex: device, GPUUUID: g.UUID, Profile: profile,
+			Placement: migclient.Placement{Start: placement.Start, Size: placement.Size}}},
+	})
+	if err != nil {
+		return migclient.AllocatedDevice{}, nil, err
+	}
+	if len(res.Devices) != 1 {
+		return migclient.AllocatedDevice{}, nil, fmt.Errorf("the sidecar answered %d devices for one", len(res.Devices))
+	}
+	d := res.Devices[0]
+	m.mu.Lock()
+	m.cdi[d.MigUUID] = d.CDIDevice
+	m.mu.Unlock()
 	reclaimed := make([]string, 0, len(res.Reclaimed))
 	for _, r := range res.Reclaimed {
 		reclaimed = append(reclaimed, r.MigUUID)
+		m.forget(r.MigUUID)
 	}
-	out := make([]AllocationResult, 0, len(res.Devices))
-	for i, d := range res.Devices {
-		r := AllocationResult{MigUUID: d.MigUUID, GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID, CDIDevice: d.CDIDevice,
-			Created: d.Outcome == migclient.OutcomeCreated, Reused: d.Outcome == migclient.OutcomeReused}
-		if i == 0 {
-			r.Reclaimed = reclaimed // the answer lists reclaims per request, not per device
-		}
-		out = append(out, r)
-	}
-	return out, nil
+	return d, reclaimed, nil
 }
 
-// EnsureAllocation replaces MigInstanceManager.EnsureAllocation(gpuIndex, profile, placement)
-// for a container with one device; prefer EnsureContainer for several. Reclaims happen inside
-// the sidecar; HAMi's removeReclaimedMIGArtifacts and persistMIGOwnership calls go away (the
-// sidecar owns records and CDI specs), as does its EnsureDynamicMIGDevice call.
-func (m *Manager) EnsureAllocation(ctx context.Context, owner Owner, deviceIndex uint32, gpuIndex int, profile string, placement Placement) (AllocationResult, error) {
-	res, err := m.EnsureContainer(ctx, owner, []Reservation{{DeviceIndex: deviceIndex, GPUIndex: gpuIndex, Profile: profile, Placement: placement}})
+func (m *Manager) forget(migUUID string) {
+	m.mu.Lock()
+	delete(m.cdi, migUUID)
+	m.mu.Unlock()
+}
+
+// EnsureAllocation is MigInstanceManager.EnsureAllocation with the owner added: it realizes
+// exactly the reserved profile and placement for that owner and returns the MIG UUID and
+// whether this call took the instance, which tells HAMi's deferred rollback to Release it.
+// That is true for an instance the sidecar created and for an IDLE one it reused (the rollback
+// gives a reused instance back IDLE rather than destroying it); false when the owner already
+// held it (a repeated Allocate), so a retry never undoes an allocation that succeeded before.
+// Idle instances in the way are reclaimed inside the call.
+func (m *Manager) EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (string, bool, error) {
+	d, _, err := m.allocate(owner, gpuIndex, profile, placement)
 	if err != nil {
-		return AllocationResult{}, err
+		return "", false, err
 	}
-	return res[0], nil
+	return d.MigUUID, d.Outcome != migclient.OutcomeAlreadyAllocated, nil
 }
 
-// UndoContainer replaces the deferred rollback of GetContainerDeviceStrArray after a later
-// step failed (annotateMigRuntimeInfo, the kubelet answer): HAMi calls Release for what it
-// created and MarkIdle for what it reused; the sidecar remembers which and does both in one
-// UndoAllocate.
-func (m *Manager) UndoContainer(ctx context.Context, owner Owner) (migclient.UndoResult, error) {
-	return m.c.UndoAllocate(ctx, owner.PodUID, owner.ContainerIndex)
-}
-
-// MarkIdle replaces MigInstanceManager.MarkIdle(migUUID) in the rollback; it undoes the whole
-// container (see UndoContainer), so calling it and Release for the same container is harmless.
-func (m *Manager) MarkIdle(ctx context.Context, owner Owner) error {
-	_, err := m.UndoContainer(ctx, owner)
-	return err
-}
-
-// Release replaces MigInstanceManager.Release(migUUID) in the rollback (see MarkIdle).
-func (m *Manager) Release(ctx context.Context, owner Owner) error {
-	_, err := m.UndoContainer(ctx, owner)
-	return err
-}
-
-// AllocationRuntimeInfo replaces MigInstanceManager.AllocationRuntimeInfo: the ACTIVE instance
-// at exactly that reservation, from GetState.
-func (m *Manager) AllocationRuntimeInfo(ctx context.Context, gpuIndex int, profile string, placement Placement) (RuntimeInfo, bool, error) {
-	g, err := m.gpu(gpuIndex)
-	if err != nil {
-		return RuntimeInfo{}, false, err
+// state is the sidecar's full view, recovered first (a restarted sidecar answers from its
+// records only after Recover).
+func (m *Manager) state() (*pb.GetStateResponse, error) {
+	if err := m.live(); err != nil {
+		return nil, err
 	}
-	in, err := m.find(ctx, g.UUID, func(in *pb.Instance) bool {
-		return in.GetState() == pb.InstanceState_ACTIVE && in.GetProfile() == profile &&
-			in.GetPlacement().GetStart() == placement.Start && in.GetPlacement().GetSize() == placement.Size
-	})
-	if err != nil || in == nil {
-		return RuntimeInfo{}, false, err
+	if _, err := m.c.EnsureRecovered(m.ctx); err != nil {
+		return nil, err
 	}
-	return RuntimeInfo{MigUUID: in.GetMigUuid(), Profile: in.GetProfile(), Placement: placement,
-		GIID: in.GetGpuInstanceId(), CIID: in.GetComputeInstanceId()}, true, nil
+	return m.c.GetState(m.ctx)
 }
 
-func (m *Manager) find(ctx context.Context, gpuUUID string, match func(*pb.Instance) bool) (*pb.Instance, error) {
-	st, err := m.c.GetState(ctx)
+// find returns the first instance match accepts, nil when none does.
+func (m *Manager) find(match func(*pb.Instance) bool) (*pb.Instance, error) {
+	st, err := m.state()
 	if err != nil {
 		return nil, err
 	}
 	for _, g := range st.GetGpus() {
-		if g.GetGpu().GetUuid() != gpuUUID {
-			continue
-		}
 		for _, in := range g.GetInstances() {
 			if match(in) {
 				return in, nil
@@ -194,124 +195,176 @@ func (m *Manager) find(ctx context.Context, gpuUUID string, match func(*pb.Insta
 	return nil, nil
 }
 
-// ReconcileActiveAllocations replaces the reconciler's ReconcileActiveAllocations(active): the
-// generation-fenced release by pod list. list must return the node's fresh pod list, pending
-// reservations included, and fail rather than return part of it.
-func (m *Manager) ReconcileActiveAllocations(ctx context.Context, list migclient.ListActiveFunc) (migclient.SyncResult, error) {
-	return m.c.ReleaseByPodList(ctx, list)
+// Release is the rollback of an EnsureAllocation that took migUUID. The owner is read from the
+// sidecar (so a restarted plugin can release what its predecessor allocated), and the
+// container's Allocate is undone as a whole: what it created is destroyed, what it reused goes
+// back IDLE. HAMi's rollback loop calls Release for each device it took; after the first, the
+// others find nothing ACTIVE left and return nil. An unknown or no longer ACTIVE MIG UUID is
+// nil too, as in HAMi.
+func (m *Manager) Release(migUUID string) error {
+	in, err := m.find(func(in *pb.Instance) bool { return in.GetMigUuid() == migUUID })
+	if err != nil || in == nil || in.GetState() != pb.InstanceState_ACTIVE || in.GetOwner() == nil {
+		return err
+	}
+	res, err := m.c.UndoAllocate(m.ctx, in.GetOwner().GetPod().GetUid(), in.GetOwner().GetContainerIndex())
+	for _, d := range res.Destroyed {
+		m.forget(d.MigUUID)
+	}
+	return err
 }
 
-// RetryErrorAllocations replaces the reconciler's RetryErrorAllocations: a no-op, because the
-// sidecar's own reconciler retries the destroy of ERROR instances, and an Allocate blocked by
-// one retries it inline.
-func (m *Manager) RetryErrorAllocations(context.Context) error { return nil }
-
-// RestoreAllocations replaces the startup sequence primeMigManagerFromAnnotations +
-// ownership.Load + RestoreAllocations + persistTrackedMIGOwnership + ReplaceDynamicMIGDevices:
-// the sidecar's Recover does all of it with the client's ListActive, before Allocate is served.
-func (m *Manager) RestoreAllocations(ctx context.Context) (migclient.Info, error) {
-	return m.c.EnsureRecovered(ctx)
+func atKey(gpuUUID, profile string, placement nvml.GpuInstancePlacement) func(*pb.Instance) bool {
+	return func(in *pb.Instance) bool {
+		return in.GetGpuUuid() == gpuUUID && in.GetState() == pb.InstanceState_ACTIVE && in.GetProfile() == profile &&
+			in.GetPlacement().GetStart() == placement.Start && in.GetPlacement().GetSize() == placement.Size
+	}
 }
 
-// AdoptAllocation replaces MigInstanceManager.AdoptAllocation for one annotated allocation:
-// adoption itself happened in Recover, so this only checks that the sidecar holds that
-// identity ACTIVE (ErrNotLive otherwise), which is what HAMi's startup relied on it to verify.
-func (m *Manager) AdoptAllocation(ctx context.Context, gpuIndex int, profile, migUUID string, placement Placement, giID, ciID uint32) error {
+// AllocationRuntimeInfo is the ACTIVE instance at exactly that reservation, as the sidecar
+// holds it. An error reading it answers false, so annotateMigRuntimeInfo writes nothing it has
+// not seen.
+func (m *Manager) AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool) {
+	g, err := m.gpu(gpuIndex)
+	if err != nil {
+		return RuntimeInfo{}, false
+	}
+	in, err := m.find(atKey(g.UUID, profile, placement))
+	if err != nil || in == nil {
+		return RuntimeInfo{}, false
+	}
+	return RuntimeInfo{MigUUID: in.GetMigUuid(), Profile: in.GetProfile(), Placement: placement,
+		GIID: in.GetGpuInstanceId(), CIID: in.GetComputeInstanceId()}, true
+}
+
+// AdoptAllocation is the startup check of one annotated allocation. The sidecar adopted the
+// node's annotated allocations when it recovered from the pod list; this recovers it if it has
+// not yet and checks that it holds exactly that identity ACTIVE (ErrNotLive otherwise).
+func (m *Manager) AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error {
 	g, err := m.gpu(gpuIndex)
 	if err != nil {
 		return err
 	}
-	in, err := m.find(ctx, g.UUID, func(in *pb.Instance) bool { return in.GetMigUuid() == migUUID })
+	in, err := m.find(func(in *pb.Instance) bool { return in.GetMigUuid() == migUUID })
 	if err != nil {
 		return err
 	}
-	if in == nil || in.GetState() != pb.InstanceState_ACTIVE || in.GetProfile() != profile ||
-		in.GetPlacement().GetStart() != placement.Start || in.GetPlacement().GetSize() != placement.Size ||
-		in.GetGpuInstanceId() != giID || in.GetComputeInstanceId() != ciID {
-		return fmt.Errorf("%w: %s profile=%s placement=%d:%d gi=%d ci=%d", ErrNotLive, migUUID, profile, placement.Start, placement.Size, giID, ciID)
+	if in == nil || !atKey(g.UUID, profile, placement)(in) || in.GetGpuInstanceId() != gpuInstanceID || in.GetComputeInstanceId() != computeInstanceID {
+		return fmt.Errorf("%w: %s profile=%s placement=%d:%d gi=%d ci=%d", ErrNotLive, migUUID, profile, placement.Start, placement.Size, gpuInstanceID, computeInstanceID)
 	}
 	return nil
 }
 
-// DisableIdleGPUs replaces applyStartupMigMode's DisableIdleGPUs in hami-core mode: for each GPU
-// not in inUse whose MIG mode is on (or pending on), SetMigMode(enabled=false, reclaim_idle=true),
-// then the GPU's mode read back from ListGpus. It returns the indexes of the GPUs whose MIG mode
-// is now off. A GPU with ACTIVE, ERROR or foreign instances or processes is refused by the
-// sidecar and stops the pass with its error. A disable that waits for a reset (pending off,
-// needs_reset) stops it with an error wrapping ErrNeedsReset, as HAMi's errMigModeNeedsReset; a
-// GPU whose mode reads back as anything else stops it with an error saying what it read.
-func (m *Manager) DisableIdleGPUs(ctx context.Context, inUse map[int]struct{}) ([]int, error) {
-	gpus, err := m.c.ListGpus(ctx) // the modes now, not those seen at New
-	if err != nil {
+// ReconcileActiveAllocations releases what no live pod holds. The sidecar needs each
+// allocation's owner, which HAMi's key set lacks, so the allocations come from the pod list
+// given at construction, taken after HAMi's and so at least as fresh; active itself is not
+// needed. Released instances go IDLE (the sidecar caches them for reuse and reclaims them
+// under placement pressure); the pass is fenced by the sidecar's generation, so an Allocate
+// racing it is never released.
+func (m *Manager) ReconcileActiveAllocations(map[AllocationKey]struct{}) error {
+	if err := m.live(); err != nil {
+		return err
+	}
+	if m.list == nil {
+		return fmt.Errorf("the MIG sidecar adapter was built without a pod list: nothing released")
+	}
+	_, err := m.c.ReleaseByPodList(m.ctx, m.list)
+	return err
+}
+
+// ResetIdleGPUs prepares the GPUs no pod and no process uses for on-demand instances: MIG mode
+// on, as HAMi's does. Unlike HAMi's, it destroys nothing: the instances on those GPUs are the
+// sidecar's IDLE cache (reused by the next matching reservation, reclaimed when one needs the
+// slices) or foreign ones it leaves alone, and the sidecar's records, not a fresh start, keep
+// them from leaking. A mode change that waits for a GPU reset stops the pass with an error
+// wrapping ErrNeedsReset. It returns the prepared GPUs' indexes, sorted.
+func (m *Manager) ResetIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int, error) {
+	return m.enableIdle(deviceCount, inUse)
+}
+
+func (m *Manager) enableIdle(deviceCount int, inUse map[int]struct{}) ([]int, error) {
+	if err := m.live(); err != nil {
 		return nil, err
 	}
-	var done []int
-	for _, g := range gpus {
-		if _, busy := inUse[int(g.Index)]; busy || !g.MigMode.Current && !g.MigMode.Pending {
+	if err := m.refresh(); err != nil { // the modes now, not those seen at New
+		return nil, err
+	}
+	reset := []int{}
+	for i := 0; i < deviceCount; i++ {
+		if _, busy := inUse[i]; busy {
 			continue
 		}
-		res, err := m.c.SetMigMode(ctx, g.UUID, false, migclient.ReclaimIdle())
+		g, err := m.gpu(i)
 		if err != nil {
-			return done, err
+			return reset, err
 		}
-		mode, err := m.migMode(ctx, g.UUID)
-		if err != nil {
-			return done, err
+		if !g.MigMode.Current || !g.MigMode.Pending {
+			res, err := m.c.SetMigMode(m.ctx, g.UUID, true)
+			if err != nil {
+				return reset, err
+			}
+			if res.NeedsReset || !res.MigMode.Current || !res.MigMode.Pending {
+				return reset, fmt.Errorf("GPU %d: MIG mode current=%t pending=%t: %w", i, res.MigMode.Current, res.MigMode.Pending, ErrNeedsReset)
+			}
+			if err := m.refresh(); err != nil {
+				return reset, err
+			}
 		}
-		switch {
-		case !mode.Current && !mode.Pending:
-			done = append(done, int(g.Index))
-		case mode.Current && !mode.Pending && res.NeedsReset:
-			return done, fmt.Errorf("GPU %d: %w", g.Index, ErrNeedsReset)
-		default:
-			return done, fmt.Errorf("GPU %d: MIG mode after disabling it is current=%t pending=%t (the answer said current=%t pending=%t needs_reset=%t)",
-				g.Index, mode.Current, mode.Pending, res.MigMode.Current, res.MigMode.Pending, res.NeedsReset)
-		}
+		reset = append(reset, i)
 	}
-	return done, nil
+	sort.Ints(reset)
+	return reset, nil
 }
 
-// migMode reads one GPU's MIG mode back from ListGpus.
-func (m *Manager) migMode(ctx context.Context, gpuUUID string) (migclient.MigMode, error) {
-	gpus, err := m.c.ListGpus(ctx)
-	if err != nil {
-		return migclient.MigMode{}, err
-	}
-	for _, g := range gpus {
-		if g.UUID == gpuUUID {
-			return g.MigMode, nil
-		}
-	}
-	return migclient.MigMode{}, fmt.Errorf("GPU %s is no longer listed by the sidecar", gpuUUID)
-}
-
-// EnsureMigModeEnabled replaces ensureMigModeEnabled(gpuIndex) before a create: the sidecar
-// refuses an Allocate on a GPU with MIG off (MIG_DISABLED), so the plugin enables it at startup
-// in mig mode with this instead of on every create.
-func (m *Manager) EnsureMigModeEnabled(ctx context.Context, gpuIndex int) error {
-	g, err := m.gpu(gpuIndex)
+func (m *Manager) refresh() error {
+	fresh, err := m.c.ListGpus(m.ctx)
 	if err != nil {
 		return err
 	}
-	res, err := m.c.SetMigMode(ctx, g.UUID, true)
-	if err != nil {
-		return err
-	}
-	if res.NeedsReset || !res.MigMode.Current {
-		return fmt.Errorf("GPU %d: %w", gpuIndex, ErrNeedsReset)
-	}
+	m.mu.Lock()
+	m.gpus = fresh
+	m.mu.Unlock()
 	return nil
 }
 
-// DiscoverProfiles replaces discoverMigProfiles: the profiles to publish in
-// hami.io/node-nvidia-register, with their placements ordered by RankPlacements (reuse first),
-// and the instance count HAMi keeps plugin-side. A ranking that fails keeps the sidecar's order.
-func (m *Manager) DiscoverProfiles(ctx context.Context, gpuIndex int, allowed []string) ([]register.MigProfile, uint32, error) {
+// CDIDevice is the CDI device name the sidecar wrote for migUUID, for the container under the
+// CDI device-list strategies in place of the name HAMi would build (cdiHandler.QualifiedName),
+// which names no spec the sidecar wrote. The in-process manager answers ("", false).
+func (m *Manager) CDIDevice(migUUID string) (string, bool) {
+	m.mu.Lock()
+	name, ok := m.cdi[migUUID]
+	m.mu.Unlock()
+	if ok && name != "" {
+		return name, true
+	}
+	in, err := m.find(func(in *pb.Instance) bool { return in.GetMigUuid() == migUUID })
+	if err != nil || in == nil || in.GetCdiDevice() == "" {
+		return "", false
+	}
+	return in.GetCdiDevice(), true
+}
+
+// Shutdown ends the adapter: later calls fail with ErrShutdown, and the connection is closed
+// when Dial opened it. Nothing on the GPUs changes: the sidecar keeps every instance, which is
+// what lets the next plugin find them.
+func (m *Manager) Shutdown() {
+	m.mu.Lock()
+	already := m.shutdown
+	m.shutdown = true
+	m.mu.Unlock()
+	if !already && m.closes {
+		_ = m.c.Close()
+	}
+}
+
+// DiscoverProfiles is not part of HAMi's manager (its discoverMigProfiles asks NVML itself):
+// the profiles to publish in hami.io/node-nvidia-register, placements ordered by
+// register.OrderProfiles (reuse first), and the largest instance count.
+func (m *Manager) DiscoverProfiles(gpuIndex int, allowed []string) ([]register.MigProfile, uint32, error) {
 	g, err := m.gpu(gpuIndex)
 	if err != nil {
 		return nil, 0, err
 	}
-	profiles, err := m.c.DiscoverProfiles(ctx, g.UUID, allowed)
+	profiles, err := m.c.DiscoverProfiles(m.ctx, g.UUID, allowed)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -325,6 +378,6 @@ func (m *Manager) DiscoverProfiles(ctx context.Context, gpuIndex int, allowed []
 		out = append(out, mp)
 		count = max(count, p.InstanceCount)
 	}
-	ordered, _ := register.OrderProfiles(ctx, m.c, g.UUID, out, register.BlockedLast)
+	ordered, _ := register.OrderProfiles(m.ctx, m.c, g.UUID, out, register.BlockedLast)
 	return ordered, count, nil
 }

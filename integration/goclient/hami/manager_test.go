@@ -3,8 +3,11 @@ package hami
 import (
 	"context"
 	"errors"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
@@ -12,138 +15,152 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
 
-func manager(t *testing.T) (*fakesidecar.Server, *Manager) {
+func lazy(t *testing.T) (*fakesidecar.Server, *Lazy) {
 	t.Helper()
 	s, socket := fakesidecar.Start(t, "GPU-a", "GPU-b")
-	c, err := migclient.New(context.Background(), socket, migclient.Options{CallTimeout: 5 * time.Second,
-		AllocateTimeout: 5 * time.Second, MaxAttempts: 3, AllowSimulatedBackend: true})
+	none := func(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil }
+	l, err := DialLazy(context.Background(), socket, migclient.Options{CallTimeout: 5 * time.Second,
+		AllocateTimeout: 5 * time.Second, MaxAttempts: 3, AllowSimulatedBackend: true, ListActive: none})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = c.Close() })
-	m, err := New(context.Background(), c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s, m
+	t.Cleanup(l.Shutdown)
+	return s, l
 }
 
-var owner = Owner{PodUID: "p", Namespace: "ns", Name: "p", ContainerName: "c"}
+func own(uid string, device int) Owner {
+	return Owner{PodUID: uid, PodNamespace: "ns", PodName: uid, ContainerName: "c", DeviceIndex: device}
+}
 
-func TestAReusedAllocationRollsBackToIdleAndACreatedOneIsDestroyed(t *testing.T) {
-	s, m := manager(t)
-	ctx := context.Background()
+func TestReleaseUndoesTheContainerAReusedInstanceGoesIdleACreatedOneIsDestroyed(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
 	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
-	res, err := m.EnsureContainer(ctx, owner, []Reservation{
-		{DeviceIndex: 0, GPUIndex: 0, Profile: "1g.10gb", Placement: Placement{0, 1}},
-		{DeviceIndex: 1, GPUIndex: 1, Profile: "2g.20gb", Placement: Placement{2, 2}},
-	})
-	if err != nil {
-		t.Fatal(err)
+	reused, took, err := m.EnsureAllocation(own("p", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1})
+	if err != nil || !took || reused != cached.MigUUID {
+		t.Fatalf("reuse: %s %t %v", reused, took, err)
 	}
-	if !res[0].Reused || res[0].MigUUID != cached.MigUUID || !res[1].Created || res[1].CDIDevice == "" {
-		t.Fatalf("results %+v", res)
+	created, err := l.EnsureAllocation(own("p", 1), 1, "2g.20gb", nvml.GpuInstancePlacement{Start: 2, Size: 2})
+	if err != nil || !created.Created || created.Reused {
+		t.Fatalf("create: %+v %v", created, err)
 	}
-	info, ok, err := m.AllocationRuntimeInfo(ctx, 1, "2g.20gb", Placement{2, 2})
-	if err != nil || !ok || info.MigUUID != res[1].MigUUID {
-		t.Fatalf("runtime info %+v %t %v", info, ok, err)
+	if name, ok := m.CDIDevice(created.MigUUID); !ok || name == "" {
+		t.Fatalf("CDI device of %s: %q %t", created.MigUUID, name, ok)
 	}
-	// The annotation patch failed: roll back as the plugin's deferred rollback does.
-	if err := m.Release(ctx, owner); err != nil {
-		t.Fatal(err)
+	info, ok := m.AllocationRuntimeInfo(1, "2g.20gb", nvml.GpuInstancePlacement{Start: 2, Size: 2})
+	if !ok || info.MigUUID != created.MigUUID {
+		t.Fatalf("runtime info %+v %t", info, ok)
 	}
-	if err := m.MarkIdle(ctx, owner); err != nil {
-		t.Fatal(err)
+	// HAMi's rollback: Release for each device it took. The first undoes the container.
+	for _, uuid := range []string{created.MigUUID, reused} {
+		if err := m.Release(uuid); err != nil {
+			t.Fatal(err)
+		}
 	}
 	got := s.Instances()
 	if len(got) != 1 || got[0].MigUUID != cached.MigUUID || got[0].State != pb.InstanceState_IDLE {
 		t.Fatalf("after rollback: %+v", got)
 	}
-	if _, ok, _ := m.AllocationRuntimeInfo(ctx, 1, "2g.20gb", Placement{2, 2}); ok {
+	if _, ok := m.AllocationRuntimeInfo(1, "2g.20gb", nvml.GpuInstancePlacement{Start: 2, Size: 2}); ok {
 		t.Fatal("the destroyed instance still has runtime info")
+	}
+	if err := m.Release("MIG-unknown"); err != nil {
+		t.Fatalf("unknown MIG UUID: %v", err)
+	}
+}
+
+func TestARepeatedEnsureAllocationIsNotTakenAgain(t *testing.T) {
+	_, l := lazy(t)
+	m := l.Manager()
+	first, took, err := m.EnsureAllocation(own("p", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 3, Size: 1})
+	if err != nil || !took {
+		t.Fatal(took, err)
+	}
+	again, took, err := m.EnsureAllocation(own("p", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 3, Size: 1})
+	if err != nil || took || again != first {
+		t.Fatalf("repeat: %s %t %v, want %s not taken", again, took, err, first)
+	}
+	if _, _, err := m.EnsureAllocation(own("p", -1), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 4, Size: 1}); err == nil {
+		t.Fatal("a negative device index was sent")
+	}
+	if _, _, err := m.EnsureAllocation(own("p", 1), 9, "1g.10gb", nvml.GpuInstancePlacement{Start: 4, Size: 1}); err == nil {
+		t.Fatal("an unknown GPU index was sent")
 	}
 }
 
 func TestAdoptAllocationAcceptsOnlyTheIdentityTheSidecarHoldsActive(t *testing.T) {
-	s, m := manager(t)
-	ctx := context.Background()
-	res, err := m.EnsureAllocation(ctx, owner, 0, 0, "1g.10gb", Placement{3, 1})
+	s, l := lazy(t)
+	m := l.Manager()
+	res, err := l.EnsureAllocation(own("p", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 3, Size: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.AdoptAllocation(ctx, 0, "1g.10gb", res.MigUUID, Placement{3, 1}, res.GIID, res.CIID); err != nil {
+	info, _ := m.AllocationRuntimeInfo(0, "1g.10gb", nvml.GpuInstancePlacement{Start: 3, Size: 1})
+	at := nvml.GpuInstancePlacement{Start: 3, Size: 1}
+	if err := m.AdoptAllocation(0, "1g.10gb", res.MigUUID, at, info.GIID, info.CIID); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.AdoptAllocation(ctx, 0, "1g.10gb", res.MigUUID, Placement{3, 1}, res.GIID+1, res.CIID); !errors.Is(err, ErrNotLive) {
+	if err := l.AdoptAllocation(0, "1g.10gb", res.MigUUID, at, info.GIID+1, info.CIID); !errors.Is(err, ErrNotLive) {
 		t.Fatalf("wrong GI ID adopted: %v", err)
 	}
 	idle := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 5, Size: 1, State: pb.InstanceState_IDLE})
-	if err := m.AdoptAllocation(ctx, 0, "1g.10gb", idle.MigUUID, Placement{5, 1}, idle.GI, idle.CI); !errors.Is(err, ErrNotLive) {
+	if err := m.AdoptAllocation(0, "1g.10gb", idle.MigUUID, nvml.GpuInstancePlacement{Start: 5, Size: 1}, idle.GI, idle.CI); !errors.Is(err, ErrNotLive) {
 		t.Fatalf("an IDLE instance adopted as live: %v", err)
 	}
 }
 
-func TestDisableIdleGPUsDestroysIdleInstancesAndSkipsBusyGPUs(t *testing.T) {
-	s, m := manager(t)
-	ctx := context.Background()
-	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "2g.20gb", Start: 0, Size: 2, State: pb.InstanceState_IDLE})
-	s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_ACTIVE})
-	done, err := m.DisableIdleGPUs(ctx, map[int]struct{}{1: {}})
-	if err != nil || len(done) != 1 || done[0] != 0 {
-		t.Fatalf("disabled %v, %v", done, err)
+func TestResetIdleGPUsEnablesMigOnIdleGPUsAndKeepsTheCache(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	if done, err := l.DisableIdleGPUs(1, nil); err != nil || !slices.Equal(done, []int{0}) {
+		t.Fatalf("disable GPU 0: %v %v", done, err)
 	}
-	if s.MigEnabled("GPU-a") || !s.MigEnabled("GPU-b") {
-		t.Fatal("MIG modes wrong after the pass")
+	reset, err := m.ResetIdleGPUs(2, map[int]struct{}{})
+	if err != nil || !slices.Equal(reset, []int{0, 1}) || !s.MigEnabled("GPU-a") {
+		t.Fatalf("reset %v %v, MIG on GPU-a %t", reset, err, s.MigEnabled("GPU-a"))
 	}
-	if got := s.Instances(); len(got) != 1 || got[0].GPU != "GPU-b" {
-		t.Fatalf("instances %+v", got)
+	if got := s.Instances(); len(got) != 1 || got[0].State != pb.InstanceState_IDLE {
+		t.Fatalf("the idle cache is gone: %+v", got)
 	}
-	if err := m.EnsureMigModeEnabled(ctx, 0); err != nil || !s.MigEnabled("GPU-a") {
-		t.Fatalf("re-enable: %v", err)
-	}
-	if err := m.RetryErrorAllocations(ctx); err != nil {
-		t.Fatal(err)
-	}
-}
-
-func TestDiscoverProfilesPublishesTheReusablePlacementFirst(t *testing.T) {
-	s, m := manager(t)
-	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "2g.20gb", Start: 4, Size: 2, State: pb.InstanceState_IDLE})
-	profiles, count, err := m.DiscoverProfiles(context.Background(), 0, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range profiles {
-		if p.Name == "2g.20gb" && (p.Placements[0].Start != 4 || len(p.Placements) != 3) {
-			t.Fatalf("2g.20gb placements %+v", p.Placements)
-		}
-	}
-	if count != 7 {
-		t.Fatalf("instance count %d, want 7", count)
-	}
-}
-
-func TestDisableIdleGPUsReportsAPendingDisableAsNeedsReset(t *testing.T) {
-	s, m := manager(t)
-	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
 	s.ResetNeeded("GPU-a")
-	done, err := m.DisableIdleGPUs(context.Background(), map[int]struct{}{1: {}})
-	if !errors.Is(err, ErrNeedsReset) || len(done) != 0 {
-		t.Fatalf("disabled %v, %v; want none and ErrNeedsReset", done, err)
-	}
-	if !s.MigEnabled("GPU-a") || len(s.Instances()) != 0 {
-		t.Fatalf("MIG on %t, instances %+v: want MIG still on (pending off) and the idle instance gone", s.MigEnabled("GPU-a"), s.Instances())
+	if _, err := l.DisableIdleGPUs(1, nil); !errors.Is(err, ErrNeedsReset) {
+		t.Fatalf("a disable pending a reset: %v", err)
 	}
 }
 
-func TestDisableIdleGPUsDoesNotTakeTheAnswerForTheMode(t *testing.T) {
-	s, m := manager(t)
+func TestDisableIdleGPUsRefusesABusyMigGPUAndDoesNotTakeTheAnswerForTheMode(t *testing.T) {
+	s, l := lazy(t)
+	if done, err := l.DisableIdleGPUs(2, map[int]struct{}{0: {}}); err == nil || len(done) != 0 || !s.MigEnabled("GPU-a") {
+		t.Fatalf("a busy MIG GPU: %v %v", done, err)
+	}
 	s.IgnoreMigMode("GPU-a")
-	done, err := m.DisableIdleGPUs(context.Background(), map[int]struct{}{1: {}})
-	if err == nil || errors.Is(err, ErrNeedsReset) || len(done) != 0 {
+	if done, err := l.DisableIdleGPUs(1, nil); err == nil || errors.Is(err, ErrNeedsReset) || len(done) != 0 {
 		t.Fatalf("disabled %v, %v; want none and an error naming the mode read back", done, err)
 	}
-	if !s.MigEnabled("GPU-a") {
-		t.Fatal("the fake changed the mode it was told to ignore")
+}
+
+func TestTheLazyExtrasAndShutdown(t *testing.T) {
+	_, l := lazy(t)
+	if got, err := l.RetryErrorAllocations(nil); err != nil || len(got) != 0 {
+		t.Fatalf("retry: %v %v", got, err)
+	}
+	if err := l.RestoreAllocations(2, nil, nil, true); err == nil {
+		t.Fatal("adoptExisting differing from the sidecar's was accepted")
+	}
+	if err := l.RestoreAllocations(2, nil, nil, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.ReconcileActiveAllocations(nil); err != nil {
+		t.Fatal(err)
+	}
+	l.MarkIdle("MIG-unknown")
+	if _, ok := l.CDIDevice("MIG-unknown"); ok {
+		t.Fatal("a CDI device for an unknown MIG UUID")
+	}
+	l.Shutdown()
+	l.Shutdown()
+	if _, err := l.Manager().ResetIdleGPUs(1, nil); !errors.Is(err, ErrShutdown) {
+		t.Fatalf("after Shutdown: %v", err)
 	}
 }

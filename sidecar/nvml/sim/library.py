@@ -25,6 +25,8 @@ from sidecar.nvml.sim.store import StateStore
 if TYPE_CHECKING:
     from sidecar.nvml.sim.hardware import SimulatedHardware
 
+LATENCY_POLL_S = 0.1
+
 
 class _CFunction:
     """One emulated C symbol. A plain object, not a bound method, because pynvml assigns attributes
@@ -67,7 +69,9 @@ class SimulatedLibrary:
             # The driver's own time (the lock, the state, the call), not the modelled latency below.
             self.store.add_driver_ns(time.perf_counter_ns() - started)
         if delay > 0:
-            time.sleep(delay)  # outside the lock: a slow call does not stall every other caller
+            self._wait(
+                name, started, delay
+            )  # outside the lock: a slow call does not stall every other caller
         return code
 
     def call_query(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -83,8 +87,22 @@ class SimulatedLibrary:
                 code = _answer(impl, view, args)
             self.store.add_driver_ns(time.perf_counter_ns() - started)
         if delay > 0:
-            time.sleep(delay)
+            self._wait(name, started, delay)
         return code
+
+    def _wait(self, name: str, started_ns: int, delay: float) -> None:
+        """Sleep out the modelled latency of a call that started at ``started_ns``, reading the latency
+        again every ``LATENCY_POLL_S``: an operator who lowers or removes it (``sim latency OP 0``, the
+        driver recovering) ends the wait of a call already in it, as a hung driver call that finally
+        returns would."""
+        while True:
+            left = started_ns / 1e9 + delay - time.perf_counter_ns() / 1e9
+            if left <= 0:
+                return
+            time.sleep(min(left, LATENCY_POLL_S))
+            with self.store.query() as q:  # not counted: the driver's own bookkeeping, no C call
+                latency = q.view.latency
+            delay = _delay(latency, name) if latency else 0.0
 
     def call_unfaultable(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         """Counted like every other call, but never faulted or delayed."""

@@ -50,7 +50,8 @@ func (p *player) reclaimIdle(ctx context.Context, n int, g *GPUStep) report {
 	return r
 }
 
-// disableMig is HAMi's DisableIdleGPUs for one GPU (hami-core mode).
+// disableMig is DisableIdleGPUs of HAMi after its lazy-lifecycle rewrite (PR #3128) for one GPU
+// (hami-core mode).
 func (p *player) disableMig(ctx context.Context, n int, g *GPUStep) report {
 	r := report{Step: n, Event: "disable-mig"}
 	uuid, err := p.gpuByIndex(ctx, g.GPU)

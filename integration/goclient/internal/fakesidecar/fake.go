@@ -509,10 +509,18 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 			if in.GPU == g {
 				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
 					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
-					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State})
+					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State, Owner: owner(in.Owner),
+					CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + in.MigUUID})
 			}
 		}
 		out.Gpus = append(out.Gpus, gs)
 	}
 	return out, nil
+}
+
+func owner(k *Key) *pb.Owner {
+	if k == nil {
+		return nil
+	}
+	return &pb.Owner{Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex, DeviceIndex: k.DeviceIndex}
 }

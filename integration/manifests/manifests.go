@@ -1,0 +1,526 @@
+package manifests
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
+	"github.com/prometheus/prometheus/promql/parser"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/yaml"
+)
+
+// What the sidecar's configuration and the node agree on (README, "Configuration").
+const (
+	SidecarContainer = "mig-sidecar"
+	PluginContainer  = "device-plugin"
+	HealthCommand    = "health"
+	ServiceName      = "hami.migsidecar.v1.MigSidecar"
+	// kubelet removes what it does not know from this directory: never the socket's home.
+	DevicePluginDir = "/var/lib/kubelet/device-plugins"
+	// The container runtime reads CDI specs from the node's /var/run/cdi.
+	CDIDir          = "/var/run/cdi"
+	MetricPrefix    = "hami_mig_sidecar_"
+	defaultSocket   = "/var/lib/hami/mig-sidecar/sidecar.sock"
+	defaultStateDir = "/var/run/hami/dynamic-mig-state"
+)
+
+// The alerts and panels the README's operator section describes; a file without one is incomplete.
+var (
+	RequiredAlerts = []string{
+		"HamiMigSidecarErrorInstances",
+		"HamiMigSidecarPendingCdiRemovalsGrowing",
+		"HamiMigSidecarNvmlErrors",
+		"HamiMigSidecarNotRecovered",
+		"HamiMigSidecarIdleOlderThanTtl",
+	}
+	RequiredPanels = []string{
+		"Instances by state",
+		"Reuse ratio",
+		"Creations and reclaims per minute",
+		"Allocate latency by outcome",
+		"NVML errors by operation",
+	}
+)
+
+// MeasuredLine is how bench/resident_memory.py prints the figure the DaemonSet's memory is set from,
+// and how bench/README.md records it.
+var MeasuredLine = regexp.MustCompile(`resident memory, 8 GPUs x 7 instances: ([0-9]+(?:\.[0-9]+)?) MiB`)
+
+// Manifest is one decoded document of deploy/*.yaml.
+type Manifest struct {
+	File       string
+	DaemonSet  *appsv1.DaemonSet
+	PromRule   *monitoringv1.PrometheusRule
+	Kind       string
+	APIVersion string
+}
+
+// DecodeFile decodes every document of a deploy/*.yaml file strictly, by its kind.
+func DecodeFile(file string) ([]Manifest, error) {
+	data, err := os.ReadFile(file)
+	if err != nil {
+		return nil, err
+	}
+	return Decode(filepath.Base(file), data)
+}
+
+// Decode decodes the YAML documents of data strictly with the type of each one's apiVersion and kind;
+// a kind this package does not know is an error, so a new manifest cannot go unchecked.
+func Decode(name string, data []byte) ([]Manifest, error) {
+	var out []Manifest
+	for i, doc := range splitDocuments(data) {
+		var meta metav1.TypeMeta
+		if err := yaml.Unmarshal(doc, &meta); err != nil {
+			return nil, fmt.Errorf("%s: document %d: %w", name, i, err)
+		}
+		m := Manifest{File: name, Kind: meta.Kind, APIVersion: meta.APIVersion}
+		var err error
+		switch gvk := meta.APIVersion + "/" + meta.Kind; gvk {
+		case "apps/v1/DaemonSet":
+			m.DaemonSet = &appsv1.DaemonSet{}
+			err = yaml.UnmarshalStrict(doc, m.DaemonSet)
+		case "monitoring.coreos.com/v1/PrometheusRule":
+			m.PromRule = &monitoringv1.PrometheusRule{}
+			err = yaml.UnmarshalStrict(doc, m.PromRule)
+		default:
+			err = fmt.Errorf("no type known for %q", gvk)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s: document %d (%s): %w", name, i, meta.Kind, err)
+		}
+		out = append(out, m)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: no document", name)
+	}
+	return out, nil
+}
+
+func splitDocuments(data []byte) [][]byte {
+	var docs [][]byte
+	for _, part := range regexp.MustCompile(`(?m)^---\s*$`).Split(string(data), -1) {
+		if strings.TrimSpace(stripComments(part)) != "" {
+			docs = append(docs, []byte(part))
+		}
+	}
+	return docs
+}
+
+func stripComments(text string) string {
+	var kept []string
+	for _, line := range strings.Split(text, "\n") {
+		if !strings.HasPrefix(strings.TrimSpace(line), "#") {
+			kept = append(kept, line)
+		}
+	}
+	return strings.Join(kept, "\n")
+}
+
+// MeasuredMiB reads the benchmark's figure from text (bench/README.md).
+func MeasuredMiB(text []byte) (float64, error) {
+	match := MeasuredLine.FindSubmatch(text)
+	if match == nil {
+		return 0, fmt.Errorf("no line matching %q", MeasuredLine)
+	}
+	return strconv.ParseFloat(string(match[1]), 64)
+}
+
+// -- DaemonSet ----------------------------------------------------------------------------------------
+
+func container(spec *corev1.PodSpec, name string) *corev1.Container {
+	for i := range spec.Containers {
+		if spec.Containers[i].Name == name {
+			return &spec.Containers[i]
+		}
+	}
+	return nil
+}
+
+func volume(spec *corev1.PodSpec, name string) *corev1.Volume {
+	for i := range spec.Volumes {
+		if spec.Volumes[i].Name == name {
+			return &spec.Volumes[i]
+		}
+	}
+	return nil
+}
+
+// setting is what the sidecar reads for a flag: the flag in args, else its environment variable, else
+// the default (the order of sidecar/config.py).
+func setting(c *corev1.Container, flag, env, fallback string) string {
+	args := slices.Concat(c.Command, c.Args)
+	for i, arg := range args {
+		if arg == flag && i+1 < len(args) {
+			return args[i+1]
+		}
+		if value, ok := strings.CutPrefix(arg, flag+"="); ok {
+			return value
+		}
+	}
+	for _, e := range c.Env {
+		if e.Name == env {
+			return e.Value
+		}
+	}
+	return fallback
+}
+
+func within(dir, parent string) bool {
+	dir, parent = path.Clean(dir), path.Clean(parent)
+	return dir == parent || strings.HasPrefix(dir, parent+"/")
+}
+
+// mountOf is the mount of c that holds dir (the deepest one), with the host path under it when the
+// volume is a hostPath ("" otherwise).
+func mountOf(spec *corev1.PodSpec, c *corev1.Container, dir string) (*corev1.VolumeMount, string) {
+	var best *corev1.VolumeMount
+	for i := range c.VolumeMounts {
+		m := &c.VolumeMounts[i]
+		if within(dir, m.MountPath) && (best == nil || len(m.MountPath) > len(best.MountPath)) {
+			best = m
+		}
+	}
+	if best == nil {
+		return nil, ""
+	}
+	v := volume(spec, best.Name)
+	if v == nil || v.HostPath == nil {
+		return best, ""
+	}
+	rest := strings.TrimPrefix(path.Clean(dir), path.Clean(best.MountPath))
+	return best, path.Join(v.HostPath.Path, best.SubPath, rest)
+}
+
+// CheckDaemonSet returns every way ds breaks what an operator relies on; measuredMiB is the resident
+// memory of a sidecar serving 8 GPUs x 7 instances (bench/resident_memory.py).
+func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
+	var errs []error
+	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	spec := &ds.Spec.Template.Spec
+	sidecar, plugin := container(spec, SidecarContainer), container(spec, PluginContainer)
+	if sidecar == nil || plugin == nil {
+		fail("the pod needs the containers %q and %q", SidecarContainer, PluginContainer)
+		return errs
+	}
+
+	socket := setting(sidecar, "--socket", "HAMI_MIG_SIDECAR_SOCKET", defaultSocket)
+	socketDir := path.Dir(socket)
+	sMount, sHost := mountOf(spec, sidecar, socketDir)
+	pMount, pHost := mountOf(spec, plugin, socketDir)
+	switch {
+	case sMount == nil || pMount == nil:
+		fail("both containers must mount the socket directory %s", socketDir)
+	case sMount.Name != pMount.Name || sHost != pHost:
+		fail("the containers mount the socket directory %s from different volumes (%s, %s)",
+			socketDir, sMount.Name, pMount.Name)
+	case sHost == "":
+		fail("the socket directory %s must be a hostPath volume (the plugin of the next pod finds it there)", socketDir)
+	}
+	for _, dir := range []string{socketDir, sHost} {
+		if dir != "" && within(dir, DevicePluginDir) {
+			fail("the socket directory %s is under %s, which kubelet wipes", dir, DevicePluginDir)
+		}
+	}
+
+	stateDir := setting(sidecar, "--state-dir", "HAMI_MIG_SIDECAR_STATE_DIR", defaultStateDir)
+	if _, host := mountOf(spec, sidecar, stateDir); host == "" {
+		fail("the state directory %s must be on a hostPath volume (the records outlive the container)", stateDir)
+	}
+	cdiDir := setting(sidecar, "--cdi-dir", "HAMI_MIG_SIDECAR_CDI_DIR", CDIDir)
+	if _, host := mountOf(spec, sidecar, cdiDir); path.Clean(host) != CDIDir {
+		fail("the CDI directory %s must be the node's %s through a hostPath volume (found %q)", cdiDir, CDIDir, host)
+	}
+
+	errs = append(errs, checkProbe("readinessProbe", sidecar.ReadinessProbe, socket, ServiceName)...)
+	errs = append(errs, checkProbe("livenessProbe", sidecar.LivenessProbe, socket, "")...)
+
+	strategy := ds.Spec.UpdateStrategy
+	switch strategy.Type {
+	case appsv1.OnDeleteDaemonSetStrategyType:
+	case appsv1.RollingUpdateDaemonSetStrategyType, "":
+		if r := strategy.RollingUpdate; r != nil && r.MaxSurge != nil && !zero(*r.MaxSurge) {
+			fail("rollingUpdate.maxSurge %s starts the new pod beside the old one: two sidecars on a node",
+				r.MaxSurge.String())
+		}
+		if r := strategy.RollingUpdate; r != nil && r.MaxUnavailable != nil && zero(*r.MaxUnavailable) {
+			fail("rollingUpdate.maxUnavailable 0 needs a surge, which would run two sidecars on a node")
+		}
+	default:
+		fail("unknown update strategy %q", strategy.Type)
+	}
+
+	errs = append(errs, checkResources(sidecar.Resources, measuredMiB)...)
+	return errs
+}
+
+func zero(v intstr.IntOrString) bool {
+	return (v.Type == intstr.Int && v.IntVal == 0) || (v.Type == intstr.String && strings.TrimSuffix(v.StrVal, "%") == "0")
+}
+
+// checkProbe: the probe runs the sidecar's own health check on its socket, for service ("" = the
+// process, which turns NOT_SERVING when NVML or the reconciler is stuck).
+func checkProbe(name string, probe *corev1.Probe, socket, service string) []error {
+	if probe == nil || probe.Exec == nil {
+		return []error{fmt.Errorf("%s: the sidecar needs an exec probe running `hami-mig-sidecar %s`", name, HealthCommand)}
+	}
+	command := probe.Exec.Command
+	var errs []error
+	if len(command) < 2 || command[0] != "hami-mig-sidecar" || command[1] != HealthCommand {
+		errs = append(errs, fmt.Errorf("%s: runs %q, not `hami-mig-sidecar %s`", name, command, HealthCommand))
+	}
+	probed := &corev1.Container{Args: command}
+	if got := setting(probed, "--socket", "", defaultSocket); got != socket {
+		errs = append(errs, fmt.Errorf("%s: asks the socket %s, the sidecar serves on %s", name, got, socket))
+	}
+	if got := setting(probed, "--service", "", ""); got != service {
+		errs = append(errs, fmt.Errorf("%s: asks the health of service %q, want %q", name, got, service))
+	}
+	if probe.TimeoutSeconds < 2 {
+		errs = append(errs, fmt.Errorf("%s: timeoutSeconds %d leaves the CLI no time to start", name, probe.TimeoutSeconds))
+	}
+	return errs
+}
+
+func checkResources(r corev1.ResourceRequirements, measuredMiB float64) []error {
+	var errs []error
+	measured := measuredMiB * 1024 * 1024
+	request, hasRequest := r.Requests[corev1.ResourceMemory]
+	limit, hasLimit := r.Limits[corev1.ResourceMemory]
+	if _, ok := r.Requests[corev1.ResourceCPU]; !ok {
+		errs = append(errs, errors.New("the sidecar requests no CPU"))
+	}
+	mib := func(q resource.Quantity) float64 { return float64(q.Value()) / 1024 / 1024 }
+	switch {
+	case !hasRequest || !hasLimit:
+		errs = append(errs, errors.New("the sidecar needs a memory request and limit"))
+	case float64(request.Value()) < measured:
+		errs = append(errs, fmt.Errorf("memory request %.0f MiB is below the measured %.1f MiB", mib(request), measuredMiB))
+	case float64(request.Value()) > 2*measured:
+		errs = append(errs, fmt.Errorf("memory request %.0f MiB is over twice the measured %.1f MiB", mib(request), measuredMiB))
+	case float64(limit.Value()) < 2*measured:
+		errs = append(errs, fmt.Errorf("memory limit %.0f MiB leaves less than the measured %.1f MiB again for growth",
+			mib(limit), measuredMiB))
+	}
+	return errs
+}
+
+// -- PromQL -------------------------------------------------------------------------------------------
+
+var promql = parser.NewParser(parser.Options{})
+
+// MetricNames parses expr as PromQL and returns the metric names it selects, sorted.
+func MetricNames(expr string) ([]string, error) {
+	node, err := promql.ParseExpr(expr)
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]bool{}
+	parser.Inspect(node, func(n parser.Node, _ []parser.Node) error {
+		if v, ok := n.(*parser.VectorSelector); ok && v.Name != "" {
+			seen[v.Name] = true
+		}
+		return nil
+	})
+	names := make([]string, 0, len(seen))
+	for name := range seen {
+		names = append(names, name)
+	}
+	sort.Strings(names)
+	return names, nil
+}
+
+func checkExpr(where, expr string) []error {
+	if strings.TrimSpace(expr) == "" {
+		return []error{fmt.Errorf("%s: no expression", where)}
+	}
+	names, err := MetricNames(expr)
+	if err != nil {
+		return []error{fmt.Errorf("%s: %w", where, err)}
+	}
+	for _, name := range names {
+		if strings.HasPrefix(name, MetricPrefix) {
+			return nil
+		}
+	}
+	return []error{fmt.Errorf("%s: names no %s* metric", where, MetricPrefix)}
+}
+
+// -- PrometheusRule -----------------------------------------------------------------------------------
+
+// CheckRules returns every way rule breaks: an expression that does not parse or names none of the
+// sidecar's metrics, an alert without severity, summary or description, a required alert missing.
+func CheckRules(rule *monitoringv1.PrometheusRule) []error {
+	var errs []error
+	alerts := map[string]bool{}
+	for _, group := range rule.Spec.Groups {
+		for i, r := range group.Rules {
+			where := fmt.Sprintf("group %s rule %d (%s%s)", group.Name, i, r.Alert, r.Record)
+			if (r.Alert == "") == (r.Record == "") {
+				errs = append(errs, fmt.Errorf("%s: exactly one of alert and record", where))
+			}
+			errs = append(errs, checkExpr(where, r.Expr.String())...)
+			if r.Alert == "" {
+				continue
+			}
+			alerts[r.Alert] = true
+			if r.Labels["severity"] == "" {
+				errs = append(errs, fmt.Errorf("%s: no severity label", where))
+			}
+			for _, key := range []string{"summary", "description"} {
+				if strings.TrimSpace(r.Annotations[key]) == "" {
+					errs = append(errs, fmt.Errorf("%s: no %s annotation", where, key))
+				}
+			}
+		}
+	}
+	for _, name := range RequiredAlerts {
+		if !alerts[name] {
+			errs = append(errs, fmt.Errorf("alert %s is missing", name))
+		}
+	}
+	return errs
+}
+
+// -- Grafana dashboard --------------------------------------------------------------------------------
+
+// Dashboard is the part of Grafana's dashboard model deploy/grafana-dashboard.json uses; it is decoded
+// with unknown fields refused, so a misspelt key fails instead of being ignored by Grafana.
+type Dashboard struct {
+	Title         string          `json:"title"`
+	UID           string          `json:"uid"`
+	Description   string          `json:"description"`
+	Tags          []string        `json:"tags"`
+	Editable      bool            `json:"editable"`
+	SchemaVersion int             `json:"schemaVersion"`
+	Version       int             `json:"version"`
+	Refresh       string          `json:"refresh"`
+	Time          json.RawMessage `json:"time"`
+	Timezone      string          `json:"timezone"`
+	Templating    struct {
+		List []Variable `json:"list"`
+	} `json:"templating"`
+	Annotations json.RawMessage `json:"annotations"`
+	Panels      []Panel         `json:"panels"`
+}
+
+type Datasource struct {
+	Type string `json:"type"`
+	UID  string `json:"uid"`
+}
+
+type Variable struct {
+	Name       string          `json:"name"`
+	Label      string          `json:"label"`
+	Type       string          `json:"type"`
+	Datasource *Datasource     `json:"datasource,omitempty"`
+	Query      json.RawMessage `json:"query"`
+	Definition string          `json:"definition,omitempty"`
+	IncludeAll bool            `json:"includeAll,omitempty"`
+	AllValue   string          `json:"allValue,omitempty"`
+	Multi      bool            `json:"multi,omitempty"`
+	Refresh    int             `json:"refresh,omitempty"`
+	Current    json.RawMessage `json:"current"`
+	Hide       int             `json:"hide"`
+}
+
+type Panel struct {
+	Type        string          `json:"type"`
+	Title       string          `json:"title"`
+	Description string          `json:"description"`
+	ID          int             `json:"id"`
+	Datasource  Datasource      `json:"datasource"`
+	GridPos     json.RawMessage `json:"gridPos"`
+	FieldConfig json.RawMessage `json:"fieldConfig"`
+	Options     json.RawMessage `json:"options"`
+	Targets     []Target        `json:"targets"`
+}
+
+type Target struct {
+	Datasource   Datasource `json:"datasource"`
+	Expr         string     `json:"expr"`
+	LegendFormat string     `json:"legendFormat"`
+	RefID        string     `json:"refId"`
+}
+
+// DecodeDashboard decodes data strictly (an unknown field fails; so does trailing content).
+func DecodeDashboard(data []byte) (*Dashboard, error) {
+	decoder := json.NewDecoder(bytes.NewReader(data))
+	decoder.DisallowUnknownFields()
+	var d Dashboard
+	if err := decoder.Decode(&d); err != nil {
+		return nil, err
+	}
+	if decoder.More() {
+		return nil, errors.New("content after the dashboard object")
+	}
+	return &d, nil
+}
+
+// grafanaVariables stand in for what Grafana substitutes before the query reaches Prometheus.
+var grafanaVariables = strings.NewReplacer("$__rate_interval", "5m", "$__interval", "1m", "${datasource}", "x")
+
+// CheckDashboard returns every way d breaks: a panel without a query, a query that does not parse as
+// PromQL (Grafana's variables substituted) or names none of the sidecar's metrics, a variable used
+// but not defined, a required panel missing.
+func CheckDashboard(d *Dashboard) []error {
+	var errs []error
+	defined := map[string]bool{}
+	for _, v := range d.Templating.List {
+		defined[v.Name] = true
+	}
+	variable := regexp.MustCompile(`\$\{?([A-Za-z_][A-Za-z0-9_]*)`)
+	used := func(where, text string) {
+		for _, m := range variable.FindAllStringSubmatch(text, -1) {
+			if !strings.HasPrefix(m[1], "__") && !defined[m[1]] {
+				errs = append(errs, fmt.Errorf("%s: variable $%s is not defined", where, m[1]))
+			}
+		}
+	}
+	titles := map[string]bool{}
+	ids := map[int]bool{}
+	for _, p := range d.Panels {
+		where := fmt.Sprintf("panel %q", p.Title)
+		if titles[p.Title] || ids[p.ID] {
+			errs = append(errs, fmt.Errorf("%s: title or id %d used twice", where, p.ID))
+		}
+		titles[p.Title], ids[p.ID] = true, true
+		if strings.TrimSpace(p.Description) == "" {
+			errs = append(errs, fmt.Errorf("%s: no description", where))
+		}
+		if len(p.Targets) == 0 {
+			errs = append(errs, fmt.Errorf("%s: no query", where))
+		}
+		for _, t := range p.Targets {
+			used(where, t.Expr)
+			expr := grafanaVariables.Replace(t.Expr)
+			for name := range defined {
+				expr = strings.ReplaceAll(expr, "$"+name, ".*")
+			}
+			errs = append(errs, checkExpr(fmt.Sprintf("%s query %s", where, t.RefID), expr)...)
+		}
+	}
+	for _, v := range d.Templating.List {
+		used("variable "+v.Name, string(v.Query))
+	}
+	for _, title := range RequiredPanels {
+		if !titles[title] {
+			errs = append(errs, fmt.Errorf("panel %q is missing", title))
+		}
+	}
+	return errs
+}

@@ -1,0 +1,181 @@
+package manifests
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+const (
+	deployDir   = "../../deploy"
+	benchReadme = "../../bench/README.md"
+	daemonSet   = "daemonset.yaml"
+	rules       = "prometheus-rules.yaml"
+	dashboard   = "grafana-dashboard.json"
+)
+
+func read(t *testing.T, name string) string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(deployDir, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(data)
+}
+
+func measured(t *testing.T) float64 {
+	t.Helper()
+	text, err := os.ReadFile(benchReadme)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mib, err := MeasuredMiB(text)
+	if err != nil {
+		t.Fatalf("%s: %v", benchReadme, err)
+	}
+	return mib
+}
+
+// broken is text with old replaced by new; the test fails if old is not there (the file changed and
+// the broken copy would silently be the good file).
+func broken(t *testing.T, text, old, new string) string {
+	t.Helper()
+	if !strings.Contains(text, old) {
+		t.Fatalf("the file no longer contains %q", old)
+	}
+	return strings.Replace(text, old, new, 1)
+}
+
+// checkAll decodes text as the file name and runs the checks of its kind.
+func checkAll(t *testing.T, name, text string) []error {
+	t.Helper()
+	if strings.HasSuffix(name, ".json") {
+		d, err := DecodeDashboard([]byte(text))
+		if err != nil {
+			return []error{err}
+		}
+		return CheckDashboard(d)
+	}
+	docs, err := Decode(name, []byte(text))
+	if err != nil {
+		return []error{err}
+	}
+	var errs []error
+	for _, m := range docs {
+		switch {
+		case m.DaemonSet != nil:
+			errs = append(errs, CheckDaemonSet(m.DaemonSet, measured(t))...)
+		case m.PromRule != nil:
+			errs = append(errs, CheckRules(m.PromRule)...)
+		}
+	}
+	return errs
+}
+
+func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join(deployDir, "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := map[string]bool{}
+	for _, file := range files {
+		name := filepath.Base(file)
+		if !strings.HasSuffix(name, ".yaml") && !strings.HasSuffix(name, ".json") {
+			t.Errorf("%s: not a manifest this check knows (.yaml, .json)", name)
+			continue
+		}
+		seen[name] = true
+		for _, err := range checkAll(t, name, read(t, name)) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	for _, name := range []string{daemonSet, rules, dashboard} {
+		if !seen[name] {
+			t.Errorf("deploy/%s is missing", name)
+		}
+	}
+}
+
+func TestTheMeasuredFigureIsOnTheBenchmarksPrintedLine(t *testing.T) {
+	if mib := measured(t); mib < 8 || mib > 4096 {
+		t.Fatalf("measured %.1f MiB: not a sidecar's resident memory", mib)
+	}
+}
+
+// Each broken copy of a good file must fail, with an error that says why.
+func TestBrokenCopiesFail(t *testing.T) {
+	ds, rule, dash := read(t, daemonSet), read(t, rules), read(t, dashboard)
+	cases := []struct {
+		name, file, text, want string
+	}{
+		{"an unknown field of a container", daemonSet,
+			broken(t, ds, "          args: [\"serve\"]\n", "          args: [\"serve\"]\n          restartPolicyy: Always\n"),
+			"unknown field"},
+		{"a misspelt key of the update strategy", daemonSet,
+			broken(t, ds, "maxUnavailable: 1", "maxUnavailabel: 1"), "unknown field"},
+		{"a surge that starts a second sidecar on the node", daemonSet,
+			broken(t, ds, "maxSurge: 0", "maxSurge: 1"), "two sidecars"},
+		{"the socket under the device-plugins directory", daemonSet,
+			strings.ReplaceAll(ds, "/var/lib/hami/mig-sidecar", "/var/lib/kubelet/device-plugins/mig-sidecar"),
+			"kubelet wipes"},
+		{"the plugin not mounting the socket directory", daemonSet,
+			broken(t, ds, "            - name: mig-sidecar-socket\n              mountPath: /var/lib/hami/mig-sidecar\n            - name: device-plugins\n",
+				"            - name: device-plugins\n"),
+			"both containers must mount the socket directory"},
+		{"the state directory on an emptyDir", daemonSet,
+			broken(t, ds, "        - name: mig-state\n          hostPath:\n            path: /var/run/hami/dynamic-mig-state\n            type: DirectoryOrCreate\n",
+				"        - name: mig-state\n          emptyDir: {}\n"),
+			"state directory"},
+		{"CDI specs written somewhere the runtime does not read", daemonSet,
+			broken(t, ds, "            path: /var/run/cdi\n", "            path: /etc/cdi-elsewhere\n"),
+			"CDI directory"},
+		{"a liveness probe that only checks the socket answers", daemonSet,
+			broken(t, ds, "livenessProbe:\n            exec:\n              command: [\"hami-mig-sidecar\", \"health\"",
+				"livenessProbe:\n            exec:\n              command: [\"hami-mig-sidecar\", \"status\""),
+			"livenessProbe"},
+		{"a memory request below the measured figure", daemonSet,
+			broken(t, ds, "memory: 64Mi", "memory: 16Mi"), "below the measured"},
+		{"an unknown field of a rule", rules,
+			broken(t, rule, "          for: 5m\n", "          for: 5m\n          severity: warning\n"),
+			"unknown field"},
+		{"a rule expression that does not parse", rules,
+			broken(t, rule, `sum by (instance, gpu) (hami_mig_sidecar_instances{state="ERROR"}) > 0`,
+				`sum by (instance, gpu) (hami_mig_sidecar_instances{state="ERROR"} > 0`),
+			"parse error"},
+		{"a rule naming no metric of the sidecar", rules,
+			broken(t, rule, `max by (instance, part) (hami_mig_sidecar_busy_seconds) > 120`, `vector(1) > 0`),
+			"names no"},
+		{"a required alert gone", rules,
+			broken(t, rule, "alert: HamiMigSidecarNotRecovered", "alert: SomethingElse"),
+			"HamiMigSidecarNotRecovered is missing"},
+		{"an unknown key in the dashboard", dashboard,
+			broken(t, dash, `"legendFormat"`, `"legend"`), "unknown field"},
+		{"a panel query that does not parse", dashboard,
+			broken(t, dash, `sum by (instance, operation, code) (rate(`, `sum by (instance, operation, code (rate(`),
+			"parse error"},
+		{"a variable the dashboard does not define", dashboard,
+			broken(t, dash, `instance=~\"$node\"`, `instance=~\"$host\"`), "$host is not defined"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			errs := checkAll(t, c.file, c.text)
+			for _, err := range errs {
+				if strings.Contains(err.Error(), c.want) {
+					return
+				}
+			}
+			t.Fatalf("want an error containing %q, got %v", c.want, errs)
+		})
+	}
+}
+
+func TestMetricNamesAreTheSelectedSeries(t *testing.T) {
+	names, err := MetricNames(`sum(rate(hami_mig_sidecar_a_total{x="1"}[5m])) / ignoring(y) hami_mig_sidecar_b > 0`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(names, ",") != "hami_mig_sidecar_a_total,hami_mig_sidecar_b" {
+		t.Fatalf("got %v", names)
+	}
+}

@@ -1,0 +1,217 @@
+"""``hami-mig-sidecar call`` and ``hami-mig-sidecar health``: the API from a shell, nothing to install.
+
+``call METHOD [JSON]`` sends one request of the contract, written as JSON with the proto field names
+(``{"pod_uid": "pod-1"}``; the lowerCamel JSON names are accepted too), and prints the response as
+JSON with the proto field names, every field included. METHOD is a MigSidecar method (``Allocate``) or
+``SERVICE/METHOD`` (``grpc.health.v1.Health/Check``). ``--field PATH`` prints one value of the
+response instead (``gpus.0.uuid``: keys and list indexes separated by dots; a string unquoted), for a
+shell variable. A refusal prints ``CODE REASON: message`` and the ErrorInfo metadata, one
+``key=value`` a line, on stderr and exits 1.
+
+``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
+for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
+while an NVML call or reconciler round is stuck) for liveness, ``hami.migsidecar.v1.MigSidecar``
+(SERVING once recovered) for readiness.
+
+Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not SERVING, 2 bad usage
+(unknown method, a request that does not parse, a ``--field`` the response does not have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+HEALTH_CHECK = "grpc.health.v1.Health/Check"
+
+
+def _methods() -> dict[str, tuple[str, Any, Any]]:
+    """Name -> (gRPC path, request class, response class) for every method ``call`` knows."""
+    from google.protobuf import message_factory  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2  # noqa: PLC0415
+    from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
+
+    found: dict[str, tuple[str, Any, Any]] = {}
+    for service, short in (
+        (pb.DESCRIPTOR.services_by_name["MigSidecar"], True),
+        (health_pb2.DESCRIPTOR.services_by_name["Health"], False),
+    ):
+        for method in service.methods:
+            if method.server_streaming or method.client_streaming:
+                continue
+            entry = (
+                f"/{service.full_name}/{method.name}",
+                message_factory.GetMessageClass(method.input_type),
+                message_factory.GetMessageClass(method.output_type),
+            )
+            found[f"{service.full_name}/{method.name}"] = entry
+            if short:
+                found[method.name] = entry
+    return found
+
+
+def _field(document: Any, path: str) -> Any:
+    """The value at ``path`` (``gpus.0.uuid``) of a decoded JSON document; KeyError if absent."""
+    value = document
+    for part in path.split("."):
+        if isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        elif isinstance(value, dict) and part in value:
+            value = value[part]
+        else:
+            raise KeyError(part)
+    return value
+
+
+def print_failure(command: str, exc: Any) -> int:
+    """``CODE REASON: message`` and the ErrorInfo metadata as ``key=value`` lines, on stderr."""
+    from google.rpc import error_details_pb2  # noqa: PLC0415
+    from grpc_status import rpc_status  # noqa: PLC0415
+
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    reason, metadata = "", {}
+    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            reason, metadata = f" {info.reason}", dict(info.metadata)
+    lines = [f"hami-mig-sidecar {command}: {code}{reason}: {details}"]
+    lines += [f"  {key}={value}" for key, value in sorted(metadata.items())]
+    sys.stderr.write("\n".join(lines) + "\n")
+    return EXIT_FAILED
+
+
+def _connect(command: str, args: argparse.Namespace) -> str | None:
+    """The gRPC target of ``args.socket``, or None after printing why nothing answers there."""
+    socket = Path(args.socket).absolute()  # gRPC takes only an absolute path after unix://
+    trouble = args.socket_trouble(socket)
+    if trouble:
+        print(f"hami-mig-sidecar {command}: {trouble}", file=sys.stderr)
+        return None
+    return f"unix://{socket}"
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from google.protobuf import json_format  # noqa: PLC0415
+
+    methods = _methods()
+    if args.method not in methods:
+        names = ", ".join(sorted(m for m in methods if "/" not in m))
+        print(
+            f"hami-mig-sidecar call: no method {args.method!r}; MigSidecar has {names}, and {HEALTH_CHECK}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    path, request_class, response_class = methods[args.method]
+    text = sys.stdin.read() if args.request == "-" else args.request
+    try:
+        document = json.loads(text)
+        if not isinstance(document, dict):
+            raise json_format.ParseError(f"want a JSON object, got {type(document).__name__}")
+        request = json_format.ParseDict(document, request_class())
+    except (ValueError, json_format.ParseError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"hami-mig-sidecar call {args.method}: the request does not parse: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    target = _connect("call", args)
+    if target is None:
+        return EXIT_FAILED
+    with grpc.insecure_channel(target) as channel:
+        stub = channel.unary_unary(
+            path,
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
+        try:
+            response = stub(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            return print_failure(f"call {args.method}", exc)
+    answer = json_format.MessageToDict(
+        response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    if args.field is None:
+        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+        return EXIT_OK
+    try:
+        value = _field(answer, args.field)
+    except KeyError as exc:
+        print(
+            f"hami-mig-sidecar call {args.method}: the response has no {args.field} ({exc})", file=sys.stderr
+        )
+        return EXIT_USAGE
+    sys.stdout.write((value if isinstance(value, str) else json.dumps(value)) + "\n")
+    return EXIT_OK
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc  # noqa: PLC0415
+    from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
+
+    target = _connect("health", args)
+    if target is None:
+        return EXIT_FAILED
+    with grpc.insecure_channel(target) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            return print_failure("health", exc)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+    print(f"{args.service or '(process)'}: {status}")
+    return EXIT_OK if answer.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILED
+
+
+def register(commands: Any, socket_flag: dict[str, Any], socket_trouble: Callable[[Path], str]) -> None:
+    """Add ``call`` and ``health`` to the console script's subcommands; ``socket_flag`` are the
+    keyword arguments of the ``--socket`` option every client command shares, ``socket_trouble``
+    says in one line why nothing answers on a socket ("" when something does)."""
+    call = commands.add_parser(
+        "call",
+        help="send one request to a running sidecar, JSON in and out",
+        description="Send one request of the contract, written as JSON with the proto field names, and "
+        "print the response as JSON. METHOD is a MigSidecar method (Allocate, ListGpus, ...) or "
+        f"SERVICE/METHOD ({HEALTH_CHECK}). A refusal prints its code, ErrorInfo reason and metadata on "
+        "stderr and exits 1.",
+    )
+    call.add_argument("method", metavar="METHOD", help="e.g. Allocate, GetState, " + HEALTH_CHECK)
+    call.add_argument(
+        "request", metavar="JSON", nargs="?", default="{}", help="the request ('-': stdin; default {})"
+    )
+    call.add_argument("--socket", **socket_flag)
+    call.add_argument(
+        "--field",
+        metavar="PATH",
+        help="print only this value of the response, e.g. gpus.0.uuid (strings unquoted)",
+    )
+    call.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="deadline (a create takes seconds on a node)",
+    )
+    call.set_defaults(func=cmd_call, socket_trouble=socket_trouble)
+
+    health = commands.add_parser(
+        "health",
+        help="exit 0 if the sidecar's health service answers SERVING (the probes' command)",
+        description="Ask grpc.health.v1.Health/Check and print the status; exit 0 for SERVING, 1 otherwise. "
+        "Service '' (the default) is the process: NOT_SERVING while an NVML call or a reconciler round has "
+        "run past --stuck-threshold. hami.migsidecar.v1.MigSidecar is SERVING once a Recover succeeded.",
+    )
+    health.add_argument("--socket", **socket_flag)
+    health.add_argument(
+        "--service", default="", metavar="NAME", help="the service to ask about (default: '')"
+    )
+    health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline")
+    health.set_defaults(func=cmd_health, socket_trouble=socket_trouble)
