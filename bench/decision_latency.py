@@ -4,37 +4,7 @@
 Starts one sidecar on simulated hardware (one H100-80GB), then drives the same cycle every round on
 the same socket and measures, for each decision:
 
-* wall clock, as p50/p99 and as the ratio of its p50 to the p50 of ``GetInfo`` in the same run —
-  ``GetInfo`` is the floor (gRPC over a Unix socket plus the servicer, no hardware, no disk), and a
-  ratio taken in one run is what survives a shared, noisy machine; absolute milliseconds do not —
-  and to the p50 of the gRPC health ``Check`` on the same socket, asked in every round beside
-  ``GetInfo`` (the cheapest call the server answers: grpcio's own servicer, none of the sidecar's
-  code);
-* NVML calls, read from the simulated hardware's call counters (reset before, read after each
-  decision): exact and noise-free, the same on every run and every machine. On a real node each is a
-  driver round trip (an ioctl), and a create or destroy costs far more than a read;
-* driver ms: the p50 of the time spent inside the simulated driver during the decision (its lock, its
-  state and the call; ``StateStore.driver_ns``), and own p50/GI: the p50 of the wall clock
-  less that time, over the p50 of ``GetInfo`` — the sidecar's own share, without the stand-in for the
-  driver, whose cost on a node is the real driver's.
-
-The cycle (every round is identical, so every round makes the same calls; a decision whose count
-differs between rounds is flagged):
-
-1. Allocate CREATED + reclaim — 1g.10gb at 0:1 while an idle 7g.80gb covers the GPU: one reclaim;
-2. Allocate CREATED — 1g.10gb at 1:1, a free placement;
-3. ALREADY_ALLOCATED — the same request again (a kubelet retry);
-4. Release — the pod of (2): its instance goes IDLE;
-5. Allocate REUSED — another pod asks for 1g.10gb at 1:1 and gets the idle instance;
-6. SyncActive — the plugin's periodic level-triggered sync, with both live allocations listed;
-7. GetState — what ``status`` shows an operator;
-8. (not measured) release everything, allocate and release a 7g.80gb to leave the idle blocker of (1).
-
-Usage: ``bench/decision_latency.py [--rounds N] [--calls] [--profile FILE] [--disk]``. The state
-(and the simulated hardware file) live on tmpfs (``/dev/shm``), as ``/var/run`` is on a node;
-``--disk`` runs the cycle a second time with them on disk. ``--calls`` prints the
-calls of each decision per C function; ``--profile FILE`` runs the sidecar under cProfile and writes
-its stats to FILE on exit (read them with ``python -m pstats FILE``).
+The rest: ``docs/architecture.md``, "Module notes", ``bench/decision_latency.py``.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.model.domain import AllocateRequest, DeviceRequest, PodRef, Reservation
 from sidecar.nvml.port import Placement
@@ -67,8 +68,9 @@ def main() -> int:
         records = RecordStore(root / "state")
         records.open()
         assert hw.proc_root is not None
-        lifecycle = Lifecycle(port, records, CdiSpecs(root / "cdi", proc_root=hw.proc_root), hw.boot_id)
-        lifecycle.install([], 0)
+        ctx = Context(port, records, CdiSpecs(root / "cdi", proc_root=hw.proc_root), hw.boot_id)
+        ctx.install([], 0)
+        lifecycle = Lifecycle(ctx)
         gpu = port.gpus()[0].uuid
         lifecycle.allocate(request(gpu, "z", "7g.80gb", 0, 8))
         lifecycle.release("z")

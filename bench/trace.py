@@ -6,34 +6,7 @@ per pod from a profile mix of 50 % 1g.10gb, 30 % 2g.20gb, 20 % 3g.40gb, sized so
 the memory slices are held on average. Events run in trace order, one RPC at a time, over the sidecar's
 Unix socket, like a plugin that allocates and releases pods one by one.
 
-The simulator's latency model is that of a real driver, scaled down by ``--scale`` (printed) so a run
-takes minutes: GI create 800 ms, CI create 200 ms, CI destroy 200 ms, GI destroy 400 ms, 1 ms for every
-other call. Allocate latency is reported *at real scale*: the wall clock measured for the call, minus
-the scaled delay of the NVML calls it made (counted exactly by the simulator), plus their real-scale
-delay. The sidecar's own CPU time is kept as measured rather than multiplied by 1/scale.
-
-Variants, one fresh sidecar each: a *policy* (what happens at release) and a *scheduler* (which GPU
-and placement a pod gets):
-
-* policies: ``eager`` — destroy on release, as HAMi v2.10 does: ``Release`` then ``ReclaimIdle`` of that
-  instance; ``idle`` — ``Release`` only, the instance stays IDLE for reuse; ``idle+reserve`` — the same
-  with the sidecar's background free reserve (``RESERVE_ARGS``);
-* schedulers: ``first-fit`` — first GPU, first placement with no ACTIVE instance over it (blind to idle
-  ones, as HAMi's scheduler is); ``prefer-idle`` — an exact idle match, then a free placement, then the
-  fewest idle slices to reclaim, computed client-side; ``advised`` — each GPU's first entry of
-  ``RankPlacements``, the best class on the lowest GPU.
-
-The schedulers and the wait for the background reserve read the sidecar's state from a mirror kept
-from the RPC answers (``trace_state``), not from a ``GetState`` per decision, which lists every GPU
-on the hardware and took most of a run's wall clock; ``--check`` compares the two after every event.
-
-A variant whose RPC or flag the sidecar does not serve yet prints ``n/a`` with the reason.
-
-``--plot FILE.png`` draws the latency CDF of every variant on one chart (log x axis); it needs
-matplotlib, the optional ``bench`` extra (``pip install -e '.[bench]'``), which the sidecar never does.
-
-Usage: ``bench/trace.py [--pods 2000] [--scale 0.02] [--seed 7] [--disk] [--only NAME ...] [--check]
-[--plot FILE.png]``.
+The rest: ``docs/architecture.md``, "Module notes", ``bench/trace.py``.
 """
 
 from __future__ import annotations

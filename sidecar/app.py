@@ -1,26 +1,8 @@
-"""The composition root: the one place that builds and wires the sidecar's objects (style habit 11).
+"""The composition root: the one place that builds and wires the sidecar's objects.
 
-Order matters and is the point of this module (architecture section 10):
+Order matters and is the point of this module (``docs/architecture.md``, "Module notes", ``sidecar.app``):
 
-1. open the hardware backend (NVML or the simulated node) — without a driver ``--backend nvml`` fails
-   here with a clear message; the simulator is never substituted;
-2. ``RecordStore.open()`` takes the state directory's flock *before* the socket is touched: a second
-   sidecar on the same directory exits here, and cannot unlink the first one's live socket (a Python
-   gRPC server silently takes over an existing socket path);
-3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
-   sweep the CDI temp files a crash inside a write left (the lock says no write of ours runs);
-4. only while holding the lock: remove a stale socket file (one that no process answers on: a
-   sidecar of another state directory may be serving there), bind, chmod 0660;
-5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
-   which also starts the reconciler (before recovery the table does not describe the hardware).
-
-SIGTERM/SIGINT: stop accepting, answer the in-flight calls that finish within the grace period (the
-others are cancelled towards their clients), wait until every handler has returned (gRPC does not stop
-handler threads, and one past the grace period still creates hardware and writes records), then stop
-the reconciler, close the backend, remove the socket, release the lock, exit 0.
-
-Nothing here does I/O at import time; ``serve`` takes the backend opener as an argument so tests and
-tools can wire a different one.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.app``.
 """
 
 from __future__ import annotations
@@ -42,6 +24,7 @@ from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
 from sidecar.edge.metrics import MeteredPort, Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.liveness import Liveness
@@ -207,21 +190,12 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
     port = MeteredPort(backend.port, metrics, liveness)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
-    lifecycle = Lifecycle(port, records, cdi, boot_id)
-    recovery = Recovery(
-        lifecycle,
-        port,
-        records,
-        cdi,
-        boot_id,
-        adopt_existing=config.adopt_existing,
-        hami_takeover=config.hami_takeover,
-    )
+    ctx = Context(port, records, cdi, boot_id)  # the one context, given once to each of its users
+    lifecycle = Lifecycle(ctx)
+    recovery = Recovery(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None
     if config.idle.enabled:
-        idle = IdleTrimmer(
-            lifecycle.ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc()
-        )
+        idle = IdleTrimmer(ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc())
     reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle, liveness=liveness)
     metrics.watch(
         lifecycle.instances, cdi.pending_removals, recovered=lambda: lifecycle.recovered, liveness=liveness

@@ -1,4 +1,4 @@
-"""The generated contract code is never edited by hand (style habit 15): regenerating it from the
+"""The generated contract code is never edited by hand: regenerating it from the
 .proto with ``scripts/gen-proto`` must reproduce the checked-in files byte for byte.
 
 The Go half needs ``protoc-gen-go`` and ``protoc-gen-go-grpc`` (pinned in ``scripts/go-plugins.txt``).

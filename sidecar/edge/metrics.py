@@ -1,25 +1,11 @@
-"""Prometheus metrics (architecture section 9), on a private registry per application.
+"""Prometheus metrics, on a private registry per application.
 
 Why a private ``CollectorRegistry``: tests start several applications in one process and the global
 registry would refuse the second set of metric names; a private one also keeps library metrics out.
 
 Where the numbers come from:
 
-* instances by GPU and state, and the reconciler backlog (ERROR instances + queued CDI removals), are
-  read from the lifecycle at scrape time, so they cannot drift from the table they describe;
-* creations, destructions and NVML errors by operation and code are counted at the hardware port by
-  ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
-  every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
-* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses, and so
-  are allocated devices by GPU and outcome, reclaims by GPU and Allocate latency by outcome (what
-  the dashboard in ``deploy/`` shows per GPU);
-* idle instances and the age of the oldest per GPU are read from the table at scrape time, trims of
-  the idle policy are counted by cause as the reconciler makes them;
-* whether a Recover succeeded, and the age of the oldest running NVML call and reconciler round
-  (``sidecar.lifecycle.liveness``) are read at scrape time; the start time and the idle TTL are set once.
-
-Every metric named by ``deploy/prometheus-rules.yaml`` and ``deploy/grafana-dashboard.json`` is
-exported (a test scrapes a running sidecar for each).
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.metrics``.
 """
 
 from __future__ import annotations
@@ -36,8 +22,8 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
+from sidecar.lifecycle.gpu_views import last_used
 from sidecar.lifecycle.liveness import Liveness
-from sidecar.lifecycle.views import last_used
 from sidecar.model.domain import AllocateResult, Outcome, State
 from sidecar.model.idle_policy import Cause
 from sidecar.model.ownership import OwnershipRecord

@@ -1,20 +1,16 @@
 """The gRPC edge: decode request protos into domain values, call the lifecycle, encode the answers.
 
-This is the only module that speaks gRPC (style habit 1); ``decode`` and ``encode`` hold the pure
+This is the only module that speaks gRPC; ``decode`` and ``encode`` hold the pure
 proto <-> domain translations it uses. It validates requests before anything else
 sees them (a malformed request never reaches the lifecycle, so INVALID_REQUEST wins over the
 lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), and maps every
-``SidecarError`` to the contract's error model (architecture section 4): the status code from
+``SidecarError`` to the contract's error model (``docs/architecture.md``, "Errors"): the status code from
 ``SidecarError.code`` plus a ``google.rpc.ErrorInfo`` (domain ``migsidecar.hami.io``, the error's
 ``reason`` and metadata) packed in the status details, so the Go client branches on ``reason``
 instead of parsing messages. Anything else that escapes a handler is a bug: it is logged with its
 traceback and answered INTERNAL.
 
-Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
-process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
-succeeded; both answer NOT_SERVING while an NVML call or a reconciler round has run longer than the
-stuck threshold (``sidecar.lifecycle.liveness``; evaluated at every Check, which is what the probes call), and
-SERVING again once it returned — and server reflection, so ``grpcurl`` works without the .proto file.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.server``.
 """
 
 from __future__ import annotations
@@ -41,10 +37,9 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 import sidecar
 from sidecar.edge import decode, encode
 from sidecar.edge.metrics import Metrics
-from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
-from sidecar.lifecycle.recover import Recovery
 from sidecar.model import domain
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 
@@ -132,8 +127,8 @@ class MigSidecarServicer:
 
     def __init__(
         self,
-        lifecycle: Lifecycle,
-        recovery: Recovery,
+        lifecycle: Service,
+        recovery: Recover,
         info: ServerInfo,
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,
@@ -239,7 +234,7 @@ class MigSidecarServicer:
     def ListGpus(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             with nvml_errors("listing GPUs failed"):
-                gpus = self.lifecycle.port.gpus()
+                gpus = self.lifecycle.gpus()
             return pb.ListGpusResponse(
                 gpus=[encode.encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
             )

@@ -1,4 +1,4 @@
-"""Allocate: all or nothing across the devices of a request (architecture section 5).
+"""Allocate: all or nothing across the devices of a request (``docs/architecture.md``, "Layers").
 
 The transaction gathers (what each key holds, the IDLE instance at each reservation, the live
 layout), asks the pure ``decision.decide`` what each device does, and applies it. A failure
@@ -14,8 +14,8 @@ import msgspec
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
-from sidecar.lifecycle.create import create, placement_busy, require_no_record_for_the_operator
-from sidecar.lifecycle.reclaim import require_no_processes
+from sidecar.lifecycle.create import create_instance
+from sidecar.lifecycle.steps import placement_busy, require_no_processes, still_listed
 from sidecar.lifecycle.teardown import destroy, destroy_error
 from sidecar.lifecycle.validate import Validated, validate
 from sidecar.model import placement
@@ -30,7 +30,8 @@ from sidecar.model.errors import (
     nvml_errors,
 )
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.nvml.port import GpuInstanceInfo, NvmlError, NvmlPort, Placement
+from sidecar.nvml.port import GpuInstanceInfo, NvmlError, Placement
+from sidecar.store.left_for_operator import require_no_record_for_the_operator
 
 _log = logging.getLogger(__name__)
 
@@ -42,8 +43,8 @@ class _Done(msgspec.Struct, frozen=True):
     record_name: str
 
 
-class Room(msgspec.Struct, frozen=True):
-    """What a Create device needs, judged once under the GPU lock and handed to its create.
+class Clearance(msgspec.Struct, frozen=True):
+    """What a Create device must clear before its create, judged once under the GPU lock.
 
     ``live``: the GI listing it was judged on (None: the records alone showed the placement free, or
     covered only by IDLE instances proven live by their MIG UUID, so the create goes ahead and a
@@ -72,7 +73,7 @@ class Allocator:
             # Decided once from the table, under the locks (KEY_CONFLICT first). What an earlier device
             # creates or reclaims cannot change a later one's decision: devices never overlap and
             # keys differ, so the decisions hold until each device is applied.
-            decisions = [self.decide_without_room(v) for v in validated]
+            decisions = [self.decide_from_table(v) for v in validated]
             held = [isinstance(d, AlreadyHeld) for d in decisions]
             # The mode is read once under the lock, by the GPUs of devices that need hardware (a
             # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
@@ -83,12 +84,12 @@ class Allocator:
                 for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
             }
             validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
-            rooms = self.judge_all(validated, decisions)
+            clearances = self.clearances(validated, decisions)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
                 for i, v in enumerate(validated):
-                    done.append(self.allocate_one(v, decisions[i], rooms.get(i), reclaimed))
+                    done.append(self.allocate_one(v, decisions[i], clearances.get(i), reclaimed))
             except Exception:
                 self.undo_allocation(done)
                 raise
@@ -96,22 +97,8 @@ class Allocator:
             ctx.pending.consume(v.key for v in validated)
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
 
-    def judge_all(self, validated: Sequence[Validated], decisions: Sequence[Decision]) -> dict[int, Room]:
-        """Judge every device's placement before any device changes anything.
-
-        A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
-        otherwise have reclaimed idle instances for an earlier one already, and a rollback cannot
-        bring those back. The devices of one request never overlap (validated), so what an earlier
-        device creates or reclaims cannot change the verdict for a later one. A reusable instance
-        that still runs processes is checked too when some device reclaims (``reuse`` checks it
-        again after verifying the instance live). Returns the room of each Create device by index."""
-        rooms = {i: self.room_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)}
-        for decided in decisions if any(r.reclaim for r in rooms.values()) else ():
-            if isinstance(decided, Reuse):
-                require_no_processes(self.ctx, decided.record)
-        return rooms
-
-    def decide_without_room(self, v: Validated) -> Decision:
+    # -- decide: reads only, before any device changes anything --------------------------------------
+    def decide_from_table(self, v: Validated) -> Decision:
         """The decision from the table alone (``Create()`` means: the placement must be gathered)."""
         res = v.device.reservation
         held = self.ctx.table.held_by(v.key)
@@ -123,30 +110,49 @@ class Allocator:
             )
         return decided
 
-    def room_for(self, v: Validated) -> Room:
+    def clearances(
+        self, validated: Sequence[Validated], decisions: Sequence[Decision]
+    ) -> dict[int, Clearance]:
+        """Judge every device's placement before any device changes anything.
+
+        A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
+        otherwise have reclaimed idle instances for an earlier one already, and a rollback cannot
+        bring those back. The devices of one request never overlap (validated), so what an earlier
+        device creates or reclaims cannot change the verdict for a later one. A reusable instance
+        that still runs processes is checked too when some device reclaims (``reuse`` checks it
+        again after verifying the instance live). Returns the clearance of each Create device by index."""
+        found = {
+            i: self.clearance_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)
+        }
+        for decided in decisions if any(c.reclaim for c in found.values()) else ():
+            if isinstance(decided, Reuse):
+                require_no_processes(self.ctx, decided.record)
+        return found
+
+    def clearance_for(self, v: Validated) -> Clearance:
         """The ERROR instances to retry and the IDLE ones to reclaim for the placement;
         PlacementBusy / InstanceInUse otherwise.
 
         Reads only: the record files left for the operator, the owned records, the guards (the MIG
         UUIDs live pods hold, the pending reservations), and, unless the records alone show the
-        placement free (then the create itself is the check, ``create``), the live layout and the
+        placement free (then the create itself is the check, ``create_instance``), the live layout and the
         process counts of the candidates."""
         ctx = self.ctx
         gpu = v.gpu.uuid
         res = v.device.reservation
-        require_no_record_for_the_operator(ctx, gpu, res.placement)
+        require_no_record_for_the_operator(ctx.table, gpu, res.placement)
         aside, _ = ctx.table.left_aside()
         recorded = [*ctx.table.on_gpu(gpu), *aside.values()]
         overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
         if not overlapping:
-            return Room()
+            return Clearance()
         guards = ctx.pending.guards(ctx.table.referenced, v.key)
         # A guarded instance in the way is for ``decide`` to judge (it blocks); only unguarded ones
         # may be proven and reclaimed without a listing.
         if not any(guards.why(r) for r in overlapping):
             proven = self.prove_reclaim(overlapping, res.placement)
             if proven:
-                return Room(reclaim=proven, proven=True)
+                return Clearance(reclaim=proven, proven=True)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
@@ -159,7 +165,7 @@ class Allocator:
         # The process count found each one by its MIG UUID (a gone one fails the request above): the
         # listing is needed for what else overlaps, never for the compute instances of the reclaimed.
         proven = all(r.mig_uuid is not None and r.compute_instance_id is not None for r in decided.reclaim)
-        return Room(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=proven)
+        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=proven)
 
     def prove_reclaim(
         self, overlapping: Sequence[OwnershipRecord], wanted: Placement
@@ -170,7 +176,7 @@ class Allocator:
         when those slices cover ``wanted`` nothing else can sit there, and once they are destroyed
         the placement is free. Anything else (a record not IDLE or not in the table, slices of
         ``wanted`` no such instance covers, an instance not found) is judged on a listing.
-        InstanceInUse as for ``reclaim.require_no_processes``."""
+        InstanceInUse as for ``steps.require_no_processes``."""
         table = self.ctx.table
         if any(
             r.state is not State.IDLE or table.get(r.name) != r or r.mig_uuid is None for r in overlapping
@@ -189,24 +195,27 @@ class Allocator:
                 return ()
         return ordered
 
+    # -- apply: one device at a time, each step calling down (create, teardown, the table) -----------
     def allocate_one(
-        self, v: Validated, decided: Decision, room: Room | None, reclaimed: list[InstanceRef]
+        self, v: Validated, decided: Decision, clearance: Clearance | None, reclaimed: list[InstanceRef]
     ) -> _Done:
-        """Apply ``decided`` for one device (``room``: its ``judge_all`` verdict when it creates)."""
+        """Apply ``decided`` for one device (``clearance``: its ``clearances`` verdict when it creates)."""
         if isinstance(decided, AlreadyHeld):
             held = decided.record
             return _Done(self.allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
         if isinstance(decided, Reuse):
             same_spot = decided.record
             return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
-        assert room is not None
-        for r in room.retry:  # first: a retry that fails must not have cost any idle instance
+        assert clearance is not None
+        for r in clearance.retry:  # first: a retry that fails must not have cost any idle instance
             reclaimed.append(self.retry_error(r))
-        if room.retry:
+        if clearance.retry:
             crashpoints.crashpoint("after-inline-error-retry")
-        for r in room.reclaim:
-            reclaimed.append(destroy(self.ctx, r, mark_deleting=True, live=room.live, proven=room.proven))
-        created = create(self.ctx, v, listed=room.live is not None)
+        for r in clearance.reclaim:
+            reclaimed.append(
+                destroy(self.ctx, r, mark_deleting=True, live=clearance.live, proven=clearance.proven)
+            )
+        created = create_instance(self.ctx, v, listed=clearance.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
 
     def retry_error(self, record: OwnershipRecord) -> InstanceRef:
@@ -231,18 +240,6 @@ class Allocator:
                 },
             ) from exc
 
-    @staticmethod
-    def allocated(v: Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:
-        identity = record.identity
-        assert identity is not None  # ACTIVE records are complete by construction
-        return AllocatedDevice(
-            device_index=v.device.device_index,
-            reservation=record.reservation,
-            identity=identity,
-            cdi_device=record.cdi_device,
-            outcome=outcome,
-        )
-
     def reuse(self, v: Validated, record: OwnershipRecord) -> OwnershipRecord:
         """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner."""
         ctx = self.ctx
@@ -261,6 +258,19 @@ class Allocator:
         ctx.table.put(active)
         return active
 
+    @staticmethod
+    def allocated(v: Validated, record: OwnershipRecord, outcome: Outcome) -> AllocatedDevice:
+        identity = record.identity
+        assert identity is not None  # ACTIVE records are complete by construction
+        return AllocatedDevice(
+            device_index=v.device.device_index,
+            reservation=record.reservation,
+            identity=identity,
+            cdi_device=record.cdi_device,
+            outcome=outcome,
+        )
+
+    # -- used by both, and the rollback ------------------------------------------------------------
     def verify_live(self, record: OwnershipRecord) -> None:
         """The recorded MIG UUID is live and runs no process (InstanceInUse).
 
@@ -307,16 +317,3 @@ class Allocator:
                     ctx.table.put(ctx.idle(record))
             except SidecarError as exc:
                 _log.error("rollback of %s (%s) failed: %s", record.name, outcome, exc)
-
-
-def still_listed(port: NvmlPort, record: OwnershipRecord) -> bool:
-    """Whether the GPU still lists ``record``'s GI (its ID, profile, placement) holding its CI (ID and
-    MIG UUID): NVML can answer NOT_FOUND for an instance that exists (see ``teardown``), so a lookup's
-    NOT_FOUND condemns the instance only when this listing agrees. Raises NvmlError."""
-    gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
-    if gi is None or not placement.owns(record, gi):
-        return False
-    return any(
-        ci.id == record.compute_instance_id and ci.mig_uuid == record.mig_uuid
-        for ci in port.compute_instances(record.gpu_uuid, gi.id)
-    )

@@ -1,17 +1,20 @@
-"""The parts every lifecycle transaction shares, built once by ``Lifecycle``.
+"""The parts every lifecycle transaction shares: one value, built once by the wiring.
 
-Each transaction module (``allocate``, ``create``, ``release``, ``teardown``, ``migmode``) takes
-this one value instead of reaching into a large class: what a transaction may touch is visible in
-what it reads from here.
+Each transaction and step takes this one value instead of reaching into a large class: what it may
+touch is visible in what it reads from here. The facade (``Lifecycle``), the Recover transaction
+and the idle trimmer are each given it once; nothing outside ``sidecar.lifecycle`` reads its parts.
+The gate (``require_recovered``) and what opens it (``install``, under ``exclusive``) live here too.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from sidecar.lifecycle.inventory import Inventory
 from sidecar.lifecycle.locks import Locks
-from sidecar.model.domain import Owner, State
+from sidecar.model.domain import ActiveAllocation, Owner, State
 from sidecar.model.errors import NotRecovered
 from sidecar.model.ownership import Origin, OwnershipRecord
 from sidecar.model.pending import PendingSet
@@ -40,6 +43,44 @@ class Context:
         self.table = Table(self.records)
         self.generations = Generations(self.records)
         self.inventory = Inventory(self.port)
+
+    @contextlib.contextmanager
+    def exclusive(self, gpu_uuids: Iterable[str] = ()) -> Iterator[None]:
+        """Hold the lock of every known GPU and of ``gpu_uuids``: no transaction runs meanwhile.
+
+        Recovery holds this from gather to install, so a Recover repeated while the sidecar serves
+        never plans over a half-finished Allocate (its CREATING record would look like a crash)."""
+        with self.locks.every_gpu(gpu_uuids):
+            yield
+
+    def install(
+        self,
+        records: Sequence[OwnershipRecord],
+        generation: int,
+        *,
+        referenced_mig_uuids: Iterable[str] = (),
+        pending: Iterable[ActiveAllocation] = (),
+    ) -> None:
+        """Replace the table with recovered records (under every GPU lock) and open the gate.
+
+        ``referenced_mig_uuids`` (the MIG UUIDs the recovery's active allocations name) stand in for
+        the last SyncActive until the first one arrives: without them the reconciler would destroy an
+        ERROR instance that a live pod holds. ``pending`` (its entries without runtime identity)
+        becomes the pending set (``sidecar.model.pending``) the same way. The generation becomes the
+        largest of the given one, the current one and every record's generations, so it never goes
+        backwards across restarts."""
+        with self.exclusive(r.gpu_uuid for r in records):
+            self.table.replace(records, referenced_mig_uuids)
+            self.inventory.forget_foreign()
+            self.pending.replace(pending)
+            self.generations.install(
+                [
+                    generation,
+                    *(r.activated_generation for r in records),
+                    *(r.idled_generation for r in records),
+                ]
+            )
+            self.recovered = True
 
     def require_recovered(self) -> None:
         """The gate of every transaction: nothing changes before startup recovery succeeded."""

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 ENV = "HAMI_MIG_SIDECAR_CRASH_AT"
 
 POINTS: tuple[str, ...] = (
-    # create (architecture section 5, step 5)
+    # create (``docs/architecture.md``, "Crash safety")
     "after-record-creating",
     "after-create-gi",
     "after-record-gi",

@@ -1,4 +1,4 @@
-"""Creating one instance: records first, and what record files left on disk mean for a placement.
+"""Creating one instance, records first, and dropping the record files left aside at its placement.
 
 The order: CREATING recorded -> GI created -> GI recorded (with ``ci_create_issued``) -> CI created
 -> CDI spec -> ACTIVE recorded: three record writes, intent before each NVML mutation and the
@@ -8,26 +8,26 @@ completion after it. Any failure undoes what was made (``teardown.undo_create``)
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import msgspec
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.steps import placement_busy
 from sidecar.lifecycle.teardown import remove_spec, undo_create
 from sidecar.lifecycle.validate import Validated
 from sidecar.model import placement
 from sidecar.model.decision import Busy
 from sidecar.model.domain import MIG_UUID_RE, Identity, State
-from sidecar.model.errors import NvmlFailure, PlacementBusy, SidecarError, UnverifiableState, nvml_errors
-from sidecar.model.ownership import Origin, OwnershipRecord, parse_record_name
+from sidecar.model.errors import NvmlFailure, SidecarError, UnverifiableState, nvml_errors
+from sidecar.model.ownership import Origin, OwnershipRecord, live_record
 from sidecar.model.states import enter, now_rfc3339
 from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError, Placement
 
 _log = logging.getLogger(__name__)
 
 
-def create(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecord:
+def create_instance(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecord:
     """Create the device's instance (see the module docstring); undo on any failure.
 
     ``listed``: the placement was proven free on a live listing. Without one (the records showed it
@@ -70,8 +70,8 @@ def create(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecor
         # Known in memory only: ACTIVE records it. A crash before that leaves the GI record with
         # ``ci_create_issued``, which tells recovery that the one CI in that GI is ours (as for a crash
         # right after the CI create), so this write would buy nothing but a third of a create's fsyncs.
-        known = msgspec.structs.replace(
-            known, compute_instance_id=ci.id, mig_uuid=ci.mig_uuid, ci_create_issued=False
+        known = live_record(
+            res.profile, gi, ci, state=State.CREATING, owner=v.owner, boot_id=ctx.boot_id, since=rec.since
         )
         if not MIG_UUID_RE.match(ci.mig_uuid):
             # R450/R460 drivers answer MIG-GPU-<uuid>/<gi>/<ci>: built from reused IDs, it cannot
@@ -101,17 +101,8 @@ def create(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecor
     return active
 
 
-class _Refused(Exception):  # noqa: N818 - internal signal, never raised out of ``create``
+class _Refused(Exception):  # noqa: N818 - internal signal, never raised out of ``create_instance``
     """The driver refused the GPU instance create of an unlisted placement: something is in the way."""
-
-
-def placement_busy(gpu_uuid: str, wanted: Placement, busy: Busy) -> PlacementBusy:
-    """The PLACEMENT_BUSY error naming the first blocker of ``wanted``."""
-    first = busy.blocker
-    return PlacementBusy(
-        f"placement {wanted} on {gpu_uuid} is held by {first.describe()}",
-        {**first.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(busy.blockers))},
-    )
 
 
 def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
@@ -129,68 +120,14 @@ def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
     )
 
 
-class LeftForTheOperator(msgspec.Struct, frozen=True):
-    """A record file left for the operator, at the placement its name was written for."""
-
-    placement: Placement
-    path: Path
-    why: str
-    blocker: str  # ``corrupt_record`` or ``record_without_boot_id``
-
-
-def records_for_the_operator(ctx: Context, gpu_uuid: str) -> list[LeftForTheOperator]:
-    """The record files on the GPU that a create must not go over: a corrupt one, or one without a
-    boot id (made or edited by hand). From the table's copy of what is on disk outside it, so no
-    directory is scanned (see ``require_no_record_for_the_operator``)."""
-    valid, corrupt = ctx.table.left_aside()
-    left: list[tuple[str, Path, str, str]] = [
-        (name, exc.path, exc.why, "corrupt_record") for name, exc in corrupt.items()
-    ]
-    left += [
-        (name, ctx.records.path(name), "it carries no boot id", "record_without_boot_id")
-        for name, r in valid.items()
-        if not r.boot_id
-    ]
-    found: list[LeftForTheOperator] = []
-    for name, path, why, blocker in sorted(left):
-        where = parse_record_name(name)
-        if where is not None and where[0] == gpu_uuid:
-            found.append(LeftForTheOperator(where[1], path, why, blocker))
-    return found
-
-
-def require_no_record_for_the_operator(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:
-    """PlacementBusy when a record file left for the operator names a placement on the GPU that
-    overlaps ``wanted``: a corrupt one, or one without a boot id (made or edited by hand).
-
-    Neither is ever overwritten or deleted automatically: a create at its placement could not write
-    its own record, or would silently replace the operator's, a problem no retry clears; and the
-    instance the file stood for may still be live. Its name says which placement it was written for
-    (recovery keeps the GIs there foreign for the same reason), so the placement stays busy until the
-    operator has dealt with the file, and nothing is reclaimed for a request that must fail anyway."""
-    for left in records_for_the_operator(ctx, gpu_uuid):
-        if not left.placement.overlaps(wanted):
-            continue
-        raise PlacementBusy(
-            f"placement {wanted} on {gpu_uuid} overlaps {left.placement}, named by the ownership record"
-            f" {left.path} ({left.why}); it is left for the operator to inspect and remove",
-            {
-                "blocker": left.blocker,
-                "file": str(left.path),
-                "gpu_uuid": gpu_uuid,
-                "placement": str(left.placement),
-            },
-        )
-
-
 def drop_records_left_aside(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:
     """Delete the record files recovery left aside at placements overlapping ``wanted``, with their specs.
 
     Recovery keeps some records on disk, out of the table: those of a GPU NVML did not list and those
     that contradicted the live instance at their placement. When a create overlaps one, the live
     layout read under the GPU lock has just shown the placement free: no GI of that record exists any
-    more. Records without a boot id never get here (``require_no_record_for_the_operator``). The
-    record and its CDI spec go (a failed spec removal is queued), so neither is overwritten silently
+    more. Records without a boot id never get here (``left_for_operator``). The record and its CDI
+    spec go (a failed spec removal is queued), so neither is overwritten silently
     nor left behind describing an instance that is gone. Call with the GPU lock held, after the
     placement was proven free."""
     valid, _ = ctx.table.left_aside()

@@ -1,6 +1,6 @@
-"""The idle policy applied: the reconciler's background trim of IDLE instances (issue: idle policy).
+"""The idle policy applied: the reconciler's background trim of IDLE instances.
 
-``idle_policy.trim`` decides over plain values; this module gathers them (``views.gpu_view``) and
+``idle_policy.trim`` decides over plain values; this module gathers them (``gpu_views.gpu_view``) and
 applies the answer through the recorded teardown (IDLE -> DELETING -> CI and GI destroyed -> CDI spec
 removed -> record deleted), so a crash anywhere in a trim leaves what recovery finishes like any
 reclaim. One instance at a time, each under its GPU lock, and the decision is taken again under that
@@ -9,13 +9,7 @@ meanwhile, or a process found running on it (one NVML call per victim) each spar
 CREATING/DELETING and foreign instances are never candidates (``idle_policy.trimmable``), so the lock
 is held for one destroy at most and an Allocate on that GPU waits for that one only.
 
-With a free reserve the decision needs every MIG-enabled GPU and its foreign GIs. The reconciler runs
-a round after every Allocate and Release, so those are listed at most every ``relist_s`` seconds, not
-on every round: a round that trims nothing then costs no NVML call and takes no GPU lock. The GPU of a
-chosen victim is listed again under its lock before the destroy, so no trim acts on a stale foreign view.
-
-``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
-move time instead of sleeping.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.idle_trim``.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from sidecar.lifecycle import crashpoints, views
+from sidecar.lifecycle import crashpoints, gpu_views
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.teardown import destroy
 from sidecar.model.advice import GpuView
@@ -103,7 +97,7 @@ class IdleTrimmer:
             return []
         for gpu in sorted(g.uuid for g in gpus if g.mig_current):
             try:
-                views.refresh_foreign(self.ctx, gpu)
+                gpu_views.refresh_foreign(self.ctx, gpu)
             except SidecarError as exc:
                 _log.warning("idle trim leaves %s out: %s", gpu, exc)
                 continue
@@ -116,7 +110,7 @@ class IdleTrimmer:
         IDLE and runs no process. None when it was spared."""
         with self.ctx.locks.gpu(chosen.gpu_uuid):
             if self.settings.reserve:
-                views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
+                gpu_views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
             again = self._decide(gpus, busy)
             if not again or again[0] != chosen:
                 return None
@@ -135,8 +129,8 @@ class IdleTrimmer:
         """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
         then the node's reserve."""
         s = self.settings
-        gpu_views: list[GpuView] = [views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
-        pending = views.pending_reservations(self.ctx)
+        views: list[GpuView] = [gpu_views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
+        pending = gpu_views.pending_reservations(self.ctx)
         reserve = {}
         if s.reserve:
             reserve = {
@@ -144,7 +138,7 @@ class IdleTrimmer:
                 for g in gpus
             }
         per_gpu = trim(
-            gpu_views,
+            views,
             self.clock(),
             ttl_s=s.ttl_s,
             max_idle_per_gpu=s.max_idle_per_gpu,
@@ -153,7 +147,7 @@ class IdleTrimmer:
         )
         if per_gpu or not s.reserve or s.reserve_per_gpu:
             return per_gpu
-        return node_reserve(gpu_views, reserve, pending=pending)
+        return node_reserve(views, reserve, pending=pending)
 
     def _runs_processes(self, mig_uuid: str | None) -> bool:
         """A process on the instance (a pod in its grace period) spares it; an NVML error too."""

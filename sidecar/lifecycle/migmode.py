@@ -1,14 +1,17 @@
 """SetMigMode: enable or disable MIG on one GPU, refusing while any GPU instance exists.
 
-With ``reclaim_idle`` a disable first destroys the GPU's IDLE instances (``reclaim.reclaim_for_disable``),
+With ``reclaim_idle`` a disable first destroys the GPU's IDLE instances (``reclaim_for_disable``),
 under the same GPU lock, so nothing can be allocated between the reclaim and the mode change.
 """
 
 from __future__ import annotations
 
-from sidecar.lifecycle import reclaim
+from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.steps import destroy_all
+from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import InstanceInUse, NvmlFailure, PlacementBusy, nvml_errors
+from sidecar.model.placement import FOREIGN, Blocker, foreign_instances
 from sidecar.nvml.port import (
     NVML_ERROR_IN_USE,
     NVML_ERROR_RESET_REQUIRED,
@@ -35,7 +38,7 @@ def set_mig_mode(
     with ctx.locks.gpu(gpu_uuid):
         if not enabled:
             if reclaim_idle:
-                reclaim.reclaim_for_disable(ctx, gpu_uuid)
+                reclaim_for_disable(ctx, gpu_uuid)
             owned = ctx.table.on_gpu(gpu_uuid)
             live: list[GpuInstanceInfo] = []
             with nvml_errors(f"read MIG mode of {gpu_uuid}"):
@@ -95,3 +98,44 @@ def check_mig_mode_status(gpu_uuid: str, wanted: str, status: int, after: GpuInf
         f"set MIG mode of {gpu_uuid} to {wanted}: the driver refused the change (activation status {status})",
         {"nvml_code": str(status), "operation": f"set MIG mode of {gpu_uuid} to {wanted}"},
     )
+
+
+def reclaim_for_disable(ctx: Context, gpu_uuid: str) -> list[InstanceRef]:
+    """Destroy every IDLE instance of a GPU whose MIG mode is about to be disabled. GPU lock held.
+
+    Refuses first, destroying nothing, while anything that must outlive it is there: an owned
+    instance in any other state or a foreign GI (PlacementBusy, the blocker in the metadata as for
+    an Allocate), or a process anywhere on the GPU (InstanceInUse: MIG could not be disabled anyway)."""
+    owned = sorted(ctx.table.on_gpu(gpu_uuid), key=lambda r: (r.placement.start, r.placement.size))
+    kept = [r for r in owned if r.state is not State.IDLE]
+    if kept:
+        first = kept[0]
+        blocker = Blocker(first.state.value, first.placement, first.gpu_instance_id, first)
+        raise PlacementBusy(
+            f"cannot disable MIG on {gpu_uuid}: {blocker.describe()} is not IDLE"
+            f" ({len(kept)} owned instances are not); nothing was destroyed",
+            {**blocker.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(kept))},
+        )
+    with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+        mig_on = ctx.port.gpu(gpu_uuid).mig_current
+    if mig_on:
+        with nvml_errors(f"list GPU instances of {gpu_uuid}"):
+            foreign = foreign_instances(ctx.port.gpu_instances(gpu_uuid), owned)
+        if foreign:
+            gi = foreign[0]
+            blocker = Blocker(FOREIGN, gi.placement, gi.id)
+            raise PlacementBusy(
+                f"cannot disable MIG on {gpu_uuid}: {blocker.describe()} is not owned by this sidecar;"
+                " nothing was destroyed",
+                {**blocker.metadata(), "gpu_uuid": gpu_uuid, "blockers": str(len(foreign))},
+            )
+    with nvml_errors(f"count processes on {gpu_uuid}"):
+        running = ctx.port.gpu_processes(gpu_uuid)
+    if running:
+        raise InstanceInUse(
+            f"cannot disable MIG on {gpu_uuid}: {running} processes run on it; nothing was destroyed",
+            {"gpu_uuid": gpu_uuid, "processes": str(running)},
+        )
+    reclaimed = destroy_all(ctx, owned, "after-reclaim-idle-one")
+    crashpoints.crashpoint("after-reclaim-for-disable")
+    return reclaimed

@@ -1,19 +1,10 @@
-"""Background retries (architecture section 5 and the spec's CDI lifecycle).
+"""Background retries of ERROR instances and of CDI spec removals.
 
 Retries the destruction of ERROR instances that no active allocation references and no pending
 reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
 gone) and retries queued CDI removals.
 
-Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
-races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
-(before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
-live pod: it is left alone then, because destroying a device under a
-running container is worse than keeping a broken one. A destroy that still fails leaves the instance
-ERROR with the new ``last_error``; the next round tries again. With an idle policy configured, each
-round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
-repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
-Each round of the thread is registered with ``liveness`` while it runs: a round stuck past the
-threshold turns the health service NOT_SERVING.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.reconciler``.
 """
 
 from __future__ import annotations
@@ -23,8 +14,8 @@ import threading
 
 import msgspec
 
-from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.interfaces import Maintenance
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
@@ -42,7 +33,7 @@ class ReconcileReport(msgspec.Struct, frozen=True):
 class Reconciler:
     def __init__(
         self,
-        lifecycle: Lifecycle,
+        lifecycle: Maintenance,
         interval_s: float = 10.0,
         idle: IdleTrimmer | None = None,
         liveness: Liveness | None = None,
@@ -76,7 +67,7 @@ class Reconciler:
             if ref is not None:
                 _log.info("destroyed ERROR instance %s", record.name)
                 destroyed.append(ref)
-        cdi_removed = self.lifecycle.cdi.retry_removals()
+        cdi_removed = self.lifecycle.retry_cdi_removals()
         trimmed = [t.ref for t in self.idle.run_once()] if self.idle is not None else []
         return ReconcileReport(
             destroyed=tuple(destroyed),

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from sidecar.lifecycle import teardown
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.crashpoints import crashpoint
-from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.logs import event
 from sidecar.model import errors
 from sidecar.model.domain import MIG_UUID_RE, ActiveAllocation, State
@@ -35,10 +36,10 @@ from sidecar.model.recovery.plan import (
     settle_report,
 )
 from sidecar.model.states import now_rfc3339, transition
-from sidecar.nvml.port import GpuInfo, NvmlError, NvmlPort
+from sidecar.nvml.port import GpuInfo, NvmlError
 from sidecar.store import hami_records
-from sidecar.store.cdi import CdiSpecs, ForeignSpecFile
-from sidecar.store.records import RecordError, RecordStore
+from sidecar.store.cdi import ForeignSpecFile
+from sidecar.store.records import RecordError
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +80,10 @@ class _GpuBusyError(Exception):
 
 
 class Recovery:
-    def __init__(  # noqa: PLR0917 - the fixed constructor the composition root calls
-        self,
-        lifecycle: Lifecycle,
-        port: NvmlPort,
-        records: RecordStore,
-        cdi: CdiSpecs,
-        boot_id: str,
-        adopt_existing: bool,
-        hami_takeover: bool = True,
-    ) -> None:
-        self.lifecycle = lifecycle
-        self.port = port
-        self.records = records
-        self.cdi = cdi
-        self.boot_id = boot_id
+    """The Recover transaction (``interfaces.Recover``) over the lifecycle's one context."""
+
+    def __init__(self, ctx: Context, *, adopt_existing: bool, hami_takeover: bool = True) -> None:
+        self.ctx = ctx
         self.adopt_existing = adopt_existing
         self.hami_takeover = hami_takeover
         # One recovery at a time: a second Recover RPC waits and then sees the first one's result.
@@ -103,8 +93,8 @@ class Recovery:
         """Idempotent. Raises errors.UnverifiableState / errors.NvmlFailure and then modifies nothing."""
         with self._lock:
             with nvml_errors(_GATHER_FAILED):
-                gpu_uuids = [gpu.uuid for gpu in self.port.gpus()]
-            with self.lifecycle.exclusive(gpu_uuids):
+                gpu_uuids = [gpu.uuid for gpu in self.ctx.port.gpus()]
+            with self.ctx.exclusive(gpu_uuids):
                 inputs = self.gather(active)
                 decided = plan(inputs)
                 report = self.apply(decided)
@@ -125,9 +115,9 @@ class Recovery:
     # -- gather ------------------------------------------------------------------------------------
     def gather(self, active: Sequence[ActiveAllocation]) -> Inputs:
         """Read records, the live layout of every GPU and the CDI files. Modifies nothing."""
-        valid, corrupt = self.records.load_all()
+        valid, corrupt = self.ctx.records.load_all()
         try:
-            ceiling = self.records.load_generation_ceiling() or 0
+            ceiling = self.ctx.records.load_generation_ceiling() or 0
         except RecordError as exc:
             raise errors.UnverifiableState(
                 "startup recovery cannot trust the generation file, so it cannot know which "
@@ -135,10 +125,11 @@ class Recovery:
                 {"file": str(getattr(exc, "path", ""))},
             ) from exc
         with nvml_errors(_GATHER_FAILED):
-            gpus = self._read_gpus(self.port.gpus())
+            gpus = self._read_gpus(self.ctx.port.gpus())
         mig_uuids = [ci.mig_uuid for gpu in gpus for gi in gpu.gpu_instances for ci in gi.compute_instances]
         _refuse_legacy_mig_uuids(gpus)
-        cdi_found = self.cdi.list_mig_uuids()
+        cdi = self.ctx.cdi
+        cdi_found = cdi.list_mig_uuids()
         return Inputs(
             active=tuple(active),
             records=tuple(valid.values()),
@@ -146,16 +137,16 @@ class Recovery:
             gpus=gpus,
             cdi_files=tuple(sorted(cdi_found)),
             cdi_paths={uuid: str(path) for uuid, path in cdi_found.items()},
-            cdi_devices={uuid: self.cdi.device_name(uuid) for uuid in mig_uuids} if self.cdi.enabled else {},
-            boot_id=self.boot_id,
+            cdi_devices={uuid: cdi.device_name(uuid) for uuid in mig_uuids} if cdi.enabled else {},
+            boot_id=self.ctx.boot_id,
             hami_records=tuple(
-                read_record_file(n, d) for n, d in hami_records.record_files(self.records.directory)
+                read_record_file(n, d) for n, d in hami_records.record_files(self.ctx.records.directory)
             ),
-            hami_specs=tuple(self.cdi.hami_specs()),
+            hami_specs=tuple(self.ctx.cdi.hami_specs()),
             hami_takeover=self.hami_takeover,
             adopt_existing=self.adopt_existing,
-            recovered=self.lifecycle.recovered,
-            generation=max(self.lifecycle.generation, ceiling),
+            recovered=self.ctx.recovered,
+            generation=max(self.ctx.generations.current, ceiling),
             generation_ceiling=ceiling,
             now=now_rfc3339(),
         )
@@ -172,14 +163,15 @@ class Recovery:
             return tuple(future.result() for future in futures)
 
     def _read_gpu(self, info: GpuInfo) -> LiveGpu:
-        profiles = self.lifecycle.ctx.inventory.profiles_at_mode(info)
-        processes = self.port.gpu_processes(info.uuid)
+        profiles = self.ctx.inventory.profiles_at_mode(info)
+        processes = self.ctx.port.gpu_processes(info.uuid)
         if not info.mig_current:
             # MIG-disabled GPUs have no GIs; listing them answers NOT_SUPPORTED.
             return LiveGpu(info=info, profiles=profiles, processes=processes)
+        port = self.ctx.port
         gis = tuple(
-            LiveGpuInstance(info=gi, compute_instances=tuple(self.port.compute_instances(info.uuid, gi.id)))
-            for gi in self.port.gpu_instances(info.uuid)
+            LiveGpuInstance(info=gi, compute_instances=tuple(port.compute_instances(info.uuid, gi.id)))
+            for gi in port.gpu_instances(info.uuid)
         )
         return LiveGpu(info=info, profiles=profiles, gpu_instances=gis, processes=processes)
 
@@ -187,7 +179,7 @@ class Recovery:
     def apply(self, decided: Plan) -> RecoveryReport:
         """Run the steps in order; a failing step puts its instance in ERROR; then install the table."""
         # Activations and idles of this plan use generations up to ``decided.generation``: durable first.
-        self.lifecycle.reserve_generations(decided.generation, decided.generation_ceiling)
+        self.ctx.generations.reserve(decided.generation, decided.generation_ceiling)
         table = {record.name: record for record in decided.table}
         failures: list[str] = []
         done: list[Step] = []
@@ -221,11 +213,11 @@ class Recovery:
                 failed = transition(step.on_failure, State.ERROR, since=now, last_error=message)
                 failures.append(f"{message}; {failed.name} is kept in ERROR and never reused")
                 try:
-                    self.records.put(failed)
+                    self.ctx.records.put(failed)
                 except (errors.SidecarError, RecordError, OSError) as write_exc:
                     failures.append(f"recording {failed.name} as ERROR failed: {write_exc}")
                 table[failed.name] = failed
-        self.lifecycle.install(
+        self.ctx.install(
             sorted(table.values(), key=lambda r: r.name),
             decided.generation,
             referenced_mig_uuids=decided.referenced_mig_uuids,
@@ -242,37 +234,37 @@ class Recovery:
         spec that cannot be written leaves the recorded instance as recorded (``EnsureCdi``)."""
         match action:
             case PutRecord(record=record):
-                self.records.put(record)
+                self.ctx.records.put(record)
             case DeleteRecord(name=name):
-                self.records.delete(name)
+                self.ctx.records.delete(name)
             case DestroyOwned(record=record, require_idle_gpu=require_idle_gpu):
                 if require_idle_gpu:
                     self._require_idle_gpu(record.gpu_uuid)
-                self.lifecycle.destroy_owned(record, mark_deleting=True)
+                teardown.destroy_owned(self.ctx, record, mark_deleting=True)
             case EnsureCdi(gpu_minor=minor, identity=identity):
                 try:
-                    self.cdi.ensure(minor, identity)
+                    self.ctx.cdi.ensure(minor, identity)
                 except errors.SidecarError as exc:
                     return f"writing the CDI spec of {identity.mig_uuid} failed: {exc}"
             case RemoveCdi(mig_uuid=mig_uuid, path=path):
                 try:
-                    if not self.cdi.remove(mig_uuid, Path(path) if path else None):
+                    if not self.ctx.cdi.remove(mig_uuid, Path(path) if path else None):
                         return f"removing the CDI spec of {mig_uuid} failed; it is queued for the reconciler"
                 except ForeignSpecFile as exc:
                     return f"the CDI spec of {mig_uuid} was not removed: {exc}"
             case RemoveHamiRecord(filename=filename, record_name=name, mig_uuid=mig_uuid):
                 crashpoint("after-takeover-record")
-                hami_records.remove_taken_over(self.records, filename, name, mig_uuid)
+                hami_records.remove_taken_over(self.ctx.records, filename, name, mig_uuid)
                 crashpoint("after-remove-hami-record")
             case RemoveHamiSpec(mig_uuid=mig_uuid):
-                if not self.cdi.remove_hami_spec(mig_uuid):
+                if not self.ctx.cdi.remove_hami_spec(mig_uuid):
                     return f"removing HAMi's CDI spec of {mig_uuid} failed; it is queued for the reconciler"
         return None
 
     def _require_idle_gpu(self, gpu_uuid: str) -> None:
         """_GpuBusyError when a process runs on the GPU now, or when NVML cannot say."""
         try:
-            running = self.port.gpu_processes(gpu_uuid)
+            running = self.ctx.port.gpu_processes(gpu_uuid)
         except NvmlError as exc:
             raise _GpuBusyError(f"counting processes on {gpu_uuid} failed: {exc}") from exc
         if running > 0:

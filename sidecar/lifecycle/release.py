@@ -1,22 +1,20 @@
 """Release and SyncActive: ACTIVE instances go IDLE (never destroyed), IDLE ones may come back.
 
 Both change a batch of instances; one instance's failure is kept for the end of the batch
-(``put_each``, ``raise_first``) so one corrupt file does not keep the others from changing.
+(``steps.put_each``, ``steps.raise_first``) so one corrupt file does not keep the others from changing.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.steps import put_each, raise_first
 from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
-from sidecar.model.errors import Code, InvalidRequest, SidecarError
-from sidecar.model.ownership import OwnershipRecord, instance_ref
-
-_log = logging.getLogger(__name__)
+from sidecar.model.errors import InvalidRequest, SidecarError
+from sidecar.model.ownership import instance_ref
 
 
 def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
@@ -125,33 +123,3 @@ def sync_active(
                 reactivated.append(instance_ref(current))
     raise_first(failures)
     return idled, reactivated
-
-
-def put_each(
-    ctx: Context,
-    failures: list[SidecarError],
-    change: Callable[[OwnershipRecord], OwnershipRecord],
-    record: OwnershipRecord,
-) -> bool:
-    """One instance's change in a batch: a failure is kept for the end of the batch instead of
-    stopping it. True when the change was made."""
-    try:
-        ctx.table.put(change(record))
-    except SidecarError as exc:
-        _log.error("%s", exc)
-        failures.append(exc)
-        return False
-    return True
-
-
-def raise_first(failures: Sequence[SidecarError]) -> None:
-    """The first failure of a batch, once every other instance of it has been dealt with.
-
-    A retryable one (UNAVAILABLE) comes first: the client repeats the call, which finishes the rest,
-    and the failure no retry clears (a corrupt record file) is answered once only it is left."""
-    if failures:
-        first = next((f for f in failures if f.code is Code.UNAVAILABLE), failures[0])
-        if len(failures) > 1:
-            first.message = f"{first.message} (and {len(failures) - 1} more, logged)"
-            first.args = (first.message,)
-        raise first

@@ -29,6 +29,16 @@ from sidecar.store.cdi import ForeignSpecFile
 _log = logging.getLogger(__name__)
 
 
+def owned_gi(
+    port: NvmlPort, record: OwnershipRecord, listing: Sequence[GpuInstanceInfo] | None = None
+) -> GpuInstanceInfo | None:
+    """The record's GI in the GPU's GI listing (``listing``, or read now), when it is still the
+    record's: same ID, profile and placement (``placement.owns``). None otherwise. Raises NvmlError."""
+    live = port.gpu_instances(record.gpu_uuid) if listing is None else listing
+    gi = next((g for g in live if g.id == record.gpu_instance_id), None)
+    return gi if gi is not None and placement.owns(record, gi) else None
+
+
 def ci_targets(rec: OwnershipRecord, cis: Sequence[ComputeInstanceInfo]) -> list[ComputeInstanceInfo]:
     """The CIs in the record's (verified) GI that are the record's to destroy.
 
@@ -96,9 +106,8 @@ def _destroy_listed(port: NvmlPort, rec: OwnershipRecord, live: Sequence[GpuInst
     """``destroy_hardware`` judged on a GI listing (``live``, or read now); see there."""
     assert rec.gpu_instance_id is not None
     gpu = rec.gpu_uuid
-    listing = port.gpu_instances(gpu) if live is None else live
-    gi = next((g for g in listing if g.id == rec.gpu_instance_id), None)
-    if gi is None or not placement.owns(rec, gi):
+    gi = owned_gi(port, rec, live)
+    if gi is None:
         return
     for ci in ci_targets(rec, port.compute_instances(gpu, gi.id)):
         _destroy_unless_gone(port, gi, ci)
@@ -140,8 +149,8 @@ def with_created_ci(port: NvmlPort, record: OwnershipRecord) -> OwnershipRecord:
     the GPU lock held."""
     if record.gpu_instance_id is None or record.compute_instance_id is not None:
         return record
-    gi = next((g for g in port.gpu_instances(record.gpu_uuid) if g.id == record.gpu_instance_id), None)
-    if gi is None or not placement.owns(record, gi):
+    gi = owned_gi(port, record)
+    if gi is None:
         return record
     cis = port.compute_instances(record.gpu_uuid, gi.id)
     if not cis:

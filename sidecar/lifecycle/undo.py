@@ -1,4 +1,4 @@
-"""UndoAllocate: the plugin's rollback of an Allocate that succeeded (architecture 4.1).
+"""UndoAllocate: the plugin's rollback of an Allocate that succeeded.
 
 HAMi's plugin rolls back an Allocate whose later step failed (the runtime-identity annotation patch,
 the answer to kubelet). The instances that Allocate created are destroyed, through the recorded
@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
-from sidecar.lifecycle.reclaim import destroy_each, require_no_processes
-from sidecar.lifecycle.release import put_each, raise_first
+from sidecar.lifecycle.steps import destroy_each, put_each, raise_first, require_no_processes
 from sidecar.model.domain import POD_UID_RE, InstanceRef, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref

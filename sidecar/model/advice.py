@@ -1,4 +1,4 @@
-"""Reuse-aware placement advice for one profile on one GPU (``RankPlacements``, architecture 4.1), pure.
+"""Reuse-aware placement advice for one profile on one GPU (``RankPlacements``), pure.
 
 The scheduler picks a placement; the sidecar realizes it. A placement where an IDLE instance of the
 profile already sits costs no NVML create at all, a free one costs one create, and one covered by idle
@@ -10,17 +10,7 @@ so it is cheap enough to call on every registration loop and testable with plain
 
 The classes, best first, follow what ``Allocate`` would do there:
 
-* REUSE — an IDLE instance of exactly this profile at exactly this placement, and nothing else on
-  those slices;
-* FREE — nothing at all overlaps;
-* RECLAIM — only IDLE instances overlap (listed): ``Allocate`` destroys them, then creates;
-* BLOCKED — an ACTIVE, ERROR, CREATING or DELETING instance, a foreign GI, a record left aside, a
-  placement in flight, a pending reservation, or an IDLE instance running processes overlaps.
-  ``Allocate`` would answer PLACEMENT_BUSY (or INSTANCE_IN_USE); the first blocker is named.
-
-A pending reservation is a placement the scheduler has already promised to another pod: it blocks
-like an occupant, whether an IDLE instance sits there or not, so advice never steers a second pod
-onto it (and never counts the IDLE instance it protects as reusable or reclaimable).
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.advice``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ POD_UID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class State(enum.StrEnum):
-    """Lifecycle state of an owned instance (architecture section 2)."""
+    """Lifecycle state of an owned instance (README, "States of an owned instance")."""
 
     CREATING = "CREATING"
     ACTIVE = "ACTIVE"

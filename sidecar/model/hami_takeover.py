@@ -7,24 +7,7 @@ each of HAMi's files; recovery applies the decision.
 
 Per HAMi record file, one outcome (never two, so no file is both kept and converted):
 
-- **convert**: it decodes, and the live GI at exactly its placement on its parent GPU matches it in
-  everything the sidecar checks of its own records (profile name, GI ID, exactly one CI, the
-  full-size CI profile, CI ID, MIG UUID). It becomes a sidecar record - ``ACTIVE`` with the
-  allocation as owner when the pod list names that runtime identity, ``IDLE`` otherwise - and
-  HAMi's file is removed only after that record is durable.
-- **finish**: as convert, but the sidecar already holds a record of that very instance (same MIG
-  UUID): a crash came between writing ours and removing HAMi's, or the pod list's adoption made it.
-  Only HAMi's file is removed.
-- **keep**: anything else - it does not decode, has another version, is misnamed, its GPU is not
-  visible, or the live hardware contradicts it. The file stays untouched and is named in
-  ``errors``; the instance it points at (when one can be found) stays foreign: never reused, never
-  adopted, never destroyed. Two HAMi files pointing at one instance are both kept.
-
-HAMi's CDI specs: a running container re-resolves its CDI names when kubelet restarts it, so the spec
-of an instance that is ``ACTIVE`` stays until that instance is destroyed (teardown removes it then).
-So does the spec of any live instance the sidecar does not own. Specs of ``IDLE`` owned instances
-(reuse hands out the sidecar's own spec) and strays (no live instance) are removed - but only once
-the takeover is complete: no HAMi record file is kept, so nothing of HAMi's is left to judge.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.hami_takeover``.
 """
 
 from __future__ import annotations
@@ -44,7 +27,7 @@ from sidecar.model.hami_files import (
     decode_record,
     hami_record_hint,
 )
-from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.ownership import OwnershipRecord, live_record
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile
 
 TAKEN_OVER_FROM = "hami"  # ``OwnershipRecord.taken_over_from`` of a converted record
@@ -166,8 +149,8 @@ class _Found(msgspec.Struct, frozen=True):
     file: HamiRecordFile
     record: HamiRecord
     gi: tuple[str, int]
-    gi_profile_id: int
-    ci_profile_id: int
+    live: GpuInstanceInfo
+    ci: ComputeInstanceInfo
 
 
 def pointed_at(gpus: Sequence[LiveGpuView], hint: RecordHint) -> list[tuple[str, int]]:
@@ -270,9 +253,7 @@ class _Planner:
         if where in self.inputs.claimed:
             self.keep(file.filename, "its GPU instance is held aside by the sidecar's own record", ())
             return None
-        profile = _profile(gpu, gi.info.profile_id)
-        assert profile is not None  # _mismatch checked it
-        return _Found(file, record, where, gi.info.profile_id, profile.ci_profile_id)
+        return _Found(file, record, where, gi.info, gi.compute_instances[0])  # _mismatch checked it
 
     def convert(self, found: _Found) -> OwnershipRecord:
         record, inputs = found.record, self.inputs
@@ -285,16 +266,11 @@ class _Planner:
             ),
             None,
         )
-        return OwnershipRecord(
-            gpu_uuid=record.parent_gpu_uuid,
-            profile=record.profile,
-            gi_profile_id=found.gi_profile_id,
-            ci_profile_id=found.ci_profile_id,
-            placement=record.where,
+        return live_record(
+            record.profile,
+            found.live,
+            found.ci,
             state=State.ACTIVE if holder is not None else State.IDLE,
-            gpu_instance_id=record.gpu_instance_id,
-            compute_instance_id=record.compute_instance_id,
-            mig_uuid=record.mig_uuid,
             owner=holder.owner if holder is not None else None,
             activated_generation=inputs.generation if holder is not None else 0,
             idled_generation=0 if holder is not None else inputs.generation,

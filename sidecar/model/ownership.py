@@ -18,7 +18,7 @@ import re
 import msgspec
 
 from sidecar.model.domain import GPU_UUID_RE, Identity, InstanceRef, Owner, Reservation, State
-from sidecar.nvml.port import Placement
+from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceInfo, Placement
 
 # Digits are matched leniently (leading zeros accepted) so that a file whose name was hand-edited
 # still says which placement it points at; ``is_record_name`` demands the canonical form.
@@ -93,6 +93,51 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return Identity(self.gpu_instance_id, self.compute_instance_id, self.mig_uuid)
 
 
+def live_record(
+    profile: str,
+    gi: GpuInstanceInfo,
+    ci: ComputeInstanceInfo | None,
+    *,
+    state: State,
+    boot_id: str,
+    since: str,
+    ci_profile_id: int | None = None,
+    owner: Owner | None = None,
+    activated_generation: int = 0,
+    idled_generation: int = 0,
+    cdi_device: str = "",
+    origin: Origin = Origin.REUSED,
+    taken_over_from: str = "",
+) -> OwnershipRecord:
+    """The record of a live GI and its CI (None: a bare GI), the one place the live values are copied.
+
+    GPU, GI ID, GI profile and placement come from ``gi``; CI ID, CI profile and MIG UUID from ``ci``.
+    ``ci_profile_id`` is the CI profile a bare GI's record names (the full-size one of its profile);
+    given with a CI, it wins over the CI's own (the caller verified they agree)."""
+    if ci_profile_id is None:
+        assert ci is not None, "the record of a bare GI names the CI profile it would have"
+        ci_profile_id = ci.profile_id
+    return OwnershipRecord(
+        gpu_uuid=gi.gpu_uuid,
+        profile=profile,
+        gi_profile_id=gi.profile_id,
+        ci_profile_id=ci_profile_id,
+        placement=gi.placement,
+        state=state,
+        gpu_instance_id=gi.id,
+        compute_instance_id=ci.id if ci is not None else None,
+        mig_uuid=ci.mig_uuid if ci is not None else None,
+        owner=owner,
+        activated_generation=activated_generation,
+        idled_generation=idled_generation,
+        cdi_device=cdi_device,
+        boot_id=boot_id,
+        since=since,
+        origin=origin,
+        taken_over_from=taken_over_from,
+    )
+
+
 _NAMES: dict[tuple[str, int, int], str] = {}  # names already checked (a node has a few hundred)
 _NAMES_KEPT = 4096
 
@@ -144,6 +189,3 @@ def is_record_name(name: str) -> bool:
 def instance_ref(record: OwnershipRecord) -> InstanceRef:
     """The contract's InstanceRef for an owned instance (identity None while incomplete)."""
     return InstanceRef(record.reservation, record.identity)
-
-
-__all__ = ["Origin", "OwnershipRecord", "instance_ref", "is_record_name", "parse_record_name", "record_name"]

@@ -7,13 +7,7 @@ Two things implement it side by side:
   real node it talks to ``libnvidia-ml.so.1``; with ``--backend simulated`` the very same adapter runs
   over ``sim.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
 
-The port is stateless and addressed by IDs (GPU UUID, GI ID, CI ID), never by NVML handles: handles go
-stale after a destroy and the driver reuses IDs, so every call looks its objects up afresh and the MIG
-UUID is what proves identity.
-
-Errors: every NVML failure surfaces as ``NvmlError`` (``code`` is the ``nvmlReturn_t`` value, the
-pynvml exception is kept as ``__cause__``). Bounded retries of transient codes happen inside the
-adapter; what reaches the domain is final.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.port``.
 """
 
 from __future__ import annotations

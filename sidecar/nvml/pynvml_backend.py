@@ -3,45 +3,7 @@
 It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``sim.SimulatedLibrary``. What it
 takes care of, so that the domain never has to:
 
-* profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is
-  addressed by the ID the profile info returns;
-* caller-allocated arrays: possible placements are fetched with a count query (NULL array) and then a
-  sized array; GI/CI lists use arrays sized by the profile's ``instanceCount``;
-* placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
-  argument through untouched;
-* ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
-* the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
-* handles going stale: GIs and CIs are looked up by ID on every call, never cached. Only physical GPU
-  handles are cached by UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup
-  can take seconds on a loaded node).
-
-What is cached, and why that is safe (every NVML call is a driver round trip on the Allocate path of
-kubelet, and ``sim stats`` counts them): only facts that cannot change while the driver that answered
-them stays loaded and the device stays bound, which is also the lifetime of the cached GPU handles
-they are read through. A MIG mode change may rebind the device (nvml.h: minor number and handle may
-change), so ``set_mig_mode`` drops everything cached about that GPU, and the tables of its model.
-
-* per GPU: index, minor number, name, total memory — properties of the physical device;
-* per GPU *model* (``ModelKey``: the name ``nvmlDeviceGetName`` reports and the total memory): the GI
-  profile table (every profile index with its info), the possible placements of each GI profile, and
-  the CI profile table of each GI profile. These are the MIG geometry of a board, fixed by its chip
-  and memory configuration and by the loaded driver (one per node, shared by every GPU this adapter
-  sees), and independent of occupancy: nvml.h documents the placements as "independent of the
-  currently used placements". Boards that share a name and a memory size share that geometry (the
-  name carries the form factor and memory kind, "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"). That is
-  an assumption about the driver, not something NVML promises per GPU; ``sidecar.nvml.probe`` checks
-  it on a real node (``static_tables_agree``: every GPU's tables compared with the others of its key).
-  An empty table is never cached (Ampere answers NOT_SUPPORTED for every index while MIG is
-  disabled), and GIs are never listed from one. A node of 8 identical GPUs thus reads each table once
-  (Recover), not 8 times;
-* the full-size CI profile of each GI profile follows from those tables, so it is told again from
-  them at every call, without an NVML call.
-
-Everything that describes the *layout* is read live on every call: MIG mode (current and pending),
-the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
-or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
-
-Errors are mapped and transient ones retried in ``calls`` (``mapped``, ``Caller``).
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.pynvml_backend``.
 """
 
 from __future__ import annotations
@@ -78,7 +40,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-# What identifies the MIG geometry of a GPU here: its name and total memory in MiB (module docstring).
+# What identifies the MIG geometry of a GPU here: its name and total memory in MiB (module notes).
 ModelKey = tuple[str, int]
 
 
@@ -112,7 +74,7 @@ class PynvmlBackend:
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
         # (GPU, GI ID) -> handle of a GI this adapter just created, for the CI create that follows.
         self._fresh_gis: dict[tuple[str, int], Any] = {}
-        # The static tables of each GPU model (module docstring). Read under ``_tables_lock``, so GPUs
+        # The static tables of each GPU model (module notes). Read under ``_tables_lock``, so GPUs
         # read at once by several threads (Recover's gather) wait for one read of their model's table
         # instead of each making it.
         self._tables_lock = threading.Lock()
@@ -147,7 +109,7 @@ class PynvmlBackend:
         return handle
 
     def _gpu_info(self, handle: Any, gpu_uuid: str, index: int | None = None) -> GpuInfo:
-        """MIG mode read live; the static facts read once per GPU (see the module docstring).
+        """MIG mode read live; the static facts read once per GPU (module notes).
 
         The MIG mode is read first, so a GPU that fell off the bus fails here with GPU_IS_LOST exactly
         as it did before the static facts were cached."""
@@ -169,7 +131,7 @@ class PynvmlBackend:
     def _static_facts(
         self, gpu_uuid: str, handle: Any, index: int | None = None
     ) -> tuple[int, int, str, int]:
-        """Index, minor number, name and total memory (MiB) of a GPU, read once (module docstring)."""
+        """Index, minor number, name and total memory (MiB) of a GPU, read once (module notes)."""
         with self._lock:
             static = self._static.get(gpu_uuid)
         if static is None:
@@ -396,7 +358,7 @@ class PynvmlBackend:
 
         Cached per (model, GI profile ID), not per GI: GI IDs are reused by the driver for GIs of
         other profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver
-        (module docstring). The GI's profile ID is read live (one GetInfo) to pick the right table."""
+        (module notes). The GI's profile ID is read live (one GetInfo) to pick the right table."""
         key = (
             self._model(gpu_uuid, self._device(gpu_uuid)),
             int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId),

@@ -1,52 +1,10 @@
 """Durable ownership records: one JSON file per owned instance under the state directory.
 
-Architecture section 7, style habits 6-8. The file format is a public API (version 1)::
+The file format is a public API (version 1; ``docs/architecture.md``, "The state directory")::
 
     {"version":1,"checksum":"sha256:<hex of the exact record bytes>","record":{...OwnershipRecord...}}
 
-The record is encoded once to bytes R; the envelope is written around R verbatim and the checksum is
-over R, so verification never depends on re-encoding (a re-encoding that orders or spaces fields
-differently would otherwise make a good file look corrupt, or a bad one look good). Reading is
-read -> decode the envelope (``record`` kept as ``msgspec.Raw``) -> verify the checksum over those raw
-bytes -> strict-decode R (unknown fields rejected) -> check the file name against the record's own
-name, so a renamed file can never claim another instance.
-
-Missing and corrupt are different outcomes: ``RecordNotFound`` (start empty) vs ``CorruptRecord``
-(stop and surface). A corrupt file is never deleted or overwritten automatically: ``put`` and
-``delete`` refuse to touch one, and only an operator removes it.
-
-Versioning: a file whose ``version`` is not ``RECORD_VERSION`` is corrupt for this build. A future
-version 2 would keep today's ``OwnershipRecord`` as a frozen ``OwnershipRecordV1`` type, add a
-converter ``v1 -> v2``, decode by the envelope's version and always write the newest version. New
-fields of a version always get defaults and existing field types never change (style habit 12).
-
-Files in the directory:
-
-- ``<name>.json``: a record; ``<name>`` comes from ``record_name`` (validated values, never request
-  strings).
-- ``generation``: the generation ceiling, ``{"version":1,"checksum":…,"record":{"ceiling":N}}`` in
-  the same envelope as a record (checksum over the exact ``record`` bytes). ``N`` is the highest
-  generation the sidecar may have handed out (one per activation and one per instance going IDLE):
-  the lifecycle hands out generations up to it and, before it hands out a larger one, durably raises
-  it by a block (hi/lo). A restarted sidecar starts counting at ``N`` (or at the newest record, if
-  larger), so the generation never goes back across restarts even when the records of the instances
-  changed last are gone - a SyncActive fenced with a generation read before the restart can never
-  idle an instance activated after it, nor reactivate one idled after it.
-  Missing = a first run (the records are all there is); corrupt = recovery refuses to guess
-  (UNVERIFIABLE_STATE) and the file is left for the operator. It does not end in ``.json``, so no
-  record reader sees it; ``verify`` reports it.
-- ``.lock``: the process-wide ``flock`` that keeps a second sidecar out; never unlinked (another
-  process could otherwise lock a fresh inode).
-- ``.<name>.tmp-<random>``: a write in progress; never ends in ``.json``, ignored by readers and
-  swept by ``open()`` (a crash between write and rename leaves one behind and the old record intact).
-  On tmpfs (``/var/run`` on a node) a record that is there already is rewritten in place instead,
-  padded with trailing spaces to its old length (``durable.rewrite_in_place``: all or nothing too).
-
-Permissions: directory 0750, files 0600 (records name pods; nothing outside the node agent needs them).
-The sidecar runs as root and trusts these files to say which GPU instances it may destroy, so
-``open`` refuses (``UnsafeStateDir``) a directory or record file that another user owns or that is
-group- or world-writable, and a lock file that is a symlink, not a regular file, or hard-linked:
-anything there could have been planted, and the lock file is truncated on open.
+The rest: ``docs/architecture.md``, "Module notes", ``sidecar.store.records``.
 """
 
 from __future__ import annotations

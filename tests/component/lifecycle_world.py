@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.recover import Recovery
 from sidecar.model.domain import (
@@ -49,6 +50,7 @@ class World:
     records: RecordStore
     cdi: CdiSpecs
     cdi_dir: Path
+    ctx: Context
     lifecycle: Lifecycle
     gpus: list[GpuInfo]
 
@@ -148,9 +150,9 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
     records.open()
     cdi_dir = tmp_path / "cdi"
     cdi = CdiSpecs(cdi_dir if cdi_enabled else None, proc_root=tmp_path / "proc")
-    lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
-    lifecycle.install([], 0)
-    return World(hw, port, records, cdi, cdi_dir, lifecycle, port.gpus())
+    ctx = Context(port, records, cdi, BOOT_ID)
+    ctx.install([], 0)
+    return World(hw, port, records, cdi, cdi_dir, ctx, Lifecycle(ctx), port.gpus())
 
 
 # -- a restart, as the composition root performs it, and what the plugin sends to Recover ----------------
@@ -163,13 +165,14 @@ def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Rec
     records.open()
     cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
     world.records, world.cdi = records, cdi
-    world.lifecycle = Lifecycle(world.port, records, cdi, boot_id)
-    return Recovery(world.lifecycle, world.port, records, cdi, boot_id, adopt_existing=adopt)
+    world.ctx = Context(world.port, records, cdi, boot_id)
+    world.lifecycle = Lifecycle(world.ctx)
+    return Recovery(world.ctx, adopt_existing=adopt)
 
 
 def recovery_of(world: World, *, adopt: bool = False) -> Recovery:
     """A Recovery over the running lifecycle (a Recover RPC repeated while the sidecar serves)."""
-    return Recovery(world.lifecycle, world.port, world.records, world.cdi, BOOT_ID, adopt_existing=adopt)
+    return Recovery(world.ctx, adopt_existing=adopt)
 
 
 def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:

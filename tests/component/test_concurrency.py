@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from lifecycle_world import World, active_of
 
+from sidecar.lifecycle.allocate import Allocator
 from sidecar.model import errors
 from sidecar.model.domain import Outcome, State
 
@@ -82,16 +83,16 @@ class TestAReactivationWaitsForAnAllocateOfItsKey:
         listed = active_of("pod-a", old)  # a pod list still naming the old instance
         # The Allocate pauses where it judges the placement, past its key check, holding the key.
         judging, resume = threading.Event(), threading.Event()
-        room_for = world.lifecycle.allocator.room_for
+        clearance_for = Allocator.clearance_for
 
-        def paused_room_for(v: Any) -> Any:
+        def paused_clearance_for(self: Allocator, v: Any) -> Any:
             judging.set()
             assert resume.wait(60), "the test never resumed the Allocate"
-            return room_for(v)
+            return clearance_for(self, v)
 
-        monkeypatch.setattr(world.lifecycle.allocator, "room_for", paused_room_for)
+        monkeypatch.setattr(Allocator, "clearance_for", paused_clearance_for)
         claim_waits = threading.Event()
-        keys = world.lifecycle.locks.keys
+        keys = world.ctx.locks.keys
         wait = keys.wait
 
         def noticed_wait(timeout: float | None = None) -> bool:

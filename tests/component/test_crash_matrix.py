@@ -197,14 +197,14 @@ def two_idle_on_gpu1(world: World, held: Held) -> None:
 def disable_mig_on_gpu1(world: World, held: Held) -> None:
     current, pending, _ = world.lifecycle.set_mig_mode(world.uuid(1), False, reclaim_idle=True)
     assert (current, pending) == (False, False)
-    assert not world.lifecycle.ctx.table.on_gpu(world.uuid(1))
+    assert not world.ctx.table.on_gpu(world.uuid(1))
 
 
 # The background idle trim on a fake clock
 
 
 def trim_past_the_ttl(world: World, held: Held) -> None:
-    trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
+    trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
     Reconciler(world.lifecycle, idle=trimmer).run_once()
     assert not [r for r in world.record_files().values() if r.state is State.IDLE]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from lifecycle_world import BOOT_ID, World
 
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.model.domain import Outcome
 from sidecar.model.errors import SidecarError
@@ -26,9 +27,9 @@ def _world(tmp_path: Path, key: str) -> World:
     records = RecordStore(tmp_path / "state")
     records.open()
     cdi = CdiSpecs(tmp_path / "cdi", proc_root=tmp_path / "proc")
-    lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
-    lifecycle.install([], 0)
-    return World(hw, port, records, cdi, tmp_path / "cdi", lifecycle, port.gpus())
+    ctx = Context(port, records, cdi, BOOT_ID)
+    ctx.install([], 0)
+    return World(hw, port, records, cdi, tmp_path / "cdi", ctx, Lifecycle(ctx), port.gpus())
 
 
 @pytest.fixture

@@ -198,11 +198,11 @@ def allocate_past_validation(world: World, gpu: int, device: Dev, meanwhile: Cal
         except Exception as exc:  # noqa: BLE001 - handed to the test thread
             outcome.append(exc)
 
-    with world.lifecycle.exclusive([world.uuid(gpu)]):
+    with world.ctx.exclusive([world.uuid(gpu)]):
         worker = threading.Thread(target=allocate)
         worker.start()
         give_up = time.monotonic() + 60  # only so that a broken test fails instead of hanging
-        while not world.lifecycle.locks._claimed:
+        while not world.ctx.locks._claimed:
             assert time.monotonic() < give_up, "the allocate never validated"
             time.sleep(0.005)
         meanwhile()

@@ -8,9 +8,9 @@ import pytest
 from lifecycle_world import Dev, World, gis
 
 from sidecar.edge.metrics import Metrics
+from sidecar.lifecycle.gpu_views import last_used
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.reconciler import Reconciler
-from sidecar.lifecycle.views import last_used
 from sidecar.model import errors
 from sidecar.model.domain import Identity, State
 from sidecar.model.idle_policy import IdleSettings
@@ -34,7 +34,7 @@ def went_idle_at(world: World, identity: Identity) -> float:
 def reconcile(world: World, settings: IdleSettings, now: float, metrics: Metrics | None = None) -> list[str]:
     """One reconciler round with the idle policy at clock ``now``; the MIG UUIDs it trimmed."""
     on_trim = (lambda cause: metrics.idle_trims.labels(cause).inc()) if metrics else (lambda cause: None)
-    trimmer = IdleTrimmer(world.lifecycle.ctx, settings, clock=lambda: now, on_trim=on_trim)
+    trimmer = IdleTrimmer(world.ctx, settings, clock=lambda: now, on_trim=on_trim)
     report = Reconciler(world.lifecycle, idle=trimmer).run_once()
     return [r.identity.mig_uuid for r in report.trimmed if r.identity is not None]
 
@@ -79,7 +79,7 @@ class TestTtl:
         world.hw.create_instance(1, "3g.40gb", 0, 4)  # foreign, on the other H100
         layout_before = world.layout()
         # The trimmer alone: the reconciler's own ERROR retry would destroy the ERROR instance.
-        trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: FAR_FUTURE)
 
         assert trimmer.run_once() == []
         assert states(world) == {
@@ -160,7 +160,7 @@ class TestFreeReserve:
         blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
         clock = [1000.0]
         trimmer = IdleTrimmer(
-            world.lifecycle.ctx, IdleSettings(reserve=("3g.40gb",)), clock=lambda: clock[0], relist_s=10
+            world.ctx, IdleSettings(reserve=("3g.40gb",)), clock=lambda: clock[0], relist_s=10
         )
         assert trimmer.run_once() == []  # GPU 1 has 3g.40gb free
         world.hw.create_instance(1, "3g.40gb", 0, 4)

@@ -145,7 +145,7 @@ def idle_names(world: World) -> list[str]:
 
 def reclaim_idle_all(world: World, held: Held) -> None:
     world.lifecycle.reclaim_idle(world.uuid(1))
-    assert not [r for r in world.lifecycle.ctx.table.on_gpu(world.uuid(1)) if r.state is State.IDLE]
+    assert not [r for r in world.ctx.table.on_gpu(world.uuid(1)) if r.state is State.IDLE]
 
 
 def reclaim_idle_named(world: World, held: Held) -> None:
@@ -172,7 +172,7 @@ def enable_mig(world: World, held: Held) -> None:
 
 def disable_mig_reclaiming(world: World, held: Held) -> None:
     assert world.lifecycle.set_mig_mode(world.uuid(1), False, reclaim_idle=True)[:2] == (False, False)
-    assert not world.lifecycle.ctx.table.on_gpu(world.uuid(1))
+    assert not world.ctx.table.on_gpu(world.uuid(1))
 
 
 def rank_placements(world: World, held: Held) -> None:
@@ -181,7 +181,7 @@ def rank_placements(world: World, held: Held) -> None:
 
 def idle_trim(world: World, held: Held) -> None:
     """A trim that meets a fault logs and skips it; once cleared, a round trims every IDLE one."""
-    trimmer = IdleTrimmer(world.lifecycle.ctx, IdleSettings(ttl_s=600.0), clock=lambda: FAR_FUTURE)
+    trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=600.0), clock=lambda: FAR_FUTURE)
     Reconciler(world.lifecycle, idle=trimmer).run_once()
 
 

@@ -28,7 +28,7 @@ class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
     """The orphan rule counted only the listed allocations and processes as "busy", not an
     ACTIVE record. A repeated Recover (whose pod list may predate an Allocate) keeps such an instance
     ACTIVE, and then destroyed an orphan GI beside it: the spec says orphan GIs on busy GPUs are
-    always preserved (architecture: ListGpus' busy = an ACTIVE instance or a running process)."""
+    always preserved (ListGpus' busy: an ACTIVE instance or a running process)."""
 
     def test_a_repeated_recover_with_adoption_and_an_old_pod_list_keeps_the_orphan(
         self, world: World

@@ -40,7 +40,7 @@ FUZZ = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-# Every reason the contract names (architecture section 4 and 4.1): anything else is a bug.
+# Every reason the contract names (the proto's error reasons): anything else is a bug.
 REASONS = {
     "INVALID_REQUEST",
     "UNKNOWN_PROFILE",

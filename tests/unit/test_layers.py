@@ -67,3 +67,50 @@ def test_the_probe_sees_an_arrow_up() -> None:
     )
     assert layer_of("sidecar.store.cdi") > layer_of("sidecar.model.domain") > layer_of("sidecar.nvml.port")
     assert layer_of("sidecar.app") > layer_of("sidecar.edge.server")
+
+
+# -- inside the lifecycle: transactions stand side by side, on the steps below them -------------------
+
+# A transaction is one operation a caller asks for, with its own locks and its own all-or-nothing
+# rule; the facade and the reconciler call them. A step is a part several transactions share (or one
+# transaction delegates to), below them: it takes the locks its caller holds.
+TRANSACTIONS = frozenset({"allocate", "release", "reclaim", "undo", "migmode", "idle_trim", "recover"})
+STEPS = frozenset({"create", "teardown", "steps", "validate", "gpu_views", "inventory", "context"})
+
+
+def lifecycle_imports() -> dict[str, set[str]]:
+    """Each module of ``sidecar.lifecycle`` (by its last name) and the lifecycle modules it imports."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "lifecycle").glob("*.py")):
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "sidecar.lifecycle":
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sidecar.lifecycle."):
+                targets.add((node.module or "").split(".")[2])
+        found[path.stem] = targets
+    return found
+
+
+def test_every_transaction_and_step_is_a_module_of_the_lifecycle() -> None:
+    assert set(lifecycle_imports()) >= TRANSACTIONS | STEPS
+
+
+def test_no_transaction_imports_another_transaction() -> None:
+    wrong = [
+        f"{here} -> {there}"
+        for here, targets in lifecycle_imports().items()
+        if here in TRANSACTIONS
+        for there in targets & TRANSACTIONS
+    ]
+    assert wrong == []
+
+
+def test_no_step_imports_a_transaction() -> None:
+    wrong = [
+        f"{here} -> {there}"
+        for here, targets in lifecycle_imports().items()
+        if here in STEPS
+        for there in targets & TRANSACTIONS
+    ]
+    assert wrong == []

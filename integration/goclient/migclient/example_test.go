@@ -32,7 +32,7 @@ var listNodePods = func(ctx context.Context) ([]nodePod, error) {
 
 // activeAllocations turns a fresh pod list into the entries Recover and SyncActive receive,
 // pending reservations included: a reservation whose Allocate has not come yet protects its
-// placement (architecture 4.1). includePending false is only for a sidecar older than 4.1,
+// placement. includePending false is only for a sidecar older than the v1 additions,
 // whose Recover refuses entries without runtime identity.
 func activeAllocations(includePending bool) migclient.ListActiveFunc {
 	return func(ctx context.Context) ([]*pb.ActiveAllocation, error) {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, State
-from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, record_name
+from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, live_record, record_name
 from sidecar.model.recovery.books import Books, live_ref
 from sidecar.model.recovery.steps import Action, PutRecord, Reported, Step
 from sidecar.model.states import enter
@@ -95,16 +95,11 @@ def adopt_active(b: Books) -> Books:
             activated, since = b.fresh_generation, b.inputs.now
             boot = old.boot_id if old is not None and old.mig_uuid == ci.mig_uuid else b.inputs.boot_id
         record = enter(
-            OwnershipRecord(
-                gpu_uuid=gpu_uuid,
-                profile=alloc.reservation.profile,
-                gi_profile_id=gi.info.profile_id,
-                ci_profile_id=ci.profile_id,
-                placement=alloc.reservation.placement,
+            live_record(
+                alloc.reservation.profile,
+                gi.info,
+                ci,
                 state=State.ACTIVE,
-                gpu_instance_id=gi.info.id,
-                compute_instance_id=ci.id,
-                mig_uuid=ci.mig_uuid,
                 owner=alloc.owner,
                 activated_generation=activated,
                 idled_generation=idled,

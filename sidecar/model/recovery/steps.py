@@ -37,7 +37,7 @@ class DeleteRecord(msgspec.Struct, frozen=True, tag=True):
 
 
 class DestroyOwned(msgspec.Struct, frozen=True, tag=True):
-    """Permanently destroy an owned instance through ``Lifecycle.destroy_owned``.
+    """Permanently destroy an owned instance through ``teardown.destroy_owned``.
 
     That helper is the one records-first destroy of the code base: it records DELETING, re-reads the
     live GI/CI and destroys only what still matches the record (a second check against anything that

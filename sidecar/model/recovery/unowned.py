@@ -6,7 +6,7 @@ See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in 
 from __future__ import annotations
 
 from sidecar.model.domain import InstanceRef, State
-from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.ownership import live_record
 from sidecar.model.recovery.books import Books, live_ref
 from sidecar.model.recovery.inputs import LiveGpu, LiveGpuInstance
 from sidecar.model.recovery.steps import DestroyOwned, PutRecord, Reported, Step
@@ -51,16 +51,11 @@ def adopt_foreign(  # noqa: PLR0917 - the parts of one adoption, all decided by 
     ref: InstanceRef,
 ) -> None:
     record = enter(
-        OwnershipRecord(
-            gpu_uuid=gpu.info.uuid,
-            profile=profile.name,
-            gi_profile_id=profile.id,
-            ci_profile_id=ci.profile_id,
-            placement=gi.info.placement,
+        live_record(
+            profile.name,
+            gi.info,
+            ci,
             state=State.IDLE,
-            gpu_instance_id=gi.info.id,
-            compute_instance_id=ci.id,
-            mig_uuid=ci.mig_uuid,
             cdi_device=b.cdi_name(ci.mig_uuid),
             idled_generation=b.fresh_generation,
             boot_id=b.inputs.boot_id,
@@ -87,20 +82,16 @@ def remove_orphan(
     b: Books, gpu: LiveGpu, profile: GpuInstanceProfile, gi: LiveGpuInstance, ref: InstanceRef
 ) -> None:
     """Destroy an unowned GI without a CI, records first: a crash mid-way leaves a DELETING record."""
-    record = enter(
-        OwnershipRecord(
-            gpu_uuid=gpu.info.uuid,
-            profile=profile.name,
-            gi_profile_id=profile.id,
-            ci_profile_id=profile.ci_profile_id,
-            placement=gi.info.placement,
-            state=State.DELETING,
-            gpu_instance_id=gi.info.id,
-            boot_id=b.inputs.boot_id,
-            since=b.inputs.now,
-        ),
-        recovery=True,
+    bare = live_record(
+        profile.name,
+        gi.info,
+        None,
+        state=State.DELETING,
+        ci_profile_id=profile.ci_profile_id,
+        boot_id=b.inputs.boot_id,
+        since=b.inputs.now,
     )
+    record = enter(bare, recovery=True)
     b.steps.append(
         Step(
             subject=f"remove orphan GPU instance {gi.info.id} on {gpu.info.uuid}",

@@ -163,7 +163,7 @@ class MigSidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UndoAllocate(self, request, context):
-        """Additions within v1 (architecture section 4.1); gated by Recover like the others.
+        """Additions within v1 (new RPCs and fields only); gated by Recover like the others.
 
         The plugin's rollback of an Allocate that succeeded but whose later step failed: instances that
         Allocate created for that key are destroyed, reused ones go back to IDLE. Idempotent.

@@ -1,7 +1,7 @@
 // Package fakesidecar is an in-process MigSidecar server for unit tests of the Go client and the
 // HAMi adapter. It keeps an instance table with the contract's states and answers the v1
-// additions (UndoAllocate, ReclaimIdle, RankPlacements, SetMigMode.reclaim_idle) the way
-// architecture section 4.1 specifies, so tests can assert outcomes (what the table holds
+// additions (UndoAllocate, ReclaimIdle, RankPlacements, SetMigMode.reclaim_idle) the way the
+// proto's comments specify them, so tests can assert outcomes (what the table holds
 // afterwards) rather than calls. It is far simpler than the sidecar: no NVML, no records.
 package fakesidecar
 

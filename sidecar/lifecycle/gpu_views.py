@@ -14,17 +14,17 @@ import datetime as dt
 import math
 from collections.abc import Collection, Sequence
 
-from sidecar.lifecycle import create
 from sidecar.lifecycle.context import Context
 from sidecar.model.advice import GpuView, Hold, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.model.domain import ForeignInstance, Reservation
 from sidecar.model.errors import nvml_errors
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInstanceProfile
+from sidecar.store.left_for_operator import records_for_the_operator
 
 
 def pending_reservations(ctx: Context) -> frozenset[Reservation]:
-    """The scheduler's pending reservations (architecture 4.1, ``sidecar.model.pending``): they protect an
+    """The scheduler's pending reservations (``sidecar.model.pending``): they protect an
     IDLE instance from the idle policy and keep advice off their placements."""
     return frozenset(p.reservation for p in ctx.pending.current)
 
@@ -52,12 +52,12 @@ def owned_instance(record: OwnershipRecord, *, busy: bool = False) -> OwnedInsta
     )
 
 
-def records_for_the_operator(ctx: Context, gpu_uuid: str) -> tuple[Hold, ...]:
+def operator_holds(ctx: Context, gpu_uuid: str) -> tuple[Hold, ...]:
     """The record files on the GPU that ``Allocate`` refuses to create over (PLACEMENT_BUSY), as
-    ``create.records_for_the_operator`` finds them: a corrupt one, or one without a boot id."""
+    ``store.left_for_operator`` finds them: a corrupt one, or one without a boot id."""
     return tuple(
         Hold(left.placement, left.blocker, f"ownership record {left.path} ({left.blocker})")
-        for left in create.records_for_the_operator(ctx, gpu_uuid)
+        for left in records_for_the_operator(ctx.table, gpu_uuid)
     )
 
 
@@ -88,7 +88,7 @@ def gpu_view(ctx: Context, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuV
         memory_slices=memory_slices(ctx.inventory.profiles(gpu_uuid)),
         owned=tuple(owned_instance(r, busy=r.mig_uuid in busy) for r in ctx.table.on_gpu(gpu_uuid)),
         foreign=foreign(ctx, gpu_uuid),
-        holds=records_for_the_operator(ctx, gpu_uuid),
+        holds=operator_holds(ctx, gpu_uuid),
         pending=tuple(r for r in pending_reservations(ctx) if r.gpu_uuid == gpu_uuid),
     )
 
@@ -103,16 +103,3 @@ def rank(ctx: Context, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
     ctx.require_recovered()
     legal = ctx.inventory.resolve_profile(gpu_uuid, profile).placements
     return rank_placements(profile, legal, gpu_view(ctx, gpu_uuid))
-
-
-__all__ = [
-    "foreign",
-    "gpu_view",
-    "last_used",
-    "memory_slices",
-    "owned_instance",
-    "pending_reservations",
-    "rank",
-    "records_for_the_operator",
-    "refresh_foreign",
-]
