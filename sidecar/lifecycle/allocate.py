@@ -164,8 +164,8 @@ class Allocator:
             require_no_processes(self.ctx, r)
         # The process count found each one by its MIG UUID (a gone one fails the request above): the
         # listing is needed for what else overlaps, never for the compute instances of the reclaimed.
-        proven = all(r.mig_uuid is not None and r.compute_instance_id is not None for r in decided.reclaim)
-        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=proven)
+        by_id = all(r.mig_uuid is not None and r.compute_instance_id is not None for r in decided.reclaim)
+        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=by_id)
 
     def prove_reclaim(
         self, overlapping: Sequence[OwnershipRecord], wanted: Placement
