@@ -6,11 +6,8 @@ ways (``nvmlComputeInstanceGetInfo().device`` and the MIG device walk). Then the
 ``profiles.model_by_name`` for that GPU name. It never creates, destroys or changes a mode: only
 ``Get*`` NVML calls are made.
 
-It also checks the assumption the adapter's caches rest on (``pynvml_backend``): GPUs with the same
-name and total memory have the same static tables (GI profiles, their placements, the CI profiles of
-each GI profile seen). ``static_tables_agree`` lists, per such key, whether every GPU of it agrees;
-the board part number and PCI device IDs are printed beside each GPU to tell boards apart where
-they differ.
+``static_tables_agree`` checks what the adapter's caches assume: GPUs of one name and total memory
+answer the same static tables (board part number and PCI IDs are printed to tell boards apart).
 
 Needs only pynvml to read (``python -m sidecar.nvml.probe --json``); the model diff also needs the
 project's msgspec and is skipped, with a note, without it. CI profiles can only be read from a GI,

@@ -44,6 +44,11 @@ def _text(value: Any) -> str:
 ModelKey = tuple[str, int]
 
 
+def _model_key(static: tuple[int, int, str, int]) -> ModelKey:
+    """The model key of a GPU's static facts (index, minor, name, memory MiB)."""
+    return static[2], static[3]
+
+
 class _GiProfileRow(NamedTuple):
     """One GI profile as ``nvmlDeviceGetGpuInstanceProfileInfo`` answered it, by profile index."""
 
@@ -145,17 +150,13 @@ class PynvmlBackend:
                 self._static[gpu_uuid] = static
         return static
 
-    def _model(self, gpu_uuid: str, handle: Any) -> ModelKey:
-        _, _, name, memory_mb = self._static_facts(gpu_uuid, handle)
-        return name, memory_mb
-
     def _profile_rows(self, gpu_uuid: str, handle: Any) -> tuple[_GiProfileRow, ...]:
         """Every supported GI profile of the GPU's model, by *index*; read once per model.
 
         Missing indices answer NOT_SUPPORTED or INVALID_ARGUMENT and are skipped. An empty table is
         never cached: Ampere drivers answer NOT_SUPPORTED for every profile index while MIG is
         disabled, and remembering that answer would hide every GI made once MIG is on."""
-        key = self._model(gpu_uuid, handle)
+        key = _model_key(self._static_facts(gpu_uuid, handle))
         with self._tables_lock:
             cached = self._gi_profiles.get(key)
             if cached is not None:
@@ -186,7 +187,7 @@ class PynvmlBackend:
 
     def _possible_placements(self, gpu_uuid: str, handle: Any, profile_id: int) -> tuple[Placement, ...]:
         """GetGpuInstancePossiblePlacements of one GI profile (count query, then the array); per model."""
-        key = (self._model(gpu_uuid, handle), profile_id)
+        key = (_model_key(self._static_facts(gpu_uuid, handle)), profile_id)
         with self._tables_lock:
             cached = self._placements.get(key)
             if cached is not None:
@@ -267,7 +268,7 @@ class PynvmlBackend:
                 del self._fresh_gis[gone]
         if static is None:
             return
-        model = (static[2], static[3])
+        model = _model_key(static)
         with self._tables_lock:
             self._gi_profiles.pop(model, None)
             for key in [k for k in self._placements if k[0] == model]:
@@ -293,7 +294,7 @@ class PynvmlBackend:
     def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
         def read() -> list[GpuInstanceProfile]:
             handle = self._device(gpu_uuid)
-            key = self._model(gpu_uuid, handle)
+            key = _model_key(self._static_facts(gpu_uuid, handle))
             result = []
             rows = self._profile_rows(gpu_uuid, handle)
             plain_sms = next(
@@ -360,7 +361,7 @@ class PynvmlBackend:
         other profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver
         (module notes). The GI's profile ID is read live (one GetInfo) to pick the right table."""
         key = (
-            self._model(gpu_uuid, self._device(gpu_uuid)),
+            _model_key(self._static_facts(gpu_uuid, self._device(gpu_uuid))),
             int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId),
         )
         with self._tables_lock:

@@ -12,6 +12,7 @@ import pynvml
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of
 
+from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.recover import Recovery
 from sidecar.model.domain import ActiveAllocation
@@ -34,9 +35,9 @@ def _world(tmp_path: Path, gpus: list[tuple[str, int]]) -> World:
     records = RecordStore(tmp_path / "state", in_place=True)
     records.open()
     cdi = CdiSpecs(tmp_path / "cdi", proc_root=tmp_path / "proc")
-    lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
-    lifecycle.install([], 0)
-    return World(hw, port, records, cdi, tmp_path / "cdi", lifecycle, port.gpus())
+    ctx = Context(port, records, cdi, BOOT_ID)
+    ctx.install([], 0)
+    return World(hw, port, records, cdi, tmp_path / "cdi", ctx, Lifecycle(ctx), port.gpus())
 
 
 def _fill(world: World, profile: str, starts: range) -> list[ActiveAllocation]:
@@ -56,10 +57,10 @@ def _restarted_recover(world: World, active: list[ActiveAllocation]) -> tuple[in
     records = RecordStore(world.records.directory, in_place=True)
     records.open()
     cdi = CdiSpecs(world.cdi.directory, proc_root=world.cdi.proc_root)
-    lifecycle = Lifecycle(port, records, cdi, BOOT_ID)
-    world.port, world.records, world.cdi, world.lifecycle = port, records, cdi, lifecycle
+    ctx = Context(port, records, cdi, BOOT_ID)
+    world.port, world.records, world.cdi, world.ctx, world.lifecycle = port, records, cdi, ctx, Lifecycle(ctx)
     world.hw.reset_call_counts()
-    report = Recovery(lifecycle, port, records, cdi, BOOT_ID, adopt_existing=False).recover(active)
+    report = Recovery(ctx, adopt_existing=False).recover(active)
     return len(report.adopted_active), world.hw.call_counts()
 
 
