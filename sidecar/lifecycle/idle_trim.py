@@ -159,6 +159,3 @@ class IdleTrimmer:
         except (SidecarError, NvmlError) as exc:
             _log.warning("cannot count processes on %s, not trimming it: %s", mig_uuid, exc)
             return True
-
-
-__all__ = ["IdleTrimmer", "Trimmed"]

@@ -7,33 +7,19 @@ callers and tests import one module.
 
 from __future__ import annotations
 
-from sidecar.model.ownership import parse_record_name
 from sidecar.model.recovery.active import adopt_active
 from sidecar.model.recovery.books import Books
 from sidecar.model.recovery.corrupt import preserve_corrupt
 from sidecar.model.recovery.hami import take_over_hami
-from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery.inputs import Inputs
 from sidecar.model.recovery.recorded import reconcile_records
 from sidecar.model.recovery.specs import reconcile_cdi
 from sidecar.model.recovery.steps import (
-    Action,
-    DeleteRecord,
-    DestroyOwned,
-    EnsureCdi,
     Plan,
-    PutRecord,
     RecoveryReport,
-    RemoveCdi,
-    RemoveHamiRecord,
-    RemoveHamiSpec,
-    Reported,
-    ReportList,
-    Step,
     settle_report,
 )
 from sidecar.model.recovery.unowned import handle_unowned
-
-placement_from_record_name = parse_record_name
 
 
 def plan(inputs: Inputs) -> Plan:
@@ -69,27 +55,3 @@ def result(b: Books) -> Plan:
         - b.refused,
         pending=tuple(a for a in b.inputs.active if a.identity is None),
     )
-
-
-__all__ = [
-    "Action",
-    "CorruptFile",
-    "DeleteRecord",
-    "DestroyOwned",
-    "EnsureCdi",
-    "Inputs",
-    "LiveGpu",
-    "LiveGpuInstance",
-    "Plan",
-    "PutRecord",
-    "RecoveryReport",
-    "RemoveCdi",
-    "RemoveHamiRecord",
-    "RemoveHamiSpec",
-    "ReportList",
-    "Reported",
-    "Step",
-    "placement_from_record_name",
-    "plan",
-    "settle_report",
-]
