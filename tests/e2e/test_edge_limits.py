@@ -15,8 +15,9 @@ from inprocess_sidecar import CALL_TIMEOUT_S, InProcessSidecar, inprocess_sideca
 from sidecar_process import error_info, failure
 
 from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import Placement
-from sidecar.store.records import GENERATION_FILE, MAX_GENERATION, OwnershipRecord
+from sidecar.store.record_format import GENERATION_FILE, MAX_GENERATION
 
 pytestmark = pytest.mark.e2e
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, State
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, live_record, record_name
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 from sidecar.model.recovery.steps import Action, PutRecord, Reported, Step
 from sidecar.model.states import enter
 
 
-def adopt_active(b: Books) -> Books:
+def adopt_active(b: PlanDraft) -> PlanDraft:
     by_key: dict[object, ActiveAllocation] = {}
     by_instance: dict[tuple[str, int], ActiveAllocation] = {}
     unverifiable: list[str] = []
@@ -131,7 +131,9 @@ def adopt_active(b: Books) -> Books:
     return b
 
 
-def held_by_another_key(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str) -> bool:
+def held_by_another_key(
+    b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str
+) -> bool:
     """True (and an error line) when a repeated Recover must not hand this instance to ``alloc``.
 
     Once the sidecar serves, the pod list of a repeated Recover may be older than a release and
@@ -172,7 +174,7 @@ def held_by_another_key(b: Books, alloc: ActiveAllocation, old: OwnershipRecord 
     return True
 
 
-def stays_error(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+def stays_error(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
     """True (and an error line) when a repeated Recover names an instance that is ERROR now.
 
     ERROR is an instance whose destroy failed (a reclaim of an IDLE instance, an undo): the spec
@@ -198,7 +200,7 @@ def stays_error(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) 
     return True
 
 
-def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+def stays_idle(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
     """True (and an error line) when a repeated Recover names an instance that is IDLE now.
 
     The pod list of a repeated Recover may predate the release that idled the instance, and
@@ -219,7 +221,7 @@ def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -
     return True
 
 
-def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
+def verify_active(b: PlanDraft, alloc: ActiveAllocation) -> str | None:
     """Why an allocation does not match the live hardware exactly, or None when it does."""
     identity, reservation = alloc.identity, alloc.reservation
     if identity is None:

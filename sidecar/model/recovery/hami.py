@@ -19,7 +19,7 @@ import msgspec
 
 from sidecar.model.domain import State
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover, pointed_at
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 from sidecar.model.recovery.steps import (
     PutRecord,
     RemoveHamiRecord,
@@ -30,7 +30,7 @@ from sidecar.model.recovery.steps import (
 )
 
 
-def take_over_hami(b: Books) -> Books:
+def take_over_hami(b: PlanDraft) -> PlanDraft:
     inputs = b.inputs
     if not inputs.hami_records and not inputs.hami_specs:
         return b
@@ -100,7 +100,7 @@ def take_over_hami(b: Books) -> Books:
     return b
 
 
-def _foreign(b: Books, keep: Keep) -> None:
+def _foreign(b: PlanDraft, keep: Keep) -> None:
     for gpu_uuid, gi_id in keep.foreign:
         if (gpu_uuid, gi_id) in b.claimed:
             continue
