@@ -21,12 +21,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
 from sidecar.nvml.sim import SimulatedHardware
 
+HEALTH = "health Check"
 DECISIONS = (
+    HEALTH,
     "GetInfo",
     "Allocate CREATED+reclaim",
     "Allocate CREATED",
@@ -86,7 +89,9 @@ class Meter:
         return result
 
 
-def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) -> None:
+def one_round(
+    stub: pb_grpc.MigSidecarStub, health: health_pb2_grpc.HealthStub, gpu: str, i: int, measure: Meter
+) -> None:
     def expect(response: object, outcome: int) -> pb.AllocatedDevice:
         assert isinstance(response, pb.AllocateResponse)
         device = response.devices[0]
@@ -99,6 +104,8 @@ def one_round(stub: pb_grpc.MigSidecarStub, gpu: str, i: int, measure: Meter) ->
     info = pb.GetInfoRequest()
     at_0, at_1, reuse = (request(gpu, pod, "1g.10gb", start, 1) for pod, start in ((w, 0), (c, 1), (r, 1)))
     release = pb.ReleaseRequest(pod_uid=c)
+    check = health_pb2.HealthCheckRequest(service="")
+    measure(HEALTH, lambda: health.Check(check))
     measure("GetInfo", lambda: stub.GetInfo(info))
     reclaim = measure("Allocate CREATED+reclaim", lambda: stub.Allocate(at_0))
     if not isinstance(reclaim, pb.AllocateResponse) or len(reclaim.reclaimed) != 1:
@@ -153,6 +160,12 @@ def report(measure: Meter, show_calls: bool) -> None:
             f"{name:<26}{p50 * 1e3:>9.2f}{p99 * 1e3:>9.2f}{p50 / base:>13.1f}{p99 / base99:>13.1f}"
             f"{total:>12}{mutating:>10}{driver * 1e3:>11.2f}{own / base:>12.1f}"
         )
+    check = statistics.median(measure.seconds[HEALTH])
+    reuse = statistics.median(measure.seconds["Allocate REUSED"])
+    print(
+        f"Allocate REUSED p50 / health Check p50: {reuse / check:.2f}x"
+        f" (health Check {check * 1e3:.2f} ms); / GetInfo p50: {reuse / base:.2f}x"
+    )
     if show_calls:
         print()
         for name in DECISIONS:
@@ -197,13 +210,14 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
         channel = grpc.insecure_channel(f"unix://{socket}")
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = pb_grpc.MigSidecarStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
         stub.Recover(pb.RecoverRequest())
         gpu = stub.ListGpus(pb.ListGpusRequest()).gpus[0].uuid
         measure = Meter(SimulatedHardware.open(state))
         leave_idle_blocker(stub, gpu, [], "z")
-        one_round(stub, gpu, -1, Meter(measure.hardware))  # warm-up: imports, first-use caches
+        one_round(stub, health, gpu, -1, Meter(measure.hardware))  # warm-up: imports, first-use caches
         for i in range(args.rounds):
-            one_round(stub, gpu, i, measure)
+            one_round(stub, health, gpu, i, measure)
         print(f"{args.rounds} rounds, one simulated H100-80GB, sidecar pid {proc.pid}")
         report(measure, args.calls)
         channel.close()

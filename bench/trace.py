@@ -362,6 +362,43 @@ def report(results: list[Result]) -> None:
             )
 
 
+def plot(results: list[Result], path: Path, title: str) -> None:
+    """The Allocate latency CDF of every variant on one chart, log x axis (milliseconds at real scale).
+
+    matplotlib is imported here only: an optional bench dependency, never the sidecar's."""
+    import matplotlib  # noqa: PLC0415 - optional, only for --plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for r in results:
+        if r.skipped or not r.latency:
+            continue
+        ms = sorted(x * 1e3 for x in r.latency)
+        share = [(i + 1) / len(ms) for i in range(len(ms))]
+        eager, advised = r.variant.policy == "eager", r.variant.scheduler == "advised"
+        label = f"{r.variant.name} (mean {statistics.fmean(ms):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms)"
+        ax.step(
+            ms,
+            share,
+            where="post",
+            label=label,
+            linewidth=2.4 if eager or advised else 1.2,
+            linestyle="--" if eager else "-",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel("Allocate latency at real scale (ms, log scale)")
+    ax.set_ylabel("share of Allocates at or below")
+    ax.set_ylim(0, 1.005)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--pods", type=int, default=2000, help="pods in the trace (default 2000)")
@@ -372,7 +409,18 @@ def main() -> int:
     parser.add_argument(
         "--check", action="store_true", help="compare the mirror with GetState after every event (slow)"
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw the latency CDF of every variant (needs matplotlib)",
+    )
     args = parser.parse_args()
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401, PLC0415 - fail before the run, not after it
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     state_base = Path.cwd() if args.disk else Path("/dev/shm")
     trace = make_trace(args.pods, args.seed)
     variants = [v for v in VARIANTS if not args.only or v.name in args.only]
@@ -388,6 +436,11 @@ def main() -> int:
         print(f"  ran {v.name}: {results[-1].skipped or f'{results[-1].wall:.0f} s'}", flush=True)
     print()
     report(results)
+    if args.plot is not None:
+        plot(
+            results, args.plot, f"{args.pods} pods, seed {args.seed}, 8 simulated H100-80GB, load {LOAD:.0%}"
+        )
+        print(f"\nlatency CDF written to {args.plot}")
     return 1 if any(r.diverged for r in results) else 0
 
 

@@ -31,9 +31,10 @@ from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.lifecycle.recover import Recovery
+from sidecar.model.errors import StateWriteFailed
 from sidecar.nvml.port import NvmlError, NvmlPort
 from sidecar.store.cdi import CdiSpecs
-from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked, StateWriteFailed
+from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked
 
 log = logging.getLogger(__name__)
 

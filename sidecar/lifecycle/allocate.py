@@ -46,9 +46,11 @@ class _Done(msgspec.Struct, frozen=True):
 class Clearance(msgspec.Struct, frozen=True):
     """What a Create device must clear before its create, judged once under the GPU lock.
 
-    ``live``: the GI listing it was judged on, handed on to the destroys (None: the records alone
-    showed the placement free, or covered only by IDLE instances ``proven`` live by their MIG UUID,
-    so the create goes ahead and a refusal of the driver names the blocker)."""
+    ``live``: the GI listing it was judged on (None: the records alone showed the placement free, or
+    covered only by IDLE instances proven live by their MIG UUID, so the create goes ahead and a
+    refusal of the driver names the blocker). ``proven``: every instance in ``reclaim`` was found live
+    by its MIG UUID under this lock hold, which proves its GI and CI the recorded ones, so the
+    destroys go by ID without listing compute instances (``teardown.destroy_hardware``)."""
 
     reclaim: tuple[OwnershipRecord, ...] = ()
     retry: tuple[OwnershipRecord, ...] = ()  # ERROR instances in the way, destroyed first (``retry_error``)
@@ -167,7 +169,10 @@ class Allocator:
         assert isinstance(decided, Create)
         for r in decided.reclaim:  # every one is checked before any is destroyed (all are on ``gpu``)
             require_no_processes(self.ctx, r)
-        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live))
+        # The process count found each one by its MIG UUID (a gone one fails the request above): the
+        # listing is needed for what else overlaps, never for the compute instances of the reclaimed.
+        by_id = all(r.mig_uuid is not None and r.compute_instance_id is not None for r in decided.reclaim)
+        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=by_id)
 
     def prove_reclaim(
         self, overlapping: Sequence[OwnershipRecord], wanted: Placement

@@ -57,6 +57,24 @@ class IdleTrimmer:
         self.relist_s = relist_s
         self._listed: tuple[float, list[str]] | None = None  # (when, the MIG-enabled GPUs then)
 
+    def seconds_until_due(self) -> float | None:
+        """Seconds until the next IDLE instance passes its TTL; None with no TTL or none to come.
+
+        The reconciler sleeps no longer than this, so an instance is trimmed when its TTL ends and
+        not up to a whole interval later. One already past its TTL was spared for a reason of its
+        own (a process, a reservation) and waits for the next interval, so this never asks for a
+        round that would find the same answer at once."""
+        ttl_s = self.settings.ttl_s
+        if ttl_s is None or not self.settings.enabled or not self.ctx.recovered:
+            return None
+        now = self.clock()
+        ahead = [
+            due - now
+            for r in self.ctx.table.instances()
+            if r.state is State.IDLE and (due := gpu_views.last_used(r) + ttl_s) > now
+        ]
+        return min(ahead, default=None)
+
     def run_once(self) -> list[Trimmed]:
         """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
         if not self.settings.enabled or not self.ctx.recovered:
@@ -159,6 +177,3 @@ class IdleTrimmer:
         except (SidecarError, NvmlError) as exc:
             _log.warning("cannot count processes on %s, not trimming it: %s", mig_uuid, exc)
             return True
-
-
-__all__ = ["IdleTrimmer", "Trimmed"]

@@ -24,6 +24,7 @@ from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
 
 _log = logging.getLogger(__name__)
+_PAST_DUE_S = 0.005
 
 
 class ReconcileReport(msgspec.Struct, frozen=True):
@@ -127,13 +128,19 @@ class Reconciler:
         if thread is not None:
             thread.join()
 
+    def _sleep_s(self) -> float:
+        """Until the next round: the interval, or less when an IDLE instance's TTL ends sooner (a
+        hair past the end, as the policy trims what is strictly older than the TTL)."""
+        due = self.idle.seconds_until_due() if self.idle is not None else None
+        return self.interval_s if due is None else min(self.interval_s, due + _PAST_DUE_S)
+
     def _kicked_since(self, seen: int) -> bool:
         return self._kicks != seen
 
     def _loop(self, seen: int) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(functools.partial(self._kicked_since, seen), self.interval_s)
+                self._wake.wait_for(functools.partial(self._kicked_since, seen), self._sleep_s())
                 seen = self._kicks
             if self._stop.is_set():
                 return

@@ -16,15 +16,13 @@ from sidecar.model import errors
 from sidecar.model.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.model.errors import ComputeInstanceNotOurs, nvml_errors
 from sidecar.model.hami_takeover import read_record_file
-from sidecar.model.recovery.plan import (
+from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery.steps import (
     Action,
-    CorruptFile,
     DeleteRecord,
     DestroyOwned,
     EnsureCdi,
-    Inputs,
-    LiveGpu,
-    LiveGpuInstance,
     Plan,
     PutRecord,
     RecoveryReport,
@@ -32,14 +30,13 @@ from sidecar.model.recovery.plan import (
     RemoveHamiRecord,
     RemoveHamiSpec,
     Step,
-    plan,
     settle_report,
 )
 from sidecar.model.states import now_rfc3339, transition
 from sidecar.nvml.port import GpuInfo, NvmlError
 from sidecar.store import hami_records
 from sidecar.store.cdi import ForeignSpecFile
-from sidecar.store.records import RecordError
+from sidecar.store.record_format import RecordError
 
 log = logging.getLogger(__name__)
 

@@ -66,15 +66,6 @@ def reusable(reservation: Reservation, at_reservation: OwnershipRecord | None) -
     return None
 
 
-def needs_placement(
-    reservation: Reservation, held_by_key: OwnershipRecord | None, at_reservation: OwnershipRecord | None
-) -> bool:
-    """True when ``decide`` needs a placement plan: the device is neither held nor reusable."""
-    return not isinstance(
-        decide(reservation, held_by_key, at_reservation, None), (Conflict, AlreadyHeld, Reuse, Busy)
-    )
-
-
 def decide(
     reservation: Reservation,
     held_by_key: OwnershipRecord | None,
@@ -86,9 +77,10 @@ def decide(
 
     ``held_by_key``: what the device's key holds (ACTIVE or CREATING for it). ``at_reservation``:
     the owned record named like the reservation, if any. ``placement_plan``: what stands in the
-    way of a create (only needed when ``needs_placement``; None before it is gathered gives
-    ``Create()`` with nothing to reclaim, which the caller must not apply). ``guards``: what keeps
-    an IDLE or ERROR instance in the way from being destroyed (none when omitted)."""
+    way of a create (needed only when the device is neither held nor reusable; None before it is
+    gathered gives ``Create()`` with nothing to reclaim, which the caller must not apply).
+    ``guards``: what keeps an IDLE or ERROR instance in the way from being destroyed (none when
+    omitted)."""
     if held_by_key is not None and held_by_key.reservation != reservation:
         return Conflict(held_by_key)
     if held_by_key is not None and held_by_key.state is State.ACTIVE and held_by_key.identity is not None:
@@ -131,17 +123,3 @@ def make_room(plan: PlacementPlan, guards: Guards) -> Create | Busy:
         retryable = [Blocker(str(r.state), r.placement, r.gpu_instance_id, r) for r in retry]
         return Busy((*hard, *retryable))
     return Create(reclaim=tuple(reclaim), retry=tuple(retry))
-
-
-__all__ = [
-    "AlreadyHeld",
-    "Busy",
-    "Conflict",
-    "Create",
-    "Decision",
-    "Reuse",
-    "decide",
-    "make_room",
-    "needs_placement",
-    "reusable",
-]

@@ -233,21 +233,3 @@ def recognize_spec(filename: str, data: bytes) -> HamiSpec | None:
         parent_gpu_uuid=device.annotations.get(PARENT_ANNOTATION, ""),
         geometry=device.annotations.get(GEOMETRY_ANNOTATION, ""),
     )
-
-
-__all__ = [
-    "SPEC_KIND",
-    "HamiRecord",
-    "HamiRecordError",
-    "HamiSpec",
-    "RecordHint",
-    "decode_record",
-    "device_name",
-    "hami_record_hint",
-    "is_record_filename",
-    "is_spec_filename",
-    "recognize_spec",
-    "record_filename",
-    "spec_device",
-    "spec_filename",
-]

@@ -141,10 +141,6 @@ class TakeoverPlan(msgspec.Struct, frozen=True, kw_only=True):
     def foreign(self) -> frozenset[tuple[str, int]]:
         return frozenset(gi for keep in self.kept for gi in keep.foreign)
 
-    @property
-    def uses_generation(self) -> bool:
-        return bool(self.converted)
-
 
 class _Found(msgspec.Struct, frozen=True):
     """A decoded record verified against the live GI it names."""
@@ -335,18 +331,3 @@ def _mismatch(gpu: LiveGpuView, gi: LiveGpuInstanceView, record: HamiRecord) -> 
     if ci.profile_id != profile.ci_profile_id:
         return f"its compute instance {ci.id} is not the full-size one"
     return None
-
-
-__all__ = [
-    "Convert",
-    "Finish",
-    "HamiRecordFile",
-    "Keep",
-    "LiveGpuInstanceView",
-    "LiveGpuView",
-    "TakeoverInputs",
-    "TakeoverPlan",
-    "plan_takeover",
-    "pointed_at",
-    "read_record_file",
-]

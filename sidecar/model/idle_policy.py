@@ -209,6 +209,3 @@ def node_reserve(
         out += [Trim(gpu, v, Cause.RESERVE, profile) for v in victims]
         gone |= {(gpu, v) for v in victims}
     return out
-
-
-__all__ = ["Cause", "IdleSettings", "Trim", "node_reserve", "trim", "trimmable"]

@@ -151,16 +151,3 @@ def first_overlap(placements: Sequence[tuple[str, Placement]]) -> tuple[int, int
             if gpu_a == gpu_b and a.overlaps(b):
                 return i, j
     return None
-
-
-__all__ = [
-    "FOREIGN",
-    "Blocker",
-    "PlacementPlan",
-    "first_overlap",
-    "foreign_instances",
-    "is_legal",
-    "owner_of",
-    "owns",
-    "plan_placement",
-]

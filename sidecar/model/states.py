@@ -88,15 +88,3 @@ def enter(
     """``record``, built whole, checked as the successor of ``replacing`` (None: it is new)."""
     check(replacing.state if replacing is not None else None, record.state, recovery=recovery)
     return record
-
-
-__all__ = [
-    "RECOVERY_TRANSITIONS",
-    "TRANSITIONS",
-    "IllegalTransition",
-    "check",
-    "enter",
-    "is_legal",
-    "now_rfc3339",
-    "transition",
-]

@@ -6,6 +6,9 @@ ways (``nvmlComputeInstanceGetInfo().device`` and the MIG device walk). Then the
 ``profiles.model_by_name`` for that GPU name. It never creates, destroys or changes a mode: only
 ``Get*`` NVML calls are made.
 
+``static_tables_agree`` checks what the adapter's caches assume: GPUs of one name and total memory
+answer the same static tables (board part number and PCI IDs are printed to tell boards apart).
+
 Needs only pynvml to read (``python -m sidecar.nvml.probe --json``); the model diff also needs the
 project's msgspec and is skipped, with a note, without it. CI profiles can only be read from a GI,
 so a GPU without GIs shows no CI tables.
@@ -158,6 +161,45 @@ def _instances(handle: Any, gi_profiles: list[dict[str, Any]]) -> tuple[list[dic
     return sorted(instances, key=lambda g: g["id"]), ci_tables
 
 
+def _optional(read: Any) -> str | None:
+    """A fact some drivers or boards do not report: None then, never a failed probe."""
+    try:
+        return _text(read())
+    except (pynvml.NVMLError, AttributeError):
+        return None
+
+
+def _board(handle: Any) -> dict[str, str | None]:
+    def pci_ids() -> str:
+        pci = pynvml.nvmlDeviceGetPciInfo(handle)
+        return f"{int(pci.pciDeviceId):#010x}/{int(pci.pciSubSystemId):#010x}"
+
+    return {
+        "part_number": _optional(lambda: pynvml.nvmlDeviceGetBoardPartNumber(handle)),
+        "pci_device_subsystem": _optional(pci_ids),
+    }
+
+
+def static_tables_agree(gpus: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per model key (name and total memory, what the adapter caches its tables by): whether every GPU
+    of that key answered the same GI profile table with the same placements, and the same CI
+    profile table for each GI profile seen on more than one of them. GPUs that answered no table
+    (MIG off on Ampere) are left out."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for g in gpus:
+        if g["gi_profiles"]:
+            by_key.setdefault(f"{g['name']} / {g['memory_mb']} MiB", []).append(g)
+    out = {}
+    for key, same in by_key.items():
+        agree = all(g["gi_profiles"] == same[0]["gi_profiles"] for g in same)
+        ci: dict[str, Any] = {}
+        for g in same:
+            for gi_profile_id, table in g["ci_profiles_by_gi_profile_id"].items():
+                agree = agree and ci.setdefault(gi_profile_id, table) == table
+        out[key] = agree
+    return out
+
+
 def collect() -> dict[str, Any]:
     """Everything the probe reads, as plain JSON-able data. Call with NVML initialised."""
     gpus = []
@@ -172,13 +214,18 @@ def collect() -> dict[str, Any]:
                 "name": _text(pynvml.nvmlDeviceGetName(handle)),
                 "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
                 "memory_mb": int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // (1024 * 1024),
+                "board": _board(handle),
                 "mig_mode": [int(current), int(pending)],
                 "gi_profiles": gi_profiles,
                 "ci_profiles_by_gi_profile_id": ci_tables,
                 "instances": instances,
             }
         )
-    return {"driver": _text(pynvml.nvmlSystemGetDriverVersion()), "gpus": gpus}
+    return {
+        "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+        "gpus": gpus,
+        "static_tables_agree": static_tables_agree(gpus),
+    }
 
 
 def diff(doc: dict[str, Any]) -> list[str]:
@@ -241,6 +288,11 @@ def render(doc: dict[str, Any]) -> str:
     lines = [f"driver {doc['driver']}"]
     for g in doc["gpus"]:
         lines.append(f"GPU {g['index']} {g['uuid']} {g['name']} {g['memory_mb']} MiB MIG {g['mig_mode']}")
+        board = g.get("board", {})
+        lines.append(
+            f"  board part number {board.get('part_number') or 'not reported'},"
+            f" PCI device/subsystem {board.get('pci_device_subsystem') or 'not reported'}"
+        )
         lines.append("  idx  id  name              slices inst  MiB     SM  CE/DEC/ENC/JPG/OFA  placements")
         for p in g["gi_profiles"]:
             starts = ",".join(f"{s}:{n}" for s, n in p["placements"])
@@ -264,6 +316,10 @@ def render(doc: dict[str, Any]) -> str:
                     f"    CI {ci['id']} profile {ci['profile_id']} info.device {ci['uuid_from_info_device']} "
                     f"walk {ci['uuid_from_walk']}"
                 )
+    for key, agree in sorted(doc.get("static_tables_agree", {}).items()):
+        lines.append(
+            f"static tables of every GPU that is {key}: {'the same' if agree else 'DIFFER (caches unsafe)'}"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from ctypes import byref, c_uint
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import pynvml
 
@@ -40,6 +40,34 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+# What identifies the MIG geometry of a GPU here: its name and total memory in MiB (module notes).
+ModelKey = tuple[str, int]
+
+
+def _model_key(static: tuple[int, int, str, int]) -> ModelKey:
+    """The model key of a GPU's static facts (index, minor, name, memory MiB)."""
+    return static[2], static[3]
+
+
+class _GiProfileRow(NamedTuple):
+    """One GI profile as ``nvmlDeviceGetGpuInstanceProfileInfo`` answered it, by profile index."""
+
+    profile_index: int
+    id: int
+    name: str
+    slice_count: int
+    instance_count: int
+    memory_mb: int
+    multiprocessor_count: int
+
+
+class _CiProfileRow(NamedTuple):
+    id: int
+    instance_count: int
+    slice_count: int
+    multiprocessor_count: int
+
+
 class PynvmlBackend:
     """``NvmlPort`` over pynvml. ``nvmlInit`` runs once, here; a missing library raises ``NvmlError``
     (LIBRARY_NOT_FOUND or DRIVER_NOT_LOADED) and is never papered over."""
@@ -49,11 +77,16 @@ class PynvmlBackend:
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
-        self._profile_ids: dict[str, list[tuple[int, int]]] = {}
         # (GPU, GI ID) -> handle of a GI this adapter just created, for the CI create that follows.
         self._fresh_gis: dict[tuple[str, int], Any] = {}
-        # (GPU, GI profile ID) -> (CI profile ID, instance count, compute slices, SMs) of every CI profile
-        self._ci_profile_ids: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}
+        # The static tables of each GPU model (module notes). Read under ``_tables_lock``, so GPUs
+        # read at once by several threads (Recover's gather) wait for one read of their model's table
+        # instead of each making it.
+        self._tables_lock = threading.Lock()
+        self._gi_profiles: dict[ModelKey, tuple[_GiProfileRow, ...]] = {}
+        self._placements: dict[tuple[ModelKey, int], tuple[Placement, ...]] = {}
+        # (model, GI profile ID) -> every CI profile a GI of that profile offers
+        self._ci_profiles: dict[tuple[ModelKey, int], tuple[_CiProfileRow, ...]] = {}
         with mapped("nvmlInit"):
             pynvml.nvmlInit()
         self._open = True
@@ -81,7 +114,7 @@ class PynvmlBackend:
         return handle
 
     def _gpu_info(self, handle: Any, gpu_uuid: str, index: int | None = None) -> GpuInfo:
-        """MIG mode read live; the static facts read once per GPU (see the module docstring).
+        """MIG mode read live; the static facts read once per GPU (module notes).
 
         The MIG mode is read first, so a GPU that fell off the bus fails here with GPU_IS_LOST exactly
         as it did before the static facts were cached."""
@@ -89,6 +122,21 @@ class PynvmlBackend:
             current, pending = pynvml.nvmlDeviceGetMigMode(handle)
         except pynvml.NVMLError_NotSupported:  # a GPU without MIG hardware
             current, pending = 0, 0
+        static = self._static_facts(gpu_uuid, handle, index)
+        return GpuInfo(
+            index=static[0],
+            uuid=gpu_uuid,
+            minor=static[1],
+            model=static[2],
+            memory_mb=static[3],
+            mig_current=bool(current),
+            mig_pending=bool(pending),
+        )
+
+    def _static_facts(
+        self, gpu_uuid: str, handle: Any, index: int | None = None
+    ) -> tuple[int, int, str, int]:
+        """Index, minor number, name and total memory (MiB) of a GPU, read once (module notes)."""
         with self._lock:
             static = self._static.get(gpu_uuid)
         if static is None:
@@ -100,43 +148,57 @@ class PynvmlBackend:
             )
             with self._lock:
                 self._static[gpu_uuid] = static
-        return GpuInfo(
-            index=static[0],
-            uuid=gpu_uuid,
-            minor=static[1],
-            model=static[2],
-            memory_mb=static[3],
-            mig_current=bool(current),
-            mig_pending=bool(pending),
-        )
+        return static
 
-    def _profile_table(self, gpu_uuid: str, handle: Any) -> list[tuple[int, int]]:
-        """(profile ID, instance count) of every supported GI profile; static, so cached per GPU.
+    def _profile_rows(self, gpu_uuid: str, handle: Any) -> tuple[_GiProfileRow, ...]:
+        """Every supported GI profile of the GPU's model, by *index*; read once per model.
 
-        An empty table is never cached: Ampere drivers answer NOT_SUPPORTED for every profile index
-        while MIG is disabled, and remembering that answer would hide every GI made once MIG is on."""
-        with self._lock:
-            cached = self._profile_ids.get(gpu_uuid)
-        if cached is not None:
-            return cached
-        table = [(int(info.id), int(info.instanceCount)) for _, info in self._profile_infos(handle)]
-        if table:
-            with self._lock:
-                self._profile_ids[gpu_uuid] = table
-        return table
+        Missing indices answer NOT_SUPPORTED or INVALID_ARGUMENT and are skipped. An empty table is
+        never cached: Ampere drivers answer NOT_SUPPORTED for every profile index while MIG is
+        disabled, and remembering that answer would hide every GI made once MIG is on."""
+        key = _model_key(self._static_facts(gpu_uuid, handle))
+        with self._tables_lock:
+            cached = self._gi_profiles.get(key)
+            if cached is not None:
+                return cached
+            rows = []
+            for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
+                try:
+                    info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index)
+                except pynvml.NVMLError as exc:
+                    if exc.value in _SKIP_PROFILE:
+                        continue
+                    raise
+                rows.append(
+                    _GiProfileRow(
+                        profile_index=index,
+                        id=int(info.id),
+                        name=_text(info.name).removeprefix("MIG "),
+                        slice_count=int(info.sliceCount),
+                        instance_count=int(info.instanceCount),
+                        memory_mb=int(info.memorySizeMB),
+                        multiprocessor_count=int(info.multiprocessorCount),
+                    )
+                )
+            table = tuple(rows)
+            if table:
+                self._gi_profiles[key] = table
+            return table
 
-    @staticmethod
-    def _profile_infos(handle: Any) -> list[tuple[int, Any]]:
-        """Enumerate GI profiles by *index*; missing indices answer NOT_SUPPORTED or INVALID_ARGUMENT."""
-        infos = []
-        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-            try:
-                infos.append((index, pynvml.nvmlDeviceGetGpuInstanceProfileInfo(handle, index)))
-            except pynvml.NVMLError as exc:
-                if exc.value in _SKIP_PROFILE:
-                    continue
-                raise
-        return infos
+    def _possible_placements(self, gpu_uuid: str, handle: Any, profile_id: int) -> tuple[Placement, ...]:
+        """GetGpuInstancePossiblePlacements of one GI profile (count query, then the array); per model."""
+        key = (_model_key(self._static_facts(gpu_uuid, handle)), profile_id)
+        with self._tables_lock:
+            cached = self._placements.get(key)
+            if cached is not None:
+                return cached
+            count = c_uint(0)
+            pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, None, byref(count))
+            array = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
+            pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, profile_id, array, byref(count))
+            placements = tuple(Placement(int(array[i].start), int(array[i].size)) for i in range(count.value))
+            self._placements[key] = placements
+            return placements
 
     @staticmethod
     def _gi_info(gpu_uuid: str, gi: Any) -> GpuInstanceInfo:
@@ -148,7 +210,7 @@ class PynvmlBackend:
             placement=Placement(int(info.placement.start), int(info.placement.size)),
         )
 
-    def _full_ci(self, gpu_uuid: str, info: Any, plain_sms: int) -> int | None:
+    def _full_ci(self, key: ModelKey, info: _GiProfileRow, plain_sms: int) -> int | None:
         """The full-size CI profile of a GI profile, by ``profile_model.pick_full_ci``.
 
         Read from the CI profiles of a real GI of this profile once one has been seen (``_ci_profile_table``
@@ -157,12 +219,12 @@ class PynvmlBackend:
         a 1-slice GI with more SMs than the plain 1-slice profile (the double-memory 1g on Hopper and
         Blackwell) spans its SMs with CI 7 (1_SLICE_REV1); A100's double-memory 1g has a plain slice's
         SMs and keeps CI 0. The probe (``sidecar.nvml.probe``) shows a real GPU's CI tables to check it."""
-        slices = int(info.sliceCount)
-        with self._lock:
-            seen = self._ci_profile_ids.get((gpu_uuid, int(info.id)))
+        slices = info.slice_count
+        with self._tables_lock:
+            seen = self._ci_profiles.get((key, info.id))
         if seen is not None:
-            return pick_full_ci(slices, [(cid, s, sms) for cid, _, s, sms in seen])
-        if slices == 1 and plain_sms and int(info.multiprocessorCount) > plain_sms:
+            return pick_full_ci(slices, [(c.id, c.slice_count, c.multiprocessor_count) for c in seen])
+        if slices == 1 and plain_sms and info.multiprocessor_count > plain_sms:
             return CI_PROFILE_1_SLICE_REV1
         return full_ci_profile_id(slices)
 
@@ -197,15 +259,22 @@ class PynvmlBackend:
         return self._run(f"read GPU {gpu_uuid}", lambda: self._gpu_info(self._device(gpu_uuid), gpu_uuid))
 
     def _forget(self, gpu_uuid: str) -> None:
-        """Drop everything cached about one GPU: its handle, static facts and profile tables."""
+        """Drop everything cached about one GPU: its handle and static facts, and the tables of its
+        model (a mode change is rare, and after it nothing read through the old binding is trusted)."""
         with self._lock:
             self._handles.pop(gpu_uuid, None)
-            self._static.pop(gpu_uuid, None)
-            self._profile_ids.pop(gpu_uuid, None)
+            static = self._static.pop(gpu_uuid, None)
             for gone in [k for k in self._fresh_gis if k[0] == gpu_uuid]:
                 del self._fresh_gis[gone]
-            for key in [k for k in self._ci_profile_ids if k[0] == gpu_uuid]:
-                del self._ci_profile_ids[key]
+        if static is None:
+            return
+        model = _model_key(static)
+        with self._tables_lock:
+            self._gi_profiles.pop(model, None)
+            for key in [k for k in self._placements if k[0] == model]:
+                del self._placements[key]
+            for key in [k for k in self._ci_profiles if k[0] == model]:
+                del self._ci_profiles[key]
 
     def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
@@ -225,38 +294,32 @@ class PynvmlBackend:
     def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
         def read() -> list[GpuInstanceProfile]:
             handle = self._device(gpu_uuid)
+            key = _model_key(self._static_facts(gpu_uuid, handle))
             result = []
-            infos = self._profile_infos(handle)
+            rows = self._profile_rows(gpu_uuid, handle)
             plain_sms = next(
                 (
-                    int(i.multiprocessorCount)
-                    for x, i in infos
-                    if x == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE
+                    r.multiprocessor_count
+                    for r in rows
+                    if r.profile_index == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE
                 ),
                 0,
             )
-            for index, info in infos:
+            for row in rows:
                 # A profile whose full-size CI cannot be told is left out: it could never be created right.
-                ci_profile_id = self._full_ci(gpu_uuid, info, plain_sms)
+                ci_profile_id = self._full_ci(key, row, plain_sms)
                 if ci_profile_id is None:
                     continue
-                count = c_uint(0)
-                pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, None, byref(count))
-                array = (pynvml.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
-                pynvml.nvmlDeviceGetGpuInstancePossiblePlacements(handle, info.id, array, byref(count))
-                placements = tuple(
-                    Placement(int(array[i].start), int(array[i].size)) for i in range(count.value)
-                )
                 result.append(
                     GpuInstanceProfile(
-                        index=index,
-                        id=int(info.id),
-                        name=_text(info.name).removeprefix("MIG "),
-                        slice_count=int(info.sliceCount),
-                        instance_count=int(info.instanceCount),
-                        memory_mb=int(info.memorySizeMB),
-                        multiprocessor_count=int(info.multiprocessorCount),
-                        placements=placements,
+                        index=row.profile_index,
+                        id=row.id,
+                        name=row.name,
+                        slice_count=row.slice_count,
+                        instance_count=row.instance_count,
+                        memory_mb=row.memory_mb,
+                        multiprocessor_count=row.multiprocessor_count,
+                        placements=self._possible_placements(gpu_uuid, handle, row.id),
                         ci_profile_id=ci_profile_id,
                     )
                 )
@@ -269,7 +332,7 @@ class PynvmlBackend:
 
         def read() -> list[GpuInstanceInfo]:
             handle = self._device(gpu_uuid)
-            table = self._profile_table(gpu_uuid, handle)
+            table = self._profile_rows(gpu_uuid, handle)
             if not table:
                 # No profile to list GIs by: "no GIs" cannot be read from that. MIG disabled is the
                 # port's NOT_SUPPORTED; MIG enabled with no profile answering is unverifiable, and
@@ -282,43 +345,51 @@ class PynvmlBackend:
                 )
                 raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, why)
             result: list[GpuInstanceInfo] = []
-            for profile_id, instance_count in table:
-                array = (pynvml.c_nvmlGpuInstance_t * max(1, instance_count))()
+            for row in table:
+                array = (pynvml.c_nvmlGpuInstance_t * max(1, row.instance_count))()
                 count = c_uint(len(array))
-                pynvml.nvmlDeviceGetGpuInstances(handle, profile_id, array, byref(count))
+                pynvml.nvmlDeviceGetGpuInstances(handle, row.id, array, byref(count))
                 result.extend(self._gi_info(gpu_uuid, array[i]) for i in range(count.value))
             return sorted(result, key=lambda g: g.id)
 
         return self._run(operation, read)
 
-    def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> list[tuple[int, int, int, int]]:
-        """(CI profile ID, instance count, slices, SMs) of every CI profile a GI of this profile has.
+    def _ci_profile_table(self, gpu_uuid: str, gi: Any) -> tuple[_CiProfileRow, ...]:
+        """Every CI profile a GI of this GI's profile offers.
 
-        Cached per (GPU, GI profile ID), not per GI: GI IDs are reused by the driver for GIs of other
-        profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver. The GI's
-        profile ID is read live (one GetInfo) to pick the right table."""
-        gi_profile_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId)
-        with self._lock:
-            cached = self._ci_profile_ids.get((gpu_uuid, gi_profile_id))
-        if cached is not None:
-            return cached
-        table = []
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+        Cached per (model, GI profile ID), not per GI: GI IDs are reused by the driver for GIs of
+        other profiles, while the CI profiles of a GI profile are fixed for a GPU model and driver
+        (module notes). The GI's profile ID is read live (one GetInfo) to pick the right table."""
+        key = (
+            _model_key(self._static_facts(gpu_uuid, self._device(gpu_uuid))),
+            int(pynvml.nvmlGpuInstanceGetInfo(gi).profileId),
+        )
+        with self._tables_lock:
+            cached = self._ci_profiles.get(key)
+            if cached is not None:
+                return cached
+            rows = []
+            for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+                try:
+                    info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                        gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+                    )
+                except pynvml.NVMLError as exc:
+                    if exc.value in _SKIP_PROFILE:
+                        continue
+                    raise
+                rows.append(
+                    _CiProfileRow(
+                        int(info.id),
+                        int(info.instanceCount),
+                        int(info.sliceCount),
+                        int(info.multiprocessorCount),
+                    )
                 )
-            except pynvml.NVMLError as exc:
-                if exc.value in _SKIP_PROFILE:
-                    continue
-                raise
-            table.append(
-                (int(info.id), int(info.instanceCount), int(info.sliceCount), int(info.multiprocessorCount))
-            )
-        if table:  # never remember "no CI profiles": the CIs of this GI would be hidden for good
-            with self._lock:
-                self._ci_profile_ids[(gpu_uuid, gi_profile_id)] = table
-        return table
+            table = tuple(rows)
+            if table:  # never remember "no CI profiles": the CIs of this GI would be hidden for good
+                self._ci_profiles[key] = table
+            return table
 
     def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
         operation = f"list compute instances of GI {gpu_instance_id} on {gpu_uuid}"
@@ -329,11 +400,14 @@ class PynvmlBackend:
             if not table:  # every GI offers at least its full-size CI profile; "no CIs" is unverifiable
                 raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, "no compute instance profile answered")
             result: list[ComputeInstanceInfo] = []
-            for ci_profile_id, instance_count, _, _ in table:
-                array = (pynvml.c_nvmlComputeInstance_t * max(1, instance_count))()
+            for row in table:
+                array = (pynvml.c_nvmlComputeInstance_t * max(1, row.instance_count))()
                 count = c_uint(len(array))
-                pynvml.nvmlGpuInstanceGetComputeInstances(gi, ci_profile_id, array, byref(count))
-                result.extend(self._ci_info(gpu_uuid, gi, array[i]) for i in range(count.value))
+                pynvml.nvmlGpuInstanceGetComputeInstances(gi, row.id, array, byref(count))
+                # The GI was found by this ID just now: its ID needs no read per CI.
+                result.extend(
+                    self._ci_info(gpu_uuid, gi, array[i], gpu_instance_id) for i in range(count.value)
+                )
             return sorted(result, key=lambda c: c.id)
 
         return self._run(operation, read)

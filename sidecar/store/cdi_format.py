@@ -68,17 +68,3 @@ def minimum_cdi_version(kind: str) -> str:
     """The lowest ``cdiVersion`` that covers what this module writes for ``kind``."""
     _, cls = parse_kind(kind)
     return "0.6.0" if "." in cls else "0.3.0"
-
-
-__all__ = [
-    "ENCODER",
-    "HEADER_DECODER",
-    "ContainerEdits",
-    "Device",
-    "DeviceName",
-    "DeviceNode",
-    "Spec",
-    "SpecHeader",
-    "minimum_cdi_version",
-    "parse_kind",
-]

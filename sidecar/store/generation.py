@@ -14,7 +14,8 @@ import threading
 from collections.abc import Iterable
 
 from sidecar.model.errors import StateWriteFailed
-from sidecar.store.records import CorruptRecord, RecordStore
+from sidecar.store.record_format import CorruptRecord
+from sidecar.store.records import RecordStore
 
 _log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from sidecar.model import hami_files
 from sidecar.model.errors import StateWriteFailed
-from sidecar.store.records import RecordNotFound, RecordStore
+from sidecar.store.record_format import RecordNotFound
+from sidecar.store.records import RecordStore
 
 
 def record_files(directory: Path) -> list[tuple[str, bytes]]:

@@ -166,19 +166,3 @@ def _generation_out_of_range(record: OwnershipRecord) -> str:
         if not 0 <= value <= MAX_GENERATION:
             return f"{field} {value} is out of range 0..{MAX_GENERATION}"
     return ""
-
-
-__all__ = [
-    "CHECKSUM_PREFIX",
-    "GENERATION_FILE",
-    "MAX_GENERATION",
-    "RECORD_VERSION",
-    "CorruptRecord",
-    "GenerationCeiling",
-    "RecordError",
-    "RecordNotFound",
-    "decode_generation",
-    "decode_record",
-    "encode_generation",
-    "encode_record",
-]

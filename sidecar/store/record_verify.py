@@ -13,7 +13,8 @@ import msgspec
 from sidecar.model.hami_takeover import read_record_file
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.store import hami_records
-from sidecar.store.records import GENERATION_FILE, SUFFIX, CorruptRecord, read_generation, scan
+from sidecar.store.record_format import GENERATION_FILE, CorruptRecord
+from sidecar.store.records import SUFFIX, read_generation, scan
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -138,6 +139,3 @@ def format_report(report: VerifyReport) -> str:
         summary += f"; {len(report.hami)} HAMi record files left (the takeover is not complete)"
     lines.append(summary)
     return "\n".join(lines) + "\n"
-
-
-__all__ = ["VerifyReport", "corrupt_path", "format_report", "verify"]

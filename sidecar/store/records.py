@@ -20,15 +20,12 @@ from pathlib import Path
 
 from sidecar.model.errors import StateWriteFailed
 from sidecar.model.hami_files import is_record_filename as is_hami_record
-from sidecar.model.ownership import OwnershipRecord, is_record_name, record_name
+from sidecar.model.ownership import OwnershipRecord, is_record_name
 from sidecar.store.durable import TEMP_MARKER, ShortWriteError, atomic_write, on_tmpfs, rewrite_in_place
 from sidecar.store.record_format import (
     GENERATION_FILE,
     MAX_GENERATION,
-    RECORD_VERSION,
     CorruptRecord,
-    GenerationCeiling,
-    RecordError,
     RecordNotFound,
     decode_generation,
     decode_record,
@@ -427,27 +424,3 @@ class RecordStore:
                 atomic_write(path, sound[0], FILE_MODE, dir_fd)  # the old record whole again
             raise
         return data
-
-
-__all__ = [
-    "GENERATION_FILE",
-    "MAX_GENERATION",
-    "RECORD_VERSION",
-    "CorruptRecord",
-    "GenerationCeiling",
-    "OwnershipRecord",
-    "RecordError",
-    "RecordNotFound",
-    "RecordStore",
-    "StateDirLocked",
-    "StateWriteFailed",
-    "UnsafeStateDir",
-    "atomic_write",
-    "decode_generation",
-    "decode_record",
-    "encode_generation",
-    "encode_record",
-    "read_generation",
-    "record_name",
-    "scan",
-]

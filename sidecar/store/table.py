@@ -17,7 +17,8 @@ from sidecar.model.domain import AllocationKey, State
 from sidecar.model.errors import StateWriteFailed, UnverifiableState
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.states import now_rfc3339, transition
-from sidecar.store.records import CorruptRecord, RecordStore
+from sidecar.store.record_format import CorruptRecord
+from sidecar.store.records import RecordStore
 
 _log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, Reservation, State
+from sidecar.model.ownership import record_name
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
-from sidecar.store.records import record_name
 
 H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
 

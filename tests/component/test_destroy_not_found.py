@@ -24,25 +24,32 @@ from sidecar.model.errors import Code
 from sidecar.nvml.port import NVML_ERROR_NOT_FOUND, NVML_ERROR_UNKNOWN, NvmlError
 
 FOREVER = 1000
-# Every NVML call a destroy makes that can answer NOT_FOUND for a live instance; a lookup by ID runs
-# in several port methods (the CI listing, the CI destroy, the GI destroy), so each is faulted in turn.
+# Every NVML call a reclaim's destroy makes that can answer NOT_FOUND for a live instance; a lookup by
+# ID runs in both port methods (the CI destroy, the GI destroy), so each is faulted in turn. (The
+# reclaim destroys by ID: its process count found the instance by MIG UUID, so it lists no CIs.)
 NOT_FOUND_AT = [
     pytest.param("destroy-gi", 0, id="destroy-gi"),
     pytest.param("destroy-ci", 0, id="destroy-ci"),
     pytest.param("get-compute-instance", 0, id="ci-lookup"),
-    *(pytest.param("get-gpu-instance", n, id=f"gi-lookup-{n}") for n in range(3)),
+    *(pytest.param("get-gpu-instance", n, id=f"gi-lookup-{n}") for n in range(2)),
 ]
 
 
 def reclaim_with_not_found(world: World, op: str, after: int) -> str:
-    """The issue's reproduction: an idle 1g.10gb at 4:1, then a 3g.40gb at 4:4 that must reclaim it."""
+    """The issue's reproduction: an idle 1g.10gb at 4:1, then a 3g.40gb at 4:4 that must reclaim it.
+
+    The fault stays: the reclaim destroys by ID (its process count found the instance by its MIG
+    UUID), and a NOT_FOUND there is judged on a fresh listing, which retries the destroy of what is
+    still listed; a NOT_FOUND that passed would let that retry succeed, and the instance would be
+    gone for real."""
     idle = world.allocate("pod-a", (0, "1g.10gb", 4, 1)).devices[0]
     world.lifecycle.release("pod-a")
-    world.hw.inject_fault(op, NVML_ERROR_NOT_FOUND, after=after)
+    world.hw.inject_fault(op, NVML_ERROR_NOT_FOUND, after=after, times=FOREVER)
     with pytest.raises(errors.NvmlFailure) as caught:
         world.allocate("pod-b", (0, "3g.40gb", 4, 4))
     assert caught.value.code is Code.UNAVAILABLE
     assert caught.value.metadata["nvml_code"] == str(NVML_ERROR_NOT_FOUND)
+    world.hw.clear_faults()  # so that the test can read the layout; nothing retries in between
     return idle.identity.mig_uuid
 
 

@@ -4,6 +4,8 @@ ERROR, busy or foreign one."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from lifecycle_world import Dev, World, gis
 
@@ -66,6 +68,38 @@ class TestTtl:
         assert states(world) == {active.mig_uuid: State.ACTIVE, newer.mig_uuid: State.IDLE}
         assert newer.mig_uuid in world.live_mig_uuids()
         world.assert_consistent()
+
+    def test_the_reconciler_sleeps_only_until_the_next_ttl_ends(self, world: World) -> None:
+        first = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        second = idle_instance(world, "pod-c", (0, "1g.10gb", 2, 1))
+        t1, t2 = went_idle_at(world, first), went_idle_at(world, second)
+        now = t1 + 1.0
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: now)
+        reconciler = Reconciler(world.lifecycle, interval_s=3600.0, idle=trimmer)
+        assert trimmer.seconds_until_due() == pytest.approx(t1 + TTL - now)
+        assert reconciler._sleep_s() == pytest.approx(t1 + TTL - now, abs=0.01)
+        now = max(t1, t2) + TTL + 1.0  # both past (spared, or the round would have taken them): the interval
+        assert trimmer.seconds_until_due() is None
+        assert reconciler._sleep_s() == 3600.0
+
+    def test_an_hour_long_interval_still_trims_when_the_ttl_ends(self, world: World) -> None:
+        identity = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=0.05))
+        reconciler = Reconciler(world.lifecycle, interval_s=3600.0, idle=trimmer)
+        reconciler.start()
+        try:
+            deadline = time.monotonic() + 30.0
+            while not gone(world, identity) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            reconciler.stop()
+        assert gone(world, identity)
+
+    def test_without_a_ttl_the_interval_stands(self, world: World) -> None:
+        idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(max_idle_per_gpu=4))
+        assert trimmer.seconds_until_due() is None
+        assert Reconciler(world.lifecycle, interval_s=7.0, idle=trimmer)._sleep_s() == 7.0
 
     def test_far_past_any_ttl_active_error_busy_and_foreign_instances_all_stay(self, world: World) -> None:
         active = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0].identity

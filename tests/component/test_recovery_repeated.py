@@ -18,7 +18,7 @@ from sidecar.model.domain import ActiveAllocation, Outcome, State
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 from sidecar.store import record_verify
 from sidecar.store.generation import GENERATION_BLOCK
-from sidecar.store.records import GENERATION_FILE
+from sidecar.store.record_format import GENERATION_FILE
 
 
 def owners(world: World) -> dict[str, tuple[State, str | None]]:

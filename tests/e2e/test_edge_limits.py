@@ -16,8 +16,9 @@ from sidecar_process import error_info, failure
 
 from sidecar.edge import decode, limits
 from sidecar.model.domain import State
+from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import Placement
-from sidecar.store.records import GENERATION_FILE, MAX_GENERATION, OwnershipRecord
+from sidecar.store.record_format import GENERATION_FILE, MAX_GENERATION
 
 pytestmark = pytest.mark.e2e
 

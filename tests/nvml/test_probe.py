@@ -110,3 +110,28 @@ def test_placements_in_the_model_are_what_the_simulated_driver_lists(node: Simul
     rtx = doc["gpus"][KEYS.index("rtx-pro-6000")]
     assert {p["name"]: p["placements"] for p in rtx["gi_profiles"]}["2g.48gb"] == [[0, 2], [2, 2]]
     assert Placement(0, 2)  # the probe's [start, size] pairs are the domain's placements
+
+
+class TestTheStaticTablesTheAdapterCachesPerModel:
+    def test_gpus_of_one_model_agree(self) -> None:
+        install(SimulatedHardware.create([("h100-80gb", 2), ("a100-40gb", 1)]))
+        try:
+            doc = probe.collect()
+        finally:
+            uninstall()
+        assert doc["static_tables_agree"] == {
+            f"{profiles.model('h100-80gb').name} / {doc['gpus'][0]['memory_mb']} MiB": True,
+            f"{profiles.model('a100-40gb').name} / {doc['gpus'][2]['memory_mb']} MiB": True,
+        }
+        assert "static tables of every GPU that is" in probe.render(doc)
+
+    def test_two_gpus_of_one_key_with_different_placements_are_reported(
+        self, node: SimulatedHardware
+    ) -> None:
+        doc = probe.collect()
+        h100 = doc["gpus"][KEYS.index("h100-80gb")]
+        other = json.loads(json.dumps(h100))
+        other["gi_profiles"][0]["placements"] = other["gi_profiles"][0]["placements"][:1]
+        key = f"{h100['name']} / {h100['memory_mb']} MiB"
+        assert probe.static_tables_agree([h100, other])[key] is False
+        assert probe.static_tables_agree([h100, json.loads(json.dumps(h100))])[key] is True

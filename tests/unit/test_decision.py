@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Reuse, decide, needs_placement
+from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Reuse, decide
 from sidecar.model.domain import ActiveAllocation, AllocationKey, Identity, Owner, PodRef, Reservation, State
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.pending import Guards, PendingReservation, pending_of
@@ -41,18 +41,16 @@ def test_a_complete_active_instance_of_the_key_is_already_held_even_beside_an_id
 def test_an_idle_instance_at_exactly_the_reservation_is_reused() -> None:
     idle = rec(State.IDLE)
     assert decide(RES, None, idle, None) == Reuse(idle)
-    assert not needs_placement(RES, None, idle)
 
 
 def test_an_idle_instance_of_another_profile_is_not_reused() -> None:
     other = rec(State.IDLE, Reservation(GPU, "1g.10gb+me", Placement(0, 1)))
-    assert needs_placement(RES, None, other)
     assert decide(RES, None, other, PlacementPlan(reclaim=(other,))) == Create(reclaim=(other,))
 
 
 def test_a_half_created_instance_of_the_key_is_not_already_held() -> None:
     creating = rec(State.CREATING, complete=False)
-    assert needs_placement(RES, creating, None)
+    assert decide(RES, creating, None, None) == Create()
 
 
 def test_anything_but_idle_in_the_way_is_busy_and_reclaims_nothing() -> None:
@@ -76,7 +74,6 @@ def error_blocker(record: OwnershipRecord) -> Blocker:
 def test_an_error_instance_at_exactly_the_reservation_is_retried_before_the_create() -> None:
     broken = rec(State.ERROR)
     plan = PlacementPlan(blockers=(error_blocker(broken),))
-    assert needs_placement(RES, None, broken)
     assert decide(RES, None, broken, plan, Guards(requester=OWNER.key)) == Create(retry=(broken,))
 
 

@@ -20,8 +20,8 @@ from sidecar.model.hami_takeover import (
     plan_takeover,
     read_record_file,
 )
+from sidecar.model.ownership import OwnershipRecord, record_name
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile, Placement
-from sidecar.store.records import OwnershipRecord, record_name
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
 GPU1 = "GPU-11111111-aaaa-4aaa-8aaa-111111111111"

@@ -22,8 +22,9 @@ from sidecar.model.domain import Owner, PodRef, State
 from sidecar.model.errors import StateWriteFailed
 from sidecar.model.ownership import OwnershipRecord, record_name
 from sidecar.nvml.port import Placement
+from sidecar.store.record_format import CorruptRecord, RecordNotFound
 from sidecar.store.record_verify import format_report, verify
-from sidecar.store.records import CorruptRecord, RecordNotFound, RecordStore, StateDirLocked
+from sidecar.store.records import RecordStore, StateDirLocked
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 OTHER_GPU = "GPU-11111111-2222-3333-4444-555555555555"

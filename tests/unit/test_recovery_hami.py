@@ -19,18 +19,16 @@ from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Rese
 from sidecar.model.hami_files import HamiSpec, recognize_spec
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, HamiRecordFile, read_record_file
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.model.recovery.plan import (
+from sidecar.model.recovery.inputs import Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery.steps import (
     DestroyOwned,
     EnsureCdi,
-    Inputs,
-    LiveGpu,
-    LiveGpuInstance,
     Plan,
     PutRecord,
     RemoveCdi,
     RemoveHamiRecord,
     RemoveHamiSpec,
-    plan,
 )
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 

@@ -17,22 +17,11 @@ from plain_board import TABLE, profiles
 
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
-from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.ownership import OwnershipRecord, parse_record_name, record_name
 from sidecar.model.recovery import plan as recovery_plan
-from sidecar.model.recovery.plan import (
-    CorruptFile,
-    DeleteRecord,
-    DestroyOwned,
-    EnsureCdi,
-    Inputs,
-    LiveGpu,
-    LiveGpuInstance,
-    Plan,
-    PutRecord,
-    RemoveCdi,
-    placement_from_record_name,
-    plan,
-)
+from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery.steps import DeleteRecord, DestroyOwned, EnsureCdi, Plan, PutRecord, RemoveCdi
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
@@ -907,8 +896,8 @@ class TestCorruptRecordsAreNeverTouched:
         assert any("not-a-record" in e for e in p.report.errors)
 
     def test_record_names_parse_back_into_gpu_and_placement(self) -> None:
-        assert placement_from_record_name(name(GPU1, 6, 1)) == (GPU1, Placement(6, 1))
-        assert placement_from_record_name("mig-GPU-x-0-1") is None
+        assert parse_record_name(name(GPU1, 6, 1)) == (GPU1, Placement(6, 1))
+        assert parse_record_name("mig-GPU-x-0-1") is None
 
 
 # -- rule 4 ------------------------------------------------------------------------------------------
@@ -1200,7 +1189,7 @@ class TestPlanNeverDestroysHardwareItCannotVouchFor:
         given_inputs, records_at = scenario
         p = plan(given_inputs)
         gpus = {g.info.uuid: g for g in given_inputs.gpus}
-        corrupt = [placement_from_record_name(c.name) for c in given_inputs.corrupt]
+        corrupt = [parse_record_name(c.name) for c in given_inputs.corrupt]
         for action in p.actions:
             if not isinstance(action, DestroyOwned):
                 continue

@@ -19,14 +19,9 @@ from sidecar.model.domain import State
 from sidecar.model.errors import StateWriteFailed
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import Placement
+from sidecar.store.record_format import GENERATION_FILE, MAX_GENERATION, CorruptRecord
 from sidecar.store.record_verify import format_report, verify
-from sidecar.store.records import (
-    GENERATION_FILE,
-    MAX_GENERATION,
-    CorruptRecord,
-    RecordStore,
-    UnsafeStateDir,
-)
+from sidecar.store.records import RecordStore, UnsafeStateDir
 
 GPU = "GPU-0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
 MIG = "MIG-5c2f3a9e-1111-2222-3333-444455556666"

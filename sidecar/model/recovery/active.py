@@ -10,12 +10,12 @@ import msgspec
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, State
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, live_record, record_name
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 from sidecar.model.recovery.steps import Action, PutRecord, Reported, Step
 from sidecar.model.states import enter
 
 
-def adopt_active(b: Books) -> Books:
+def adopt_active(b: PlanDraft) -> PlanDraft:
     by_key: dict[object, ActiveAllocation] = {}
     by_instance: dict[tuple[str, int], ActiveAllocation] = {}
     unverifiable: list[str] = []
@@ -135,7 +135,9 @@ def adopt_active(b: Books) -> Books:
     return b
 
 
-def held_by_another_key(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str) -> bool:
+def held_by_another_key(
+    b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str
+) -> bool:
     """True (and an error line) when a repeated Recover must not hand this instance to ``alloc``.
 
     Once the sidecar serves, the pod list of a repeated Recover may be older than a release and
@@ -176,7 +178,7 @@ def held_by_another_key(b: Books, alloc: ActiveAllocation, old: OwnershipRecord 
     return True
 
 
-def stays_error(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+def stays_error(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
     """True (and an error line) when a repeated Recover names an instance that is ERROR now.
 
     ERROR is an instance whose destroy failed (a reclaim of an IDLE instance, an undo): the spec
@@ -202,7 +204,7 @@ def stays_error(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) 
     return True
 
 
-def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+def stays_idle(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
     """True (and an error line) when a repeated Recover names an instance that is IDLE now.
 
     The pod list of a repeated Recover may predate the release that idled the instance, and
@@ -223,7 +225,7 @@ def stays_idle(b: Books, alloc: ActiveAllocation, old: OwnershipRecord | None) -
     return True
 
 
-def with_live_identity(b: Books, alloc: ActiveAllocation) -> ActiveAllocation:
+def with_live_identity(b: PlanDraft, alloc: ActiveAllocation) -> ActiveAllocation:
     """A verified allocation with the identity of the live instance it names (its GI and CI IDs
     filled in when the pod list gave the MIG UUID alone, ``Identity.names``)."""
     gi = b.gi_at(alloc.reservation.gpu_uuid, alloc.reservation.placement)
@@ -233,7 +235,7 @@ def with_live_identity(b: Books, alloc: ActiveAllocation) -> ActiveAllocation:
     return msgspec.structs.replace(alloc, identity=Identity(gi.info.id, ci.id, ci.mig_uuid))
 
 
-def verify_active(b: Books, alloc: ActiveAllocation) -> str | None:
+def verify_active(b: PlanDraft, alloc: ActiveAllocation) -> str | None:
     """Why an allocation does not match the live hardware exactly, or None when it does.
 
     Exactly means ``Identity.names``: the MIG UUID, and the GI and CI IDs unless the pod list gave

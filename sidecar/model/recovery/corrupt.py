@@ -6,10 +6,10 @@ See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in 
 from __future__ import annotations
 
 from sidecar.model.ownership import parse_record_name
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 
 
-def preserve_corrupt(b: Books) -> Books:
+def preserve_corrupt(b: PlanDraft) -> PlanDraft:
     for corrupt in sorted(b.inputs.corrupt, key=lambda c: c.name):
         where = parse_record_name(corrupt.name)
         if where is None:

@@ -22,7 +22,7 @@ import msgspec
 from sidecar.model.domain import State
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover, pointed_at
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 from sidecar.model.recovery.steps import (
     PutRecord,
     RemoveHamiRecord,
@@ -33,7 +33,7 @@ from sidecar.model.recovery.steps import (
 )
 
 
-def take_over_hami(b: Books) -> Books:
+def take_over_hami(b: PlanDraft) -> PlanDraft:
     inputs = b.inputs
     if not inputs.hami_records and not inputs.hami_specs:
         return b
@@ -107,7 +107,7 @@ def take_over_hami(b: Books) -> Books:
     return b
 
 
-def _mark_in_its_write(b: Books, marked: OwnershipRecord) -> bool:
+def _mark_in_its_write(b: PlanDraft, marked: OwnershipRecord) -> bool:
     """Put the mark into the step of this plan that writes the record (the pod list's adoption), so
     no crash can leave an unmarked record of a HAMi instance on disk (the next recovery would take it
     for the sidecar's own and keep HAMi's file as a conflict). False when no step writes it."""
@@ -123,7 +123,7 @@ def _mark_in_its_write(b: Books, marked: OwnershipRecord) -> bool:
     return False
 
 
-def _foreign(b: Books, keep: Keep) -> None:
+def _foreign(b: PlanDraft, keep: Keep) -> None:
     for gpu_uuid, gi_id in keep.foreign:
         if (gpu_uuid, gi_id) in b.claimed:
             continue

@@ -1,4 +1,4 @@
-"""Recovery's planner: the rules, in the order they run, over one ``Books`` (pure).
+"""Recovery's planner: the rules, in the order they run, over one ``PlanDraft`` (pure).
 
 An active allocation that does not match the live hardware exactly raises
 ``errors.UnverifiableState`` before a single action exists. Re-exports the plan's value types so
@@ -7,53 +7,39 @@ callers and tests import one module.
 
 from __future__ import annotations
 
-from sidecar.model.ownership import parse_record_name
 from sidecar.model.recovery.active import adopt_active
-from sidecar.model.recovery.books import Books
 from sidecar.model.recovery.corrupt import preserve_corrupt
+from sidecar.model.recovery.draft import PlanDraft
 from sidecar.model.recovery.hami import take_over_hami
-from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery.inputs import Inputs
 from sidecar.model.recovery.recorded import reconcile_records
 from sidecar.model.recovery.specs import reconcile_cdi
 from sidecar.model.recovery.steps import (
-    Action,
-    DeleteRecord,
-    DestroyOwned,
-    EnsureCdi,
     Plan,
-    PutRecord,
     RecoveryReport,
-    RemoveCdi,
-    RemoveHamiRecord,
-    RemoveHamiSpec,
-    Reported,
-    ReportList,
-    Step,
     settle_report,
 )
 from sidecar.model.recovery.unowned import handle_unowned
-
-placement_from_record_name = parse_record_name
 
 
 def plan(inputs: Inputs) -> Plan:
     """Decide what recovery does, from plain values only (no I/O).
 
-    The rules run in this order because each reads what the earlier ones claimed (``Books``):
+    The rules run in this order because each reads what the earlier ones claimed (``PlanDraft``):
     active allocations first (the pod list outranks records), then records, then HAMi's records
     (what the sidecar verified of its own is never taken on HAMi's word), then corrupt files,
     then whatever nobody claimed, and the CDI specs last, over the table the others built."""
-    books = Books(inputs)
-    books = adopt_active(books)
-    books = reconcile_records(books)
-    books = take_over_hami(books)
-    books = preserve_corrupt(books)
-    books = handle_unowned(books)
-    books = reconcile_cdi(books)
-    return result(books)
+    draft = PlanDraft(inputs)
+    draft = adopt_active(draft)
+    draft = reconcile_records(draft)
+    draft = take_over_hami(draft)
+    draft = preserve_corrupt(draft)
+    draft = handle_unowned(draft)
+    draft = reconcile_cdi(draft)
+    return result(draft)
 
 
-def result(b: Books) -> Plan:
+def result(b: PlanDraft) -> Plan:
     generation = b.fresh_generation if b.handed_out else b.generation
     report = settle_report(
         RecoveryReport(preserved_foreign=tuple(b.preserved_foreign), errors=tuple(b.errors)),
@@ -69,27 +55,3 @@ def result(b: Books) -> Plan:
         - b.refused,
         pending=tuple(a for a in b.inputs.active if a.identity is None),
     )
-
-
-__all__ = [
-    "Action",
-    "CorruptFile",
-    "DeleteRecord",
-    "DestroyOwned",
-    "EnsureCdi",
-    "Inputs",
-    "LiveGpu",
-    "LiveGpuInstance",
-    "Plan",
-    "PutRecord",
-    "RecoveryReport",
-    "RemoveCdi",
-    "RemoveHamiRecord",
-    "RemoveHamiSpec",
-    "ReportList",
-    "Reported",
-    "Step",
-    "placement_from_record_name",
-    "plan",
-    "settle_report",
-]

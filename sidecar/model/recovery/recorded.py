@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from sidecar.model.domain import State
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.books import LIVE_STATES, Books, live_ref
+from sidecar.model.recovery.draft import LIVE_STATES, PlanDraft, live_ref
 from sidecar.model.recovery.inputs import LiveGpuInstance
 from sidecar.model.recovery.steps import Action, DeleteRecord, DestroyOwned, PutRecord, Reported, Step
 from sidecar.model.states import transition
 
 
-def reconcile_records(b: Books) -> Books:
+def reconcile_records(b: PlanDraft) -> PlanDraft:
     for record in sorted(b.inputs.records, key=lambda r: r.name):
         if record.name in b.table:
             continue  # adopted by an active allocation
@@ -56,7 +56,7 @@ def reconcile_records(b: Books) -> Books:
     return b
 
 
-def record_mismatch(b: Books, record: OwnershipRecord, gi: LiveGpuInstance) -> str | None:
+def record_mismatch(b: PlanDraft, record: OwnershipRecord, gi: LiveGpuInstance) -> str | None:
     """Why the live GI at the record's placement is not the record's instance, or None."""
     live_profile = b.profile_name(record.gpu_uuid, gi.info.profile_id)
     if gi.info.profile_id != record.gi_profile_id or live_profile != record.profile:
@@ -117,7 +117,7 @@ def record_mismatch(b: Books, record: OwnershipRecord, gi: LiveGpuInstance) -> s
     return None
 
 
-def drop(b: Books, record: OwnershipRecord, why: str) -> None:
+def drop(b: PlanDraft, record: OwnershipRecord, why: str) -> None:
     actions = (*b.remove_cdi(record.mig_uuid), DeleteRecord(record.name))
     b.steps.append(
         Step(
@@ -128,7 +128,7 @@ def drop(b: Books, record: OwnershipRecord, why: str) -> None:
     )
 
 
-def keep_unseen(b: Books, record: OwnershipRecord) -> None:
+def keep_unseen(b: PlanDraft, record: OwnershipRecord) -> None:
     """A record of this boot on a GPU NVML does not list stays on disk as it is, with its CDI spec.
 
     The GPU may be hidden only (a device filter, a reset in progress) and come back with the
@@ -143,7 +143,7 @@ def keep_unseen(b: Books, record: OwnershipRecord) -> None:
     )
 
 
-def keep_unstamped(b: Books, record: OwnershipRecord) -> None:
+def keep_unstamped(b: PlanDraft, record: OwnershipRecord) -> None:
     """A record without a boot ID is kept aside, whatever its state, and never acted upon.
 
     Every writer stamps the boot ID, so such a record was made or edited by hand: nothing tells
@@ -170,7 +170,7 @@ def keep_unstamped(b: Books, record: OwnershipRecord) -> None:
     )
 
 
-def keep_aside(b: Books, record: OwnershipRecord, gi: LiveGpuInstance, why: str) -> None:
+def keep_aside(b: PlanDraft, record: OwnershipRecord, gi: LiveGpuInstance, why: str) -> None:
     b.claimed.add((record.gpu_uuid, gi.info.id))
     if record.mig_uuid:
         b.protected_cdi.add(record.mig_uuid)
@@ -186,7 +186,7 @@ def keep_aside(b: Books, record: OwnershipRecord, gi: LiveGpuInstance, why: str)
     )
 
 
-def restore_idle(b: Books, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
+def restore_idle(b: PlanDraft, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
     changed = record.state is not State.IDLE
     if changed:
         # Going IDLE takes a fresh generation, as a release does (SyncActive's reactivation fence).
@@ -218,13 +218,13 @@ def restore_idle(b: Books, record: OwnershipRecord, gi: LiveGpuInstance) -> None
     b.table[record.name] = restored
 
 
-def keep_active(b: Books, record: OwnershipRecord) -> None:
+def keep_active(b: PlanDraft, record: OwnershipRecord) -> None:
     """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""
     b.table[record.name] = record
     b.steps.append(Step(subject=f"keep {record.name} ACTIVE", record_name=record.name))
 
 
-def keep_error(b: Books, record: OwnershipRecord) -> None:
+def keep_error(b: PlanDraft, record: OwnershipRecord) -> None:
     """ERROR stays ERROR: the reconciler retries the destroy; its CDI file goes only after that."""
     if record.mig_uuid:
         b.protected_cdi.add(record.mig_uuid)
@@ -232,7 +232,7 @@ def keep_error(b: Books, record: OwnershipRecord) -> None:
     b.steps.append(Step(subject=f"keep {record.name} in ERROR", record_name=record.name))
 
 
-def finish_destroy(b: Books, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
+def finish_destroy(b: PlanDraft, record: OwnershipRecord, gi: LiveGpuInstance) -> None:
     """Undo a CREATING record (or an ERROR one a failed create left without a GI ID) or finish a
     DELETING one; the record carries the verified live IDs."""
     ci = gi.compute_instances[0] if gi.compute_instances else None

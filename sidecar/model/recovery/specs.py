@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import msgspec
 
-from sidecar.model.recovery.books import LIVE_STATES, Books
+from sidecar.model.recovery.draft import LIVE_STATES, PlanDraft
 from sidecar.model.recovery.steps import EnsureCdi, Step
 
 
-def reconcile_cdi(b: Books) -> Books:
+def reconcile_cdi(b: PlanDraft) -> PlanDraft:
     live_owned: set[str] = set()
     # The spec is written in the step that records the instance, after its record: a step stops at
     # its first failure, so an instance whose record could not be written (left foreign) is never

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.ownership import live_record
-from sidecar.model.recovery.books import Books, live_ref
+from sidecar.model.recovery.draft import PlanDraft, live_ref
 from sidecar.model.recovery.inputs import LiveGpu, LiveGpuInstance
 from sidecar.model.recovery.steps import DestroyOwned, PutRecord, Reported, Step
 from sidecar.model.states import enter
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceProfile
 
 
-def handle_unowned(b: Books) -> Books:
+def handle_unowned(b: PlanDraft) -> PlanDraft:
     # Busy: a listed allocation, or an instance that stays ACTIVE (a repeated Recover keeps
     # ACTIVE records its possibly older pod list does not name). Runs after rules 1-3 fill the table.
     active_gpus = {alloc.reservation.gpu_uuid for alloc in b.inputs.active} | {
@@ -43,7 +43,7 @@ def handle_unowned(b: Books) -> Books:
 
 
 def adopt_foreign(  # noqa: PLR0917 - the parts of one adoption, all decided by the caller
-    b: Books,
+    b: PlanDraft,
     gpu: LiveGpu,
     profile: GpuInstanceProfile,
     gi: LiveGpuInstance,
@@ -79,7 +79,7 @@ def adopt_foreign(  # noqa: PLR0917 - the parts of one adoption, all decided by 
 
 
 def remove_orphan(
-    b: Books, gpu: LiveGpu, profile: GpuInstanceProfile, gi: LiveGpuInstance, ref: InstanceRef
+    b: PlanDraft, gpu: LiveGpu, profile: GpuInstanceProfile, gi: LiveGpuInstance, ref: InstanceRef
 ) -> None:
     """Destroy an unowned GI without a CI, records first: a crash mid-way leaves a DELETING record."""
     bare = live_record(

@@ -1,6 +1,6 @@
-"""The bookkeeping recovery's rules share, passed from rule to rule (pure).
+"""The plan being drafted: what recovery's rules have decided so far, passed from rule to rule (pure).
 
-``plan`` builds one ``Books`` from the inputs and hands it to each rule in turn; each rule returns
+``plan`` builds one ``PlanDraft`` from the inputs and hands it to each rule in turn; each rule returns
 it with what it decided added. What a rule reads from an earlier one is here and nowhere else:
 ``claimed`` (GIs already decided), ``protected_cdi`` (spec files that must stay), ``removed_cdi``,
 ``refused`` (MIG UUIDs a repeated Recover did not give the listed pod), the steps, the table, the
@@ -27,8 +27,8 @@ def live_ref(gpu_uuid: str, profile: str, gi: LiveGpuInstance) -> InstanceRef:
     return InstanceRef(Reservation(gpu_uuid, profile, gi.info.placement), identity)
 
 
-class Books:
-    """The bookkeeping of one ``plan`` call, with lookups over its inputs."""
+class PlanDraft:
+    """The draft of one ``plan`` call, with lookups over its inputs."""
 
     def __init__(self, inputs: Inputs) -> None:
         self.inputs = inputs
