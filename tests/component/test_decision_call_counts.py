@@ -1,4 +1,4 @@
-"""The exact NVML calls of each Allocate decision (issue 13), counted by the simulator per C function.
+"""The exact NVML calls of each Allocate decision, counted by the simulator per C function.
 
 The counts are exact and deterministic: they depend on the code path, never on timing. Each safety
 check costs a call here: the MIG mode read once under the GPU lock, the MIG UUID lookup that proves

@@ -1,4 +1,4 @@
-"""What a Recover costs in NVML calls on a full node (issue 22), counted by the simulator per C function.
+"""What a Recover costs in NVML calls on a full node, counted by the simulator per C function.
 
 The static tables (GI profile info, possible placements, CI profile info) are read once per GPU model,
 not once per GPU; beyond them a Recover costs a bounded number of calls per instance."""
