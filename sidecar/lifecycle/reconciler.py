@@ -139,8 +139,9 @@ class Reconciler:
 
     def _loop(self, seen: int) -> None:
         while True:
+            sleep_s = self._sleep_s()  # reads the table: never under the condition a kick takes
             with self._wake:
-                self._wake.wait_for(functools.partial(self._kicked_since, seen), self._sleep_s())
+                self._wake.wait_for(functools.partial(self._kicked_since, seen), sleep_s)
                 seen = self._kicks
             if self._stop.is_set():
                 return
