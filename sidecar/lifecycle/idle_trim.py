@@ -15,6 +15,7 @@ The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.idle_tri
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -56,29 +57,32 @@ class IdleTrimmer:
         self.on_trim = on_trim
         self.relist_s = relist_s
         self._listed: tuple[float, list[str]] | None = None  # (when, the MIG-enabled GPUs then)
+        self._round_at: float | None = None  # when the last round began
 
     def seconds_until_due(self) -> float | None:
-        """Seconds until the next IDLE instance passes its TTL; None with no TTL or none to come.
+        """Seconds until an IDLE instance passes its TTL that the last round did not see past it (0
+        when that moment has come already); None with no TTL or none to come.
 
         The reconciler sleeps no longer than this, so an instance is trimmed when its TTL ends and
-        not up to a whole interval later. One already past its TTL was spared for a reason of its
-        own (a process, a reservation) and waits for the next interval, so this never asks for a
-        round that would find the same answer at once."""
+        not up to a whole interval later, even when the round right after its release came within
+        the TTL. One the last round saw past its TTL was spared for a reason of its own (a process,
+        a reservation) and waits for the interval, so this never asks for the same answer again."""
         ttl_s = self.settings.ttl_s
         if ttl_s is None or not self.settings.enabled or not self.ctx.recovered:
             return None
-        now = self.clock()
-        ahead = [
-            due - now
+        seen = self._round_at if self._round_at is not None else -math.inf
+        dues = [
+            due
             for r in self.ctx.table.instances()
-            if r.state is State.IDLE and (due := gpu_views.last_used(r) + ttl_s) > now
+            if r.state is State.IDLE and (due := gpu_views.last_used(r) + ttl_s) > seen
         ]
-        return min(ahead, default=None)
+        return max(0.0, min(dues) - self.clock()) if dues else None
 
     def run_once(self) -> list[Trimmed]:
         """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
         if not self.settings.enabled or not self.ctx.recovered:
             return []
+        self._round_at = self.clock()  # every decision of this round reads the clock at or after it
         gpus = self._gpus()
         busy: set[str] = set()
         out: list[Trimmed] = []

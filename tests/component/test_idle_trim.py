@@ -70,17 +70,37 @@ class TestTtl:
         world.assert_consistent()
 
     def test_the_reconciler_sleeps_only_until_the_next_ttl_ends(self, world: World) -> None:
-        first = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
-        second = idle_instance(world, "pod-c", (0, "1g.10gb", 2, 1))
-        t1, t2 = went_idle_at(world, first), went_idle_at(world, second)
-        now = t1 + 1.0
+        identity = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        went_idle = went_idle_at(world, identity)
+        now = went_idle + 1.0
         trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: now)
         reconciler = Reconciler(world.lifecycle, interval_s=3600.0, idle=trimmer)
-        assert trimmer.seconds_until_due() == pytest.approx(t1 + TTL - now)
-        assert reconciler._sleep_s() == pytest.approx(t1 + TTL - now, abs=0.01)
-        now = max(t1, t2) + TTL + 1.0  # both past (spared, or the round would have taken them): the interval
+        assert trimmer.seconds_until_due() == pytest.approx(went_idle + TTL - now)
+        assert reconciler._sleep_s() == pytest.approx(went_idle + TTL - now, abs=0.01)
+
+    def test_an_instance_whose_ttl_ended_after_the_last_round_began_gets_a_round_at_once(
+        self, world: World
+    ) -> None:
+        identity = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        went_idle = went_idle_at(world, identity)
+        now = went_idle + TTL - 0.0005  # the round comes just inside the TTL: nothing to trim yet
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: now)
+        assert trimmer.run_once() == []
+        now = went_idle + TTL + 0.0005  # the TTL ended while that round ran: the next one is due now
+        assert trimmer.seconds_until_due() == 0.0
+        assert [t.ref.identity for t in trimmer.run_once()] == [identity]
+        assert gone(world, identity)
+
+    def test_an_instance_a_round_saw_past_its_ttl_and_spared_waits_for_the_interval(
+        self, world: World
+    ) -> None:
+        busy = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        world.hw.set_busy(busy.mig_uuid)
+        now = went_idle_at(world, busy) + TTL + 1.0
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(ttl_s=TTL), clock=lambda: now)
+        assert trimmer.run_once() == []  # a process runs on it
         assert trimmer.seconds_until_due() is None
-        assert reconciler._sleep_s() == 3600.0
+        assert Reconciler(world.lifecycle, interval_s=3600.0, idle=trimmer)._sleep_s() == 3600.0
 
     def test_an_hour_long_interval_still_trims_when_the_ttl_ends(self, world: World) -> None:
         identity = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
