@@ -211,23 +211,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # -- reclaim ----------------------------------------------------------------------------------------------
 
 
-def _rpc_failure(command: str, socket: Path, exc: Any) -> int:
-    """Print a failed call as ``CODE REASON: message`` (the ErrorInfo reason when there is one)."""
-    from google.rpc import error_details_pb2  # noqa: PLC0415
-    from grpc_status import rpc_status  # noqa: PLC0415
-
-    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    reason = ""
-    status = rpc_status.from_call(exc) if hasattr(exc, "trailing_metadata") else None
-    for detail in status.details if status is not None else ():
-        info = error_details_pb2.ErrorInfo()
-        if detail.Unpack(info):
-            reason = f" {info.reason}"
-    print(f"hami-mig-sidecar {command}: {socket}: {code}{reason}: {details}", file=sys.stderr)
-    return EXIT_FAILED
-
-
 def _cmd_reclaim(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from google.protobuf import json_format  # noqa: PLC0415
@@ -256,7 +239,9 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
             )
             response = stub.ReclaimIdle(request, timeout=args.timeout)
         except grpc.RpcError as exc:
-            return _rpc_failure("reclaim", socket, exc)
+            from sidecar.edge.call import print_failure  # noqa: PLC0415
+
+            return print_failure(f"reclaim: {socket}", exc)
     if args.json:
         document = json_format.MessageToDict(
             response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
