@@ -123,7 +123,7 @@ def refuse_reserved(gpu_uuid: str, guards: Guards) -> None:
     reserved = guards.on_gpu(gpu_uuid)
     if reserved:
         first = reserved[0]
-        why = f"pending reservation of {first.key or 'the scheduler'}"
+        why = f"pending reservation of {first.holder()}"
         raise Reserved(
             f"cannot disable MIG on {gpu_uuid}: {why} at {first.reservation.profile}@"
             f"{first.reservation.placement} ({len(reserved)} on this GPU); nothing was destroyed"

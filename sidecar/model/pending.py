@@ -17,7 +17,7 @@ destroying a device under a running container is worse than keeping a broken one
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import msgspec
 
@@ -31,6 +31,10 @@ class PendingReservation(msgspec.Struct, frozen=True):
 
     key: AllocationKey | None
     reservation: Reservation
+
+    def holder(self) -> str:
+        """Who holds it, in an error's words: the key, or "the scheduler" when only its place is known."""
+        return "the scheduler" if self.key is None else str(self.key)
 
 
 def pending_of(active: Iterable[ActiveAllocation]) -> frozenset[PendingReservation]:
@@ -75,28 +79,25 @@ class Guards(msgspec.Struct, frozen=True):
 
     def reserved_by(self, reservation: Reservation) -> str | None:
         """Who (another key, or "the scheduler") holds a pending reservation at exactly ``reservation``."""
-        if self.force:
-            return None
-        for p in sorted(self.pending, key=lambda p: str(p.key)):
-            if p.reservation == reservation and (p.key is None or p.key != self.requester):
-                return "the scheduler" if p.key is None else str(p.key)
+        for p in sorted(self._guarding(), key=lambda p: str(p.key)):
+            if p.reservation == reservation:
+                return p.holder()
         return None
 
     def on_gpu(self, gpu_uuid: str) -> tuple[PendingReservation, ...]:
         """The pending reservations on a GPU that guard against this requester (none with ``force``):
         a MIG disable is refused while there is one, since the scheduler placed a pod there."""
-        if self.force:
-            return ()
         return tuple(
             sorted(
-                (
-                    p
-                    for p in self.pending
-                    if p.reservation.gpu_uuid == gpu_uuid and (p.key is None or p.key != self.requester)
-                ),
+                (p for p in self._guarding() if p.reservation.gpu_uuid == gpu_uuid),
                 key=lambda p: (str(p.key), p.reservation.placement.start),
             )
         )
+
+    def _guarding(self) -> Iterator[PendingReservation]:
+        """The pending reservations that guard against this requester: not its own, none with force."""
+        if not self.force:
+            yield from (p for p in self.pending if p.key is None or p.key != self.requester)
 
 
 class PendingSet:
