@@ -14,11 +14,10 @@ still covers. ``clock`` is injected so tests move time instead of sleeping.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 PARTS = ("nvml", "reconciler")
 
@@ -33,18 +32,12 @@ class Liveness:
         self._tokens = itertools.count()
         self._running: dict[int, tuple[str, float]] = {}
 
-    @contextlib.contextmanager
-    def running(self, part: str) -> Iterator[None]:
-        """Register one call of ``part`` ("nvml" or "reconciler") for as long as the block runs."""
-        token = next(self._tokens)
-        started = self._clock()
-        with self._lock:
-            self._running[token] = (part, started)
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._running[token]
+    def running(self, part: str) -> _Running:
+        """Register one call of ``part`` ("nvml" or "reconciler") for as long as the block runs.
+
+        A plain context manager, not a generator one: every NVML call of the Allocate path passes
+        through it, and a generator-based one costs several times what it guards."""
+        return _Running(self, part)
 
     def oldest(self) -> dict[str, float]:
         """Seconds the oldest running call of each part has run (0 for a part with none running)."""
@@ -60,3 +53,26 @@ class Liveness:
         """(part, seconds) of the oldest call running longer than the threshold; None when none is."""
         part, age = max(self.oldest().items(), key=lambda item: item[1])
         return (part, age) if age > self.threshold_s else None
+
+
+class _Running:
+    """One registered call of a part, from ``__enter__`` to ``__exit__``."""
+
+    __slots__ = ("_liveness", "_part", "_token")
+
+    def __init__(self, liveness: Liveness, part: str) -> None:
+        self._liveness = liveness
+        self._part = part
+        self._token = 0
+
+    def __enter__(self) -> None:
+        live = self._liveness
+        self._token = next(live._tokens)
+        started = live._clock()
+        with live._lock:
+            live._running[self._token] = (self._part, started)
+
+    def __exit__(self, *exc: object) -> None:
+        live = self._liveness
+        with live._lock:
+            del live._running[self._token]
