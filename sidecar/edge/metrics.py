@@ -156,11 +156,15 @@ class Metrics:
         self.registry.register(_HealthCollector(recovered, liveness))
 
     def count_allocate(self, result: AllocateResult) -> str:
-        """Count an Allocate's devices and reclaims by GPU; returns its outcome label."""
+        """Count an Allocate's devices, reuse hits and reclaims (in all and by GPU); returns its outcome
+        label."""
         for device in result.devices:
+            if device.outcome is Outcome.REUSED:
+                self.reuse_hits.inc()
             if device.outcome is not Outcome.ALREADY_ALLOCATED:
                 self.allocations.labels(device.reservation.gpu_uuid, device.outcome.value.lower()).inc()
         for ref in result.reclaimed:
+            self.reclaims.inc()
             self.gpu_reclaims.labels(ref.reservation.gpu_uuid).inc()
         outcomes = {device.outcome for device in result.devices}
         if result.reclaimed:

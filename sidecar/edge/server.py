@@ -41,7 +41,6 @@ from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
-from sidecar.model import domain
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 
 log = logging.getLogger(__name__)
@@ -262,11 +261,6 @@ class MigSidecarServicer:
                 outcome = self.metrics.count_allocate(result)
             finally:
                 self.metrics.allocate_latency.labels(outcome).observe(time.perf_counter() - started)
-            reused = sum(device.outcome is domain.Outcome.REUSED for device in result.devices)
-            if reused:
-                self.metrics.reuse_hits.inc(reused)
-            if result.reclaimed:
-                self.metrics.reclaims.inc(len(result.reclaimed))
             self.on_change()
             return encode.encode_allocated(result)
 
