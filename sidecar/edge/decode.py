@@ -143,12 +143,10 @@ def container_name(value: str, where: str) -> str:
 def allocate(request: Any) -> AllocateRequest:
     owner = pod(request.pod, request.HasField("pod"), "request")
     container = container_name(request.container_name, "request")
-    require(len(request.devices) > 0, "request: devices is empty", field="devices")
-    require(
-        len(request.devices) <= MAX_DEVICES,
-        f"request: {len(request.devices)} devices, more than {MAX_DEVICES}",
-        field="devices",
-    )
+    count = len(request.devices)
+    require(count > 0, "request: devices is empty", field="devices")
+    if count > MAX_DEVICES:
+        raise InvalidRequest(f"request: {count} devices, more than {MAX_DEVICES}", {"field": "devices"})
     devices: list[DeviceRequest] = []
     seen: set[int] = set()
     for position, device in enumerate(request.devices):

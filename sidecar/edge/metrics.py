@@ -139,6 +139,26 @@ class Metrics:
         )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+        # The labelled children of the per-call metrics, by label values: ``labels`` takes a lock and
+        # builds its key on every call, and every RPC observes two of these. It hands out one child
+        # per label values for the registry's life, so a child kept here is the one it would return.
+        self._rpc_children: dict[tuple[str, str], prometheus_client.Histogram] = {}
+        self._allocate_children: dict[str, prometheus_client.Histogram] = {}
+        self._allocation_children: dict[tuple[str, str], prometheus_client.Counter] = {}
+
+    def observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        """One answered call of the MigSidecar service: its latency by method and status code."""
+        child = self._rpc_children.get((method, code))
+        if child is None:
+            child = self._rpc_children[method, code] = self.rpc_latency.labels(method, code)
+        child.observe(seconds)
+
+    def observe_allocate(self, outcome: str, seconds: float) -> None:
+        """One decided Allocate: its latency by outcome label (``count_allocate``, or "failed")."""
+        child = self._allocate_children.get(outcome)
+        if child is None:
+            child = self._allocate_children[outcome] = self.allocate_latency.labels(outcome)
+        child.observe(seconds)
 
     def watch(
         self,
@@ -162,7 +182,11 @@ class Metrics:
             if device.outcome is Outcome.REUSED:
                 self.reuse_hits.inc()
             if device.outcome is not Outcome.ALREADY_ALLOCATED:
-                self.allocations.labels(device.reservation.gpu_uuid, device.outcome.value.lower()).inc()
+                key = (device.reservation.gpu_uuid, device.outcome.value.lower())
+                child = self._allocation_children.get(key)
+                if child is None:
+                    child = self._allocation_children[key] = self.allocations.labels(*key)
+                child.inc()
         for ref in result.reclaimed:
             self.reclaims.inc()
             self.gpu_reclaims.labels(ref.reservation.gpu_uuid).inc()

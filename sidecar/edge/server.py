@@ -184,7 +184,7 @@ class MigSidecarServicer:
                 status = internal_status(method)
             context.abort_with_status(rpc_status.to_status(status))
         finally:
-            self.metrics.rpc_latency.labels(method, code.name).observe(time.perf_counter() - started)
+            self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
 
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
         def answer() -> Any:
@@ -260,7 +260,7 @@ class MigSidecarServicer:
                 result = self.lifecycle.allocate(decoded)
                 outcome = self.metrics.count_allocate(result)
             finally:
-                self.metrics.allocate_latency.labels(outcome).observe(time.perf_counter() - started)
+                self.metrics.observe_allocate(outcome, time.perf_counter() - started)
             self.on_change()
             return encode.encode_allocated(result)
 

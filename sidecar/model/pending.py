@@ -79,6 +79,8 @@ class Guards(msgspec.Struct, frozen=True):
 
     def reserved_by(self, reservation: Reservation) -> str | None:
         """Who (another key, or "the scheduler") holds a pending reservation at exactly ``reservation``."""
+        if not self.pending:  # the common case: nothing is pending, nothing to sort
+            return None
         for p in sorted(self._guarding(), key=lambda p: str(p.key)):
             if p.reservation == reservation:
                 return p.holder()
