@@ -36,7 +36,7 @@ NOT_FOUND_AT = [
 
 
 def reclaim_with_not_found(world: World, op: str, after: int) -> str:
-    """The issue's reproduction: an idle 1g.10gb at 4:1, then a 3g.40gb at 4:4 that must reclaim it.
+    """The reported case: an idle 1g.10gb at 4:1, then a 3g.40gb at 4:4 that must reclaim it.
 
     The fault stays: the reclaim destroys by ID (its process count found the instance by its MIG
     UUID), and a NOT_FOUND there is judged on a fresh listing, which retries the destroy of what is
