@@ -32,6 +32,7 @@ from sidecar.nvml.port import (
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
+    IdleProof,
     NvmlError,
     NvmlPort,
     Placement,
@@ -376,6 +377,21 @@ class MeteredPort:
 
     def mig_device_processes(self, mig_uuid: str) -> int:
         return self._call("mig_device_processes", lambda: self.inner.mig_device_processes(mig_uuid))
+
+    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        """One metered call for both reads; each failure is counted under the read that failed."""
+        try:
+            if self.liveness is None:
+                proof = self.inner.prove_idle(gpu_uuid, mig_uuid)
+            else:
+                with self.liveness.running("nvml"):
+                    proof = self.inner.prove_idle(gpu_uuid, mig_uuid)
+        except NvmlError as exc:
+            self.metrics.nvml_errors.labels("gpu", str(exc.code)).inc()
+            raise
+        if proof.failure is not None:
+            self.metrics.nvml_errors.labels("mig_device_processes", str(proof.failure.code)).inc()
+        return proof
 
     def gpu_processes(self, gpu_uuid: str) -> int:
         return self._call("gpu_processes", lambda: self.inner.gpu_processes(gpu_uuid))

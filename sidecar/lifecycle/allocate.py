@@ -30,7 +30,7 @@ from sidecar.model.errors import (
     nvml_errors,
 )
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.nvml.port import GpuInstanceInfo, NvmlError, Placement
+from sidecar.nvml.port import GpuInstanceInfo, IdleProof, NvmlError, Placement
 from sidecar.store.left_for_operator import require_no_record_for_the_operator
 
 _log = logging.getLogger(__name__)
@@ -79,17 +79,31 @@ class Allocator:
             # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
             # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
             # the CDI spec is rendered from its minor number. An instance the key holds needs neither.
-            now = {
-                uuid: ctx.inventory.require_mig_enabled(uuid)
-                for uuid in sorted({v.gpu.uuid for v, h in zip(validated, held, strict=True) if not h})
-            }
+            # A reuse that is the one device needing hardware reads the mode and its instance in one
+            # port call: the same reads in the same order, as nothing comes between them.
+            proofs: dict[int, IdleProof] = {}
+            hardware = [i for i, h in enumerate(held) if not h]
+            only = decisions[hardware[0]] if len(hardware) == 1 else None
+            if isinstance(only, Reuse):
+                i = hardware[0]
+                mig_uuid = only.record.mig_uuid
+                assert mig_uuid is not None  # IDLE records are complete by construction
+                proofs[i] = proof = ctx.inventory.prove_idle_enabled(validated[i].gpu.uuid, mig_uuid)
+                now = {proof.gpu.uuid: proof.gpu}
+            else:
+                now = {
+                    uuid: ctx.inventory.require_mig_enabled(uuid)
+                    for uuid in sorted({validated[i].gpu.uuid for i in hardware})
+                }
             validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
             clearances = self.clearances(validated, decisions)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
                 for i, v in enumerate(validated):
-                    done.append(self.allocate_one(v, decisions[i], clearances.get(i), reclaimed))
+                    done.append(
+                        self.allocate_one(v, decisions[i], clearances.get(i), reclaimed, proofs.get(i))
+                    )
             except Exception:
                 self.undo_allocation(done)
                 raise
@@ -204,15 +218,22 @@ class Allocator:
 
     # -- apply: one device at a time, each step calling down (create, teardown, the table) -----------
     def allocate_one(
-        self, v: Validated, decided: Decision, clearance: Clearance | None, reclaimed: list[InstanceRef]
+        self,
+        v: Validated,
+        decided: Decision,
+        clearance: Clearance | None,
+        reclaimed: list[InstanceRef],
+        proof: IdleProof | None = None,
     ) -> _Done:
-        """Apply ``decided`` for one device (``clearance``: its ``clearances`` verdict when it creates)."""
+        """Apply ``decided`` for one device (``clearance``: its ``clearances`` verdict when it creates;
+        ``proof``: the reads of its reuse, when they were made with the mode)."""
         if isinstance(decided, AlreadyHeld):
             held = decided.record
             return _Done(self.allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
         if isinstance(decided, Reuse):
             same_spot = decided.record
-            return _Done(self.allocated(v, self.reuse(v, same_spot), Outcome.REUSED), same_spot.name)
+            reused = self.reuse(v, same_spot, proof)
+            return _Done(self.allocated(v, reused, Outcome.REUSED), same_spot.name)
         assert clearance is not None
         for r in clearance.retry:  # first: a retry that fails must not have cost any idle instance
             reclaimed.append(self.retry_error(r))
@@ -247,14 +268,15 @@ class Allocator:
                 },
             ) from exc
 
-    def reuse(self, v: Validated, record: OwnershipRecord) -> OwnershipRecord:
-        """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner."""
+    def reuse(self, v: Validated, record: OwnershipRecord, proof: IdleProof | None = None) -> OwnershipRecord:
+        """Verify an IDLE instance live, make sure its CDI file is right, hand it to the new owner
+        (``proof``: its lookup, already made; None: made here)."""
         ctx = self.ctx
         # Only a real identity mismatch condemns the instance. An NVML error says nothing about it:
         # ERROR would make the reconciler destroy a healthy instance, so it stays IDLE and the
         # request fails with NVML_ERROR (the client retries the same key).
         try:
-            self.verify_live(record)
+            self.verify_live(record, proof)
         except UnverifiableState as exc:
             ctx.table.fail(record, f"reuse verification failed: {exc}")
             raise
@@ -278,8 +300,9 @@ class Allocator:
         )
 
     # -- used by both, and the rollback ------------------------------------------------------------
-    def verify_live(self, record: OwnershipRecord) -> None:
-        """The recorded MIG UUID is live and runs no process (InstanceInUse).
+    def verify_live(self, record: OwnershipRecord, proof: IdleProof | None = None) -> None:
+        """The recorded MIG UUID is live and runs no process (InstanceInUse). ``proof``: its lookup,
+        already made by ``NvmlPort.prove_idle`` (None: looked up here).
 
         The lookup by MIG UUID proves the CI, and with it the GI: the driver mints the UUID at the
         CI's create and never again, and a GI cannot be destroyed or re-created under a live CI. So
@@ -290,7 +313,12 @@ class Allocator:
         assert mig_uuid is not None  # IDLE records are complete by construction
         with nvml_errors(f"verify idle instance {record.name}"):
             try:
-                processes = self.ctx.port.mig_device_processes(mig_uuid)
+                if proof is None:
+                    processes: int | None = self.ctx.port.mig_device_processes(mig_uuid)
+                elif proof.failure is not None:
+                    raise proof.failure
+                else:
+                    processes = proof.processes
             except NvmlError as exc:
                 if not exc.not_found or still_listed(self.ctx.port, record):
                     raise  # a NOT_FOUND the GPU's own listing contradicts proves nothing

@@ -25,7 +25,15 @@ from sidecar.model import placement
 from sidecar.model.domain import ForeignInstance, State
 from sidecar.model.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.nvml.port import GpuInfo, GpuInstanceInfo, GpuInstanceProfile, NvmlError, NvmlPort, Placement
+from sidecar.nvml.port import (
+    GpuInfo,
+    GpuInstanceInfo,
+    GpuInstanceProfile,
+    IdleProof,
+    NvmlError,
+    NvmlPort,
+    Placement,
+)
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.generation import Generations
 from sidecar.store.table import Table
@@ -170,16 +178,26 @@ class Inventory:
         after the next reset."""
         with nvml_errors(f"read MIG mode of {gpu_uuid}"):
             live = self.port.gpu(gpu_uuid)
-        if not (live.mig_current and live.mig_pending):
-            raise MigDisabled(
-                f"MIG is not enabled on {gpu_uuid} (current={live.mig_current}, pending={live.mig_pending})",
-                {
-                    "gpu_uuid": gpu_uuid,
-                    "current": str(live.mig_current),
-                    "pending": str(live.mig_pending),
-                },
-            )
-        return live
+        return require_enabled(live)
+
+    def prove_idle_enabled(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        """``require_mig_enabled`` and then the lookup of ``mig_uuid`` with its processes, in one
+        port call (``NvmlPort.prove_idle``); the lookup's failure is in the proof, for the caller."""
+        with nvml_errors(f"read MIG mode of {gpu_uuid}"):
+            proof = self.port.prove_idle(gpu_uuid, mig_uuid)
+        require_enabled(proof.gpu)
+        return proof
+
+
+def require_enabled(live: GpuInfo) -> GpuInfo:
+    """``live``, or MigDisabled unless its MIG mode is enabled now and after the next reset."""
+    gpu_uuid = live.uuid
+    if not (live.mig_current and live.mig_pending):
+        raise MigDisabled(
+            f"MIG is not enabled on {gpu_uuid} (current={live.mig_current}, pending={live.mig_pending})",
+            {"gpu_uuid": gpu_uuid, "current": str(live.mig_current), "pending": str(live.mig_pending)},
+        )
+    return live
 
 
 class ListingTap:
@@ -204,10 +222,13 @@ class ListingTap:
         self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id)
         self.inventory.note_destroyed(gpu_uuid, gpu_instance_id)
 
-    # The two reads of every reuse, forwarded by hand: a name ``__getattr__`` serves is first looked
+    # The reads of every reuse, forwarded by hand: a name ``__getattr__`` serves is first looked
     # for and missed, which costs as much again as the forwarding.
     def gpu(self, gpu_uuid: str) -> GpuInfo:
         return self.inner.gpu(gpu_uuid)
+
+    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        return self.inner.prove_idle(gpu_uuid, mig_uuid)
 
     def mig_device_processes(self, mig_uuid: str) -> int:
         return self.inner.mig_device_processes(mig_uuid)

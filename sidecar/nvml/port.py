@@ -110,6 +110,18 @@ class ComputeInstanceInfo(msgspec.Struct, frozen=True):
     mig_uuid: str  # nvmlDeviceGetUUID of nvmlComputeInstanceInfo_t.device (the MIG device handle)
 
 
+class IdleProof(msgspec.Struct, frozen=True):
+    """What ``NvmlPort.prove_idle`` read: the GPU with its MIG mode, then the MIG device's processes.
+
+    ``processes`` is None when the MIG device was not looked up (MIG is not enabled now and after
+    the next reset) or the lookup failed; ``failure`` is that lookup's error, as
+    ``mig_device_processes`` would have raised it (NOT_FOUND when the device is gone)."""
+
+    gpu: GpuInfo
+    processes: int | None = None
+    failure: NvmlError | None = None
+
+
 class NvmlPort(Protocol):
     """What the lifecycle needs from NVML. Every method raises ``NvmlError`` on failure."""
 
@@ -170,6 +182,13 @@ class NvmlPort(Protocol):
         Two calls whatever the layout. Finding the UUID proves that very CI live, and with it the GI
         it was made in: the driver mints a MIG UUID at each CI create and never hands it out again,
         and a GI cannot be destroyed (nor re-created) under a live CI."""
+        ...
+
+    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        """The reads of a reuse in one call: ``gpu(gpu_uuid)``, then, only when its MIG mode is
+        enabled now and after the next reset, ``mig_device_processes(mig_uuid)``, each exactly as
+        its own method makes it (the same NVML calls and retries). A failure of the GPU read raises;
+        one of the lookup is returned in ``IdleProof.failure``, with the GPU read it followed."""
         ...
 
     def gpu_processes(self, gpu_uuid: str) -> int:

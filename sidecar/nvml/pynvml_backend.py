@@ -24,6 +24,7 @@ from sidecar.nvml.port import (
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
+    IdleProof,
     NvmlError,
     Placement,
 )
@@ -484,6 +485,15 @@ class PynvmlBackend:
             return len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
 
         return self._run(f"look up MIG device {mig_uuid}", read)
+
+    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        gpu = self.gpu(gpu_uuid)
+        if not (gpu.mig_current and gpu.mig_pending):
+            return IdleProof(gpu)
+        try:
+            return IdleProof(gpu, self.mig_device_processes(mig_uuid))
+        except NvmlError as exc:
+            return IdleProof(gpu, None, exc)
 
     def gpu_processes(self, gpu_uuid: str) -> int:
         return self._run(
