@@ -14,8 +14,8 @@ import collections
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
@@ -62,11 +62,41 @@ _LATENCY_BUCKETS = (
 )
 
 
+# Per-call observations waiting to be applied: one read of the registry, or this many of them, apply
+# them all (``Metrics.flush``).
+DUE_LIMIT = 512
+
+
+class _FlushingRegistry(CollectorRegistry):
+    """A registry that applies the observations still due before anything reads it: every read
+    (a scrape, ``get_sample_value``, a scrape restricted by ``name[]``) sees every call answered so far."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        super().__init__(auto_describe=True)
+        self._flush = flush
+
+    def collect(self) -> Iterator[Metric]:
+        self._flush()
+        yield from super().collect()
+
+    def restricted_registry(self, names: Iterable[str]) -> Any:
+        self._flush()
+        return super().restricted_registry(names)
+
+
 class Metrics:
-    """The sidecar's metrics. ``watch`` connects the scrape-time gauges to the lifecycle's state."""
+    """The sidecar's metrics. ``watch`` connects the scrape-time gauges to the lifecycle's state.
+
+    The per-call metrics (``observe_rpc``, ``observe_allocate``) are not applied by the call: each
+    queues one entry, and the first read of the registry after it applies the queue, in order, under
+    one lock (``flush``). A read after a call has returned always counts it, and the call's own thread
+    pays a queue append instead of the counters and histograms, which cost far more each in a
+    cold server than in one loop over the queue."""
 
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self._due: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+        self._flush_lock = threading.Lock()
+        self.registry = _FlushingRegistry(self.flush)
         self.rpc_latency = prometheus_client.Histogram(
             f"{PREFIX}_rpc_duration_seconds",
             "Time to answer a gRPC call of the MigSidecar service, by method and status code.",
@@ -148,14 +178,37 @@ class Metrics:
         self._allocation_children: dict[tuple[str, str], prometheus_client.Counter] = {}
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        """One answered call of the MigSidecar service: its latency by method and status code."""
+        """One answered call of the MigSidecar service: its latency by method and status code (queued)."""
+        self._defer(self._observe_rpc, (method, code, seconds))
+
+    def observe_allocate(self, result: AllocateResult | None, seconds: float) -> None:
+        """One Allocate (None: it failed): its devices counted (``count_allocate``) and its latency
+        by outcome label (queued)."""
+        self._defer(self._observe_allocate, (result, seconds))
+
+    def _defer(self, apply: Callable[..., None], args: tuple[Any, ...]) -> None:
+        due = self._due
+        due.append((apply, args))
+        if len(due) >= DUE_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply every queued observation. Under one lock, so a read that comes while another
+        applies the queue waits for it to finish."""
+        with self._flush_lock:
+            due = self._due
+            while due:
+                apply, args = due.popleft()
+                apply(*args)
+
+    def _observe_rpc(self, method: str, code: str, seconds: float) -> None:
         child = self._rpc_children.get((method, code))
         if child is None:
             child = self._rpc_children[method, code] = self.rpc_latency.labels(method, code)
         child.observe(seconds)
 
-    def observe_allocate(self, outcome: str, seconds: float) -> None:
-        """One decided Allocate: its latency by outcome label (``count_allocate``, or "failed")."""
+    def _observe_allocate(self, result: AllocateResult | None, seconds: float) -> None:
+        outcome = "failed" if result is None else self.count_allocate(result)
         child = self._allocate_children.get(outcome)
         if child is None:
             child = self._allocate_children[outcome] = self.allocate_latency.labels(outcome)

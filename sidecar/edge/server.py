@@ -254,13 +254,12 @@ class MigSidecarServicer:
     def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:
             started = time.perf_counter()
-            outcome = "failed"
+            result = None
             try:
                 decoded = decode.allocate(request)
                 result = self.lifecycle.allocate(decoded)
-                outcome = self.metrics.count_allocate(result)
             finally:
-                self.metrics.observe_allocate(outcome, time.perf_counter() - started)
+                self.metrics.observe_allocate(result, time.perf_counter() - started)
             self.on_change()
             return encode.encode_allocated(result)
 
