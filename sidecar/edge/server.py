@@ -113,7 +113,7 @@ class MigSidecarServicer:
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
-        self._calls = threading.Condition()
+        self._calls = threading.Condition(threading.Lock())
         self._in_flight = 0
         self._draining = False
 
@@ -166,7 +166,8 @@ class MigSidecarServicer:
         finally:
             with self._calls:
                 self._in_flight -= 1
-                self._calls.notify_all()
+                if self._draining:  # only ``drain`` waits, and only once it has set ``_draining``
+                    self._calls.notify_all()
 
     def _answer(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
         started = time.perf_counter()

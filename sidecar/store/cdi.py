@@ -191,7 +191,7 @@ class CdiSpecs:
             known = self._current.get(path)
             path_lock = self._path_locks[hash(path) % PATH_LOCK_STRIPES]
         if known is not None and known[:2] == (gpu_minor, identity) and _signature(path) == known[2]:
-            return self.device_name(identity.mig_uuid)
+            return f"{self.kind}={identity.mig_uuid}"  # the name ``device_name`` gave when it was written
         data = self.render(gpu_minor, identity)
         with path_lock:  # one writer per file; the shared lock is never held across an fsync
             if self.owned_bytes(path, identity.mig_uuid) != data:  # ForeignSpecFile: not ours to write

@@ -403,7 +403,8 @@ class RecordStore:
         finally:
             with self._lock:
                 self._writing -= 1
-                self._idle.notify_all()
+                if self._closed:  # only ``close`` waits on it, and only once it has set ``_closed``
+                    self._idle.notify_all()
 
     def _replace(self, path: Path, data: bytes, dir_fd: int, sound: Sequence[bytes]) -> bytes:
         """Make ``data`` the content of ``path`` (OSError, the old content kept); the bytes the file
