@@ -298,14 +298,8 @@ class PynvmlBackend:
             key = _model_key(self._static_facts(gpu_uuid, handle))
             result = []
             rows = self._profile_rows(gpu_uuid, handle)
-            plain_sms = next(
-                (
-                    r.multiprocessor_count
-                    for r in rows
-                    if r.profile_index == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE
-                ),
-                0,
-            )
+            one_slice = [r for r in rows if r.profile_index == pynvml.NVML_GPU_INSTANCE_PROFILE_1_SLICE]
+            plain_sms = one_slice[0].multiprocessor_count if one_slice else 0
             for row in rows:
                 # A profile whose full-size CI cannot be told is left out: it could never be created right.
                 ci_profile_id = self._full_ci(key, row, plain_sms)
@@ -339,10 +333,8 @@ class PynvmlBackend:
                 # port's NOT_SUPPORTED; MIG enabled with no profile answering is unverifiable, and
                 # fails the same way (the table is read again at the next call).
                 current, _ = pynvml.nvmlDeviceGetMigMode(handle)
-                why = (
-                    "MIG mode is disabled"
-                    if not current
-                    else "MIG mode is enabled but no GPU instance profile answered"
+                why = "MIG mode is " + (
+                    "enabled but no GPU instance profile answered" if current else "disabled"
                 )
                 raise NvmlError(operation, NVML_ERROR_NOT_SUPPORTED, why)
             result: list[GpuInstanceInfo] = []
@@ -462,6 +454,8 @@ class PynvmlBackend:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             ci = pynvml.nvmlGpuInstanceGetComputeInstanceById(gi, compute_instance_id)
             pynvml.nvmlComputeInstanceDestroy(ci)
+            with self._lock:  # the GI destroy that follows takes this handle instead of looking it up
+                self._fresh_gis[(gpu_uuid, gpu_instance_id)] = gi
 
         self._run(
             f"destroy compute instance {compute_instance_id} of GI {gpu_instance_id} on {gpu_uuid}",
@@ -470,12 +464,24 @@ class PynvmlBackend:
         )
 
     def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
-        with self._lock:
-            self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
+        with self._lock:  # the handle of the create or the CI destroy just before, used once
+            fresh = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
 
         def destroy() -> None:
-            gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
-            pynvml.nvmlGpuInstanceDestroy(gi)
+            nonlocal fresh
+            gi, fresh = fresh, None
+            try:
+                if gi is not None:
+                    pynvml.nvmlGpuInstanceDestroy(gi)
+                    return
+            except pynvml.NVMLError as exc:
+                # A handle that no longer names a GI (destroyed outside since) is looked up by ID, which
+                # answers what it answered before; any other error is the destroy's own.
+                if exc.value != NVML_ERROR_INVALID_ARGUMENT:
+                    raise
+            pynvml.nvmlGpuInstanceDestroy(
+                pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
+            )
 
         self._run(f"destroy GPU instance {gpu_instance_id} on {gpu_uuid}", destroy, TRANSIENT_DESTROY_CODES)
 

@@ -165,6 +165,42 @@ class TestInstances:
         port.destroy_gpu_instance(gpu, gi.id)
         assert h100.layout(0).gis == ()
 
+    def test_the_gpu_instance_destroy_after_a_compute_instance_destroy_takes_its_handle(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gi = h100.create_instance(0, "3g.40gb", 4, 4)
+        gpu = h100.gpu_uuid(0)
+        port.destroy_compute_instance(gpu, gi.id, 0)
+        h100.reset_call_counts()
+        port.destroy_gpu_instance(gpu, gi.id)
+        assert (h100.call_counts(), h100.layout(0).gis) == ({"nvmlGpuInstanceDestroy": 1}, ())
+
+    def test_a_gpu_instance_destroyed_outside_between_the_two_destroys_is_not_found(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        """The remembered handle went stale: the GI destroy answers what a lookup by ID answers."""
+        gi = h100.create_instance(0, "3g.40gb", 4, 4)
+        gpu = h100.gpu_uuid(0)
+        port.destroy_compute_instance(gpu, gi.id, 0)
+        h100.destroy_instance(0, gi.id)
+        other = h100.create_instance(0, "3g.40gb", 0, 4, with_ci=False)
+        with pytest.raises(NvmlError) as exc:
+            port.destroy_gpu_instance(gpu, gi.id)
+        assert exc.value.not_found
+        assert [g.id for g in h100.layout(0).gis] == [other.id]
+
+    def test_a_transient_failure_of_the_remembered_handle_is_retried_by_id(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        gi = h100.create_instance(0, "3g.40gb", 4, 4)
+        gpu = h100.gpu_uuid(0)
+        port.destroy_compute_instance(gpu, gi.id, 0)
+        h100.inject_fault("destroy-gi", NVML_ERROR_IN_USE, times=1)
+        h100.reset_call_counts()
+        port.destroy_gpu_instance(gpu, gi.id)
+        assert h100.layout(0).gis == ()
+        assert h100.call_counts() == {"nvmlGpuInstanceDestroy": 2, "nvmlDeviceGetGpuInstanceById": 1}
+
     def test_a_gpu_instance_without_a_compute_instance_is_listed_with_no_cis(
         self, h100: SimulatedHardware, port: PynvmlBackend
     ) -> None:
