@@ -194,3 +194,14 @@ class NvmlPort(Protocol):
     def gpu_processes(self, gpu_uuid: str) -> int:
         """How many compute processes run anywhere on a physical GPU."""
         ...
+
+
+def prove_by_parts(port: NvmlPort, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+    """``NvmlPort.prove_idle`` made of the port's own ``gpu`` and ``mig_device_processes`` calls."""
+    gpu = port.gpu(gpu_uuid)
+    if not (gpu.mig_current and gpu.mig_pending):
+        return IdleProof(gpu)
+    try:
+        return IdleProof(gpu, port.mig_device_processes(mig_uuid))
+    except NvmlError as exc:
+        return IdleProof(gpu, None, exc)

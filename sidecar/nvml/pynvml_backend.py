@@ -27,6 +27,7 @@ from sidecar.nvml.port import (
     IdleProof,
     NvmlError,
     Placement,
+    prove_by_parts,
 )
 from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
 
@@ -48,6 +49,16 @@ ModelKey = tuple[str, int]
 def _model_key(static: tuple[int, int, str, int]) -> ModelKey:
     """The model key of a GPU's static facts (index, minor, name, memory MiB)."""
     return static[2], static[3]
+
+
+def _gi_info(gpu_uuid: str, gi: Any) -> GpuInstanceInfo:
+    info = pynvml.nvmlGpuInstanceGetInfo(gi)
+    return GpuInstanceInfo(
+        gpu_uuid=gpu_uuid,
+        id=int(info.id),
+        profile_id=int(info.profileId),
+        placement=Placement(int(info.placement.start), int(info.placement.size)),
+    )
 
 
 class _GiProfileRow(NamedTuple):
@@ -201,16 +212,6 @@ class PynvmlBackend:
             self._placements[key] = placements
             return placements
 
-    @staticmethod
-    def _gi_info(gpu_uuid: str, gi: Any) -> GpuInstanceInfo:
-        info = pynvml.nvmlGpuInstanceGetInfo(gi)
-        return GpuInstanceInfo(
-            gpu_uuid=gpu_uuid,
-            id=int(info.id),
-            profile_id=int(info.profileId),
-            placement=Placement(int(info.placement.start), int(info.placement.size)),
-        )
-
     def _full_ci(self, key: ModelKey, info: _GiProfileRow, plain_sms: int) -> int | None:
         """The full-size CI profile of a GI profile, by ``profile_model.pick_full_ci``.
 
@@ -342,7 +343,7 @@ class PynvmlBackend:
                 array = (pynvml.c_nvmlGpuInstance_t * max(1, row.instance_count))()
                 count = c_uint(len(array))
                 pynvml.nvmlDeviceGetGpuInstances(handle, row.id, array, byref(count))
-                result.extend(self._gi_info(gpu_uuid, array[i]) for i in range(count.value))
+                result.extend(_gi_info(gpu_uuid, array[i]) for i in range(count.value))
             return sorted(result, key=lambda g: g.id)
 
         return self._run(operation, read)
@@ -371,14 +372,8 @@ class PynvmlBackend:
                     if exc.value in _SKIP_PROFILE:
                         continue
                     raise
-                rows.append(
-                    _CiProfileRow(
-                        int(info.id),
-                        int(info.instanceCount),
-                        int(info.sliceCount),
-                        int(info.multiprocessorCount),
-                    )
-                )
+                counts = int(info.instanceCount), int(info.sliceCount), int(info.multiprocessorCount)
+                rows.append(_CiProfileRow(int(info.id), *counts))
             table = tuple(rows)
             if table:  # never remember "no CI profiles": the CIs of this GI would be hidden for good
                 self._ci_profiles[key] = table
@@ -418,7 +413,7 @@ class PynvmlBackend:
             return pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
 
         gi = self._run(operation, create)
-        made = self._run(f"{operation}: read back the new GPU instance", lambda: self._gi_info(gpu_uuid, gi))
+        made = self._run(f"{operation}: read back the new GPU instance", lambda: _gi_info(gpu_uuid, gi))
         with self._lock:  # the CI create that follows takes this handle instead of looking it up by ID
             self._fresh_gis[(gpu_uuid, made.id)] = gi
         return made
@@ -493,13 +488,7 @@ class PynvmlBackend:
         return self._run(f"look up MIG device {mig_uuid}", read)
 
     def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
-        gpu = self.gpu(gpu_uuid)
-        if not (gpu.mig_current and gpu.mig_pending):
-            return IdleProof(gpu)
-        try:
-            return IdleProof(gpu, self.mig_device_processes(mig_uuid))
-        except NvmlError as exc:
-            return IdleProof(gpu, None, exc)
+        return prove_by_parts(self, gpu_uuid, mig_uuid)
 
     def gpu_processes(self, gpu_uuid: str) -> int:
         return self._run(

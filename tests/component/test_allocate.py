@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from lifecycle_world import World, restart
 
@@ -10,7 +12,7 @@ from sidecar.lifecycle.facade import Lifecycle
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, Reservation, State
 from sidecar.model.ownership import record_name
-from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN, NvmlError, Placement
 
 H100_1G = 19  # GI profile ID of 1g.10gb on H100-80GB
 
@@ -338,6 +340,23 @@ class TestValidation:
         assert pending is False
         with pytest.raises(errors.MigDisabled):
             world.allocate("pod-a", (2, "1g.5gb", 0, 1))
+
+    def test_a_reuse_on_a_gpu_whose_mig_disable_is_pending_is_mig_disabled(self, world: World) -> None:
+        """The mode read and the instance's lookup are one port call for a reuse: the pending mode
+        still refuses it, and nothing changes (the IDLE instance stays as it was)."""
+        gpu = world.uuid(1)
+        world.allocate("pod-a", (1, "1g.10gb", 0, 1))
+        world.lifecycle.release("pod-a")
+        with contextlib.suppress(NvmlError):  # made outside the sidecar: refused while instances exist
+            world.port.set_mig_mode(gpu, False)
+        live = world.port.gpu(gpu)
+        assert (live.mig_current, live.mig_pending) == (True, False)
+        before = world.everything()
+
+        with pytest.raises(errors.MigDisabled):
+            world.allocate("pod-b", (1, "1g.10gb", 0, 1))
+
+        assert world.everything() == before
 
     def test_a_mig_mode_change_that_needs_a_reset_succeeds_and_says_so(self, world: World) -> None:
         assert world.lifecycle.set_mig_mode(world.uuid(2), False) == (True, False, True)  # A100: reset
