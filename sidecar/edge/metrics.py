@@ -63,8 +63,8 @@ _LATENCY_BUCKETS = (
 
 
 # Per-call observations waiting to be applied: one read of the registry, or this many of them, apply
-# them all (``Metrics.flush``).
-DUE_LIMIT = 512
+# them all (``Metrics.flush``). Small, so the call that applies them pays about 0.1 ms, not more.
+DUE_LIMIT = 64
 
 
 class _FlushingRegistry(CollectorRegistry):
