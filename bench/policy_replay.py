@@ -22,7 +22,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from trace import GPUS, MEAN_LIFETIME, MIX, MODEL_S, OTHER_S, Pod, make_trace
+from trace import GPUS, LOAD, MIX, MODEL_S, OTHER_S, Pod, make_trace
 
 from msgspec.structs import replace
 from trace_state import MEMORY_SLICES
@@ -88,11 +88,11 @@ def reserve(node: Node) -> list[Trim]:
 
 
 def _offered_load(profile: str) -> float:
-    """Mean live pods of ``profile`` in the trace (its share of the arrivals times the lifetime)."""
+    """Mean live pods of ``profile`` in the trace: its share of the pods ``make_trace`` keeps live
+    (the load of memory slices over the mix's mean slices per pod, by Little's law)."""
     size = {p.name: p.size for p in H100_80GB.profiles}
-    share = dict(MIX)
-    rate = 0.6 * GPUS * MEMORY_SLICES / sum(size[p] * w for p, w in MIX) / MEAN_LIFETIME
-    return rate * share[profile] * MEAN_LIFETIME
+    live = LOAD * GPUS * MEMORY_SLICES / sum(size[p] * w for p, w in MIX)
+    return live * dict(MIX)[profile]
 
 
 def _trims_for(
