@@ -41,6 +41,7 @@ from sidecar.nvml.port import (
 PREFIX = "hami_mig_sidecar"
 
 _T = TypeVar("_T")
+_Labelled = TypeVar("_Labelled", prometheus_client.Counter, prometheus_client.Histogram)
 
 # RPCs are ~1 ms of gRPC overhead; creates are dominated by NVML (tens of ms to seconds on hardware).
 _LATENCY_BUCKETS = (
@@ -173,9 +174,7 @@ class Metrics:
         # The labelled children of the per-call metrics, by label values: ``labels`` takes a lock and
         # builds its key on every call, and every RPC observes two of these. It hands out one child
         # per label values for the registry's life, so a child kept here is the one it would return.
-        self._rpc_children: dict[tuple[str, str], prometheus_client.Histogram] = {}
-        self._allocate_children: dict[str, prometheus_client.Histogram] = {}
-        self._allocation_children: dict[tuple[str, str], prometheus_client.Counter] = {}
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
 
     def observe_rpc(self, method: str, code: str, seconds: float) -> None:
         """One answered call of the MigSidecar service: its latency by method and status code (queued)."""
@@ -201,18 +200,20 @@ class Metrics:
                 apply, args = due.popleft()
                 apply(*args)
 
-    def _observe_rpc(self, method: str, code: str, seconds: float) -> None:
-        child = self._rpc_children.get((method, code))
+    def _child(self, metric: _Labelled, *values: str) -> _Labelled:
+        """``metric.labels(*values)``, kept (the note on ``_children``)."""
+        key = (metric, values)
+        child = self._children.get(key)
         if child is None:
-            child = self._rpc_children[method, code] = self.rpc_latency.labels(method, code)
-        child.observe(seconds)
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def _observe_rpc(self, method: str, code: str, seconds: float) -> None:
+        self._child(self.rpc_latency, method, code).observe(seconds)
 
     def _observe_allocate(self, result: AllocateResult | None, seconds: float) -> None:
         outcome = "failed" if result is None else self.count_allocate(result)
-        child = self._allocate_children.get(outcome)
-        if child is None:
-            child = self._allocate_children[outcome] = self.allocate_latency.labels(outcome)
-        child.observe(seconds)
+        self._child(self.allocate_latency, outcome).observe(seconds)
 
     def watch(
         self,
@@ -236,14 +237,11 @@ class Metrics:
             if device.outcome is Outcome.REUSED:
                 self.reuse_hits.inc()
             if device.outcome is not Outcome.ALREADY_ALLOCATED:
-                key = (device.reservation.gpu_uuid, device.outcome.value.lower())
-                child = self._allocation_children.get(key)
-                if child is None:
-                    child = self._allocation_children[key] = self.allocations.labels(*key)
-                child.inc()
+                gpu, outcome = device.reservation.gpu_uuid, device.outcome.value.lower()
+                self._child(self.allocations, gpu, outcome).inc()
         for ref in result.reclaimed:
             self.reclaims.inc()
-            self.gpu_reclaims.labels(ref.reservation.gpu_uuid).inc()
+            self._child(self.gpu_reclaims, ref.reservation.gpu_uuid).inc()
         outcomes = {device.outcome for device in result.devices}
         if result.reclaimed:
             return "reclaimed"
@@ -433,15 +431,7 @@ class MeteredPort:
 
     def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
         """One metered call for both reads; each failure is counted under the read that failed."""
-        try:
-            if self.liveness is None:
-                proof = self.inner.prove_idle(gpu_uuid, mig_uuid)
-            else:
-                with self.liveness.running("nvml"):
-                    proof = self.inner.prove_idle(gpu_uuid, mig_uuid)
-        except NvmlError as exc:
-            self.metrics.nvml_errors.labels("gpu", str(exc.code)).inc()
-            raise
+        proof = self._call("gpu", lambda: self.inner.prove_idle(gpu_uuid, mig_uuid))
         if proof.failure is not None:
             self.metrics.nvml_errors.labels("mig_device_processes", str(proof.failure.code)).inc()
         return proof
