@@ -459,12 +459,9 @@ class PynvmlBackend:
         )
 
     def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
-        with self._lock:  # the handle of the create or the CI destroy just before, used once
-            fresh = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
-
         def destroy() -> None:
-            nonlocal fresh
-            gi, fresh = fresh, None
+            with self._lock:  # the create's or the CI destroy's handle, used once: a retry looks it up
+                gi = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
             try:
                 if gi is not None:
                     pynvml.nvmlGpuInstanceDestroy(gi)
