@@ -9,9 +9,10 @@ ways (``nvmlComputeInstanceGetInfo().device`` and the MIG device walk). Then the
 ``static_tables_agree`` checks what the adapter's caches assume: GPUs of one name and total memory
 answer the same static tables (board part number and PCI IDs are printed to tell boards apart).
 
-Needs only pynvml to read (``python -m sidecar.nvml.probe --json``); the model diff also needs the
-project's msgspec and is skipped, with a note, without it. CI profiles can only be read from a GI,
-so a GPU without GIs shows no CI tables.
+``python -m sidecar.nvml.probe --json`` runs it from the installed project, with the model diff.
+Copied alone where only pynvml is installed, ``python probe.py --json`` reads the same tables and
+skips the diff, with a note. CI profiles can only be read from a GI, so a GPU without GIs shows no
+CI tables.
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ def run(as_json: bool, out: Any = None) -> int:
     doc = collect()
     try:
         doc["diff_against_model"] = diff(doc)
-    except ImportError as exc:  # msgspec missing: the reading is still worth having
+    except ImportError as exc:  # run alone, without the project: the reading is still worth having
         doc["diff_against_model"] = [f"not compared: {exc}"]
     if as_json:
         out.write(json.dumps(doc, indent=2) + "\n")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 import pynvml
 
 from sidecar.nvml.calls import TRANSIENT_CODES, TRANSIENT_DESTROY_CODES, Caller, mapped
+from sidecar.nvml.handoff import GiHandoff
 from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
     NVML_ERROR_INVALID_ARGUMENT,
@@ -89,8 +90,8 @@ class PynvmlBackend:
         self._lock = threading.Lock()
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
-        # (GPU, GI ID) -> handle of a GI this adapter just created, for the CI create that follows.
-        self._fresh_gis: dict[tuple[str, int], Any] = {}
+        # The GI handle a create or a CI destroy leaves for the next call on its GPU (``handoff``).
+        self._handoff = GiHandoff()
         # The static tables of each GPU model (module notes). Read under ``_tables_lock``, so GPUs
         # read at once by several threads (Recover's gather) wait for one read of their model's table
         # instead of each making it.
@@ -266,8 +267,7 @@ class PynvmlBackend:
         with self._lock:
             self._handles.pop(gpu_uuid, None)
             static = self._static.pop(gpu_uuid, None)
-            for gone in [k for k in self._fresh_gis if k[0] == gpu_uuid]:
-                del self._fresh_gis[gone]
+        self._handoff.drop(gpu_uuid)
         if static is None:
             return
         model = _model_key(static)
@@ -408,14 +408,14 @@ class PynvmlBackend:
         operation = f"create GPU instance profile {profile_id} at {placement} on {gpu_uuid}"
 
         def create() -> Any:
+            self._handoff.drop(gpu_uuid)
             where = pynvml.c_nvmlGpuInstancePlacement_t(placement.start, placement.size)
             device = self._device(gpu_uuid)
             return pynvml.nvmlDeviceCreateGpuInstanceWithPlacement(device, profile_id, byref(where))
 
         gi = self._run(operation, create)
         made = self._run(f"{operation}: read back the new GPU instance", lambda: _gi_info(gpu_uuid, gi))
-        with self._lock:  # the CI create that follows takes this handle instead of looking it up by ID
-            self._fresh_gis[(gpu_uuid, made.id)] = gi
+        self._handoff.keep(gpu_uuid, made.id, gi)  # for the CI create that follows
         return made
 
     def create_compute_instance(
@@ -424,8 +424,7 @@ class PynvmlBackend:
         operation = f"create compute instance profile {ci_profile_id} in GI {gpu_instance_id} on {gpu_uuid}"
 
         def create() -> tuple[Any, Any]:
-            with self._lock:  # used once: a retry looks the GI up afresh
-                gi = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
+            gi = self._handoff.take(gpu_uuid, gpu_instance_id)  # used once: a retry looks it up
             if gi is None:
                 gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             return gi, pynvml.nvmlGpuInstanceCreateComputeInstance(gi, ci_profile_id)
@@ -446,11 +445,11 @@ class PynvmlBackend:
 
     def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
         def destroy() -> None:
+            self._handoff.drop(gpu_uuid)
             gi = pynvml.nvmlDeviceGetGpuInstanceById(self._device(gpu_uuid), gpu_instance_id)
             ci = pynvml.nvmlGpuInstanceGetComputeInstanceById(gi, compute_instance_id)
             pynvml.nvmlComputeInstanceDestroy(ci)
-            with self._lock:  # the GI destroy that follows takes this handle instead of looking it up
-                self._fresh_gis[(gpu_uuid, gpu_instance_id)] = gi
+            self._handoff.keep(gpu_uuid, gpu_instance_id, gi)  # for the GI destroy that follows
 
         self._run(
             f"destroy compute instance {compute_instance_id} of GI {gpu_instance_id} on {gpu_uuid}",
@@ -460,8 +459,7 @@ class PynvmlBackend:
 
     def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
         def destroy() -> None:
-            with self._lock:  # the create's or the CI destroy's handle, used once: a retry looks it up
-                gi = self._fresh_gis.pop((gpu_uuid, gpu_instance_id), None)
+            gi = self._handoff.take(gpu_uuid, gpu_instance_id)  # used once: a retry looks it up
             try:
                 if gi is not None:
                     pynvml.nvmlGpuInstanceDestroy(gi)

@@ -189,6 +189,40 @@ class TestInstances:
         assert exc.value.not_found
         assert [g.id for g in h100.layout(0).gis] == [other.id]
 
+    def test_a_handle_is_kept_only_for_the_next_mutating_call_on_its_gpu(
+        self, h100: SimulatedHardware, port: PynvmlBackend
+    ) -> None:
+        """A CI destroy whose GI destroy does not come next (another create on the GPU in between):
+        the GI destroy looks its GI up by ID, and destroys that GI, not the new one."""
+        gi = h100.create_instance(0, "3g.40gb", 4, 4)
+        gpu = h100.gpu_uuid(0)
+        port.destroy_compute_instance(gpu, gi.id, 0)
+        other = port.create_gpu_instance(gpu, 9, Placement(0, 4))
+        h100.reset_call_counts()
+        port.destroy_gpu_instance(gpu, gi.id)
+        assert h100.call_counts() == {"nvmlDeviceGetGpuInstanceById": 1, "nvmlGpuInstanceDestroy": 1}
+        assert [g.id for g in h100.layout(0).gis] == [other.id]
+        # The new GI's own handle went to the destroy above, which took it and did not use it.
+        h100.reset_call_counts()
+        port.create_compute_instance(gpu, other.id, 2)
+        assert h100.call_counts()["nvmlDeviceGetGpuInstanceById"] == 1
+
+    def test_a_kept_handle_outlives_calls_on_other_gpus(self, make_hw: MakeHw) -> None:
+        hw = make_hw(("h100-80gb", 2))
+        port = PynvmlBackend(retry_wait=False)
+        try:
+            first, second = hw.gpu_uuid(0), hw.gpu_uuid(1)
+            gi = hw.create_instance(0, "3g.40gb", 4, 4)
+            port.destroy_compute_instance(first, gi.id, 0)
+            made = port.create_gpu_instance(second, 9, Placement(0, 4))
+            port.create_compute_instance(second, made.id, 2)
+            hw.reset_call_counts()
+            port.destroy_gpu_instance(first, gi.id)
+            assert hw.call_counts() == {"nvmlGpuInstanceDestroy": 1}
+            assert (hw.layout(0).gis, [g.id for g in hw.layout(1).gis]) == ((), [made.id])
+        finally:
+            port.close()
+
     def test_a_transient_failure_of_the_remembered_handle_is_retried_by_id(
         self, h100: SimulatedHardware, port: PynvmlBackend
     ) -> None:
