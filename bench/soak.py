@@ -13,7 +13,19 @@ every GI is owned (no foreign instance), every owned instance names its live GI 
 MIG UUID, the ACTIVE instances are exactly those the clients hold, and no CDI file lacks an owner.
 Exit status 1 when any invariant or an INTERNAL answer failed.
 
-Usage: ``bench/soak.py [--clients 64] [--seconds 30] [--calls 0] [--gpus 4] [--seed 1] [--disk]``.
+``--faults N`` makes about N simulated NVML calls a second fail (a random operation of the create,
+destroy and lookup paths, with a code the adapter retries or one it gives up on), through the
+simulator's own fault knob, as ``sim fault`` does. ``--kill-every S`` kills the sidecar with SIGKILL
+at a random moment every S seconds or so, starts it again on the same files and calls ``Recover``
+with the allocations the clients hold, as a restarted DaemonSet pod would; clients keep calling
+through the restart (their refusals meanwhile are counted). Before the invariants, the faults are
+cleared, the sidecar is killed and recovered once more when kills are on, and ERROR instances are
+given the reconciler's time to go; one still there is a finding. ``--latency-scale X`` gives the
+simulated calls ``trace.py``'s model of a real driver times X (a GI create 800 ms at 1), so that a
+kill lands inside a create or a destroy more often.
+
+Usage: ``bench/soak.py [--clients 64] [--seconds 30] [--calls 0] [--gpus 4] [--seed 1] [--disk]
+[--faults 0] [--kill-every 0] [--latency-scale 0]``.
 """
 
 from __future__ import annotations
@@ -23,12 +35,14 @@ import collections
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from trace import set_latency_model
 from typing import Any
 
 import grpc
@@ -46,6 +60,18 @@ PLACEMENTS = {
 }
 MIX = (("allocate", 40), ("release", 25), ("sync", 5), ("state", 10), ("gpus", 10), ("reclaim", 10))
 TIMEOUT_S = 60.0
+# Channels reconnect within a second of a restart instead of after grpc's default backoff (minutes).
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
+# What --faults injects: operations of the create, destroy and lookup paths, and codes the adapter
+# retries (TIMEOUT, IN_USE on a destroy) or gives up on at once (UNKNOWN).
+FAULT_OPS = (
+    "create-gi", "create-ci", "destroy-ci", "destroy-gi", "get-gpu-instances", "get-gpu-instance",
+    "get-compute-instances", "get-compute-instance", "processes", "handle-by-uuid", "get-mig-mode",
+)  # fmt: skip
+FAULT_CODES = ("UNKNOWN", "TIMEOUT", "IN_USE")
+ERROR_WAIT_S = 60.0
+RECOVER_ATTEMPTS = 50
+PENDING_FAULTS = 4
 METHODS = (
     ("allocate", "Allocate"),
     ("release", "Release"),
@@ -72,6 +98,16 @@ class Shared:
         self.held: dict[str, Any] = {}
         self.calls: collections.Counter[str] = collections.Counter()
         self.errors: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.kills = 0
+        self.faults = 0
+        self.down = threading.Event()  # set from a kill until the restarted sidecar is recovered
+        self.last_restart = 0.0
+
+    def restarting(self, err: grpc.RpcError) -> bool:
+        """A reason-less UNAVAILABLE or CANCELLED while the sidecar is down or just after it came
+        back: the transport's, not the sidecar's (an answer of the sidecar always has a reason)."""
+        transport = err.code() in {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+        return transport and (self.down.is_set() or time.monotonic() - self.last_restart < 2.0)
 
     def enter_allocate(self) -> None:
         with self.fence:
@@ -113,20 +149,24 @@ class Shared:
             ]
 
 
+NO_REASON = "(no reason)"
+RESTART = "(sidecar restarting)"
+
+
 def reason_of(err: grpc.RpcError) -> str:
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
     for detail in status.details if status is not None else ():
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
             return str(info.reason)
-    return "(no reason)"
+    return NO_REASON
 
 
 def client(  # noqa: PLR0917 - a thread target, called with its args tuple
     n: int, socket: Path, gpus: list[str], shared: Shared, stop: threading.Event, budget: int
 ) -> None:
     rng = random.Random(n)  # noqa: S311 - a seeded workload, not a secret
-    channel = grpc.insecure_channel(f"unix://{socket}")
+    channel = grpc.insecure_channel(f"unix://{socket}", options=CHANNEL_OPTIONS)
     stub: Any = pb_grpc.MigSidecarStub(channel)
     mine: list[str] = []
     serial = 0
@@ -193,8 +233,13 @@ def client(  # noqa: PLR0917 - a thread target, called with its args tuple
                 stub.ReclaimIdle(pb.ReclaimIdleRequest(gpu_uuid=rng.choice(gpus)), timeout=TIMEOUT_S)
         except grpc.RpcError as err:
             method = dict(METHODS)[kind]
+            reason = reason_of(err)
+            if reason == NO_REASON and shared.restarting(err):
+                reason = RESTART
             with shared.lock:
-                shared.errors[(method, err.code().name, reason_of(err))] += 1
+                shared.errors[(method, err.code().name, reason)] += 1
+            if reason in {RESTART, "NOT_RECOVERED"}:
+                time.sleep(0.05)  # the sidecar is restarting: no busy loop against it
     channel.close()
 
 
@@ -203,7 +248,11 @@ def violations(stub: Any, hw: SimulatedHardware, cdi_dir: Path, shared: Shared) 
     found: list[str] = []
     state = stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT_S)
     owned = {(i.gpu_uuid, i.gpu_instance_id): i for g in state.gpus for i in g.instances}
-    found += [f"foreign instance on {g.uuid}: {f}" for g in state.gpus for f in g.foreign]
+    found += [
+        f"foreign instance on {g.gpu.uuid}: {f.profile} GI {f.gpu_instance_id} {f.mig_uuid}"
+        for g in state.gpus
+        for f in g.foreign
+    ]
     live = {(layout.uuid, gi.id): gi for layout in hw.layouts() for gi in layout.gis}
     found += [f"GI {key} has no owner" for key in set(live) - set(owned)]
     for key, instance in owned.items():
@@ -225,6 +274,107 @@ def violations(stub: Any, hw: SimulatedHardware, cdi_dir: Path, shared: Shared) 
     return found
 
 
+class Sidecar:
+    """The sidecar process under test, killed and started again on the same files."""
+
+    def __init__(self, root: Path, gpus: int) -> None:
+        self.root, self.socket = root, root / "s.sock"
+        self.hw_file, self.cdi_dir = root / "hw.json", root / "cdi"
+        self.command = [
+            sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
+            "--sim-state", str(self.hw_file), "--sim-gpus", f"h100-80gb:{gpus}",
+            "--state-dir", str(root / "state"), "--cdi-dir", str(self.cdi_dir),
+            "--socket", str(self.socket), "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
+        self.log = (root / "sidecar.log").open("ab")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.recover_retries = 0
+
+    def start(self, active: list[Any]) -> Any:
+        """Start it, wait for the socket, Recover with ``active``; the stub."""
+        self.proc = subprocess.Popen(self.command, env=self.env, stderr=self.log)
+        channel = grpc.insecure_channel(f"unix://{self.socket}", options=CHANNEL_OPTIONS)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stub: Any = pb_grpc.MigSidecarStub(channel)
+        for attempt in range(RECOVER_ATTEMPTS):
+            try:
+                stub.Recover(pb.RecoverRequest(active=active), timeout=TIMEOUT_S)
+                return stub
+            except grpc.RpcError as err:  # an injected fault: retried, as the plugin retries it
+                if err.code() is not grpc.StatusCode.UNAVAILABLE or attempt == RECOVER_ATTEMPTS - 1:
+                    raise
+                self.recover_retries += 1
+                time.sleep(0.2)
+        raise AssertionError("unreachable")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.log.close()
+
+
+def restart(sidecar: Sidecar, shared: Shared) -> Any:
+    """Kill the sidecar, then start it and Recover with what the clients hold. The clients' Allocates
+    are fenced out (as for a SyncActive) until Recover has the list: one answered just before the kill
+    is either entered in ``held`` first or failed at the client."""
+    shared.down.set()
+    sidecar.kill()
+    shared.kills += 1
+    shared.enter_sync()
+    try:
+        stub = sidecar.start(shared.active())
+    finally:
+        shared.last_restart = time.monotonic()
+        shared.down.clear()
+        shared.leave_sync()
+    return stub
+
+
+def chaos(  # noqa: PLR0917 - a thread target, called with its args tuple
+    sidecar: Sidecar,
+    shared: Shared,
+    stop: threading.Event,
+    rng: random.Random,
+    faults: float,
+    kill_every: float,
+) -> None:
+    """Inject a fault about ``faults`` times a second; kill and restart every ``kill_every`` s or so."""
+    hw = SimulatedHardware.open(sidecar.hw_file)
+    tick = 1.0 / faults if faults else 0.5
+    next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5) if kill_every else float("inf")
+    while not stop.wait(tick * rng.uniform(0.5, 1.5)):
+        if faults and len(hw.faults()) < PENDING_FAULTS:  # one no call meets yet waits, not piles up
+            hw.inject_fault(rng.choice(FAULT_OPS), rng.choice(FAULT_CODES), after=rng.randrange(4))
+            shared.faults += 1
+        if time.monotonic() >= next_kill:
+            restart(sidecar, shared)
+            next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+
+
+def settle(stub: Any, hw: SimulatedHardware) -> list[str]:
+    """Faults cleared, wait for the reconciler to destroy ERROR instances; those still there."""
+    hw.clear_faults()
+    deadline = time.monotonic() + ERROR_WAIT_S
+    while True:
+        state = stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT_S)
+        errors = [
+            i.mig_uuid or f"{g.gpu.uuid} {i.profile}"
+            for g in state.gpus
+            for i in g.instances
+            if i.state == pb.ERROR
+        ]
+        if not errors or time.monotonic() > deadline:
+            return [f"still ERROR {ERROR_WAIT_S:.0f} s after the faults stopped: {e}" for e in errors]
+        time.sleep(0.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -233,49 +383,59 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--disk", action="store_true", help="state under the system temp dir, not /dev/shm")
+    parser.add_argument("--faults", type=float, default=0.0, help="NVML faults injected per second (0: none)")
+    parser.add_argument(
+        "--kill-every", type=float, default=0.0, help="SIGKILL and restart about every S seconds (0: never)"
+    )
+    parser.add_argument(
+        "--latency-scale", type=float, default=0.0, help="the real-driver latency model times X (0: none)"
+    )
     args = parser.parse_args()
 
     shm = Path("/dev/shm")
     root = Path(tempfile.mkdtemp(prefix="hms-soak-", dir=None if args.disk or not shm.is_dir() else shm))
-    socket, hw_file, cdi_dir = root / "s.sock", root / "hw.json", root / "cdi"
-    command = [
-        sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
-        "--sim-state", str(hw_file), "--sim-gpus", f"h100-80gb:{args.gpus}",
-        "--state-dir", str(root / "state"), "--cdi-dir", str(cdi_dir),
-        "--socket", str(socket), "--log-level", "WARNING",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
-    log = (root / "sidecar.log").open("wb")
-    proc = subprocess.Popen(command, env=env, stderr=log)
-    channel = grpc.insecure_channel(f"unix://{socket}")
+    sidecar = Sidecar(root, args.gpus)
+    shared, stop = Shared(), threading.Event()
     try:
-        grpc.channel_ready_future(channel).result(timeout=60)
-        stub: Any = pb_grpc.MigSidecarStub(channel)
-        stub.Recover(pb.RecoverRequest(), timeout=TIMEOUT_S)
+        stub = sidecar.start([])
+        if args.latency_scale:
+            set_latency_model(SimulatedHardware.open(sidecar.hw_file), args.latency_scale)
         gpus = [g.uuid for g in stub.ListGpus(pb.ListGpusRequest(), timeout=TIMEOUT_S).gpus]
-        shared, stop = Shared(), threading.Event()
         threads = [
             threading.Thread(
-                target=client, args=(args.seed * 1000 + n, socket, gpus, shared, stop, args.calls)
+                target=client, args=(args.seed * 1000 + n, sidecar.socket, gpus, shared, stop, args.calls)
             )
             for n in range(args.clients)
         ]
+        monkey = threading.Thread(
+            target=chaos,
+            args=(sidecar, shared, stop, random.Random(args.seed), args.faults, args.kill_every),  # noqa: S311
+        )
         started = time.monotonic()
         for t in threads:
             t.start()
+        if args.faults or args.kill_every:
+            monkey.start()
         stop.wait(args.seconds)
         stop.set()
-        for t in threads:
+        for t in [*threads, *([monkey] if monkey.is_alive() else [])]:
             t.join()
         elapsed = time.monotonic() - started
-        wrong = violations(stub, SimulatedHardware.open(hw_file), cdi_dir, shared)
+        hw = SimulatedHardware.open(sidecar.hw_file)
+        hw.clear_faults()
+        if args.kill_every:
+            stub = restart(sidecar, shared)
+        wrong = settle(stub, hw) if args.faults else []
+        wrong += violations(stub, hw, sidecar.cdi_dir, shared)
     finally:
-        channel.close()
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        sidecar.stop()
     total = sum(shared.calls.values())
     print(f"{args.clients} clients, {elapsed:.1f} s, {total} calls ({total / elapsed:.0f}/s)")
+    if args.faults or args.kill_every:
+        print(
+            f"  {shared.faults} NVML faults injected, {shared.kills} kills (the last after the clients),"
+            f" {sidecar.recover_retries} Recovers retried"
+        )
     for method, n in sorted(shared.calls.items()):
         print(f"  {method:<12} {n}")
     print(f"errors: {sum(shared.errors.values())}")
@@ -285,7 +445,7 @@ def main() -> int:
     internal = sum(
         n
         for (_, code, reason), n in shared.errors.items()
-        if code == "INTERNAL" or (reason == "(no reason)" and code != "UNIMPLEMENTED")
+        if code == "INTERNAL" or (reason == NO_REASON and code != "UNIMPLEMENTED")
     )
     print(f"invariants: {'ok' if not wrong else f'{len(wrong)} violated'}")
     for line in wrong[:20]:
