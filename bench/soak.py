@@ -25,7 +25,7 @@ simulated calls ``trace.py``'s model of a real driver times X (a GI create 800 m
 kill lands inside a create or a destroy more often.
 
 Usage: ``bench/soak.py [--clients 64] [--seconds 30] [--calls 0] [--gpus 4] [--seed 1] [--disk]
-[--faults 0] [--kill-every 0] [--latency-scale 0]``.
+[--faults 0] [--kill-every 0] [--latency-scale 0] [--idle-reserve PROFILES]``.
 """
 
 from __future__ import annotations
@@ -277,14 +277,14 @@ def violations(stub: Any, hw: SimulatedHardware, cdi_dir: Path, shared: Shared) 
 class Sidecar:
     """The sidecar process under test, killed and started again on the same files."""
 
-    def __init__(self, root: Path, gpus: int) -> None:
+    def __init__(self, root: Path, gpus: int, extra: list[str]) -> None:
         self.root, self.socket = root, root / "s.sock"
         self.hw_file, self.cdi_dir = root / "hw.json", root / "cdi"
         self.command = [
             sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
             "--sim-state", str(self.hw_file), "--sim-gpus", f"h100-80gb:{gpus}",
             "--state-dir", str(root / "state"), "--cdi-dir", str(self.cdi_dir),
-            "--socket", str(self.socket), "--log-level", "WARNING",
+            "--socket", str(self.socket), "--log-level", "WARNING", *extra,
         ]  # fmt: skip
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
         self.log = (root / "sidecar.log").open("ab")
@@ -390,11 +390,14 @@ def main() -> int:
     parser.add_argument(
         "--latency-scale", type=float, default=0.0, help="the real-driver latency model times X (0: none)"
     )
+    parser.add_argument(
+        "--idle-reserve", metavar="PROFILES", help="run the sidecar with --idle-reserve PROFILES (its trims)"
+    )
     args = parser.parse_args()
 
     shm = Path("/dev/shm")
     root = Path(tempfile.mkdtemp(prefix="hms-soak-", dir=None if args.disk or not shm.is_dir() else shm))
-    sidecar = Sidecar(root, args.gpus)
+    sidecar = Sidecar(root, args.gpus, ["--idle-reserve", args.idle_reserve] if args.idle_reserve else [])
     shared, stop = Shared(), threading.Event()
     try:
         stub = sidecar.start([])
