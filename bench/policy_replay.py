@@ -54,6 +54,17 @@ class Node:
     now: float = 0.0
     tick: int = 0
     active: Counter[str] = field(default_factory=Counter)
+    area: Counter[str] = field(default_factory=Counter)  # live pods of each profile, integrated over time
+
+    def advance(self, now: float) -> None:
+        for profile, live in self.active.items():
+            self.area[profile] += live * (now - self.now)
+        self.now = now
+
+    def measured_load(self, profile: str) -> float:
+        """The time average of the profile's live pods so far: its offered load, by Little's law,
+        as the sidecar could measure it from its own Allocates and Releases."""
+        return self.area[profile] / self.now if self.now else 0.0
 
     def views(self) -> list[GpuView]:
         return [
@@ -151,6 +162,17 @@ def _next_is_arrival(node: Node, profile: str) -> bool:
     return nxt is not None and nxt[1] == 1
 
 
+def arrival_first(theta: float, load: Callable[[Node, str], float]) -> Gate:
+    """Warm a profile only when its next event is an arrival with probability >= ``theta``, that is
+    load / (load + live pods), with the load from ``load``."""
+
+    def gate(node: Node, profile: str) -> bool:
+        rho = load(node, profile)
+        return rho > 0 and rho / (rho + node.active[profile]) >= theta
+
+    return gate
+
+
 def clairvoyant(*, victims: bool) -> Policy:
     """Trim for a profile only when its next event is an arrival (read from the trace's future); with
     ``victims``, also destroy the copies whose profile's next miss is furthest away (Belady)."""
@@ -187,17 +209,24 @@ class Row:
     latency: list[float] = field(default_factory=list)
 
 
-def replay(name: str, trace: list[Pod], policy: Policy | None, *, warm: Sequence[str] = ()) -> Row:
+Gate = Callable[[Node, str], bool]
+
+
+def replay(
+    name: str, trace: list[Pod], policy: Policy | None, *, warm: Sequence[str] = (), gate: Gate | None = None
+) -> Row:
     """One pass over the trace; after every event ``policy`` trims until it returns nothing, then (the
-    warm pool) each profile of ``warm`` with no idle copy gets one created in the background on its
-    advised FREE placement, when that leaves the reserve nothing to trim."""
+    warm pool) each profile of ``warm`` with no idle copy, and that ``gate`` lets through, gets one
+    created in the background on its advised FREE placement, when that leaves the reserve nothing
+    to trim."""
     node = Node(trace, owned={g: {} for g in RESERVE})
     node.events = [(p.arrive, 1, i) for i, p in enumerate(trace)]
     heapq.heapify(node.events)
     live: dict[int, tuple[str, Placement]] = {}
     row = Row(name)
     while node.events:
-        node.now, kind, i = heapq.heappop(node.events)
+        now, kind, i = heapq.heappop(node.events)
+        node.advance(now)
         node.tick += 1
         pod = trace[i]
         if kind == 0:
@@ -229,7 +258,7 @@ def replay(name: str, trace: list[Pod], policy: Policy | None, *, warm: Sequence
         while policy is not None and (trims := policy(node)):
             for t in trims:
                 del node.owned[t.gpu_uuid][t.instance.placement]
-        while warm and _warm_one(node, warm):
+        while warm and _warm_one(node, [p for p in warm if gate is None or gate(node, p)]):
             row.background += 1
     return row
 
@@ -313,16 +342,30 @@ def main() -> int:
             f"destroy {DESTROY_S * 1e3:.0f} ms per victim, reuse {REUSE_S * 1e3:.0f} ms"
         )
         trace = make_trace(args.pods, seed)
-        policies: list[tuple[str, Policy | None, tuple[str, ...]]] = [
-            ("none (idle/advised)", None, ()),
-            ("reserve (idle+reserve/advised)", reserve, ()),
-            *((f"threshold {theta}", threshold(theta), ()) for theta in (0.3, 0.35, 0.4)),
-            ("clairvoyant when", clairvoyant(victims=False), ()),
-            ("clairvoyant when and victims", clairvoyant(victims=True), ()),
-            ("reserve + warm 1g.10gb", reserve, ("1g.10gb",)),
-            ("reserve + warm every profile", reserve, tuple(PLACEMENTS)),
+
+        def offered(_: Node, profile: str) -> float:
+            return _offered_load(profile)
+
+        policies: list[tuple[str, Policy | None, tuple[str, ...], Gate | None]] = [
+            ("none (idle/advised)", None, (), None),
+            ("reserve (idle+reserve/advised)", reserve, (), None),
+            *((f"threshold {theta}", threshold(theta), (), None) for theta in (0.3, 0.35, 0.4)),
+            ("clairvoyant when", clairvoyant(victims=False), (), None),
+            ("clairvoyant when and victims", clairvoyant(victims=True), (), None),
+            ("reserve + warm 1g.10gb", reserve, ("1g.10gb",), None),
+            ("reserve + warm every profile", reserve, tuple(PLACEMENTS), None),
+            *(
+                (f"reserve + warm gated {theta}", reserve, tuple(PLACEMENTS), arrival_first(theta, offered))
+                for theta in (0.5, 0.52)
+            ),
+            (
+                "reserve + warm gated 0.5, measured",
+                reserve,
+                tuple(PLACEMENTS),
+                arrival_first(0.5, Node.measured_load),
+            ),
         ]
-        report([replay(name, trace, policy, warm=warm) for name, policy, warm in policies])
+        report([replay(name, trace, policy, warm=warm, gate=gate) for name, policy, warm, gate in policies])
     return 0
 
 

@@ -1,37 +1,24 @@
 #!/usr/bin/env python3
 """A bounded soak: 64 concurrent clients over one real sidecar's socket, then the invariants (not a test).
 
-One ``python -m sidecar serve`` on simulated H100s (state, records and CDI files on /dev/shm unless
-``--disk``), recovered, then ``--clients`` threads, each with its own channel, making a seeded random
-mix of Allocate, Release, SyncActive, GetState, ListGpus and ReclaimIdle until ``--seconds`` have
-passed or ``--calls`` calls were made in all. Refusals are expected (a placement another client
-holds is PLACEMENT_BUSY); they are counted by RPC and ErrorInfo reason. An INTERNAL answer or a
-reason-less error is a finding.
+One ``python -m sidecar serve`` on simulated H100s (files on /dev/shm unless ``--disk``), recovered,
+then ``--clients`` threads making a seeded random mix of Allocate, Release, SyncActive, GetState,
+ListGpus and ReclaimIdle for ``--seconds`` (or ``--calls`` calls). Refusals are counted by RPC and
+ErrorInfo reason; an INTERNAL answer or a reason-less one is a finding. ``--faults`` injects NVML
+failures through the simulator's fault knob; ``--kill-every`` SIGKILLs the sidecar now and then
+(sometimes inside its Recover) and restarts it on the same files, recovered with what the clients
+hold. At the end (faults cleared, one last kill and Recover, ERROR instances given the reconciler's
+time): every GI owned, every owned instance on its live GI and CI, the ACTIVE instances exactly the
+clients', no CDI file without an owner; exit 1 otherwise.
 
-At the end, with every client stopped, the invariants are checked against the simulated hardware:
-every GI is owned (no foreign instance), every owned instance names its live GI and its one CI by
-MIG UUID, the ACTIVE instances are exactly those the clients hold, and no CDI file lacks an owner.
-Exit status 1 when any invariant or an INTERNAL answer failed.
-
-``--faults N`` makes about N simulated NVML calls a second fail (a random operation of the create,
-destroy and lookup paths, with a code the adapter retries or one it gives up on), through the
-simulator's own fault knob, as ``sim fault`` does. ``--kill-every S`` kills the sidecar with SIGKILL
-at a random moment every S seconds or so, starts it again on the same files and calls ``Recover``
-with the allocations the clients hold, as a restarted DaemonSet pod would; clients keep calling
-through the restart (their refusals meanwhile are counted). Before the invariants, the faults are
-cleared, the sidecar is killed and recovered once more when kills are on, and ERROR instances are
-given the reconciler's time to go; one still there is a finding. ``--latency-scale X`` gives the
-simulated calls ``trace.py``'s model of a real driver times X (a GI create 800 ms at 1), so that a
-kill lands inside a create or a destroy more often.
-
-Usage: ``bench/soak.py [--clients 64] [--seconds 30] [--calls 0] [--gpus 4] [--seed 1] [--disk]
-[--faults 0] [--kill-every 0] [--latency-scale 0] [--idle-reserve PROFILES]``.
+The rest: ``bench/README.md``, "soak.py".
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import random
 import shutil
@@ -308,6 +295,19 @@ class Sidecar:
                 time.sleep(0.2)
         raise AssertionError("unreachable")
 
+    def start_killed_in_recover(self, active: list[Any], after_s: float) -> None:
+        """Start it and call Recover, with a SIGKILL ``after_s`` into the call."""
+        self.proc = subprocess.Popen(self.command, env=self.env, stderr=self.log)
+        channel = grpc.insecure_channel(f"unix://{self.socket}", options=CHANNEL_OPTIONS)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        killer = threading.Timer(after_s, self.proc.send_signal, (signal.SIGKILL,))
+        killer.start()
+        with contextlib.suppress(grpc.RpcError):  # killed inside it, or an injected fault
+            pb_grpc.MigSidecarStub(channel).Recover(pb.RecoverRequest(active=active), timeout=TIMEOUT_S)
+        killer.join()
+        self.proc.wait(timeout=30)
+        channel.close()
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
@@ -320,15 +320,20 @@ class Sidecar:
         self.log.close()
 
 
-def restart(sidecar: Sidecar, shared: Shared) -> Any:
+def restart(sidecar: Sidecar, shared: Shared, rng: random.Random) -> Any:
     """Kill the sidecar, then start it and Recover with what the clients hold. The clients' Allocates
     are fenced out (as for a SyncActive) until Recover has the list: one answered just before the kill
-    is either entered in ``held`` first or failed at the client."""
+    is either entered in ``held`` first or failed at the client. One restart in three is killed again
+    0-200 ms into its Recover (a crash during recovery, whose destroys and record writes it
+    interrupts), then started once more."""
     shared.down.set()
     sidecar.kill()
     shared.kills += 1
     shared.enter_sync()
     try:
+        if rng.random() < 1 / 3:
+            sidecar.start_killed_in_recover(shared.active(), rng.uniform(0, 0.2))
+            shared.kills += 1
         stub = sidecar.start(shared.active())
     finally:
         shared.last_restart = time.monotonic()
@@ -354,7 +359,7 @@ def chaos(  # noqa: PLR0917 - a thread target, called with its args tuple
             hw.inject_fault(rng.choice(FAULT_OPS), rng.choice(FAULT_CODES), after=rng.randrange(4))
             shared.faults += 1
         if time.monotonic() >= next_kill:
-            restart(sidecar, shared)
+            restart(sidecar, shared, rng)
             next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
 
 
@@ -427,7 +432,7 @@ def main() -> int:
         hw = SimulatedHardware.open(sidecar.hw_file)
         hw.clear_faults()
         if args.kill_every:
-            stub = restart(sidecar, shared)
+            stub = restart(sidecar, shared, random.Random(args.seed))  # noqa: S311
         wrong = settle(stub, hw) if args.faults else []
         wrong += violations(stub, hw, sidecar.cdi_dir, shared)
     finally:
