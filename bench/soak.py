@@ -276,14 +276,21 @@ class Sidecar:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
         self.log = (root / "sidecar.log").open("ab")
         self.proc: subprocess.Popen[bytes] | None = None
+        self.channel: grpc.Channel | None = None
         self.recover_retries = 0
+
+    def _spawn(self) -> Any:
+        """Start the process and wait for its socket; a stub on a new channel (the last one closed)."""
+        self.proc = subprocess.Popen(self.command, env=self.env, stderr=self.log)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}", options=CHANNEL_OPTIONS)
+        grpc.channel_ready_future(self.channel).result(timeout=60)
+        return pb_grpc.MigSidecarStub(self.channel)
 
     def start(self, active: list[Any]) -> Any:
         """Start it, wait for the socket, Recover with ``active``; the stub."""
-        self.proc = subprocess.Popen(self.command, env=self.env, stderr=self.log)
-        channel = grpc.insecure_channel(f"unix://{self.socket}", options=CHANNEL_OPTIONS)
-        grpc.channel_ready_future(channel).result(timeout=60)
-        stub: Any = pb_grpc.MigSidecarStub(channel)
+        stub = self._spawn()
         for attempt in range(RECOVER_ATTEMPTS):
             try:
                 stub.Recover(pb.RecoverRequest(active=active), timeout=TIMEOUT_S)
@@ -297,16 +304,14 @@ class Sidecar:
 
     def start_killed_in_recover(self, active: list[Any], after_s: float) -> None:
         """Start it and call Recover, with a SIGKILL ``after_s`` into the call."""
-        self.proc = subprocess.Popen(self.command, env=self.env, stderr=self.log)
-        channel = grpc.insecure_channel(f"unix://{self.socket}", options=CHANNEL_OPTIONS)
-        grpc.channel_ready_future(channel).result(timeout=60)
+        stub = self._spawn()
+        assert self.proc is not None
         killer = threading.Timer(after_s, self.proc.send_signal, (signal.SIGKILL,))
         killer.start()
         with contextlib.suppress(grpc.RpcError):  # killed inside it, or an injected fault
-            pb_grpc.MigSidecarStub(channel).Recover(pb.RecoverRequest(active=active), timeout=TIMEOUT_S)
+            stub.Recover(pb.RecoverRequest(active=active), timeout=TIMEOUT_S)
         killer.join()
         self.proc.wait(timeout=30)
-        channel.close()
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -314,6 +319,8 @@ class Sidecar:
         self.proc.wait(timeout=30)
 
     def stop(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
