@@ -29,7 +29,7 @@ from trace_state import MEMORY_SLICES
 
 from sidecar.model.advice import Cost, GpuView, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.model.domain import State
-from sidecar.model.idle_policy import Cause, Trim, node_reserve
+from sidecar.model.idle_policy import Cause, IdleSettings, Trim, node_reserve
 from sidecar.nvml.port import Placement
 from sidecar.nvml.tables.hopper import H100_80GB
 
@@ -42,6 +42,9 @@ PLACEMENTS = {
     p.name: tuple(Placement(s, p.size) for s in p.starts) for p in H100_80GB.profiles if p.name in dict(MIX)
 }
 RESERVE = {f"gpu-{g}": PLACEMENTS for g in range(GPUS)}
+# Every profile of the GPU, as an operator who lists all the scheduler allows would name them.
+EVERY_PROFILE = {p.name: tuple(Placement(s, p.size) for s in p.starts) for p in H100_80GB.profiles}
+ASKED_WITHIN_S = 3600.0  # --idle-reserve auto's default window, in trace seconds
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Node:
     tick: int = 0
     active: Counter[str] = field(default_factory=Counter)
     area: Counter[str] = field(default_factory=Counter)  # live pods of each profile, integrated over time
+    asked: dict[str, float] = field(default_factory=dict)  # profile -> its last arrival, served or not
 
     def advance(self, now: float) -> None:
         for profile, live in self.active.items():
@@ -96,6 +100,18 @@ def advised(profile: str, views: Sequence[GpuView]) -> tuple[RankedPlacement, st
 def reserve(node: Node) -> list[Trim]:
     """The sidecar's node reserve, as ``--idle-reserve`` runs it."""
     return node_reserve(node.views(), RESERVE)
+
+
+def reserve_every_profile(node: Node) -> list[Trim]:
+    """The node reserve with every profile of the GPU named (``--idle-reserve`` listing them all)."""
+    return node_reserve(node.views(), dict.fromkeys(RESERVE, EVERY_PROFILE))
+
+
+def reserve_asked(node: Node) -> list[Trim]:
+    """``--idle-reserve auto``: the profiles asked for within ``ASKED_WITHIN_S``, of every profile."""
+    asked = IdleSettings(reserve_asked_within_s=ASKED_WITHIN_S).reserved(node.asked, node.now)
+    wanted = {p: EVERY_PROFILE[p] for p in asked}
+    return node_reserve(node.views(), dict.fromkeys(RESERVE, wanted))
 
 
 def _offered_load(profile: str) -> float:
@@ -229,6 +245,8 @@ def replay(
         node.advance(now)
         node.tick += 1
         pod = trace[i]
+        if kind == 1:
+            node.asked[pod.profile] = now  # an arrival asks, whether it is served or not
         if kind == 0:
             gpu, at = live.pop(i)
             node.owned[gpu][at] = replace(node.owned[gpu][at], state=State.IDLE, last_used=node.tick)
@@ -349,6 +367,8 @@ def main() -> int:
         policies: list[tuple[str, Policy | None, tuple[str, ...], Gate | None]] = [
             ("none (idle/advised)", None, (), None),
             ("reserve (idle+reserve/advised)", reserve, (), None),
+            ("reserve, every profile named", reserve_every_profile, (), None),
+            ("reserve auto (asked within 1 h)", reserve_asked, (), None),
             *((f"threshold {theta}", threshold(theta), (), None) for theta in (0.3, 0.35, 0.4)),
             ("clairvoyant when", clairvoyant(victims=False), (), None),
             ("clairvoyant when and victims", clairvoyant(victims=True), (), None),

@@ -36,6 +36,8 @@ DEFAULT_STATE_DIR = Path("/var/run/hami/dynamic-mig-state")
 DEFAULT_CDI_DIR = Path("/var/run/cdi")
 DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+DEFAULT_RESERVE_WINDOW_S = 3600.0  # a profile nobody asked for in an hour is not kept ready
+RESERVE_AUTO = "auto"
 DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
@@ -185,8 +187,17 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "Idle policy: the profiles the scheduler allows, for which a free placement is kept ready on "
         "the node: when no GPU has one left, the reconciler destroys the least recently used IDLE "
         "instances that block one, so the next request finds it free instead of waiting for a destroy "
-        "(off when unset; profiles a GPU lacks are ignored on it).",
-        metavar="PROFILE[,PROFILE...]",
+        "(off when unset; profiles a GPU lacks are ignored on it). 'auto': the profiles Allocates asked "
+        "for within --idle-reserve-window, as demand moves (none right after a start).",
+        metavar="PROFILE[,PROFILE...]|auto",
+    ),
+    FlagSpec(
+        "--idle-reserve-window",
+        "idle_reserve_window",
+        "With --idle-reserve auto: how long a profile stays reserved after the last Allocate that "
+        "asked for it.",
+        default=str(DEFAULT_RESERVE_WINDOW_S),
+        metavar="SECONDS",
     ),
     FlagSpec(
         "--idle-reserve-per-gpu",
@@ -322,13 +333,22 @@ def parse_profiles(text: str, where: str) -> tuple[str, ...]:
 
 
 def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> IdleSettings:
+    reserve = (raw["idle_reserve"] or "").strip()
+    auto, named = reserve == RESERVE_AUTO, bool(reserve) and reserve != RESERVE_AUTO
+    window = _seconds(raw["idle_reserve_window"], origin["idle_reserve_window"])
+    if not auto and not origin["idle_reserve_window"].startswith("default"):
+        raise ConfigError(
+            f"{origin['idle_reserve_window']} applies only with --idle-reserve {RESERVE_AUTO}"
+            f" (the reserve is {'off' if not reserve else repr(reserve)})"
+        )
     return IdleSettings(
         ttl_s=_seconds(raw["idle_ttl"], origin["idle_ttl"]) if raw["idle_ttl"] else None,
         max_idle_per_gpu=(
             _count(raw["max_idle_per_gpu"], origin["max_idle_per_gpu"]) if raw["max_idle_per_gpu"] else None
         ),
-        reserve=parse_profiles(raw["idle_reserve"], origin["idle_reserve"]) if raw["idle_reserve"] else (),
+        reserve=parse_profiles(reserve, origin["idle_reserve"]) if named else (),
         reserve_per_gpu=_switch(raw["idle_reserve_per_gpu"], origin["idle_reserve_per_gpu"]),
+        reserve_asked_within_s=window if auto else None,
     )
 
 

@@ -261,7 +261,7 @@ class MigSidecarServicer:
                 result = self.lifecycle.allocate(decoded)
             finally:
                 self.metrics.observe_allocate(result, time.perf_counter() - started)
-            self.on_change()
+                self.on_change()  # a refusal too: what it asked for may be what the reserve keeps ready
             return encode.encode_allocated(result)
 
         return self._handle("Allocate", context, answer)

@@ -8,6 +8,7 @@ after any device changed something rolls the whole request back (``undo_allocati
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -69,6 +70,9 @@ class Allocator:
         ctx = self.ctx
         ctx.require_recovered()
         validated = validate(ctx.inventory, request)
+        asked_at = time.time()
+        for v in validated:
+            ctx.asked[v.profile.name] = asked_at
         with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
             # Decided once from the table, under the locks (KEY_CONFLICT first). What an earlier device
             # creates or reclaims cannot change a later one's decision: devices never overlap and

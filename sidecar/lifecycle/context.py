@@ -35,6 +35,9 @@ class Context:
     locks: Locks = field(default_factory=Locks)
     recovered: bool = False
     pending: PendingSet = field(default_factory=PendingSet)  # pending reservations (``pending``)
+    # GI profile name -> when a valid Allocate last asked for it (``time.time``): the demand an idle
+    # reserve of the recently asked profiles follows (``IdleSettings.reserved``). Not durable.
+    asked: dict[str, float] = field(default_factory=dict)
     table: Table = field(init=False)
     generations: Generations = field(init=False)
     inventory: Inventory = field(init=False)

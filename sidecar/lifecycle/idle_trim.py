@@ -58,6 +58,7 @@ class IdleTrimmer:
         self.relist_s = relist_s
         self._listed: tuple[float, list[str]] | None = None  # (when, the MIG-enabled GPUs then)
         self._round_at: float | None = None  # when the last round began
+        self._reserved: tuple[str, ...] = ()  # the profiles the reserve keeps ready this round
 
     def seconds_until_due(self) -> float | None:
         """Seconds until an IDLE instance passes its TTL that the last round did not see past it (0
@@ -83,6 +84,7 @@ class IdleTrimmer:
         if not self.settings.enabled or not self.ctx.recovered:
             return []
         self._round_at = self.clock()  # every decision of this round reads the clock at or after it
+        self._reserved = self.settings.reserved(self.ctx.asked, self._round_at)
         gpus = self._gpus()
         busy: set[str] = set()
         out: list[Trimmed] = []
@@ -105,7 +107,7 @@ class IdleTrimmer:
     def _gpus(self) -> list[str]:
         """The GPUs to look at: with a reserve every MIG-enabled one (an empty GPU is where a profile
         is ready), its foreign view listed afresh; otherwise those with owned instances."""
-        if not self.settings.reserve:
+        if not self._reserved:
             return sorted({r.gpu_uuid for r in self.ctx.table.instances()})
         now = self.clock()
         if self._listed is not None and 0 <= now - self._listed[0] < self.relist_s:
@@ -131,7 +133,7 @@ class IdleTrimmer:
         """Destroy the chosen instance if, under its GPU lock, it is still the first choice, still
         IDLE and runs no process. None when it was spared."""
         with self.ctx.locks.gpu(chosen.gpu_uuid):
-            if self.settings.reserve:
+            if self._reserved:
                 gpu_views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
             again = self._decide(gpus, busy)
             if not again or again[0] != chosen:
@@ -154,9 +156,9 @@ class IdleTrimmer:
         views: list[GpuView] = [gpu_views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
         pending = gpu_views.pending_reservations(self.ctx)
         reserve = {}
-        if s.reserve:
+        if wanted := self._reserved:
             reserve = {
-                g: {p.name: p.placements for p in self.ctx.inventory.profiles(g) if p.name in s.reserve}
+                g: {p.name: p.placements for p in self.ctx.inventory.profiles(g) if p.name in wanted}
                 for g in gpus
             }
         per_gpu = trim(
@@ -167,7 +169,7 @@ class IdleTrimmer:
             reserve=reserve if s.reserve_per_gpu else None,
             pending=pending,
         )
-        if per_gpu or not s.reserve or s.reserve_per_gpu:
+        if per_gpu or not reserve or s.reserve_per_gpu:
             return per_gpu
         return node_reserve(views, reserve, pending=pending)
 

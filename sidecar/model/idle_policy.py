@@ -35,16 +35,31 @@ class IdleSettings(msgspec.Struct, frozen=True):
 
     ``reserve`` names the profiles the scheduler allows, for which a free placement is kept ready:
     somewhere on the node (``node_reserve``), or on every GPU with ``reserve_per_gpu`` (profiles a
-    GPU does not have are ignored on it)."""
+    GPU does not have are ignored on it). With ``reserve_asked_within_s`` instead, the reserve is
+    for the profiles Allocates asked for in that many seconds up to now (``reserved``)."""
 
     ttl_s: float | None = None
     max_idle_per_gpu: int | None = None
     reserve: tuple[str, ...] = ()
     reserve_per_gpu: bool = False
+    reserve_asked_within_s: float | None = None
 
     @property
     def enabled(self) -> bool:
-        return self.ttl_s is not None or self.max_idle_per_gpu is not None or bool(self.reserve)
+        return (
+            self.ttl_s is not None
+            or self.max_idle_per_gpu is not None
+            or bool(self.reserve)
+            or self.reserve_asked_within_s is not None
+        )
+
+    def reserved(self, asked: Mapping[str, float], now: float) -> tuple[str, ...]:
+        """The profiles the reserve keeps ready now: the named ones, or those ``asked`` (profile ->
+        when an Allocate last asked for it) within ``reserve_asked_within_s`` of ``now``, by name."""
+        window = self.reserve_asked_within_s
+        if window is None:
+            return self.reserve
+        return tuple(sorted(p for p, at in asked.items() if now - at <= window))
 
 
 class Trim(msgspec.Struct, frozen=True):

@@ -230,6 +230,26 @@ class TestFreeReserve:
         assert gone(world, blocker)
         assert {p for p, _ in gis(world, 1)} == {"0:4", "4:4"}  # the foreign GIs stay
 
+    def test_the_reserve_of_asked_profiles_follows_what_allocates_asked_for(self, world: World) -> None:
+        """``--idle-reserve auto``: no 3g.40gb is ready on the node (GPU 1 full of 1g, 0:4 on GPU 0
+        held), and an IDLE 2g.20gb blocks 4:4 on GPU 0. Nothing is trimmed until an Allocate asks for
+        a 3g.40gb (refused here: 0:4 is held), then the 2g goes; an hour later the ask has lapsed."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-d", (1, "1g.10gb", 0, 1))
+        world.allocate("pod-e", (1, "1g.10gb", 4, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+        auto = IdleSettings(reserve_asked_within_s=3600.0)
+        assert reconcile(world, auto, went_idle_at(world, blocker)) == []
+        assert blocker.mig_uuid in world.live_mig_uuids()
+
+        with pytest.raises(errors.PlacementBusy):
+            world.allocate("pod-f", (0, "3g.40gb", 0, 4))
+        asked = world.ctx.asked["3g.40gb"]
+        assert reconcile(world, auto, asked + 3601.0) == []  # lapsed: as if never asked
+        assert reconcile(world, auto, asked + 3600.0) == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        world.assert_consistent()
+
     def test_a_reserve_that_only_an_active_instance_blocks_destroys_nothing(self, world: World) -> None:
         world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         world.allocate("pod-b", (0, "1g.10gb", 4, 1))

@@ -66,3 +66,30 @@ def test_a_release_wakes_the_trim_and_the_instance_is_destroyed_with_its_record_
     assert layouts(car)[0].gis == ()
     assert car.records() == {}
     assert not [name for name in car.cdi_files() if idle.mig_uuid in name]
+
+
+def test_the_reserve_of_asked_profiles_makes_room_once_an_allocate_asks(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    """``--idle-reserve auto`` on one H100: an ACTIVE 1g.10gb holds 0:4 and an IDLE 2g.20gb 4:4, so
+    no 3g.40gb fits. A 3g.40gb Allocate at the held 0:4 is refused, and the round the refusal wakes
+    frees 4:4 for the next one, which then creates there. (That nothing is trimmed before a profile
+    is asked for is proven on a fake clock in the component tests.)"""
+    car = sidecar_factory(
+        extra_args=["--idle-reserve", "auto", "--reconcile-interval", "3600"], sim_gpus="h100-80gb:1"
+    )
+    car.recover()
+    allocate_one(car, "pod-a", 0, "1g.10gb", 0, 1)
+    blocker = allocate_one(car, "pod-b", 0, "2g.20gb", 4, 2)
+    car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=CALL_TIMEOUT_S)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        allocate_one(car, "pod-c", 0, "3g.40gb", 0, 4)
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    wait_until(
+        "the reserve destroyed the idle 2g.20gb",
+        lambda: all(blocker.mig_uuid not in name for name in car.cdi_files()) and len(car.records()) == 1,
+    )
+    assert blocker.mig_uuid not in {ci.mig_uuid for gi in layouts(car)[0].gis for ci in gi.cis}
+    made = allocate_one(car, "pod-c", 0, "3g.40gb", 4, 4)
+    assert (made.placement.start, made.placement.size) == (4, 4)

@@ -196,9 +196,25 @@ class TestIdlePolicy:
         }
         assert parse([], environ).idle == IdleSettings(ttl_s=60.0, max_idle_per_gpu=2, reserve=("2g.20gb",))
 
+    def test_auto_reserves_the_profiles_asked_for_within_the_window(self) -> None:
+        settings = parse(["--idle-reserve", "auto"]).idle
+        assert settings == IdleSettings(reserve_asked_within_s=3600.0)
+        assert settings.enabled
+        assert settings.reserved({"3g.40gb": 100.0, "1g.10gb": 5000.0}, 3700.0) == ("1g.10gb", "3g.40gb")
+        assert settings.reserved({"3g.40gb": 100.0, "1g.10gb": 5000.0}, 3701.0) == ("1g.10gb",)
+        environ = {"HAMI_MIG_SIDECAR_IDLE_RESERVE": "auto", "HAMI_MIG_SIDECAR_IDLE_RESERVE_WINDOW": "600"}
+        assert parse([], environ).idle == IdleSettings(reserve_asked_within_s=600.0)
+
+    def test_a_named_reserve_ignores_what_was_asked(self) -> None:
+        settings = parse(["--idle-reserve", "2g.20gb"]).idle
+        assert settings.reserved({"3g.40gb": 100.0}, 100.0) == ("2g.20gb",)
+
     @pytest.mark.parametrize(
         ("argv", "named"),
         [
+            (["--idle-reserve-window", "600"], "--idle-reserve-window"),
+            (["--idle-reserve", "1g.10gb", "--idle-reserve-window", "600"], "--idle-reserve-window"),
+            (["--idle-reserve", "auto", "--idle-reserve-window", "0"], "--idle-reserve-window"),
             (["--idle-ttl", "0"], "--idle-ttl"),
             (["--idle-ttl", "soon"], "--idle-ttl"),
             (["--max-idle-per-gpu", "-1"], "--max-idle-per-gpu"),
