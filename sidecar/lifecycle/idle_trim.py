@@ -84,7 +84,8 @@ class IdleTrimmer:
         if not self.settings.enabled or not self.ctx.recovered:
             return []
         self._round_at = self.clock()  # every decision of this round reads the clock at or after it
-        self._reserved = self.settings.reserved(self.ctx.asked, self._round_at)
+        # A copy (one C call, under the GIL): an Allocate may add a profile while this reads.
+        self._reserved = self.settings.reserved(dict(self.ctx.asked), self._round_at)
         gpus = self._gpus()
         busy: set[str] = set()
         out: list[Trimmed] = []
