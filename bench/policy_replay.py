@@ -81,6 +81,7 @@ class Node:
 
 
 Policy = Callable[[Node], list[Trim]]
+Gate = Callable[[Node, str], bool]  # whether the warm pool (or a thresholded trim) serves a profile now
 
 
 def advised(profile: str, views: Sequence[GpuView]) -> tuple[RankedPlacement, str] | None:
@@ -114,7 +115,7 @@ def reserve_asked(node: Node) -> list[Trim]:
     return node_reserve(node.views(), dict.fromkeys(RESERVE, wanted))
 
 
-def _offered_load(profile: str) -> float:
+def offered_load(_: Node, profile: str) -> float:
     """Mean live pods of ``profile`` in the trace: its share of the pods ``make_trace`` keeps live
     (the load of memory slices over the mix's mean slices per pod, by Little's law)."""
     size = {p.name: p.size for p in H100_80GB.profiles}
@@ -164,11 +165,10 @@ def threshold(theta: float) -> Policy:
     Each profile's live pods are an M/M/infinity queue (Poisson arrivals, exponential lifetimes), so
     that probability is load / (load + live pods), and nothing else in the past predicts it better."""
 
-    def policy(node: Node) -> list[Trim]:
-        def wanted(p: str) -> bool:
-            return _offered_load(p) / (_offered_load(p) + node.active[p]) >= theta
+    gate = arrival_first(theta, offered_load)
 
-        return _trims_for(node, wanted, _most_copies(node))
+    def policy(node: Node) -> list[Trim]:
+        return _trims_for(node, lambda p: gate(node, p), _most_copies(node))
 
     return policy
 
@@ -179,7 +179,7 @@ def _next_is_arrival(node: Node, profile: str) -> bool:
 
 
 def arrival_first(theta: float, load: Callable[[Node, str], float]) -> Gate:
-    """Warm a profile only when its next event is an arrival with probability >= ``theta``, that is
+    """Pass a profile only when its next event is an arrival with probability >= ``theta``, that is
     load / (load + live pods), with the load from ``load``."""
 
     def gate(node: Node, profile: str) -> bool:
@@ -223,9 +223,6 @@ class Row:
     inline: int = 0
     unschedulable: int = 0
     latency: list[float] = field(default_factory=list)
-
-
-Gate = Callable[[Node, str], bool]
 
 
 def replay(
@@ -360,10 +357,6 @@ def main() -> int:
             f"destroy {DESTROY_S * 1e3:.0f} ms per victim, reuse {REUSE_S * 1e3:.0f} ms"
         )
         trace = make_trace(args.pods, seed)
-
-        def offered(_: Node, profile: str) -> float:
-            return _offered_load(profile)
-
         policies: list[tuple[str, Policy | None, tuple[str, ...], Gate | None]] = [
             ("none (idle/advised)", None, (), None),
             ("reserve (idle+reserve/advised)", reserve, (), None),
@@ -375,7 +368,12 @@ def main() -> int:
             ("reserve + warm 1g.10gb", reserve, ("1g.10gb",), None),
             ("reserve + warm every profile", reserve, tuple(PLACEMENTS), None),
             *(
-                (f"reserve + warm gated {theta}", reserve, tuple(PLACEMENTS), arrival_first(theta, offered))
+                (
+                    f"reserve + warm gated {theta}",
+                    reserve,
+                    tuple(PLACEMENTS),
+                    arrival_first(theta, offered_load),
+                )
                 for theta in (0.5, 0.52)
             ),
             (

@@ -87,6 +87,7 @@ class Shared:
         self.errors: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.kills = 0
         self.faults = 0
+        self.chaos_failure = ""  # what stopped the chaos thread (a restart that never recovered ...)
         self.down = threading.Event()  # set from a kill until the restarted sidecar is recovered
         self.last_restart = 0.0
 
@@ -361,18 +362,21 @@ def chaos(  # noqa: PLR0917 - a thread target, called with its args tuple
     hw = SimulatedHardware.open(sidecar.hw_file)
     tick = 1.0 / faults if faults else 0.5
     next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5) if kill_every else float("inf")
-    while not stop.wait(tick * rng.uniform(0.5, 1.5)):
-        if faults and len(hw.faults()) < PENDING_FAULTS:  # one no call meets yet waits, not piles up
-            hw.inject_fault(rng.choice(FAULT_OPS), rng.choice(FAULT_CODES), after=rng.randrange(4))
-            shared.faults += 1
-        if time.monotonic() >= next_kill:
-            restart(sidecar, shared, rng)
-            next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+    try:
+        while not stop.wait(tick * rng.uniform(0.5, 1.5)):
+            if faults and len(hw.faults()) < PENDING_FAULTS:  # one no call meets yet waits, not piles up
+                hw.inject_fault(rng.choice(FAULT_OPS), rng.choice(FAULT_CODES), after=rng.randrange(4))
+                shared.faults += 1
+            if time.monotonic() >= next_kill:
+                restart(sidecar, shared, rng)
+                next_kill = time.monotonic() + kill_every * rng.uniform(0.5, 1.5)
+    except Exception as exc:  # noqa: BLE001 - reported as a finding, and the run stops
+        shared.chaos_failure = repr(exc)
+        stop.set()
 
 
-def settle(stub: Any, hw: SimulatedHardware) -> list[str]:
-    """Faults cleared, wait for the reconciler to destroy ERROR instances; those still there."""
-    hw.clear_faults()
+def settle(stub: Any) -> list[str]:
+    """With the faults cleared, wait for the reconciler to destroy ERROR instances; those still there."""
     deadline = time.monotonic() + ERROR_WAIT_S
     while True:
         state = stub.GetState(pb.GetStateRequest(), timeout=TIMEOUT_S)
@@ -440,7 +444,8 @@ def main() -> int:
         hw.clear_faults()
         if args.kill_every:
             stub = restart(sidecar, shared, random.Random(args.seed))  # noqa: S311
-        wrong = settle(stub, hw) if args.faults else []
+        wrong = settle(stub) if args.faults else []
+        wrong += [f"the chaos thread failed: {shared.chaos_failure}"] if shared.chaos_failure else []
         wrong += violations(stub, hw, sidecar.cdi_dir, shared)
     finally:
         sidecar.stop()

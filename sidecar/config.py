@@ -334,9 +334,10 @@ def parse_profiles(text: str, where: str) -> tuple[str, ...]:
 
 def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> IdleSettings:
     reserve = (raw["idle_reserve"] or "").strip()
-    auto, named = reserve == RESERVE_AUTO, bool(reserve) and reserve != RESERVE_AUTO
+    auto = reserve == RESERVE_AUTO
+    named = bool(reserve) and not auto
     window = _seconds(raw["idle_reserve_window"], origin["idle_reserve_window"])
-    if not auto and not origin["idle_reserve_window"].startswith("default"):
+    if not auto and _rank(origin["idle_reserve_window"]) > 0:  # set, not the default
         raise ConfigError(
             f"{origin['idle_reserve_window']} applies only with --idle-reserve {RESERVE_AUTO}"
             f" (the reserve is {'off' if not reserve else repr(reserve)})"
