@@ -61,9 +61,9 @@ def choose(
     refusal. GPU lock held."""
     owned = sorted(ctx.table.on_gpu(gpu_uuid), key=lambda r: (r.placement.start, r.placement.size))
     if not mig_uuids:
-        idle = [r for r in owned if r.state is State.IDLE]
-        chosen = [r for r in idle if guards.why(r) is None]
-        kept = [r for r in idle if guards.why(r) is not None]
+        judged = [(r, guards.why(r)) for r in owned if r.state is State.IDLE]
+        chosen = [r for r, why in judged if why is None]
+        kept = [r for r, why in judged if why is not None]
     else:
         by_mig = {r.mig_uuid: r for r in owned if r.mig_uuid is not None}
         chosen, kept = [], []

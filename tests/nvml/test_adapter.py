@@ -20,7 +20,7 @@ from sidecar.nvml.port import (
     Placement,
 )
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.sim import SimulatedHardware, install, uninstall
+from sidecar.nvml.sim import GiLayout, SimulatedHardware, install, uninstall
 
 MakeHw = Callable[..., SimulatedHardware]
 
@@ -148,6 +148,14 @@ class TestProfilesBeyondTheModelledGpus:
         assert sorted(names) == ["1g.1gb", "6g.6gb", "8g.8gb"]
 
 
+def ci_destroyed(hw: SimulatedHardware, port: PynvmlBackend) -> tuple[str, GiLayout]:
+    """A 3g.40gb at 4:4 on GPU 0 whose CI the adapter has just destroyed (its GI destroy next)."""
+    gi = hw.create_instance(0, "3g.40gb", 4, 4)
+    gpu = hw.gpu_uuid(0)
+    port.destroy_compute_instance(gpu, gi.id, 0)
+    return gpu, gi
+
+
 class TestInstances:
     def test_create_list_and_destroy_an_instance(self, h100: SimulatedHardware, port: PynvmlBackend) -> None:
         gpu = port.gpus()[0].uuid
@@ -168,9 +176,7 @@ class TestInstances:
     def test_the_gpu_instance_destroy_after_a_compute_instance_destroy_takes_its_handle(
         self, h100: SimulatedHardware, port: PynvmlBackend
     ) -> None:
-        gi = h100.create_instance(0, "3g.40gb", 4, 4)
-        gpu = h100.gpu_uuid(0)
-        port.destroy_compute_instance(gpu, gi.id, 0)
+        gpu, gi = ci_destroyed(h100, port)
         h100.reset_call_counts()
         port.destroy_gpu_instance(gpu, gi.id)
         assert (h100.call_counts(), h100.layout(0).gis) == ({"nvmlGpuInstanceDestroy": 1}, ())
@@ -179,9 +185,7 @@ class TestInstances:
         self, h100: SimulatedHardware, port: PynvmlBackend
     ) -> None:
         """The remembered handle went stale: the GI destroy answers what a lookup by ID answers."""
-        gi = h100.create_instance(0, "3g.40gb", 4, 4)
-        gpu = h100.gpu_uuid(0)
-        port.destroy_compute_instance(gpu, gi.id, 0)
+        gpu, gi = ci_destroyed(h100, port)
         h100.destroy_instance(0, gi.id)
         other = h100.create_instance(0, "3g.40gb", 0, 4, with_ci=False)
         with pytest.raises(NvmlError) as exc:
@@ -194,9 +198,7 @@ class TestInstances:
     ) -> None:
         """A CI destroy whose GI destroy does not come next (another create on the GPU in between):
         the GI destroy looks its GI up by ID, and destroys that GI, not the new one."""
-        gi = h100.create_instance(0, "3g.40gb", 4, 4)
-        gpu = h100.gpu_uuid(0)
-        port.destroy_compute_instance(gpu, gi.id, 0)
+        gpu, gi = ci_destroyed(h100, port)
         other = port.create_gpu_instance(gpu, 9, Placement(0, 4))
         h100.reset_call_counts()
         port.destroy_gpu_instance(gpu, gi.id)
@@ -211,9 +213,8 @@ class TestInstances:
         hw = make_hw(("h100-80gb", 2))
         port = PynvmlBackend(retry_wait=False)
         try:
-            first, second = hw.gpu_uuid(0), hw.gpu_uuid(1)
-            gi = hw.create_instance(0, "3g.40gb", 4, 4)
-            port.destroy_compute_instance(first, gi.id, 0)
+            first, gi = ci_destroyed(hw, port)
+            second = hw.gpu_uuid(1)
             made = port.create_gpu_instance(second, 9, Placement(0, 4))
             port.create_compute_instance(second, made.id, 2)
             hw.reset_call_counts()
@@ -226,9 +227,7 @@ class TestInstances:
     def test_a_transient_failure_of_the_remembered_handle_is_retried_by_id(
         self, h100: SimulatedHardware, port: PynvmlBackend
     ) -> None:
-        gi = h100.create_instance(0, "3g.40gb", 4, 4)
-        gpu = h100.gpu_uuid(0)
-        port.destroy_compute_instance(gpu, gi.id, 0)
+        gpu, gi = ci_destroyed(h100, port)
         h100.inject_fault("destroy-gi", NVML_ERROR_IN_USE, times=1)
         h100.reset_call_counts()
         port.destroy_gpu_instance(gpu, gi.id)
