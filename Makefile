@@ -13,7 +13,7 @@ GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdisch
 RUN_DIR  := $(CURDIR)/.run
 SIM_GPUS ?= h100-80gb:2,a100-40gb:1
 
-.PHONY: run-sim test venv lint typecheck pytest go-plugins go-test proto clean
+.PHONY: run-sim test venv lint typecheck pytest go-plugins go-test proto image clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ go-test:
 
 proto: venv go-plugins
 	PYTHON=$(BIN)/python scripts/gen-proto
+
+# The sidecar's image with podman, else docker (CONTAINER_TOOL=docker to choose); IMAGE names the tag.
+CONTAINER_TOOL ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || echo docker)
+IMAGE ?= hami-mig-sidecar:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image:
+	$(CONTAINER_TOOL) build -t $(IMAGE) -f Containerfile .
 
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache .mypy_cache .ruff_cache

@@ -34,10 +34,12 @@ def _methods() -> dict[str, tuple[str, Any, Any]]:
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
 
     found: dict[str, tuple[str, Any, Any]] = {}
-    for service, short in (
+    # Any: the health stubs type DESCRIPTOR as the upb or the Python descriptor, GetMessageClass takes one.
+    services: tuple[tuple[Any, bool], ...] = (
         (pb.DESCRIPTOR.services_by_name["MigSidecar"], True),
         (health_pb2.DESCRIPTOR.services_by_name["Health"], False),
-    ):
+    )
+    for service, short in services:
         for method in service.methods:
             if method.server_streaming or method.client_streaming:
                 continue
@@ -155,9 +157,9 @@ def cmd_health(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     with grpc.insecure_channel(target) as channel:
         try:
-            answer = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
+            # Any: the typed stubs of grpcio-health-checking declare HealthStub without its methods.
+            stub: Any = health_pb2_grpc.HealthStub(channel)
+            answer = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
         except grpc.RpcError as exc:
             return print_failure("health", exc)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)

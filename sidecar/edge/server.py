@@ -386,8 +386,8 @@ def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
             response_serializer=response_class.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    # grpcio's own registered-method fast path (what the generated code calls); not in grpc-stubs yet.
-    server.add_registered_method_handlers(service.full_name, handlers)  # type: ignore[attr-defined]
+    # grpcio's own registered-method fast path (what the generated code calls).
+    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class _CheckedHealth(health.HealthServicer):
