@@ -36,6 +36,7 @@ from sidecar.nvml.port import (
     NvmlError,
     NvmlPort,
     Placement,
+    code_name,
 )
 
 PREFIX = "hami_mig_sidecar"
@@ -127,7 +128,8 @@ class Metrics:
         )
         self.nvml_errors = prometheus_client.Counter(
             f"{PREFIX}_nvml_errors",
-            "NVML calls that failed after the adapter's bounded retries, by port operation and nvmlReturn_t.",
+            "NVML calls that failed after the adapter's bounded retries, by port operation and nvmlReturn_t"
+            " name (INSUFFICIENT_RESOURCES).",
             ["operation", "code"],
             registry=self.registry,
         )
@@ -378,7 +380,7 @@ class MeteredPort:
             with self.liveness.running("nvml"):
                 return call()
         except NvmlError as exc:
-            self.metrics.nvml_errors.labels(operation, str(exc.code)).inc()
+            self.metrics.nvml_errors.labels(operation, code_name(exc.code)).inc()
             raise
 
     def gpus(self) -> list[GpuInfo]:
@@ -433,7 +435,7 @@ class MeteredPort:
         """One metered call for both reads; each failure is counted under the read that failed."""
         proof = self._call("gpu", lambda: self.inner.prove_idle(gpu_uuid, mig_uuid))
         if proof.failure is not None:
-            self.metrics.nvml_errors.labels("mig_device_processes", str(proof.failure.code)).inc()
+            self.metrics.nvml_errors.labels("mig_device_processes", code_name(proof.failure.code)).inc()
         return proof
 
     def gpu_processes(self, gpu_uuid: str) -> int:

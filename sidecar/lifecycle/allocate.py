@@ -16,6 +16,7 @@ import msgspec
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.create import create_instance
+from sidecar.lifecycle.logs import hardware_change
 from sidecar.lifecycle.steps import placement_busy, require_no_processes, still_listed
 from sidecar.lifecycle.teardown import destroy, destroy_error
 from sidecar.lifecycle.validate import Validated, validate
@@ -289,6 +290,7 @@ class Allocator:
         cdi_device = ctx.cdi.ensure(v.gpu.minor, identity)
         active = ctx.activate(msgspec.structs.replace(record, cdi_device=cdi_device), v.owner)
         ctx.table.put(active)
+        hardware_change("reused", active)
         return active
 
     @staticmethod

@@ -13,6 +13,7 @@ import msgspec
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.logs import hardware_change
 from sidecar.lifecycle.steps import placement_busy
 from sidecar.lifecycle.teardown import remove_spec, undo_create
 from sidecar.lifecycle.validate import Validated
@@ -86,6 +87,7 @@ def create_instance(ctx: Context, v: Validated, *, listed: bool = True) -> Owner
         crashpoints.crashpoint("after-write-cdi")
         active = ctx.activate(msgspec.structs.replace(known, cdi_device=cdi_device), v.owner, Origin.CREATED)
         ctx.table.put(active)
+        hardware_change("created", active)
     except _Refused as refused:
         # Nothing was made, so there is nothing to undo: the search for a GI this create made would
         # take whatever is in the way for ours.

@@ -11,7 +11,7 @@ from pathlib import Path
 from sidecar.lifecycle import teardown
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.crashpoints import crashpoint
-from sidecar.lifecycle.logs import event
+from sidecar.lifecycle.logs import event, hardware_change
 from sidecar.model import errors
 from sidecar.model.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.model.errors import ComputeInstanceNotOurs, nvml_errors
@@ -40,6 +40,9 @@ from sidecar.store.record_format import RecordError
 
 log = logging.getLogger(__name__)
 
+# The report lists whose instances recovery takes over (a pod's live instance, a foreign one under
+# adopt_existing): each gets a hardware-change line once its step succeeded.
+_ADOPTIONS = frozenset({"adopted_active", "adopted_foreign"})
 _GATHER_FAILED = "startup recovery could not read the MIG layout; nothing was modified"
 # GPUs read at once in the gather: NVML is thread-safe, and each GPU's reads are driver round trips.
 _GATHER_THREADS = 8
@@ -195,6 +198,9 @@ class Recovery:
                     if warning:
                         failures.append(f"{step.subject}: {warning}")
                 done.append(step)
+                adopted = step.reported is not None and step.reported.into in _ADOPTIONS
+                if adopted and step.record_name in table:
+                    hardware_change("adopted", table[step.record_name], step=step.subject)
             except _GpuBusyError as exc:
                 event(log, logging.INFO, "recovery step skipped", step=step.subject, reason=str(exc))
                 leave_foreign(step)

@@ -18,6 +18,7 @@ import msgspec
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.logs import hardware_change
 from sidecar.model import placement
 from sidecar.model.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.model.errors import ComputeInstanceNotOurs, SidecarError, UnverifiableState, nvml_errors
@@ -226,6 +227,9 @@ def destroy(
         _log.warning("removing HAMi's CDI spec of %s failed; queued for the reconciler", rec.mig_uuid)
     crashpoints.crashpoint("after-remove-cdi")
     delete_after_destroy(ctx, rec)
+    # An IDLE instance destroyed is reclaimed (for a placement, by ReclaimIdle or the idle trim);
+    # anything else (an undone allocation, an ERROR retried, recovery's cleanup) is destroyed.
+    hardware_change("reclaimed" if record.state is State.IDLE else "destroyed", record, was=str(record.state))
     return instance_ref(record)
 
 
@@ -257,6 +261,7 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
         and MIG_UUID_RE.match(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
     ):
         remove_spec(ctx, mig_uuid)
+    hardware_change("destroyed", known, was=str(known.state), cause=f"create undone: {cause}")
     try:
         ctx.table.delete(known.name)
     except SidecarError as exc:

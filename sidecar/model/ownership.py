@@ -39,6 +39,24 @@ class Origin(enum.StrEnum):
     REUSED = "REUSED"
 
 
+def hardware_fields(record: OwnershipRecord) -> dict[str, str]:
+    """What an operator needs to find an instance in ``nvidia-smi mig -lgi`` and ``kubectl``: the GPU,
+    profile, placement, MIG UUID and holder. The fields of every log line about a hardware change."""
+    owner = record.owner
+    holder = "-"
+    if owner is not None:
+        pod = f"{owner.pod.namespace}/{owner.pod.name}" if owner.pod.name else owner.pod.uid
+        holder = f"{pod} ({owner.pod.uid}) container {owner.container_name}"
+    return {
+        "gpu": record.gpu_uuid,
+        "profile": record.profile,
+        "placement": str(record.placement),
+        "mig_uuid": record.mig_uuid or "",
+        "owner": holder,
+        "record": record.name,
+    }
+
+
 class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What the sidecar knows about one owned instance. Field names are the on-disk format."""
 

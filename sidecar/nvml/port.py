@@ -33,6 +33,27 @@ NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 NVML_ERROR_NOT_READY = 27
 NVML_ERROR_UNKNOWN = 999
 
+# nvmlReturn_t names without the NVML_ERROR_ prefix (nvml.h), what runbooks and nvidia-smi say: an
+# operator reads INSUFFICIENT_RESOURCES, not 23, in a metric label or an alert.
+_CODE_NAMES = (
+    "SUCCESS", "UNINITIALIZED", "INVALID_ARGUMENT", "NOT_SUPPORTED", "NO_PERMISSION", "ALREADY_INITIALIZED",
+    "NOT_FOUND", "INSUFFICIENT_SIZE", "INSUFFICIENT_POWER", "DRIVER_NOT_LOADED", "TIMEOUT", "IRQ_ISSUE",
+    "LIBRARY_NOT_FOUND", "FUNCTION_NOT_FOUND", "CORRUPTED_INFOROM", "GPU_IS_LOST", "RESET_REQUIRED",
+    "OPERATING_SYSTEM", "LIB_RM_VERSION_MISMATCH", "IN_USE", "MEMORY", "NO_DATA", "VGPU_ECC_NOT_SUPPORTED",
+    "INSUFFICIENT_RESOURCES", "FREQ_NOT_SUPPORTED", "ARGUMENT_VERSION_MISMATCH", "DEPRECATED", "NOT_READY",
+    "GPU_NOT_FOUND", "INVALID_STATE", "RESET_TYPE_NOT_SUPPORTED",
+)  # fmt: skip
+
+
+def code_name(code: int) -> str:
+    """The name of an nvmlReturn_t (``INSUFFICIENT_RESOURCES``); a code newer than this table keeps
+    its number (``CODE_31``), so a label never hides which one it was."""
+    if code == NVML_ERROR_UNKNOWN:
+        return "UNKNOWN"
+    if 0 <= code < len(_CODE_NAMES):
+        return _CODE_NAMES[code]
+    return f"CODE_{code}"
+
 
 class Placement(msgspec.Struct, frozen=True):
     """A range ``[start, start + size)`` of memory slices.

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 from sidecar.model.domain import AllocationKey, State
 from sidecar.model.errors import StateWriteFailed, UnverifiableState
-from sidecar.model.ownership import OwnershipRecord
+from sidecar.model.ownership import OwnershipRecord, hardware_fields
 from sidecar.model.states import now_rfc3339, transition
 from sidecar.store.record_format import CorruptRecord
 from sidecar.store.records import RecordStore
@@ -112,7 +112,9 @@ class Table:
     def fail(self, record: OwnershipRecord, message: str) -> None:
         """Put an instance in ERROR: kept, never reused, blocking its placement, retried later."""
         failed = transition(record, State.ERROR, since=now_rfc3339(), last_error=message)
-        _log.error("instance %s is now ERROR: %s", record.name, message)
+        # The hardware-change line of lifecycle.logs (its JSON formatter reads this attribute).
+        fields = {"action": "ERROR", **hardware_fields(failed), "error": message}
+        _log.error("MIG instance ERROR", extra={"sidecar_fields": fields})
         try:
             self.records.put(failed)
         except (StateWriteFailed, CorruptRecord) as exc:

@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from sidecar.edge.metrics import DUE_LIMIT, MeteredPort, Metrics
-from sidecar.nvml.port import NVML_ERROR_NOT_FOUND, NVML_ERROR_UNKNOWN, GpuInfo, IdleProof, NvmlError
+from sidecar.nvml.port import (
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
+    NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_UNKNOWN,
+    GpuInfo,
+    IdleProof,
+    NvmlError,
+    code_name,
+)
 
 RPC_COUNT = "hami_mig_sidecar_rpc_duration_seconds_count"
 ERRORS = "hami_mig_sidecar_nvml_errors_total"
@@ -77,7 +85,7 @@ def test_a_failed_lookup_in_a_proof_counts_under_the_lookup() -> None:
     proof = port.prove_idle(GPU.uuid, "MIG-00000000-0000-0000-0000-000000000000")
 
     assert proof.failure is gone
-    labels = {"operation": "mig_device_processes", "code": str(NVML_ERROR_NOT_FOUND)}
+    labels = {"operation": "mig_device_processes", "code": "NOT_FOUND"}
     assert metrics.registry.get_sample_value(ERRORS, labels) == 1
 
 
@@ -89,5 +97,25 @@ def test_a_failed_mode_read_counts_under_the_gpu_read_and_raises() -> None:
     with pytest.raises(NvmlError):
         port.prove_idle(GPU.uuid, "MIG-00000000-0000-0000-0000-000000000000")
 
-    labels = {"operation": "gpu", "code": str(NVML_ERROR_UNKNOWN)}
+    labels = {"operation": "gpu", "code": "UNKNOWN"}
     assert metrics.registry.get_sample_value(ERRORS, labels) == 1
+
+
+def test_the_code_label_is_the_nvml_name_for_every_code_pynvml_knows() -> None:
+    import pynvml  # noqa: PLC0415
+
+    known = {
+        getattr(pynvml, n): n.removeprefix("NVML_ERROR_") for n in dir(pynvml) if n.startswith("NVML_ERROR_")
+    }
+    assert known, "pynvml names no NVML_ERROR_ constant"
+    for code, name in known.items():
+        assert code_name(code) == name
+    assert code_name(4242) == "CODE_4242"
+    metrics = Metrics()
+    refused = NvmlError("create GPU instance", NVML_ERROR_INSUFFICIENT_RESOURCES, "Insufficient Resources")
+    port = MeteredPort(_Inner(fails=refused), metrics)  # type: ignore[arg-type]
+    with pytest.raises(NvmlError):
+        port.prove_idle(GPU.uuid, "MIG-00000000-0000-0000-0000-000000000000")
+    labels = {"operation": "gpu", "code": "INSUFFICIENT_RESOURCES"}
+    assert metrics.registry.get_sample_value(ERRORS, labels) == 1
+    assert metrics.registry.get_sample_value(ERRORS, {"operation": "gpu", "code": "23"}) is None
