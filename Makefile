@@ -46,8 +46,9 @@ pytest: venv
 go-plugins:
 	@while read -r plugin; do \
 	  case "$$plugin" in ""|\#*) continue ;; esac; \
-	  name=$$(basename "$${plugin%@*}"); version=$${plugin##*@}; \
-	  if [ -x "$(GOBIN)/$$name" ] && $(GOBIN)/$$name --version 2>/dev/null | grep -q "$${version#v}"; then continue; fi; \
+	  path=$${plugin%@*}; version=$${plugin##*@}; name=$$(basename "$$path"); \
+	  case "$$name" in v[0-9]*) name=$$(basename "$$(dirname "$$path")") ;; esac; \
+	  if [ -x "$(GOBIN)/$$name" ] && $(GO) version -m "$(GOBIN)/$$name" 2>/dev/null | grep -q "[[:space:]]$$version\([[:space:]]\|$$\)"; then continue; fi; \
 	  echo "go install $$plugin"; $(GO) install "$$plugin" || exit 1; \
 	done < scripts/go-plugins.txt
 

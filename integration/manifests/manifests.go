@@ -20,6 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 )
@@ -42,6 +43,7 @@ const (
 // The alerts and panels the README's operator section describes; a file without one is incomplete.
 var (
 	RequiredAlerts = []string{
+		"HamiMigSidecarTargetDown",
 		"HamiMigSidecarErrorInstances",
 		"HamiMigSidecarPendingCdiRemovalsGrowing",
 		"HamiMigSidecarNvmlErrors",
@@ -66,6 +68,8 @@ type Manifest struct {
 	File       string
 	DaemonSet  *appsv1.DaemonSet
 	PromRule   *monitoringv1.PrometheusRule
+	PodMonitor *monitoringv1.PodMonitor
+	ConfigMap  *corev1.ConfigMap
 	Kind       string
 	APIVersion string
 }
@@ -97,6 +101,12 @@ func Decode(name string, data []byte) ([]Manifest, error) {
 		case "monitoring.coreos.com/v1/PrometheusRule":
 			m.PromRule = &monitoringv1.PrometheusRule{}
 			err = yaml.UnmarshalStrict(doc, m.PromRule)
+		case "monitoring.coreos.com/v1/PodMonitor":
+			m.PodMonitor = &monitoringv1.PodMonitor{}
+			err = yaml.UnmarshalStrict(doc, m.PodMonitor)
+		case "v1/ConfigMap":
+			m.ConfigMap = &corev1.ConfigMap{}
+			err = yaml.UnmarshalStrict(doc, m.ConfigMap)
 		default:
 			err = fmt.Errorf("no type known for %q", gvk)
 		}
@@ -265,6 +275,134 @@ func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
 	}
 
 	errs = append(errs, checkResources(sidecar.Resources, measuredMiB)...)
+	errs = append(errs, CheckPodReferences(spec)...)
+	return errs
+}
+
+// CheckPodReferences returns what the API server's validation would refuse in a pod spec that
+// decodes: a container or volume name used twice, a mount of a volume the pod does not have, a port
+// name used twice in the pod (a PodMonitor picks the port by name).
+func CheckPodReferences(spec *corev1.PodSpec) []error {
+	var errs []error
+	volumes := map[string]bool{}
+	for _, v := range spec.Volumes {
+		if volumes[v.Name] {
+			errs = append(errs, fmt.Errorf("volume %q is defined twice", v.Name))
+		}
+		volumes[v.Name] = true
+	}
+	containers, ports := map[string]bool{}, map[string]string{}
+	for _, c := range slices.Concat(spec.InitContainers, spec.Containers) {
+		if containers[c.Name] {
+			errs = append(errs, fmt.Errorf("container %q is defined twice", c.Name))
+		}
+		containers[c.Name] = true
+		for _, m := range c.VolumeMounts {
+			if !volumes[m.Name] {
+				errs = append(errs, fmt.Errorf("container %q mounts volume %q, which the pod does not have", c.Name, m.Name))
+			}
+		}
+		for _, p := range c.Ports {
+			if owner, ok := ports[p.Name]; ok && p.Name != "" {
+				errs = append(errs, fmt.Errorf("port name %q is used by containers %q and %q", p.Name, owner, c.Name))
+			}
+			ports[p.Name] = c.Name
+		}
+	}
+	return errs
+}
+
+// -- PodMonitor ---------------------------------------------------------------------------------------
+
+// NodeLabel is what the PodMonitor's relabelling reads the node from (the pod's spec.nodeName).
+const NodeLabel = "__meta_kubernetes_pod_node_name"
+
+// CheckPodMonitor returns every way pm fails to scrape the sidecar of ds's pods with `instance` set to
+// the node: a selector that does not match the pod's labels, no endpoint on the sidecar's metrics
+// port, no relabelling of instance from the node name.
+func CheckPodMonitor(pm *monitoringv1.PodMonitor, ds *appsv1.DaemonSet) []error {
+	var errs []error
+	selector, err := metav1.LabelSelectorAsSelector(&pm.Spec.Selector)
+	switch {
+	case err != nil:
+		errs = append(errs, fmt.Errorf("selector: %w", err))
+	case selector.Empty() || !selector.Matches(labels.Set(ds.Spec.Template.Labels)):
+		errs = append(errs, fmt.Errorf("the selector %s does not match the pods of DaemonSet %s", selector, ds.Name))
+	}
+	if ns := pm.Spec.NamespaceSelector; !ns.Any && len(ns.MatchNames) > 0 && !slices.Contains(ns.MatchNames, ds.Namespace) {
+		errs = append(errs, fmt.Errorf("the namespace selector %v leaves out %s", ns.MatchNames, ds.Namespace))
+	}
+	sidecar := container(&ds.Spec.Template.Spec, SidecarContainer)
+	found := false
+	for _, ep := range pm.Spec.PodMetricsEndpoints {
+		if ep.Port == nil || sidecar == nil {
+			continue
+		}
+		for _, p := range sidecar.Ports {
+			if p.Name == *ep.Port {
+				found = true
+				if !relabelsInstanceToNode(ep.RelabelConfigs) {
+					errs = append(errs, fmt.Errorf("endpoint %s: instance is not relabelled from %s", *ep.Port, NodeLabel))
+				}
+			}
+		}
+	}
+	if !found {
+		errs = append(errs, errors.New("no endpoint scrapes a named port of the mig-sidecar container"))
+	}
+	return errs
+}
+
+func relabelsInstanceToNode(configs []monitoringv1.RelabelConfig) bool {
+	for _, c := range configs {
+		action := strings.ToLower(c.Action)
+		target := c.TargetLabel
+		if (action == "" || action == "replace") && target == "instance" &&
+			len(c.SourceLabels) == 1 && string(c.SourceLabels[0]) == NodeLabel {
+			return true
+		}
+	}
+	return false
+}
+
+// -- the dashboard's ConfigMap ------------------------------------------------------------------------
+
+// GrafanaDashboardLabel is the label Grafana's dashboard sidecar (the Grafana Helm chart's default)
+// loads ConfigMaps by.
+const GrafanaDashboardLabel = "grafana_dashboard"
+
+// CheckDashboardConfigMap returns every way cm fails to hand dashboard (the bytes of
+// deploy/grafana-dashboard.json) to Grafana's sidecar: no grafana_dashboard label, no .json key, or
+// a copy that differs from the dashboard file.
+func CheckDashboardConfigMap(cm *corev1.ConfigMap, dashboard []byte) []error {
+	var errs []error
+	if cm.Labels[GrafanaDashboardLabel] == "" {
+		errs = append(errs, fmt.Errorf("ConfigMap %s has no %s label", cm.Name, GrafanaDashboardLabel))
+	}
+	var keys []string
+	for key, value := range cm.Data {
+		if !strings.HasSuffix(key, ".json") {
+			continue
+		}
+		keys = append(keys, key)
+		var inMap, inFile any
+		if err := json.Unmarshal([]byte(value), &inMap); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", key, err))
+			continue
+		}
+		if err := json.Unmarshal(dashboard, &inFile); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		a, _ := json.Marshal(inMap)
+		b, _ := json.Marshal(inFile)
+		if !bytes.Equal(a, b) {
+			errs = append(errs, fmt.Errorf("%s differs from grafana-dashboard.json", key))
+		}
+	}
+	if len(keys) != 1 {
+		errs = append(errs, fmt.Errorf("ConfigMap %s needs exactly one .json key, has %v", cm.Name, keys))
+	}
 	return errs
 }
 
@@ -353,7 +491,8 @@ func checkExpr(where, expr string) []error {
 		return []error{fmt.Errorf("%s: %w", where, err)}
 	}
 	for _, name := range names {
-		if strings.HasPrefix(name, MetricPrefix) {
+		// up: the scrape's own series, what the target-down alert reads.
+		if strings.HasPrefix(name, MetricPrefix) || name == "up" {
 			return nil
 		}
 	}

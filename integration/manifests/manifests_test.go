@@ -2,6 +2,8 @@ package manifests
 
 import (
 	"os"
+
+	appsv1 "k8s.io/api/apps/v1"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -13,6 +15,8 @@ const (
 	daemonSet   = "daemonset.yaml"
 	rules       = "prometheus-rules.yaml"
 	dashboard   = "grafana-dashboard.json"
+	dashboardCM = "grafana-dashboard-configmap.yaml"
+	podMonitor  = "podmonitor.yaml"
 )
 
 func read(t *testing.T, name string) string {
@@ -68,9 +72,23 @@ func checkAll(t *testing.T, name, text string) []error {
 			errs = append(errs, CheckDaemonSet(m.DaemonSet, measured(t))...)
 		case m.PromRule != nil:
 			errs = append(errs, CheckRules(m.PromRule)...)
+		case m.PodMonitor != nil:
+			errs = append(errs, CheckPodMonitor(m.PodMonitor, standalone(t))...)
+		case m.ConfigMap != nil:
+			errs = append(errs, CheckDashboardConfigMap(m.ConfigMap, []byte(read(t, dashboard)))...)
 		}
 	}
 	return errs
+}
+
+// standalone is the DaemonSet of deploy/daemonset.yaml, which the PodMonitor must scrape too.
+func standalone(t *testing.T) *appsv1.DaemonSet {
+	t.Helper()
+	docs, err := Decode(daemonSet, []byte(read(t, daemonSet)))
+	if err != nil || len(docs) != 1 || docs[0].DaemonSet == nil {
+		t.Fatalf("%s: %v", daemonSet, err)
+	}
+	return docs[0].DaemonSet
 }
 
 func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
@@ -81,6 +99,9 @@ func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
 	seen := map[string]bool{}
 	for _, file := range files {
 		name := filepath.Base(file)
+		if info, err := os.Stat(file); err == nil && info.IsDir() {
+			continue // helm/ (the post-renderer, postrender_test.go), tests/ (promtool's)
+		}
 		if !strings.HasSuffix(name, ".yaml") && !strings.HasSuffix(name, ".json") {
 			t.Errorf("%s: not a manifest this check knows (.yaml, .json)", name)
 			continue
@@ -90,7 +111,7 @@ func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-	for _, name := range []string{daemonSet, rules, dashboard} {
+	for _, name := range []string{daemonSet, rules, dashboard, dashboardCM, podMonitor} {
 		if !seen[name] {
 			t.Errorf("deploy/%s is missing", name)
 		}
@@ -149,6 +170,21 @@ func TestBrokenCopiesFail(t *testing.T) {
 		{"a required alert gone", rules,
 			broken(t, rule, "alert: HamiMigSidecarNotRecovered", "alert: SomethingElse"),
 			"HamiMigSidecarNotRecovered is missing"},
+		{"a PodMonitor selecting pods the DaemonSet does not have", podMonitor,
+			broken(t, read(t, podMonitor), "app.kubernetes.io/component: hami-device-plugin", "app.kubernetes.io/component: other"),
+			"does not match"},
+		{"a PodMonitor leaving instance the pod's address", podMonitor,
+			broken(t, read(t, podMonitor), "          targetLabel: instance\n", "          targetLabel: node\n"),
+			"instance is not relabelled"},
+		{"a PodMonitor on a port the sidecar does not name", podMonitor,
+			broken(t, read(t, podMonitor), "port: mig-metrics", "port: metrics"), "no endpoint"},
+		{"the dashboard ConfigMap without Grafana's label", dashboardCM,
+			broken(t, read(t, dashboardCM), "grafana_dashboard: \"1\"", "dashboard: \"1\""), "grafana_dashboard label"},
+		{"the dashboard ConfigMap out of date", dashboardCM,
+			broken(t, read(t, dashboardCM), `"title": "hami-mig-sidecar"`, `"title": "old"`), "differs"},
+		{"a mount of a volume the pod does not have", daemonSet,
+			broken(t, ds, "              mountPath: /var/run/cdi\n", "              mountPath: /var/run/cdi\n            - name: nowhere\n              mountPath: /nowhere\n"),
+			"which the pod does not have"},
 		{"an unknown key in the dashboard", dashboard,
 			broken(t, dash, `"legendFormat"`, `"legend"`), "unknown field"},
 		{"a panel query that does not parse", dashboard,

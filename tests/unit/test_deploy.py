@@ -37,18 +37,27 @@ def env_value(container: str, name: str) -> str | None:
     return match.group(1) if match else None
 
 
+# The standalone example and the Helm post-renderer's patch of the chart's DaemonSet.
+POD_FILES = ("daemonset.yaml", "helm/sidecar-patch.yaml")
+
+
+@pytest.mark.parametrize("pod_file", POD_FILES)
 class TestDaemonSet:
     @pytest.mark.parametrize("variable", MIG_DEVICE_VARIABLES)
-    def test_the_sidecar_container_asks_the_runtime_for_the_mig_capabilities(self, variable: str) -> None:
-        container = sidecar_container((ROOT / "deploy" / "daemonset.yaml").read_text())
+    def test_the_sidecar_container_asks_the_runtime_for_the_mig_capabilities(
+        self, pod_file: str, variable: str
+    ) -> None:
+        container = sidecar_container((ROOT / "deploy" / pod_file).read_text())
         assert env_value(container, variable) == "all"
 
-    def test_the_sidecar_container_is_privileged_which_the_mig_capabilities_require(self) -> None:
-        container = sidecar_container((ROOT / "deploy" / "daemonset.yaml").read_text())
+    def test_the_sidecar_container_is_privileged_which_the_mig_capabilities_require(
+        self, pod_file: str
+    ) -> None:
+        container = sidecar_container((ROOT / "deploy" / pod_file).read_text())
         assert re.search(r"^\s*privileged: true\b", container, re.MULTILINE)
 
-    def test_the_device_plugin_container_gets_no_mig_configuration_rights(self) -> None:
-        manifest = (ROOT / "deploy" / "daemonset.yaml").read_text()
+    def test_the_device_plugin_container_gets_no_mig_configuration_rights(self, pod_file: str) -> None:
+        manifest = (ROOT / "deploy" / pod_file).read_text()
         sidecar = sidecar_container(manifest)
         for variable in MIG_DEVICE_VARIABLES:
             assert manifest.count(variable) == sidecar.count(variable)
