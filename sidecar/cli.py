@@ -100,6 +100,7 @@ def format_status(info: Any, state: Any) -> str:
     out.append(_table(["INDEX", "UUID", "MODEL", "MEMORY", "MIG", "BUSY"], gpu_rows))
     instance_rows = []
     foreign_rows = []
+    unverified_rows = []
     for g in state.gpus:
         for i in g.instances:
             owner = ""
@@ -122,16 +123,19 @@ def format_status(info: Any, state: Any) -> str:
                 ]
             )
         for f in g.foreign:
-            foreign_rows.append(
-                [
-                    str(g.gpu.index),
-                    f.profile,
-                    _placement(f.placement),
-                    str(f.gpu_instance_id),
-                    str(f.compute_instance_id) if f.has_compute_instance else "-",
-                    f.mig_uuid or "-",
-                ]
-            )
+            row = [
+                str(g.gpu.index),
+                f.profile,
+                _placement(f.placement),
+                str(f.gpu_instance_id),
+                str(f.compute_instance_id) if f.has_compute_instance else "-",
+                f.mig_uuid or "-",
+            ]
+            # Before Recover the sidecar's own instances are known only from their records on disk.
+            if f.recorded_as:
+                unverified_rows.append([*row, f.recorded_as])
+            else:
+                foreign_rows.append(row)
     out += ["", "INSTANCES"]
     headers = [
         "GPU",
@@ -146,8 +150,11 @@ def format_status(info: Any, state: Any) -> str:
         "ERROR",
     ]
     out.append(_table(headers, instance_rows) if instance_rows else "(none)")
-    out += ["", "FOREIGN (not owned; never touched)"]
     foreign_headers = ["GPU", "PROFILE", "PLACEMENT", "GI", "CI", "MIG UUID"]
+    if unverified_rows:
+        out += ["", "OWNED, NOT YET VERIFIED (a record on disk names it; the plugin's Recover checks it)"]
+        out.append(_table([*foreign_headers, "RECORD"], unverified_rows))
+    out += ["", "FOREIGN (not owned; never touched)"]
     out.append(_table(foreign_headers, foreign_rows) if foreign_rows else "(none)")
     if state.pending_cdi_removals:
         out += ["", "PENDING CDI REMOVALS", *state.pending_cdi_removals]

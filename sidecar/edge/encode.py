@@ -138,6 +138,7 @@ def encode_foreign(foreign: domain.ForeignInstance) -> Any:
         has_compute_instance=foreign.compute_instance_id is not None,
         compute_instance_id=foreign.compute_instance_id or 0,
         mig_uuid=foreign.mig_uuid or "",
+        recorded_as=foreign.recorded_as,
     )
 
 

@@ -65,7 +65,7 @@ class Lifecycle:
 
     def snapshot(self) -> StateSnapshot:
         c = self._ctx
-        return inventory.snapshot(c.inventory, c.table, c.locks, c.generations, c.cdi)
+        return inventory.snapshot(c.inventory, c.table, c.locks, c.generations, c.cdi, recovered=c.recovered)
 
     # -- transactions (each raises errors.NotRecovered until ``recovered``) -----------------------------
     def allocate(self, request: AllocateRequest) -> AllocateResult:

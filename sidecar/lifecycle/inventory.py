@@ -15,7 +15,7 @@ of the listed GIs are foreign is judged when the view is read, against the recor
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -248,11 +248,21 @@ def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:
 
 
 def snapshot(
-    inventory: Inventory, table: Table, locks: Locks, generations: Generations, cdi: CdiSpecs
+    inventory: Inventory,
+    table: Table,
+    locks: Locks,
+    generations: Generations,
+    cdi: CdiSpecs,
+    *,
+    recovered: bool = True,
 ) -> StateSnapshot:
     """Everything GetState shows. Each GPU is read under its lock so no half-done create shows up
-    as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged)."""
+    as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged).
+
+    Before the first Recover (``recovered`` False) the table is empty: the record files on disk are
+    read (read only) so that each live instance a record describes is marked ``recorded_as``."""
     port = inventory.port
+    unverified = {} if recovered else _records_on_disk(table)
     with nvml_errors("list GPUs"):
         gpus = port.gpus()
     out: list[GpuSnapshot] = []
@@ -262,7 +272,7 @@ def snapshot(
             foreign: list[ForeignInstance] = []
             if gpu.mig_current:
                 try:
-                    foreign = _foreign(inventory, gpu.uuid, owned)
+                    foreign = [_mark_recorded(f, unverified) for f in _foreign(inventory, gpu.uuid, owned)]
                 except (NvmlError, SidecarError) as exc:
                     _log.warning("cannot list foreign instances of %s: %s", gpu.uuid, exc)
             busy = gpu_busy(port, table, gpu.uuid)
@@ -291,3 +301,26 @@ def _foreign(inventory: Inventory, gpu_uuid: str, owned: Sequence[OwnershipRecor
             )
         )
     return out
+
+
+def _records_on_disk(table: Table) -> dict[tuple[str, int], OwnershipRecord]:
+    """The valid record files by (GPU UUID, GI ID); none when the directory cannot be read (logged)."""
+    try:
+        valid, _ = table.records.load_all()
+    except SidecarError as exc:
+        _log.warning("cannot read the ownership records for GetState: %s", exc)
+        return {}
+    return {(r.gpu_uuid, r.gpu_instance_id): r for r in valid.values() if r.gpu_instance_id is not None}
+
+
+def _mark_recorded(
+    foreign: ForeignInstance, records: Mapping[tuple[str, int], OwnershipRecord]
+) -> ForeignInstance:
+    """``foreign`` with ``recorded_as`` set when a record names exactly this GI (placement and MIG UUID
+    too); Recover, not this, decides whether the record holds."""
+    record = records.get((foreign.gpu_uuid, foreign.gpu_instance_id))
+    if record is None or record.placement != foreign.placement:
+        return foreign
+    if record.mig_uuid is not None and foreign.mig_uuid != record.mig_uuid:
+        return foreign
+    return msgspec.structs.replace(foreign, recorded_as=record.name)

@@ -162,3 +162,6 @@ class ForeignInstance(msgspec.Struct, frozen=True):
     gpu_instance_id: int
     compute_instance_id: int | None = None
     mig_uuid: str | None = None
+    # Before the first Recover the table is empty, so the sidecar's own instances list here; the
+    # record on disk that names this one (not yet verified), so ``status`` does not call it foreign.
+    recorded_as: str = ""

@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, allocate_one
 
 pytestmark = pytest.mark.e2e
 
@@ -74,3 +75,32 @@ class TestStatusSaysWhyInOneLine:
         assert result.stderr.splitlines() == [
             f"hami-mig-sidecar status: {sidecar.root / 'sidecar.log'} is not a socket (is --socket right?)"
         ]
+
+
+class TestStatusBeforeRecover:
+    def test_the_sidecars_own_instances_are_owned_but_unverified_not_foreign(self, sidecar: Sidecar) -> None:
+        sidecar.recover()
+        mine = allocate_one(sidecar, "pod-a", 0, "1g.10gb", 0, 1).mig_uuid
+        sidecar.sim("create", "--gpu", "1", "--profile", "1g.10gb", "--placement", "0:1")  # nobody's
+        sidecar.restart()  # its table is empty until the plugin's Recover
+
+        before = status(sidecar, "--socket", sidecar.socket.name)
+        assert before.returncode == 0, before.stderr
+        unverified, _, foreign = before.stdout.partition("FOREIGN (not owned; never touched)")
+        assert "OWNED, NOT YET VERIFIED" in unverified
+        [row] = [line for line in unverified.splitlines() if mine in line]
+        assert row.split()[0] == "0"
+        assert row.split()[-1].startswith("mig-GPU-")
+        assert mine not in foreign
+        [other] = [line for line in foreign.splitlines() if line.startswith("1 ")]
+        assert other.split()[1:3] == ["1g.10gb", "0:1"]
+        state = sidecar.stub.GetState(pb.GetStateRequest(), timeout=CALL_TIMEOUT_S)
+        assert [f.recorded_as != "" for f in state.gpus[0].foreign] == [True]
+        assert [f.recorded_as for f in state.gpus[1].foreign] == [""]
+
+        sidecar.recover()
+        after = status(sidecar, "--socket", sidecar.socket.name).stdout
+        assert "OWNED, NOT YET VERIFIED" not in after
+        instances, _, foreign = after.partition("FOREIGN (not owned; never touched)")
+        assert mine in instances
+        assert mine not in foreign

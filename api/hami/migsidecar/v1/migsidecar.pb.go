@@ -1921,8 +1921,12 @@ type ForeignInstance struct {
 	HasComputeInstance bool                   `protobuf:"varint,4,opt,name=has_compute_instance,json=hasComputeInstance,proto3" json:"has_compute_instance,omitempty"`
 	ComputeInstanceId  uint32                 `protobuf:"varint,5,opt,name=compute_instance_id,json=computeInstanceId,proto3" json:"compute_instance_id,omitempty"`
 	MigUuid            string                 `protobuf:"bytes,6,opt,name=mig_uuid,json=migUuid,proto3" json:"mig_uuid,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// Before the first successful Recover only: the name of the sidecar's own ownership record on disk
+	// that describes this instance (GPU, GI ID, placement, MIG UUID), not yet checked against the
+	// hardware by Recover. Empty after Recover, and for instances no record names.
+	RecordedAs    string `protobuf:"bytes,7,opt,name=recorded_as,json=recordedAs,proto3" json:"recorded_as,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ForeignInstance) Reset() {
@@ -1993,6 +1997,13 @@ func (x *ForeignInstance) GetComputeInstanceId() uint32 {
 func (x *ForeignInstance) GetMigUuid() string {
 	if x != nil {
 		return x.MigUuid
+	}
+	return ""
+}
+
+func (x *ForeignInstance) GetRecordedAs() string {
+	if x != nil {
+		return x.RecordedAs
 	}
 	return ""
 }
@@ -2830,14 +2841,16 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"last_error\x18\n" +
 	" \x01(\tR\tlastError\x120\n" +
 	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12&\n" +
-	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\"\x8d\x02\n" +
+	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\"\xae\x02\n" +
 	"\x0fForeignInstance\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12;\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12&\n" +
 	"\x0fgpu_instance_id\x18\x03 \x01(\rR\rgpuInstanceId\x120\n" +
 	"\x14has_compute_instance\x18\x04 \x01(\bR\x12hasComputeInstance\x12.\n" +
 	"\x13compute_instance_id\x18\x05 \x01(\rR\x11computeInstanceId\x12\x19\n" +
-	"\bmig_uuid\x18\x06 \x01(\tR\amigUuid\"\xb0\x01\n" +
+	"\bmig_uuid\x18\x06 \x01(\tR\amigUuid\x12\x1f\n" +
+	"\vrecorded_as\x18\a \x01(\tR\n" +
+	"recordedAs\"\xb0\x01\n" +
 	"\bGpuState\x12)\n" +
 	"\x03gpu\x18\x01 \x01(\v2\x17.hami.migsidecar.v1.GpuR\x03gpu\x12:\n" +
 	"\tinstances\x18\x02 \x03(\v2\x1c.hami.migsidecar.v1.InstanceR\tinstances\x12=\n" +

@@ -350,20 +350,22 @@ class Instance(_message.Message):
     def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ...) -> None: ...
 
 class ForeignInstance(_message.Message):
-    __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid")
+    __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid", "recorded_as")
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HAS_COMPUTE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_AS_FIELD_NUMBER: _ClassVar[int]
     profile: str
     placement: Placement
     gpu_instance_id: int
     has_compute_instance: bool
     compute_instance_id: int
     mig_uuid: str
-    def __init__(self, profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., gpu_instance_id: _Optional[int] = ..., has_compute_instance: _Optional[bool] = ..., compute_instance_id: _Optional[int] = ..., mig_uuid: _Optional[str] = ...) -> None: ...
+    recorded_as: str
+    def __init__(self, profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., gpu_instance_id: _Optional[int] = ..., has_compute_instance: _Optional[bool] = ..., compute_instance_id: _Optional[int] = ..., mig_uuid: _Optional[str] = ..., recorded_as: _Optional[str] = ...) -> None: ...
 
 class GpuState(_message.Message):
     __slots__ = ("gpu", "instances", "foreign")
