@@ -184,11 +184,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc  # noqa: PLC0415
 
-    # gRPC takes only an absolute path after unix://; a relative one is resolved here, as a shell would.
-    socket = Path(args.socket).absolute()
-    trouble = socket_trouble(socket)
-    if trouble:
-        print(f"hami-mig-sidecar status: {trouble}", file=sys.stderr)
+    from sidecar.edge import call  # noqa: PLC0415
+
+    socket = call.resolve_socket("status", args.socket, socket_trouble)
+    if socket is None:
         return EXIT_FAILED
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.MigSidecarStub(channel)
@@ -224,12 +223,10 @@ def _cmd_reclaim(args: argparse.Namespace) -> int:
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc  # noqa: PLC0415
 
-    socket = Path(args.socket)
-    if not socket.exists():
-        print(
-            f"hami-mig-sidecar reclaim: no sidecar socket at {socket} (is the sidecar running?)",
-            file=sys.stderr,
-        )
+    from sidecar.edge import call  # noqa: PLC0415
+
+    socket = call.resolve_socket("reclaim", args.socket, socket_trouble)
+    if socket is None:
         return EXIT_FAILED
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.MigSidecarStub(channel)

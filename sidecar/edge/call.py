@@ -23,6 +23,9 @@ from typing import Any
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+# The longest request text ``call`` reads: the JSON of the largest request the sidecar accepts
+# (edge.limits, about 0.7 MB in protobuf) is well under it; anything longer is refused before parsing.
+MAX_REQUEST_TEXT = 8 * 1024 * 1024
 
 HEALTH_CHECK = "grpc.health.v1.Health/Check"
 
@@ -86,14 +89,29 @@ def print_failure(command: str, exc: Any) -> int:
     return EXIT_FAILED
 
 
+def resolve_socket(command: str, raw: str, trouble: Callable[[Path], str]) -> Path | None:
+    """The socket every command talks to: ``raw`` made absolute against the working directory (gRPC
+    takes only an absolute path after unix://; a relative one means what it means to a shell), or
+    None after printing in one line why nothing answers there. The one resolution of all commands."""
+    socket = Path(raw).absolute()
+    why = trouble(socket)
+    if why:
+        print(f"hami-mig-sidecar {command}: {why}", file=sys.stderr)
+        return None
+    return socket
+
+
 def _connect(command: str, args: argparse.Namespace) -> str | None:
     """The gRPC target of ``args.socket``, or None after printing why nothing answers there."""
-    socket = Path(args.socket).absolute()  # gRPC takes only an absolute path after unix://
-    trouble = args.socket_trouble(socket)
-    if trouble:
-        print(f"hami-mig-sidecar {command}: {trouble}", file=sys.stderr)
-        return None
-    return f"unix://{socket}"
+    socket = resolve_socket(command, args.socket, args.socket_trouble)
+    return None if socket is None else f"unix://{socket}"
+
+
+def _read_request(args: argparse.Namespace) -> str:
+    """The request text, at most ``MAX_REQUEST_TEXT`` + 1 characters of it (stdin is not read further)."""
+    if args.request == "-":
+        return sys.stdin.read(MAX_REQUEST_TEXT + 1)
+    return str(args.request)
 
 
 def cmd_call(args: argparse.Namespace) -> int:
@@ -109,12 +127,22 @@ def cmd_call(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     path, request_class, response_class = methods[args.method]
-    text = sys.stdin.read() if args.request == "-" else args.request
+    text = _read_request(args)
     try:
+        if len(text) > MAX_REQUEST_TEXT:
+            raise ValueError(
+                f"it is over {MAX_REQUEST_TEXT} characters, more than any request the sidecar accepts"
+            )
         document = json.loads(text)
         if not isinstance(document, dict):
             raise json_format.ParseError(f"want a JSON object, got {type(document).__name__}")
         request = json_format.ParseDict(document, request_class())
+    except RecursionError:
+        print(
+            f"hami-mig-sidecar call {args.method}: the request does not parse: nested too deeply",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     except (ValueError, json_format.ParseError) as exc:  # json.JSONDecodeError is a ValueError
         print(f"hami-mig-sidecar call {args.method}: the request does not parse: {exc}", file=sys.stderr)
         return EXIT_USAGE

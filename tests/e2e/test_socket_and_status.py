@@ -77,6 +77,31 @@ class TestStatusSaysWhyInOneLine:
         ]
 
 
+def test_every_command_resolves_a_relative_socket_against_the_working_directory(sidecar: Sidecar) -> None:
+    sidecar.recover()
+    relative = sidecar.socket.name
+    for command in (
+        ["status", "--socket", relative],
+        ["health", "--socket", relative],
+        ["call", "GetInfo", "--socket", relative],
+        ["reclaim", "--gpu", "0", "--socket", relative],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "sidecar", *command],
+            capture_output=True, text=True, check=False, timeout=CALL_TIMEOUT_S, cwd=sidecar.root,
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stderr)
+        missing = subprocess.run(
+            [sys.executable, "-m", "sidecar", *command[:-1], "missing.sock"],
+            capture_output=True, text=True, check=False, timeout=CALL_TIMEOUT_S, cwd=sidecar.root,
+        )  # fmt: skip
+        assert missing.returncode == 1
+        assert missing.stderr.splitlines() == [
+            f"hami-mig-sidecar {command[0]}: no sidecar socket at {sidecar.root / 'missing.sock'}"
+            " (is the sidecar running?)"
+        ]
+
+
 class TestStatusBeforeRecover:
     def test_the_sidecars_own_instances_are_owned_but_unverified_not_foreign(self, sidecar: Sidecar) -> None:
         sidecar.recover()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,33 @@ def test_a_request_that_does_not_parse_exits_2_before_dialling(
     socket = tmp_path / "missing.sock"
     assert cli.main(["call", "Release", request_text, "--socket", str(socket)]) == call.EXIT_USAGE
     assert "the request does not parse" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "request_text",
+    ['{"pod_uid":' * 100_000 + "1" + "}" * 100_000, "[" * 100_000 + "]" * 100_000],
+    ids=["objects", "arrays"],
+)
+def test_a_deeply_nested_request_exits_2_with_a_message(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, request_text: str
+) -> None:
+    socket = tmp_path / "missing.sock"
+    assert cli.main(["call", "Release", request_text, "--socket", str(socket)]) == call.EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        "hami-mig-sidecar call Release: the request does not parse: nested too deeply"
+    ]
+
+
+def test_an_oversized_request_on_stdin_exits_2_without_reading_it_all(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = '{"pod_uid":"' + "u" * (call.MAX_REQUEST_TEXT + 10) + '"}'
+    stream = io.StringIO(body)
+    monkeypatch.setattr("sys.stdin", stream)
+    assert cli.main(["call", "Release", "-", "--socket", str(tmp_path / "s.sock")]) == call.EXIT_USAGE
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("hami-mig-sidecar call Release: the request does not parse: it is over")
+    assert stream.tell() == call.MAX_REQUEST_TEXT + 1  # the rest was never read
 
 
 def test_no_socket_exits_1_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
