@@ -11,10 +11,18 @@
 //
 // What it changes: two keys in front of HAMi's own order, and nothing else.
 //
-//   - GPU key: a GPU holding an IDLE instance of the requested profile at a placement HAMi found
-//     free goes before every GPU that does not (Rank, ReuseLast);
-//   - placement key, on a GPU: the exact IDLE placement first, then the placements that overwrite
-//     the fewest IDLE slices (a free one overwrites none) (Rank, Placements).
+//   - placement key, on a GPU: the exact IDLE placement of the requested profile first, then the
+//     placements that overwrite the fewest IDLE slices, a free one overwriting none (Cost,
+//     Placements);
+//   - GPU key: the same key of each GPU's best placement, so a GPU holding an IDLE instance of the
+//     requested profile at a placement HAMi found free goes first, then a GPU with a free
+//     placement, then the others by the fewest IDLE slices overwritten (Rank, CheapestLast).
+//
+// The GPU key's second level (free before overwriting) is what keeps IDLE instances from being
+// destroyed inside an Allocate while another GPU has room: with only its first level (the GPU
+// holding the instance first, HAMi's order for the rest), HAMi's spread order still sends requests
+// onto GPUs that are full of IDLE instances, and an Allocate that destroys one first takes about
+// 1.6 times a plain create (bench/README.md, "trace.py").
 //
 // HAMi's order breaks every tie, and only candidates HAMi already found fit are ever returned:
 // the keys re-rank, they never add a GPU or a placement, so HAMi's filters (health, quota,
@@ -86,9 +94,17 @@ func cost(idle []register.IdleInstance, profile string, p register.Placement) ui
 	return 1 + overwritten
 }
 
-// Reuses reports whether p is exactly where an IDLE instance of profile sits.
+// Cost is the placement key of p for a request of profile on a GPU whose IDLE instances are idle:
+// 0 when an IDLE instance of profile sits exactly at p, 1 when p overwrites no IDLE slice, else 1
+// plus the IDLE slices it overwrites (each IDLE instance under p is destroyed whole). Lower is
+// better.
+func Cost[P Placement](idle []register.IdleInstance, profile string, p P) uint32 {
+	return cost(idle, profile, register.Placement(p))
+}
+
+// Reuses reports whether p is exactly where an IDLE instance of profile sits (Cost 0).
 func Reuses[P Placement](idle []register.IdleInstance, profile string, p P) bool {
-	return cost(idle, profile, register.Placement(p)) == 0
+	return Cost(idle, profile, p) == 0
 }
 
 // Placements re-ranks one GPU's placements, given in HAMi's order, by the placement key: the exact
@@ -117,24 +133,31 @@ type GPU struct {
 	Placements []register.Placement
 }
 
+// noCandidate is the GPU key of a GPU without a candidate placement: after every other.
+const noCandidate = ^uint32(0)
+
 // Rank re-ranks HAMi's candidates for a request of profile, given GPUs in HAMi's policy order
-// (binpack, spread...) and each GPU's placements in HAMi's order: the GPUs that hold an IDLE
-// instance of profile at one of their candidate placements first, each GPU's placements by
-// Placements, HAMi's order breaking ties. An annotation entry naming a placement that is not a
-// candidate (an instance gone, or slices a reservation now holds) gives its GPU no preference.
+// (binpack, spread...) and each GPU's placements in HAMi's order: each GPU's placements by
+// Placements, then the GPUs by the Cost of their best placement (the GPUs holding an IDLE
+// instance of profile at a candidate placement first, then those with a free one), HAMi's order
+// breaking ties. An annotation entry naming a placement that is not a candidate (an instance gone,
+// or slices a reservation now holds) gives its GPU no preference.
 func Rank(idle Idle, profile string, gpus []GPU) []GPU {
 	out := make([]GPU, len(gpus))
-	reuse := make([]bool, len(gpus))
+	key := make([]uint32, len(gpus))
 	for i, g := range gpus {
 		ranked := Placements(idle[g.UUID], profile, g.Placements)
 		out[i] = GPU{UUID: g.UUID, Placements: ranked}
-		reuse[i] = len(ranked) > 0 && Reuses(idle[g.UUID], profile, ranked[0])
+		key[i] = noCandidate
+		if len(ranked) > 0 {
+			key[i] = Cost(idle[g.UUID], profile, ranked[0])
+		}
 	}
 	order := make([]int, len(out))
 	for i := range order {
 		order[i] = i
 	}
-	sort.SliceStable(order, func(a, b int) bool { return reuse[order[a]] && !reuse[order[b]] })
+	sort.SliceStable(order, func(a, b int) bool { return key[order[a]] < key[order[b]] })
 	ranked := make([]GPU, len(out))
 	for i, idx := range order {
 		ranked[i] = out[idx]
@@ -142,22 +165,24 @@ func Rank(idle Idle, profile string, gpus []GPU) []GPU {
 	return ranked
 }
 
-// ReuseLast is the GPU key for a scheduler that walks its device list from the end, as HAMi's
-// NVIDIA Fit does: the devices reuses accepts move to the end, each group keeping its order, so
-// the walk meets them first and, within each group, in HAMi's order. reuses answers whether a
-// device holds an IDLE instance of the requested profile where HAMi's own selection, with the
-// placement key, would put the request; Fit still checks every device it meets.
-func ReuseLast[D any](devices []D, reuses func(D) bool) []D {
-	out := make([]D, 0, len(devices))
-	var last []D
-	for _, d := range devices {
-		if reuses(d) {
-			last = append(last, d)
-		} else {
-			out = append(out, d)
-		}
+// CheapestLast is the GPU key for a scheduler that walks its device list from the end, as HAMi's
+// NVIDIA Fit does: the devices sorted by cost, highest first, equal costs keeping their order, so
+// the walk meets the cheapest first and, among equal costs, in HAMi's order. cost answers the Cost
+// of the placement HAMi's own selection, with the placement key, would take on a device (any
+// value at least as high as every other for a device it would not use); Fit still checks every
+// device it meets.
+func CheapestLast[D any](devices []D, cost func(D) uint32) []D {
+	keys := make([]uint32, len(devices))
+	order := make([]int, len(devices))
+	for i, d := range devices {
+		keys[i], order[i] = cost(d), i
 	}
-	return append(out, last...)
+	sort.SliceStable(order, func(a, b int) bool { return keys[order[a]] > keys[order[b]] })
+	sorted := make([]D, len(devices))
+	for i, idx := range order {
+		sorted[i] = devices[idx]
+	}
+	return sorted
 }
 
 // InfoKey is the key under which Attach keeps a GPU's IDLE instances in HAMi's per-device

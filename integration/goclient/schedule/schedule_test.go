@@ -102,6 +102,22 @@ func TestRank(t *testing.T) {
 			wantOnGPU: "GPU-1", wantPlaces: []register.Placement{at(0, 2), at(2, 2), at(4, 2)},
 		},
 		{
+			// Spread meets GPU-0 first, but every 2g.20gb placement there overwrites IDLE slices;
+			// GPU-1 has a free one and goes first, so no IDLE instance is destroyed while there is
+			// room. Between GPUs that must overwrite, the fewest slices first.
+			name: "a GPU with a free placement before one that must overwrite IDLE slices",
+			idle: Idle{
+				"GPU-0": {idleAt("1g.10gb", 0, 1), idleAt("1g.10gb", 2, 1), idleAt("1g.10gb", 4, 1)},
+				"GPU-2": {idleAt("3g.40gb", 0, 4), idleAt("1g.20gb", 4, 2)},
+			},
+			profile: "2g.20gb",
+			gpus: []GPU{
+				{UUID: "GPU-2", Placements: twoG}, {UUID: "GPU-0", Placements: twoG}, {UUID: "GPU-1", Placements: twoG},
+			},
+			wantGPUs: []string{"GPU-1", "GPU-0", "GPU-2"}, wantFirst: at(0, 2),
+			wantOnGPU: "GPU-2", wantPlaces: []register.Placement{at(4, 2), at(0, 2), at(2, 2)},
+		},
+		{
 			// No free placement on the GPU: the one that overwrites the fewest IDLE slices first.
 			name: "fewest IDLE slices overwritten when nothing is free",
 			idle: Idle{"GPU-0": {
@@ -165,16 +181,24 @@ func TestPlacementsTakesAndReturnsTheCallersType(t *testing.T) {
 	if !Reuses([]register.IdleInstance{idleAt("3g.40gb", 0, 4)}, "3g.40gb", got[0]) || Reuses(nil, "3g.40gb", got[0]) {
 		t.Fatal("Reuses disagrees with the placement key")
 	}
+	idle := []register.IdleInstance{idleAt("1g.10gb", 0, 1), idleAt("2g.20gb", 2, 2)}
+	for p, want := range map[hamiPlacement]uint32{{0, 1}: 0, {4, 4}: 1, {0, 4}: 4, {0, 2}: 2} {
+		if got := Cost(idle, "1g.10gb", p); got != want {
+			t.Fatalf("Cost of %v: %d, want %d", p, got, want)
+		}
+	}
 }
 
-func TestReuseLastMovesTheReusingDevicesToWhereFitLooksFirst(t *testing.T) {
-	// Fit walks from the end: 3, then 1 are met first (HAMi's order among them), then 4, 2, 0.
-	got := ReuseLast([]int{0, 1, 2, 3, 4}, func(d int) bool { return d == 1 || d == 3 })
-	if want := []int{0, 2, 4, 1, 3}; !reflect.DeepEqual(got, want) {
+func TestCheapestLastPutsTheCheapestDevicesWhereFitLooksFirst(t *testing.T) {
+	// Fit walks from the end: device 2 (a reuse) is met first, then 3 and 1 (free, in the order
+	// HAMi's walk meets them), then 4 and 0.
+	costs := []uint32{3, 1, 0, 1, 2}
+	got := CheapestLast([]int{0, 1, 2, 3, 4}, func(d int) uint32 { return costs[d] })
+	if want := []int{0, 4, 1, 3, 2}; !reflect.DeepEqual(got, want) {
 		t.Fatalf("got %v, want %v", got, want)
 	}
-	if got := ReuseLast([]int{0, 1}, func(int) bool { return false }); !reflect.DeepEqual(got, []int{0, 1}) {
-		t.Fatalf("no reuse: got %v", got)
+	if got := CheapestLast([]int{0, 1}, func(int) uint32 { return 1 }); !reflect.DeepEqual(got, []int{0, 1}) {
+		t.Fatalf("equal costs: got %v", got)
 	}
 }
 
