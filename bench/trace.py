@@ -25,11 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
-from trace_state import MEMORY_SLICES, SCHEDULERS, Mirror, NotServedError, Settler, placement
+from hami_order import Profile
+from trace_state import MEMORY_SLICES, SCHEDULERS, Mirror, NotServedError, Published, Settler, placement
 
 from sidecar.nvml.port import Placement
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
@@ -119,12 +121,23 @@ class Variant:
 
 
 VARIANTS = (
+    Variant("eager", "hami-2855"),
+    Variant("idle", "hami-v2.10"),
+    Variant("idle", "hami-v2.10+helper"),
+    Variant("idle", "hami-2855"),
+    Variant("idle", "hami-2855+placement-key"),
+    Variant("idle", "hami-2855+helper"),
+    Variant("idle", "advised"),
+    Variant("idle+reserve", "hami-2855", tuple(RESERVE_ARGS)),
+    Variant("idle+reserve", "hami-2855+exact-gpu-key", tuple(RESERVE_ARGS)),
+    Variant("idle+reserve", "hami-2855+helper", tuple(RESERVE_ARGS)),
+    Variant("idle+reserve", "advised", tuple(RESERVE_ARGS)),
+)
+# Not in the default run (--only NAME): the client-side stand-ins the rows above replaced.
+EXTRA_VARIANTS = (
     Variant("eager", "first-fit"),
     Variant("idle", "first-fit"),
     Variant("idle", "prefer-idle"),
-    Variant("idle", "advised"),
-    Variant("idle+reserve", "prefer-idle", tuple(RESERVE_ARGS)),
-    Variant("idle+reserve", "advised", tuple(RESERVE_ARGS)),
 )
 
 
@@ -233,7 +246,22 @@ def release(car: Sidecar, mirror: Mirror, pod: Pod, gpu: str, mig_uuid: str, *, 
     mirror.reclaimed(answer.reclaimed)
 
 
-def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Path, *, check: bool) -> Result:
+def publish(gpu: Any, profiles: Sequence[Any], allowed: set[str]) -> Published:
+    """What HAMi's plugin publishes for ``gpu`` with the allow list ``allowed``."""
+    kept = {
+        p.name: Profile(
+            p.name, int(p.memory_mb), int(p.core_percent), tuple(placement(x) for x in p.placements)
+        )
+        for p in profiles
+        if p.name in allowed
+    }
+    count = max((int(p.instance_count) for p in profiles if p.name in allowed), default=0)
+    return Published(int(gpu.index), int(gpu.memory_mb), count, kept)
+
+
+def run_variant(
+    variant: Variant, trace: list[Pod], scale: float, state_base: Path, *, check: bool, refresh_s: float
+) -> Result:
     result = Result(variant)
     missing = [a for a in variant.sidecar_args if a.startswith("--") and not serves_flag(a)]
     if missing:
@@ -249,18 +277,18 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
             result.diverged = mirror.differs(car.stub.GetState(pb.GetStateRequest()))
 
     try:
-        uuids = [g.uuid for g in car.stub.ListGpus(pb.ListGpusRequest()).gpus]
-        placements = {
-            u: {
-                p.name: [placement(x) for x in p.placements]
-                for p in car.stub.DiscoverProfiles(pb.DiscoverProfilesRequest(gpu_uuid=u)).profiles
-            }
-            for u in uuids
+        gpus = list(car.stub.ListGpus(pb.ListGpusRequest()).gpus)
+        uuids = [g.uuid for g in gpus]
+        discovered = {
+            u: list(car.stub.DiscoverProfiles(pb.DiscoverProfilesRequest(gpu_uuid=u)).profiles) for u in uuids
         }
+        placements = {u: {p.name: [placement(x) for x in p.placements] for p in discovered[u]} for u in uuids}
+        mix = {p for p, _ in MIX}
+        published = {g.uuid: publish(g, discovered[g.uuid], mix) for g in gpus}
         mirror = Mirror(uuids)
         compare()  # the GPUs in ListGpus order, nothing on them
-        scheduler = SCHEDULERS[variant.scheduler](car.stub, placements, mirror)
-        mix = {p for p, _ in MIX}
+        scheduler = SCHEDULERS[variant.scheduler](car.stub, placements, mirror, published)
+        scheduler.refresh_s = refresh_s
         settler = (
             Settler(
                 car.stub,
@@ -282,7 +310,8 @@ def run_variant(variant: Variant, trace: list[Pod], scale: float, state_base: Pa
         heapq.heapify(events)
         live: dict[int, tuple[str, str]] = {}
         while events:
-            _, kind, i = heapq.heappop(events)
+            now, kind, i = heapq.heappop(events)
+            scheduler.clock(now)
             pod = trace[i]
             if kind == 0:
                 gpu, mig = live.pop(i)
@@ -333,22 +362,23 @@ def report(results: list[Result]) -> None:
         return percentile(r.latency, 0.99)
 
     header = (
-        f"{'policy/scheduler':<26}{'pods':>6}{'GI/pod':>8}{'reuse':>7}{'reclaim/pod':>12}"
+        f"{'policy/scheduler':<38}{'pods':>6}{'GI/pod':>8}{'reuse':>7}{'reclaim/pod':>12}"
         f"{'mean ms':>9}{'p50 ms':>8}{'p99 ms':>8}{'mean/eager':>11}{'p99/eager':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         if r.skipped or not r.latency:
-            print(f"{r.variant.name:<26}  n/a ({r.skipped or 'nothing allocated'})")
+            print(f"{r.variant.name:<38}  n/a ({r.skipped or 'nothing allocated'})")
             continue
         n = r.allocated
         print(
-            f"{r.variant.name:<26}{n:>6}{r.created / n:>8.3f}{r.reused / n:>7.1%}{r.reclaimed / n:>12.3f}"
+            f"{r.variant.name:<38}{n:>6}{r.created / n:>8.3f}{r.reused / n:>7.1%}{r.reclaimed / n:>12.3f}"
             f"{mean(r) * 1e3:>9.1f}{percentile(r.latency, 0.5) * 1e3:>8.1f}{p99(r) * 1e3:>8.1f}"
             f"{ratio(mean(r), mean):>11}{ratio(p99(r), p99):>10}"
         )
     print()
+    against_advice(results, eager)
     for r in results:
         if not r.skipped:
             print(
@@ -360,6 +390,30 @@ def report(results: list[Result]) -> None:
             print(
                 f"  {r.variant.name}: the mirror differed from GetState, decisions are suspect: {r.diverged}"
             )
+
+
+def against_advice(results: list[Result], eager: Result | None) -> None:
+    """Each scheduler beside the sidecar's advice under the same release policy: GI creations as a
+    ratio of the advice's, and the share of the advice's mean saving against the measured eager."""
+    done = {r.variant.name: r for r in results if not r.skipped and r.latency}
+
+    def per_pod(r: Result) -> float:
+        return max(r.created, 1) / r.allocated
+
+    if eager is None:
+        return
+    base = statistics.fmean(eager.latency)
+    for r in done.values():
+        advice = done.get(f"{r.variant.policy}/advised")
+        if advice is None or r is advice or r.variant.policy == "eager":
+            continue
+        saved = base - statistics.fmean(r.latency)
+        advice_saved = base - statistics.fmean(advice.latency)
+        print(
+            f"{r.variant.name}: GI creations per pod {per_pod(r) / per_pod(advice):.2f}x the advice's, "
+            f"{saved / advice_saved:.0%} of its mean saving against eager"
+        )
+    print()
 
 
 def plot(results: list[Result], path: Path, title: str) -> None:
@@ -377,7 +431,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
             continue
         ms = sorted(x * 1e3 for x in r.latency)
         share = [(i + 1) / len(ms) for i in range(len(ms))]
-        eager, advised = r.variant.policy == "eager", r.variant.scheduler == "advised"
+        eager = r.variant.policy == "eager"
+        advised = r.variant.scheduler == "advised" or r.variant.scheduler.endswith("+helper")
         label = f"{r.variant.name} (mean {statistics.fmean(ms):.0f} ms, p99 {percentile(ms, 0.99):.0f} ms)"
         ax.step(
             ms,
@@ -404,6 +459,13 @@ def main() -> int:
     parser.add_argument("--pods", type=int, default=2000, help="pods in the trace (default 2000)")
     parser.add_argument("--scale", type=float, default=0.02, help="latency model scale (default 0.02)")
     parser.add_argument("--seed", type=int, default=7, help="trace seed (default 7)")
+    parser.add_argument(
+        "--refresh",
+        type=float,
+        default=15.0,
+        help="seconds of trace time between the HAMi scheduler's copies of the idle annotation "
+        "(default 15, its node refresh; 0: always fresh)",
+    )
     parser.add_argument("--disk", action="store_true", help="records and CDI specs on disk, not on /dev/shm")
     parser.add_argument("--only", nargs="*", metavar="NAME", help="variants to run, e.g. idle/first-fit")
     parser.add_argument(
@@ -423,7 +485,8 @@ def main() -> int:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     state_base = Path.cwd() if args.disk else Path("/dev/shm")
     trace = make_trace(args.pods, args.seed)
-    variants = [v for v in VARIANTS if not args.only or v.name in args.only]
+    every = (*VARIANTS, *EXTRA_VARIANTS)
+    variants = [v for v in every if v.name in args.only] if args.only else list(VARIANTS)
     print(
         f"{args.pods} pods on {GPUS} simulated H100-80GB, seed {args.seed}, "
         f"mix {', '.join(f'{w:.0%} {p}' for p, w in MIX)}, load {LOAD:.0%} of memory slices; "
@@ -432,7 +495,8 @@ def main() -> int:
     )
     results = []
     for v in variants:
-        results.append(run_variant(v, trace, args.scale, state_base, check=args.check))
+        result = run_variant(v, trace, args.scale, state_base, check=args.check, refresh_s=args.refresh)
+        results.append(result)
         print(f"  ran {v.name}: {results[-1].skipped or f'{results[-1].wall:.0f} s'}", flush=True)
     print()
     report(results)

@@ -19,8 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
+import msgspec
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
+from hami_order import Device, Profile, hami_choice, helper_choice
 
 from sidecar.model.advice import GpuView, OwnedInstance
 from sidecar.model.domain import ForeignInstance, State
@@ -31,6 +33,17 @@ MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
 
 # gpu uuid -> profile -> legal placements, in DiscoverProfiles order
 Placements = Mapping[str, Mapping[str, Sequence[Placement]]]
+
+
+class Published(msgspec.Struct, frozen=True):
+    """What HAMi's plugin publishes for one GPU in ``hami.io/node-nvidia-register``: its index, its
+    memory, its count (the largest instance count of a published profile) and the allow-listed
+    profiles (the trace's mix)."""
+
+    index: int
+    memory_mb: int
+    count: int
+    profiles: Mapping[str, Profile]
 
 
 def placement(p: Any) -> Placement:
@@ -195,14 +208,25 @@ class Scheduler:
     """Chooses a GPU and placement from the mirror of the sidecar's state (``Mirror``)."""
 
     name = ""
+    refresh_s = 0.0  # trace seconds between a scheduler's copies of the idle annotation (``Hami``)
 
-    def __init__(self, stub: pb_grpc.MigSidecarStub, placements: Placements, mirror: Mirror) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.MigSidecarStub,
+        placements: Placements,
+        mirror: Mirror,
+        published: Mapping[str, Published],
+    ) -> None:
         self.stub = stub
         self.placements = placements
         self.mirror = mirror
+        self.published = published
 
     def choose(self, profile: str) -> Choice | None:
         raise NotImplementedError
+
+    def clock(self, now: float) -> None:
+        """The trace time of the event about to run (before it runs); most schedulers need none."""
 
 
 class FirstFit(Scheduler):
@@ -283,4 +307,62 @@ class Advised(Scheduler):
         return best
 
 
-SCHEDULERS: dict[str, type[Scheduler]] = {s.name: s for s in (FirstFit, PreferIdle, Advised)}
+class Hami(Scheduler):
+    """HAMi's scheduler (``hami_order``): the v2.10 placement order or #2855's scoring, each alone
+    (``helper`` off: blind to IDLE instances, which it cannot see) or with the scheduler helper's
+    re-ranking over the idle inventory the plugin publishes.
+
+    The helper sees the inventory as HAMi's scheduler holds it: a copy of the node taken at its
+    refresh, every ``refresh_s`` of trace time (HAMi's 15 s tick; the plugin publishes within 2 s of a
+    change, left out here). ``clock`` takes the copy from the mirror when a tick has passed: it runs
+    before every event, so the mirror then holds exactly the events before the tick. With
+    ``refresh_s`` 0 the helper reads the mirror itself. Reservations (what HAMi counts as held) are
+    always fresh, as HAMi reads them from the pods."""
+
+    order = "2855"
+    helper = False
+    gpu_key = "cost"
+    refresh_s = 15.0
+    _seen: dict[str, list[tuple[str, Placement]]] | None = None
+    _next_tick = 0.0
+
+    def _idle(self) -> dict[str, list[tuple[str, Placement]]]:
+        return {
+            v.gpu_uuid: [(i.profile, i.placement) for i in v.owned if i.state is State.IDLE]
+            for v in self.mirror.views()
+        }
+
+    def clock(self, now: float) -> None:
+        if self.helper and self.refresh_s > 0 and (self._seen is None or now >= self._next_tick):
+            self._seen = self._idle()
+            self._next_tick = (now // self.refresh_s + 1) * self.refresh_s
+
+    def choose(self, profile: str) -> Choice | None:
+        views = self.mirror.views()
+        devices = []
+        for v in views:
+            pub = self.published[v.gpu_uuid]
+            held = tuple((i.profile, i.placement) for i in v.owned if i.state is not State.IDLE)
+            devices.append(Device(v.gpu_uuid, pub.index, pub.count, pub.memory_mb, 100, pub.profiles, held))
+        if not self.helper:
+            return hami_choice(devices, profile, self.order)
+        idle = self._idle() if self.refresh_s <= 0 or self._seen is None else self._seen
+        return helper_choice(devices, profile, self.order, idle, gpu_key=self.gpu_key)
+
+
+def _hami(name: str, order: str, *, helper: bool, gpu_key: str = "cost") -> type[Scheduler]:
+    return type(name, (Hami,), {"name": name, "order": order, "helper": helper, "gpu_key": gpu_key})
+
+
+HAMI_SCHEDULERS = (
+    _hami("hami-v2.10", "v2.10", helper=False),
+    _hami("hami-v2.10+helper", "v2.10", helper=True),
+    _hami("hami-2855", "2855", helper=False),
+    _hami("hami-2855+helper", "2855", helper=True),
+    _hami("hami-2855+placement-key", "2855", helper=True, gpu_key=""),
+    _hami("hami-2855+exact-gpu-key", "2855", helper=True, gpu_key="exact"),
+)
+
+SCHEDULERS: dict[str, type[Scheduler]] = {
+    s.name: s for s in (FirstFit, PreferIdle, Advised, *HAMI_SCHEDULERS)
+}

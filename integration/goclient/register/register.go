@@ -2,9 +2,11 @@
 // annotation hami.io/node-nvidia-register by the sidecar's RankPlacements advice, and writes an
 // idle-inventory annotation of this project's own.
 //
-// HAMi's scheduler tries a profile's placements in the order it reads them, so publishing the
-// cheapest first (an IDLE instance to reuse, then a free range, then one that needs a reclaim)
-// steers requests onto cached instances without any scheduler change.
+// The order is the sidecar's advice, cheapest first (an IDLE instance to reuse, then a free range,
+// then one that needs a reclaim). It does not by itself steer HAMi's scheduler: HAMi counts only
+// pods' reservations as occupied and re-sorts or scores the published placements with its own
+// order (v2.10's orderedMigPlacements sorts them by start), so the scheduler change of package
+// schedule, which reads IdleKey, is what sends requests onto cached instances.
 //
 // The MIG part of each DeviceInfo entry of hami.io/node-nvidia-register is, per profile:
 //
@@ -118,8 +120,8 @@ func OrderProfiles(ctx context.Context, r Ranker, gpuUUID string, profiles []Mig
 }
 
 // IdleKey is the node annotation, this project's own, that lists the idle instances the sidecar
-// caches, for a scheduler plugin that wants more than the placement order. Its value is a JSON
-// object from GPU UUID to that GPU's idle instances:
+// caches, for HAMi's scheduler (package schedule reads it; hami.Publisher writes it). Its value is
+// a JSON object from GPU UUID to that GPU's idle instances:
 //
 //	{"GPU-…":[{"profile":"1g.10gb","placement":{"start":3,"size":1},"migUUID":"MIG-…"}]}
 //

@@ -61,6 +61,7 @@ type Server struct {
 	nextGI      uint32
 	recovered   bool
 	recovers    []*pb.RecoverRequest
+	generation  uint64 // handed out, as the sidecar does, at every activation and every idle
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
 }
@@ -221,7 +222,7 @@ func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoRespon
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "fake", Recovered: s.recovered,
-		StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
+		StartedAt: timestamppb.New(time.Unix(1000, 0)), Generation: s.generation}, nil
 }
 
 func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
@@ -281,6 +282,7 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	for _, in := range s.instances {
 		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] {
 			in.State = pb.InstanceState_IDLE
+			s.generation++
 			out.Idled = append(out.Idled, ref(in))
 		}
 	}
@@ -333,6 +335,7 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 		}
 		if outcome != pb.Outcome_ALREADY_ALLOCATED {
 			got.Created = outcome == pb.Outcome_CREATED
+			s.generation++
 		}
 		got.State, got.Owner = pb.InstanceState_ACTIVE, &key
 		out.Devices = append(out.Devices, &pb.AllocatedDevice{DeviceIndex: d.GetDeviceIndex(), GpuUuid: got.GPU,
@@ -359,6 +362,7 @@ func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*
 			out.Destroyed = append(out.Destroyed, ref(in))
 		} else {
 			in.State, in.Owner = pb.InstanceState_IDLE, nil
+			s.generation++
 			out.Idled = append(out.Idled, ref(in))
 		}
 	}
@@ -502,7 +506,7 @@ func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest
 func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	out := &pb.GetStateResponse{}
+	out := &pb.GetStateResponse{Generation: s.generation}
 	for i, g := range s.gpus {
 		gs := &pb.GpuState{Gpu: &pb.Gpu{Index: uint32(i), Uuid: g}}
 		for _, in := range s.instances {

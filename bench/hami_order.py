@@ -1,0 +1,185 @@
+"""How HAMi's scheduler chooses the GPU and the placement of a one-device MIG request, modelled for
+the trace benchmark, and the scheduler helper's re-ranking over it (not a test).
+
+Written from reading HAMi's scheduler, not copied from it: the ``spread`` GPU order over pods'
+reservations only (``meet_order``), v2.10's ``orderedMigPlacements`` (``v210_placements``), #2855's
+scored placements (``scored_placements``), and this project's helper, Go package ``schedule``
+(``rerank``). ``docs/architecture.md``, "bench/hami_order.py", says what each step follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from sidecar.nvml.port import Placement
+
+
+class Profile(msgspec.Struct, frozen=True):
+    """One published profile, as ``hami.io/node-nvidia-register`` carries it."""
+
+    name: str
+    memory_mb: int
+    core: int
+    placements: tuple[Placement, ...]
+
+
+class Device(msgspec.Struct, frozen=True):
+    """One GPU as the scheduler sees it for one request: its published profiles (allow-listed) and
+    the pods' reservations on it (``held``: profile and placement)."""
+
+    uuid: str
+    index: int
+    count: int  # the largest instance count of a published profile
+    total_mem: int
+    total_core: int
+    profiles: Mapping[str, Profile]
+    held: tuple[tuple[str, Placement], ...]
+
+    def score(self) -> float:
+        used = len(self.held)
+        mem = sum(self.profiles[p].memory_mb for p, _ in self.held if p in self.profiles)
+        core = sum(self.profiles[p].core for p, _ in self.held if p in self.profiles)
+        return used / self.count + core / self.total_core + mem / self.total_mem
+
+    def fits(self, profile: str) -> bool:
+        """Fit's own checks before the placement: a slot left, memory and cores left."""
+        p = self.profiles.get(profile)
+        if p is None or len(self.held) >= self.count:
+            return False
+        mem = sum(self.profiles[h].memory_mb for h, _ in self.held if h in self.profiles)
+        return self.total_mem - mem >= p.memory_mb
+
+    def free(self, profile: str) -> list[Placement]:
+        taken = [p for _, p in self.held]
+        return [p for p in self.profiles[profile].placements if not any(p.overlaps(t) for t in taken)]
+
+
+def meet_order(devices: Sequence[Device]) -> list[Device]:
+    """The order the NVIDIA Fit meets the devices under ``spread``: lowest score first, then the
+    highest index (see the module docstring)."""
+    ordered = sorted(devices, key=lambda d: d.index)  # the annotation's order
+    ordered.sort(key=lambda d: -d.score())  # stable, as Go's insertion sort
+    return ordered[::-1]
+
+
+def v210_placements(device: Device, profile: str) -> list[Placement]:
+    """v2.10: the free placements in ``orderedMigPlacements``' order."""
+    top = profile.startswith(("1g.", "3g."))
+    ordered = sorted(device.profiles[profile].placements, key=lambda p: -p.start if top else p.start)
+    free = set(device.free(profile))
+    return [p for p in ordered if p in free]
+
+
+def _regions(profiles: Mapping[str, Profile]) -> list[tuple[int, int]]:
+    slices = max((p.end for prof in profiles.values() for p in prof.placements if p.size), default=0)
+    whole = [(0, slices)]
+    if slices < 2:
+        return whole
+    mid = slices // 2
+    for prof in profiles.values():
+        for p in prof.placements:
+            if 0 < p.size < slices and p.start < mid < p.end:
+                return whole
+    return [(0, mid), (mid, slices)]
+
+
+def _reserved(profiles: Mapping[str, Profile], regions: Sequence[tuple[int, int]]) -> int:
+    """The region with the fewest published placements wholly inside it (the later one on ties)."""
+    reserved, best = 0, -1
+    for i, (lo, hi) in enumerate(regions):
+        inside = [p for prof in profiles.values() for p in prof.placements if p.size]
+        count = sum(1 for p in inside if lo <= p.start and p.end <= hi)
+        if best < 0 or count <= best:
+            reserved, best = i, count
+    return reserved
+
+
+def scored_placements(device: Device, profile: str) -> list[Placement]:
+    """#2855: the free placements, best score first, the published order on equal scores."""
+    regions = _regions(device.profiles)
+    reserved = _reserved(device.profiles, regions)
+    taken = [p for _, p in device.held]
+
+    def key(c: Placement) -> tuple[int, int, int, int]:
+        after = [*taken, c]
+        empty = sum(1 for lo, hi in regions if not any(Placement(lo, hi - lo).overlaps(t) for t in after))
+        mismatch, distance = 0, 0
+        for i, (lo, hi) in enumerate(regions):
+            if len(regions) < 2 or not (lo <= c.start and c.end <= hi):
+                continue
+            if (c.size == hi - lo) != (i == reserved):
+                mismatch = 1
+            distance = hi - c.end if i == 0 else c.start - lo
+        return (-empty, mismatch, -distance, c.start)
+
+    return sorted(device.free(profile), key=key)
+
+
+ORDERS = {"v2.10": v210_placements, "2855": scored_placements}
+
+Choice = tuple[str, Placement]
+
+
+def hami_choice(devices: Sequence[Device], profile: str, order: str) -> Choice | None:
+    """HAMi alone: the first device met that fits and has a free placement, its first placement."""
+    for d in meet_order(devices):
+        if d.fits(profile):
+            ranked = ORDERS[order](d, profile)
+            if ranked:
+                return d.uuid, ranked[0]
+    return None
+
+
+def overwritten(idle: Sequence[tuple[str, Placement]], profile: str, p: Placement) -> int:
+    """The placement key: -1 for the exact IDLE instance of profile, else the IDLE slices under p."""
+    if (profile, p) in idle:
+        return -1
+    return sum(q.size for _, q in idle if q.overlaps(p))
+
+
+def rerank(
+    candidates: Sequence[tuple[str, Sequence[Placement]]],
+    idle: Mapping[str, Sequence[tuple[str, Placement]]],
+    profile: str,
+    *,
+    gpu_key: str = "cost",
+) -> list[tuple[str, list[Placement]]]:
+    """The helper over HAMi's candidates (GPUs in meet order, placements in HAMi's order): each
+    GPU's placements by the placement key, then the GPUs holding the exact IDLE instance first
+    (``gpu_key`` "exact"), or ranked by their best placement's key ("cost": the exact IDLE instance,
+    then a free placement, then the fewest IDLE slices overwritten), or not at all (""); stable, so
+    HAMi's order breaks ties."""
+    out = []
+    for uuid, placements in candidates:
+        on = idle.get(uuid, ())
+
+        def key(p: Placement, on: Sequence[tuple[str, Placement]] = on) -> int:
+            return overwritten(on, profile, p)
+
+        out.append((uuid, sorted(placements, key=key)))
+    if gpu_key == "exact":
+        out.sort(key=lambda c: 0 if c[1] and overwritten(idle.get(c[0], ()), profile, c[1][0]) < 0 else 1)
+    elif gpu_key == "cost":
+        out.sort(key=lambda c: overwritten(idle.get(c[0], ()), profile, c[1][0]) if c[1] else 1 << 30)
+    return out
+
+
+def helper_choice(
+    devices: Sequence[Device],
+    profile: str,
+    order: str,
+    idle: Mapping[str, Sequence[tuple[str, Placement]]],
+    *,
+    gpu_key: str = "cost",
+) -> Choice | None:
+    """HAMi with the helper: the candidates HAMi finds fit, re-ranked, the first taken."""
+    candidates = []
+    for d in meet_order(devices):
+        if d.fits(profile):
+            ranked = ORDERS[order](d, profile)
+            if ranked:
+                candidates.append((d.uuid, ranked))
+    ranked_gpus = rerank(candidates, idle, profile, gpu_key=gpu_key)
+    return None if not ranked_gpus else (ranked_gpus[0][0], ranked_gpus[0][1][0])
