@@ -20,7 +20,7 @@ func (c *Client) noteGeneration(g uint64) {
 func (c *Client) knownGeneration() (uint64, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.known, c.backendOK && c.seen != nil && c.known > 0
+	return c.known, c.backendOK && c.seen != nil
 }
 
 // ReleaseWithKnownGeneration is ReleaseByPodList without the GetInfo calls around the pod list:

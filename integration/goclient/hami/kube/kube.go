@@ -156,6 +156,10 @@ func connect(ctx context.Context, socket string, opts migclient.Options) (*migcl
 		}
 		sc.c = c
 		sc.list.Store(&list)
+		if opts.AllowSimulatedBackend {
+			log.Printf("hami-mig-sidecar: %s accepts a sidecar on the simulated backend (%s or AllowSimulatedBackend): "+
+				"it creates no real MIG instance; never set this on a node with GPUs", abs, AllowSimulatedEnv)
+		}
 		shared.bySocket[key] = sc
 	} else {
 		list := opts.ListActive
@@ -188,10 +192,6 @@ func options(pods PodLister, nodeName string, opts []Option) (migclient.Options,
 			return o, fmt.Errorf("%s=%q is not a boolean", AllowSimulatedEnv, v)
 		}
 		o.AllowSimulatedBackend = o.AllowSimulatedBackend || allow
-	}
-	if o.AllowSimulatedBackend {
-		log.Printf("hami-mig-sidecar: a sidecar on the simulated backend is accepted (%s or AllowSimulatedBackend): "+
-			"it creates no real MIG instance; never set this on a node with GPUs", AllowSimulatedEnv)
 	}
 	return o, nil
 }
