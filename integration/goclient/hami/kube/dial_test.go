@@ -199,4 +199,3 @@ func TestPluginRestartsInOneProcessShareOneConnection(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
-
