@@ -181,7 +181,9 @@ func TestRecoverSendsPendingReservationsTheListNames(t *testing.T) {
 }
 
 // oldSidecar is a sidecar from before UndoDevice: it answers GetInfo and nothing new.
-type oldSidecar struct{ pb.UnimplementedMigSidecarServer }
+type oldSidecar struct {
+	pb.UnimplementedMigSidecarServer
+}
 
 func (oldSidecar) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
 	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "old", Recovered: true}, nil
