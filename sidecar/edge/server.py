@@ -41,7 +41,6 @@ from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
-from sidecar.lifecycle.undo import Skip
 from sidecar.model.domain import AllocationKey
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 
@@ -350,14 +349,7 @@ class MigSidecarServicer:
             done = self.lifecycle.undo_device(mig_uuid, owner)
             if done.destroyed is not None or done.idled is not None:
                 self.on_change()
-            message = pb.UndoDeviceResponse(detail=done.detail, generation=self.lifecycle.generation)
-            if done.destroyed is not None:
-                message.destroyed.CopyFrom(encode.encode_ref(done.destroyed))
-            if done.idled is not None:
-                message.idled.CopyFrom(encode.encode_ref(done.idled))
-            if done.skipped is not None:
-                message.skipped = _UNDO_SKIPS[done.skipped]
-            return message
+            return encode.encode_device_undo(done, self.lifecycle.generation)
 
         return self._handle("UndoDevice", context, answer)
 
@@ -372,9 +364,6 @@ class MigSidecarServicer:
             )
 
         return self._handle("ReclaimIdle", context, answer)
-
-
-_UNDO_SKIPS: dict[Skip, Any] = {skip: pb.UndoSkip.Value("UNDO_SKIP_" + skip.value) for skip in Skip}
 
 
 class Undecodable:
