@@ -216,7 +216,8 @@ func dial(ctx context.Context, socket string, pods PodLister, nodeName string, o
 // Dial is the sidecar adapter for HAMi v2.10's plugin, its pod list that of nodeName, with the
 // client's defaults otherwise. A sidecar on the simulated backend is refused unless
 // AllowSimulatedBackend is given or AllowSimulatedEnv is true. All adapters of one process over
-// one socket share one connection; it closes with the last one's Shutdown.
+// one socket share one connection (the first Dial's client options hold for it); it closes with
+// the last one's Shutdown.
 func Dial(ctx context.Context, socket string, pods PodLister, nodeName string, opts ...Option) (*hami.Manager, error) {
 	return dial(ctx, socket, pods, nodeName, opts)
 }
