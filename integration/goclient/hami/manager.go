@@ -31,9 +31,16 @@ type Manager struct {
 	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
 	owners   map[string]held   // MIG UUID -> to whom this adapter handed it (Release's guard)
 	seq      uint64
-	realized map[AllocationKey]RuntimeInfo
+	realized map[AllocationKey]realized
 	shutdown bool
 	release  func() // called once by Shutdown (NewShared)
+}
+
+// realized is the runtime identity one of this adapter's Allocate answers gave for a reservation,
+// with the seq of that answer.
+type realized struct {
+	info RuntimeInfo
+	seq  uint64
 }
 
 // held is the owner of one MIG UUID as this adapter's Allocate named it. seq tells two
@@ -53,7 +60,7 @@ func New(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc
 		return nil, err
 	}
 	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}, owners: map[string]held{},
-		realized: map[AllocationKey]RuntimeInfo{}}, nil
+		realized: map[AllocationKey]realized{}}, nil
 }
 
 // NewShared is New for a client other adapters share (kube.Dial keeps one per socket, so a plugin
@@ -168,7 +175,8 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	m.cdi[d.MigUUID] = d.CDIDevice
 	m.seq++
 	m.owners[d.MigUUID] = held{device: migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}, seq: m.seq}
-	m.realized[key] = RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement, GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}
+	m.realized[key] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
+		GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}, seq: m.seq}
 	m.mu.Unlock()
 	reclaimed := make([]string, 0, len(res.Reclaimed))
 	for _, r := range res.Reclaimed {
@@ -188,8 +196,8 @@ func (m *Manager) forget(migUUID string) {
 func (m *Manager) unrealized(migUUID string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for k, info := range m.realized {
-		if info.MigUUID == migUUID {
+	for k, r := range m.realized {
+		if r.info.MigUUID == migUUID {
 			delete(m.realized, k)
 		}
 	}
@@ -286,10 +294,10 @@ func atKey(gpuUUID, profile string, placement nvml.GpuInstancePlacement) func(*p
 func (m *Manager) AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool) {
 	key := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
 	m.mu.Lock()
-	info, ok := m.realized[key]
+	r, ok := m.realized[key]
 	m.mu.Unlock()
 	if ok {
-		return info, true
+		return r.info, true
 	}
 	g, err := m.gpu(gpuIndex)
 	if err != nil {
@@ -335,9 +343,36 @@ func (m *Manager) ReconcileActiveAllocations(map[AllocationKey]struct{}) error {
 	if m.list == nil {
 		return fmt.Errorf("the MIG sidecar adapter was built without a pod list: nothing released")
 	}
-	res, err := m.c.ReleaseWithKnownGeneration(m.ctx, m.list)
+	var listed map[string]bool // MIG UUIDs the pods' annotations name, nil until a list succeeded
+	var before uint64          // the answers up to this one came before the list
+	list := func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		m.mu.Lock()
+		before = m.seq
+		m.mu.Unlock()
+		active, err := m.list(ctx)
+		if err == nil {
+			listed = map[string]bool{}
+			for _, a := range active {
+				listed[a.GetMigUuid()] = a.GetMigUuid() != ""
+			}
+		}
+		return active, err
+	}
+	res, err := m.c.ReleaseWithKnownGeneration(m.ctx, list)
 	for _, r := range res.Idled {
 		m.unrealized(r.MigUUID)
+	}
+	if err == nil && listed != nil {
+		// Another client (an older plugin's adapter in this process, still reconciling) may have
+		// released an instance this adapter allocated without telling it: keep only the runtime
+		// identities a live pod's annotation names, or that were answered after the list.
+		m.mu.Lock()
+		for k, r := range m.realized {
+			if r.seq <= before && !listed[r.info.MigUUID] {
+				delete(m.realized, k)
+			}
+		}
+		m.mu.Unlock()
 	}
 	return err
 }

@@ -11,6 +11,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/annotation"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/hami"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakesidecar"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
@@ -197,5 +198,55 @@ func TestPluginRestartsInOneProcessShareOneConnection(t *testing.T) {
 	}
 	for s.OpenConns() != 0 { // the server sees the close when the client's goes; the test's deadline bounds this
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestARuntimeIdentityAnotherAdapterReleasedIsNotReportedAfterTheNextPass: an older plugin's
+// adapter in the same process keeps reconciling and idles an instance the new one allocated; the
+// new one's next pass drops what no live pod's annotation names, so annotateMigRuntimeInfo never
+// writes a released instance into the next pod's reservation.
+func TestARuntimeIdentityAnotherAdapterReleasedIsNotReportedAfterTheNextPass(t *testing.T) {
+	s, socket := fakesidecar.Start(t, "GPU-a")
+	cs := node(t)
+	old, err := Dial(context.Background(), socket, cs.CoreV1().Pods(""), "node-1", quick(), AllowSimulatedBackend())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Shutdown()
+	m, err := Dial(context.Background(), socket, cs.CoreV1().Pods(""), "node-1", quick(), AllowSimulatedBackend())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Shutdown()
+	kept, gone := nvml.GpuInstancePlacement{Start: 0, Size: 1}, nvml.GpuInstancePlacement{Start: 1, Size: 1}
+	a := pod("a", corev1.PodRunning, "")
+	b := pod("b", corev1.PodRunning, "")
+	migB, _, err := m.EnsureAllocation(Owner(&b, "main", 1, 0), 0, "1g.10gb", kept)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := m.EnsureAllocation(Owner(&a, "main", 1, 0), 0, "1g.10gb", gone); err != nil {
+		t.Fatal(err)
+	}
+	b.Annotations[annotation.Key] = `[{"containerIndex":1,"deviceIndex":0,"gpuUUID":"GPU-a","profile":"1g.10gb","placement":{"start":0,"size":1},"migUUID":"` + migB + `","gpuInstanceID":1,"computeInstanceID":0}]`
+	b.Spec.NodeName = "node-1"
+	if _, err := cs.CoreV1().Pods("ns").Create(context.Background(), &b, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.ReconcileNodePods(); err != nil { // pod a is not listed: the old adapter idles its instance
+		t.Fatal(err)
+	}
+	if err := m.ReconcileNodePods(); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := m.AllocationRuntimeInfo(0, "1g.10gb", gone); ok {
+		t.Fatal("an instance another adapter released is still reported as realized")
+	}
+	s.ResetCalls()
+	if info, ok := m.AllocationRuntimeInfo(0, "1g.10gb", kept); !ok || info.MigUUID != migB {
+		t.Fatalf("pod b's instance: %+v %t", info, ok)
+	}
+	if calls := s.Calls(); calls["GetState"] != 0 {
+		t.Fatalf("pod b's runtime identity was read with %v", calls)
 	}
 }
