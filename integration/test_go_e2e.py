@@ -204,6 +204,7 @@ class TestSidecarDownWhenACallStarts:
 # binary that could enumerate them is built by a fixture, after parametrization), and the first
 # test below holds it equal to the tests compiled into the binary.
 GO_E2E_TESTS = [
+    "TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook",
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",

@@ -195,6 +195,13 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
     return list(values)
 
 
+def mig_uuid(value: str, where: str) -> str:
+    """One MIG UUID a request names, checked for shape (whether it exists is the lifecycle's)."""
+    if not MIG_UUID_RE.match(value):
+        raise _invalid(f"{where}: {clip(value) or 'empty'} is not a MIG UUID", where)
+    return value
+
+
 def allowed_profiles(names: Sequence[str]) -> list[str]:
     require(
         len(names) <= MAX_ALLOWED_PROFILES,

@@ -11,6 +11,7 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
+from sidecar.lifecycle import undo
 from sidecar.lifecycle.inventory import StateSnapshot
 from sidecar.model import domain
 from sidecar.model.advice import OwnedInstance, RankedPlacement
@@ -167,3 +168,18 @@ def encode_report(report: RecoveryReport) -> Any:
         dropped_stale_records=list(report.dropped_stale_records),
         errors=list(report.errors),
     )
+
+
+_UNDO_SKIPS: dict[undo.Skip, Any] = {skip: pb.UndoSkip.Value("UNDO_SKIP_" + skip.value) for skip in undo.Skip}
+
+
+def encode_device_undo(done: undo.DeviceUndo, generation: int) -> Any:
+    """The UndoDeviceResponse: what was destroyed or idled, or why nothing was (``skipped``)."""
+    message = pb.UndoDeviceResponse(detail=done.detail, generation=generation)
+    if done.destroyed is not None:
+        message.destroyed.CopyFrom(encode_ref(done.destroyed))
+    if done.idled is not None:
+        message.idled.CopyFrom(encode_ref(done.idled))
+    if done.skipped is not None:
+        message.skipped = _UNDO_SKIPS[done.skipped]
+    return message

@@ -41,6 +41,7 @@ from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
+from sidecar.model.domain import AllocationKey
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
 
 log = logging.getLogger(__name__)
@@ -262,7 +263,9 @@ class MigSidecarServicer:
             finally:
                 self.metrics.observe_allocate(result, time.perf_counter() - started)
                 self.on_change()  # a refusal too: what it asked for may be what the reserve keeps ready
-            return encode.encode_allocated(result)
+            message = encode.encode_allocated(result)
+            message.generation = self.lifecycle.generation
+            return message
 
         return self._handle("Allocate", context, answer)
 
@@ -283,6 +286,7 @@ class MigSidecarServicer:
             return pb.SyncActiveResponse(
                 idled=[encode.encode_ref(ref) for ref in idled],
                 reactivated=[encode.encode_ref(ref) for ref in reactivated],
+                generation=self.lifecycle.generation,
             )
 
         return self._handle("SyncActive", context, answer)
@@ -333,6 +337,21 @@ class MigSidecarServicer:
             )
 
         return self._handle("UndoAllocate", context, answer)
+
+    def UndoDevice(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        def answer() -> Any:
+            mig_uuid = decode.mig_uuid(request.mig_uuid, "request.mig_uuid")
+            owner = AllocationKey(
+                decode.pod_uid(request.pod_uid, "request", "pod_uid"),
+                int(request.container_index),
+                int(request.device_index),
+            )
+            done = self.lifecycle.undo_device(mig_uuid, owner)
+            if done.destroyed is not None or done.idled is not None:
+                self.on_change()
+            return encode.encode_device_undo(done, self.lifecycle.generation)
+
+        return self._handle("UndoDevice", context, answer)
 
     def ReclaimIdle(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         def answer() -> Any:

@@ -15,7 +15,7 @@ from sidecar.lifecycle.allocate import Allocator
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.inventory import StateSnapshot
 from sidecar.model.advice import RankedPlacement
-from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, InstanceRef
+from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, AllocationKey, InstanceRef
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
 
@@ -84,6 +84,10 @@ class Lifecycle:
     ) -> tuple[list[InstanceRef], list[InstanceRef]]:
         """(destroyed, idled): the rollback of a successful Allocate for (pod, container)."""
         return undo.undo_allocate(self._ctx, pod_uid, container_index)
+
+    def undo_device(self, mig_uuid: str, owner: AllocationKey) -> undo.DeviceUndo:
+        """The undo of one MIG UUID, only while ``owner`` holds it (``undo.undo_device``)."""
+        return undo.undo_device(self._ctx, mig_uuid, owner)
 
     def reclaim_idle(
         self, gpu_uuid: str, mig_uuids: Sequence[str] = (), *, force: bool = False

@@ -13,8 +13,9 @@ from typing import Protocol
 
 from sidecar.lifecycle.inventory import StateSnapshot
 from sidecar.lifecycle.reclaim import Reclaimed
+from sidecar.lifecycle.undo import DeviceUndo
 from sidecar.model.advice import RankedPlacement
-from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, InstanceRef
+from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, AllocationKey, InstanceRef
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.recovery.steps import RecoveryReport
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
@@ -50,6 +51,7 @@ class Transactions(Protocol):
     def undo_allocate(
         self, pod_uid: str, container_index: int
     ) -> tuple[list[InstanceRef], list[InstanceRef]]: ...
+    def undo_device(self, mig_uuid: str, owner: AllocationKey) -> DeviceUndo: ...
     def reclaim_idle(
         self, gpu_uuid: str, mig_uuids: Sequence[str] = (), *, force: bool = False
     ) -> Reclaimed: ...

@@ -6,14 +6,25 @@ destroy of ``teardown``; those it reused go back to IDLE. Each record says which
 (``OwnershipRecord.origin``, REUSED where the sidecar cannot know). Fenced: only instances that are
 still ACTIVE for exactly that pod and container are touched, so an instance released or handed to
 another key since is left alone, and repeating the undo finds nothing more to do.
+
+``undo_device`` is the same undo for one MIG UUID, with the owner it must still belong to: HAMi's
+rollback releases exactly the devices its failed Allocate took, one MIG UUID at a time, and a
+repeated or late release must not reach an instance that has since gone IDLE or to another pod, nor
+the container's other devices. Because the guard is the owner in the sidecar's own record, it holds
+across a plugin restart and between two plugins. When the owner does not hold the instance nothing
+changes and the answer says why (``Skip``), as a repeated undo is the normal case, not an error.
 """
 
 from __future__ import annotations
 
+import enum
+
+import msgspec
+
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.steps import destroy_each, put_each, raise_first, require_no_processes
-from sidecar.model.domain import POD_UID_RE, InstanceRef, State
+from sidecar.model.domain import MIG_UUID_RE, POD_UID_RE, AllocationKey, InstanceRef, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref
 
@@ -63,3 +74,66 @@ def held(ctx: Context, pod_uid: str, container_index: int) -> list[OwnershipReco
         and r.owner.container_index == container_index
     ]
     return sorted(found, key=lambda r: r.owner.device_index if r.owner is not None else 0)
+
+
+class Skip(enum.StrEnum):
+    """Why an ``undo_device`` changed nothing (the contract's ``UndoSkip``)."""
+
+    UNKNOWN_INSTANCE = "UNKNOWN_INSTANCE"  # no owned instance has that MIG UUID
+    NOT_ACTIVE = "NOT_ACTIVE"  # IDLE (released or undone before), ERROR, in flight
+    OTHER_OWNER = "OTHER_OWNER"  # ACTIVE for another pod, container or device
+
+
+class DeviceUndo(msgspec.Struct, frozen=True):
+    """What ``undo_device`` did: destroyed it, gave it back IDLE, or (``skipped``) nothing."""
+
+    destroyed: InstanceRef | None = None
+    idled: InstanceRef | None = None
+    skipped: Skip | None = None
+    detail: str = ""
+
+
+def undo_device(ctx: Context, mig_uuid: str, owner: AllocationKey) -> DeviceUndo:
+    """Undo the Allocate of ``mig_uuid`` while ``owner`` holds it ACTIVE; else change nothing.
+
+    The refusals and the failure are undo_allocate's for one instance: InstanceInUse (nothing changed)
+    when a process runs on a created instance; a destroy that fails leaves it ERROR and raises."""
+    ctx.require_recovered()
+    if not MIG_UUID_RE.match(mig_uuid):
+        raise InvalidRequest(f"{mig_uuid!r} is not a MIG UUID", {"mig_uuid": mig_uuid[:64]})
+    if not POD_UID_RE.match(owner.pod_uid):
+        raise InvalidRequest(f"pod uid {owner.pod_uid!r} is not a valid UID", {"pod_uid": owner.pod_uid[:64]})
+    found = _held(ctx, mig_uuid, owner)
+    if isinstance(found, DeviceUndo):
+        return found
+    # Allocate's lock order, as undo_allocate: an Allocate of this key is done or has not begun.
+    with ctx.locks.claim([owner]), ctx.locks.gpus([found.gpu_uuid]):
+        current = _held(ctx, mig_uuid, owner)  # it may have changed while we waited
+        if isinstance(current, DeviceUndo):
+            return current
+        if current.origin is Origin.CREATED:
+            require_no_processes(ctx, current)  # the check before anything changes
+            failures: list[SidecarError] = []
+            destroyed = destroy_each(ctx, [current], "after-undo-destroy-one", failures)
+            raise_first(failures)
+            return DeviceUndo(destroyed=destroyed[0])
+        ctx.table.put(ctx.idle(current))
+        crashpoints.crashpoint("after-undo-idle-one")
+        return DeviceUndo(idled=instance_ref(current))
+
+
+def _held(ctx: Context, mig_uuid: str, owner: AllocationKey) -> OwnershipRecord | DeviceUndo:
+    """The record of ``mig_uuid`` if ``owner`` holds it ACTIVE, else the skip answer saying why."""
+    record = next((r for r in ctx.table.instances() if r.mig_uuid == mig_uuid), None)
+    if record is None:
+        return DeviceUndo(skipped=Skip.UNKNOWN_INSTANCE, detail=f"no owned instance has MIG UUID {mig_uuid}")
+    if record.state is not State.ACTIVE or record.owner is None:
+        return DeviceUndo(skipped=Skip.NOT_ACTIVE, detail=f"{mig_uuid} is {record.state.value}")
+    if record.owner.key != owner:
+        held = record.owner.key
+        return DeviceUndo(
+            skipped=Skip.OTHER_OWNER,
+            detail=f"{mig_uuid} is held by pod {held.pod_uid} container {held.container_index}"
+            f" device {held.device_index}",
+        )
+    return record

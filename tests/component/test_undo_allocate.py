@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from lifecycle_world import World, active_of, restart
 
+from sidecar.lifecycle import crashpoints, undo
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
-from sidecar.model.domain import Outcome, State
+from sidecar.model.domain import ActiveAllocation, AllocationKey, Outcome, State
 from sidecar.model.ownership import Origin
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 
@@ -157,3 +158,109 @@ class TestUndoAllocate:
             world.lifecycle.undo_allocate("pod-a", 0)
         assert world.everything() == before
         assert result.devices[0].identity.mig_uuid in world.live_mig_uuids()
+
+
+def key(pod: str, container: int = 0, device: int = 0) -> AllocationKey:
+    return AllocationKey(pod, container, device)
+
+
+class TestUndoDevice:
+    """The device-level undo: one MIG UUID, only while the named owner holds it."""
+
+    def test_it_undoes_one_device_and_leaves_the_containers_other_device_as_it_was(
+        self, world: World
+    ) -> None:
+        reused, created = reuse_and_create(world)
+
+        done = world.lifecycle.undo_device(created, key("pod-b", device=1))
+
+        assert done.destroyed is not None
+        assert done.destroyed.identity is not None
+        assert (done.destroyed.identity.mig_uuid, done.idled, done.skipped) == (created, None, None)
+        [record] = world.record_files().values()
+        assert (record.mig_uuid, record.state, record.owner is not None) == (reused, State.ACTIVE, True)
+        assert record.owner is not None
+        assert record.owner.key == key("pod-b", device=0)
+        assert world.live_mig_uuids() == {reused}
+        world.assert_consistent()
+
+        done = world.lifecycle.undo_device(reused, key("pod-b", device=0))
+        assert done.idled is not None
+        assert done.destroyed is None
+        assert [(r.state, r.owner) for r in world.record_files().values()] == [(State.IDLE, None)]
+
+    def test_a_repeat_is_a_no_op_that_says_why_even_once_another_pod_holds_it(self, world: World) -> None:
+        reused, _ = reuse_and_create(world)
+        world.lifecycle.undo_device(reused, key("pod-b"))
+        before = world.everything()
+
+        again = world.lifecycle.undo_device(reused, key("pod-b"))
+        assert (again.skipped, again.destroyed, again.idled) == (undo.Skip.NOT_ACTIVE, None, None)
+        assert world.everything() == before
+
+        taken = world.allocate("pod-c", (0, "1g.10gb", 0, 1)).devices[0]
+        assert (taken.outcome, taken.identity.mig_uuid) == (Outcome.REUSED, reused)
+        before = world.everything()
+        late = world.lifecycle.undo_device(reused, key("pod-b"))
+        assert late.skipped is undo.Skip.OTHER_OWNER
+        assert "pod-c" in late.detail
+        assert world.everything() == before
+
+    def test_a_stale_container_or_device_index_changes_nothing(self, world: World) -> None:
+        _, created = reuse_and_create(world)
+        before = world.everything()
+        for stale in (key("pod-b", device=0), key("pod-b", container=1, device=1), key("pod-x", device=1)):
+            assert world.lifecycle.undo_device(created, stale).skipped is undo.Skip.OTHER_OWNER
+        assert world.everything() == before
+
+    def test_an_unknown_mig_uuid_changes_nothing_and_bad_input_is_invalid(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        before = world.everything()
+        nobody = "MIG-00000000-0000-0000-0000-000000000000"
+        assert world.lifecycle.undo_device(nobody, key("pod-a")).skipped is undo.Skip.UNKNOWN_INSTANCE
+        for mig, owner in (("MIG-nope", key("pod-a")), (nobody, key("../pod-a"))):
+            with pytest.raises(errors.InvalidRequest):
+                world.lifecycle.undo_device(mig, owner)
+        assert world.everything() == before
+
+    def test_a_process_on_the_created_instance_refuses_and_changes_nothing(self, world: World) -> None:
+        _, created = reuse_and_create(world)
+        world.hw.set_busy(created)
+        before = world.everything()
+        with pytest.raises(errors.InstanceInUse):
+            world.lifecycle.undo_device(created, key("pod-b", device=1))
+        assert world.everything() == before
+
+    def test_a_failed_destroy_leaves_error_and_the_reconciler_finishes(self, world: World) -> None:
+        reused, created = reuse_and_create(world)
+        world.hw.inject_fault("destroy-gi", NVML_ERROR_UNKNOWN, times=FOREVER)
+        with pytest.raises(errors.NvmlFailure):
+            world.lifecycle.undo_device(created, key("pod-b", device=1))
+        states = {r.mig_uuid: r.state for r in world.record_files().values()}
+        assert states == {reused: State.ACTIVE, created: State.ERROR}
+        assert world.lifecycle.undo_device(created, key("pod-b", device=1)).skipped is undo.Skip.NOT_ACTIVE
+        world.hw.clear_faults()
+        Reconciler(world.lifecycle).run_once()
+        assert world.live_mig_uuids() == {reused}
+        world.assert_consistent()
+
+    @pytest.mark.parametrize("point", ["after-record-deleting", "after-destroy-gi", "after-undo-destroy-one"])
+    def test_a_crash_in_the_destroy_leaves_nothing_behind_after_recovery(
+        self, world: World, point: str
+    ) -> None:
+        reused, created = reuse_and_create(world)
+        held = next(r for r in world.record_files().values() if r.mig_uuid == reused)
+        assert held.owner is not None
+        still = ActiveAllocation(owner=held.owner, reservation=held.reservation, identity=held.identity)
+        with crashpoints.raising_at(point), pytest.raises(crashpoints.Crashed):
+            world.lifecycle.undo_device(created, key("pod-b", device=1))
+        restart(world).recover([still])
+        assert world.live_mig_uuids() == {reused}
+        assert {r.mig_uuid: r.state for r in world.record_files().values()} == {reused: State.ACTIVE}
+        world.assert_consistent()
+
+    def test_before_recovery_it_is_refused(self, world: World) -> None:
+        mig = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0].identity.mig_uuid
+        restart(world)
+        with pytest.raises(errors.NotRecovered):
+            world.lifecycle.undo_device(mig, key("pod-a"))

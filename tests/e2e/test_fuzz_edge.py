@@ -216,6 +216,16 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
         pb.RankPlacementsRequest,
         st.builds(pb.RankPlacementsRequest, gpu_uuid=gpu_uuids(), profile=PROFILES),
     ),
+    "UndoDevice": (
+        pb.UndoDeviceRequest,
+        st.builds(
+            pb.UndoDeviceRequest,
+            mig_uuid=MIG_UUIDS,
+            pod_uid=POD_UIDS,
+            container_index=UINT32,
+            device_index=UINT32,
+        ),
+    ),
 }
 
 

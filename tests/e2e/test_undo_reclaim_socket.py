@@ -125,6 +125,64 @@ class TestUndoAllocate:
         assert everything(car) == before
 
 
+def undo_device(car: Sidecar, mig: str, pod: str, container: int = 0, device: int = 0) -> Any:
+    request = pb.UndoDeviceRequest(mig_uuid=mig, pod_uid=pod, container_index=container, device_index=device)
+    return car.stub.UndoDevice(request, timeout=CALL_TIMEOUT_S)
+
+
+class TestUndoDevice:
+    def test_one_device_is_undone_its_neighbour_kept_and_a_late_repeat_spares_the_next_pod(
+        self, car: Sidecar
+    ) -> None:
+        first = idle(car, "pod-a", 0, 0)
+        answer = allocate(car, "pod-b", (0, "1g.10gb", 0, 1), (0, "1g.10gb", 1, 1))
+        reused, created = answer.devices[0].mig_uuid, answer.devices[1].mig_uuid
+        assert reused == first
+        # the answer carries the generation GetInfo would say: the fence of a later SyncActive
+        assert (
+            answer.generation == car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).generation > 0
+        )
+
+        gone = undo_device(car, created, "pod-b", device=1)
+        assert (gone.destroyed.mig_uuid, gone.HasField("idled"), gone.skipped) == (
+            created,
+            False,
+            pb.UNDO_SKIP_UNSPECIFIED,
+        )
+        assert gone.generation == car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).generation
+        assert states(car) == {reused: pb.ACTIVE}
+        assert live(car) == {reused}
+
+        back = undo_device(car, reused, "pod-b", device=0)
+        assert back.idled.mig_uuid == reused
+        assert not back.HasField("destroyed")
+        assert states(car) == {reused: pb.IDLE}
+        again = undo_device(car, reused, "pod-b", device=0)
+        assert again.skipped == pb.UNDO_SKIP_NOT_ACTIVE
+
+        taken = allocate_one(car, "pod-c", 0, "1g.10gb", 0, 1)
+        assert (taken.outcome, taken.mig_uuid) == (pb.REUSED, reused)
+        before = everything(car)
+        late = undo_device(car, reused, "pod-b", device=0)
+        assert late.skipped == pb.UNDO_SKIP_OTHER_OWNER
+        assert "pod-c" in late.detail
+        assert everything(car) == before
+
+    def test_another_pods_instance_an_unknown_one_and_bad_input_change_nothing(self, car: Sidecar) -> None:
+        held = allocate_one(car, "pod-a", 0, "1g.10gb", 0, 1).mig_uuid
+        before = everything(car)
+
+        assert undo_device(car, held, "pod-b").skipped == pb.UNDO_SKIP_OTHER_OWNER
+        assert undo_device(car, held, "pod-a", container=1).skipped == pb.UNDO_SKIP_OTHER_OWNER
+        assert undo_device(car, NOBODY, "pod-a").skipped == pb.UNDO_SKIP_UNKNOWN_INSTANCE
+        for mig, pod in (("", "pod-a"), ("MIG-nope", "pod-a"), (held, ""), (held, "../pod-a")):
+            code, reason, _ = failure(lambda mig=mig, pod=pod: undo_device(car, mig, pod))  # type: ignore[misc]
+            assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"), (mig, pod)
+
+        assert everything(car) == before
+        assert states(car) == {held: pb.ACTIVE}
+
+
 class TestReclaimIdle:
     def test_each_refusal_has_its_reason_and_destroys_nothing(self, car: Sidecar) -> None:
         a = idle(car, "pod-a", 0, 0)

@@ -34,6 +34,9 @@ func DialLazy(ctx context.Context, socket string, opts migclient.Options) (*Lazy
 	return &Lazy{m: m}, nil
 }
 
+// LazyOver is the lazy method set over an existing adapter (and its connection).
+func LazyOver(m *Manager) *Lazy { return &Lazy{m: m} }
+
 // Manager is the v2.10 adapter over the same connection.
 func (l *Lazy) Manager() *Manager { return l.m }
 
@@ -50,11 +53,10 @@ func (l *Lazy) EnsureAllocation(owner Owner, gpuIndex int, profile string, place
 		Reused: d.Outcome == migclient.OutcomeReused, Reclaimed: reclaimed}, nil
 }
 
-// MarkIdle is the rollback of a reused instance. Like Release, it undoes the Allocate of the
-// container holding migUUID (created instances destroyed, reused ones IDLE), so whichever of
-// the two HAMi's rollback calls first does the work. HAMi's MarkIdle returns nothing; a failed
-// undo leaves the instance ACTIVE for the failed pod until the reconciler sees the pod's
-// reservation go.
+// MarkIdle is the rollback of a reused instance: Release, which undoes exactly that device for
+// the owner this adapter handed it to (a reused one goes back IDLE), and nothing when that
+// owner no longer holds it. HAMi's MarkIdle returns nothing; a failed undo leaves the instance
+// ACTIVE for the failed pod until the reconciler sees the pod's reservation go.
 func (l *Lazy) MarkIdle(migUUID string) { _ = l.m.Release(migUUID) }
 
 // Release: see Manager.Release.
@@ -75,6 +77,9 @@ func (l *Lazy) AdoptAllocation(gpuIndex int, profile, migUUID string, placement 
 func (l *Lazy) ReconcileActiveAllocations(active map[AllocationKey]struct{}) error {
 	return l.m.ReconcileActiveAllocations(active)
 }
+
+// ReconcileNodePods: see Manager.ReconcileNodePods.
+func (l *Lazy) ReconcileNodePods() error { return l.m.ReconcileNodePods() }
 
 // RetryErrorAllocations reports nothing and changes nothing: the sidecar's own reconciler
 // retries the destroy of ERROR instances no live reservation guards, and an Allocate that one

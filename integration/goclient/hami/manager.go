@@ -29,7 +29,25 @@ type Manager struct {
 	mu       sync.Mutex
 	gpus     []migclient.GPU
 	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
+	owners   map[string]held   // MIG UUID -> to whom this adapter handed it (Release's guard)
+	seq      uint64
+	realized map[AllocationKey]realized
 	shutdown bool
+	release  func() // called once by Shutdown (NewShared)
+}
+
+// realized is the runtime identity one of this adapter's Allocate answers gave for a reservation,
+// with the seq of that answer.
+type realized struct {
+	info RuntimeInfo
+	seq  uint64
+}
+
+// held is the owner of one MIG UUID as this adapter's Allocate named it. seq tells two
+// hand-outs of the same MIG UUID apart, so a Release that raced a new hand-out never drops it.
+type held struct {
+	device migclient.DeviceOwner
+	seq    uint64
 }
 
 // New builds the adapter over a client. ctx bounds every call the adapter makes (HAMi passes
@@ -41,7 +59,20 @@ func New(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}}, nil
+	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}, owners: map[string]held{},
+		realized: map[AllocationKey]realized{}}, nil
+}
+
+// NewShared is New for a client other adapters share (kube.Dial keeps one per socket, so a plugin
+// restarted in the same process reuses the connection instead of leaking one): Shutdown calls
+// release once instead of closing c.
+func NewShared(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc, release func()) (*Manager, error) {
+	m, err := New(ctx, c, list)
+	if err != nil {
+		return nil, err
+	}
+	m.release = release
+	return m, nil
 }
 
 // Dial connects to the sidecar at socket and builds the adapter; opts.ListActive is the pod
@@ -135,13 +166,21 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 		return migclient.AllocatedDevice{}, nil, fmt.Errorf("the sidecar answered %d devices for one", len(res.Devices))
 	}
 	d := res.Devices[0]
+	for _, r := range res.Reclaimed {
+		m.unrealized(r.MigUUID)
+		m.forget(r.MigUUID)
+	}
+	key := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
 	m.mu.Lock()
 	m.cdi[d.MigUUID] = d.CDIDevice
+	m.seq++
+	m.owners[d.MigUUID] = held{device: migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}, seq: m.seq}
+	m.realized[key] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
+		GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}, seq: m.seq}
 	m.mu.Unlock()
 	reclaimed := make([]string, 0, len(res.Reclaimed))
 	for _, r := range res.Reclaimed {
 		reclaimed = append(reclaimed, r.MigUUID)
-		m.forget(r.MigUUID)
 	}
 	return d, reclaimed, nil
 }
@@ -150,6 +189,18 @@ func (m *Manager) forget(migUUID string) {
 	m.mu.Lock()
 	delete(m.cdi, migUUID)
 	m.mu.Unlock()
+}
+
+// unrealized drops the runtime identity this adapter cached for migUUID: the instance is no
+// longer the realized reservation of the owner it was handed to (undone, released, reclaimed).
+func (m *Manager) unrealized(migUUID string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for k, r := range m.realized {
+		if r.info.MigUUID == migUUID {
+			delete(m.realized, k)
+		}
+	}
 }
 
 // EnsureAllocation is MigInstanceManager.EnsureAllocation with the owner added: it realizes
@@ -195,22 +246,39 @@ func (m *Manager) find(match func(*pb.Instance) bool) (*pb.Instance, error) {
 	return nil, nil
 }
 
-// Release is the rollback of an EnsureAllocation that took migUUID. The owner is read from the
-// sidecar (so a restarted plugin can release what its predecessor allocated), and the
-// container's Allocate is undone as a whole: what it created is destroyed, what it reused goes
-// back IDLE. HAMi's rollback loop calls Release for each device it took; after the first, the
-// others find nothing ACTIVE left and return nil. An unknown or no longer ACTIVE MIG UUID is
-// nil too, as in HAMi.
+// Release is the rollback of an EnsureAllocation that took migUUID: it undoes that one device
+// (created: destroyed; reused: IDLE again) only while the owner this adapter handed migUUID to
+// still holds it, a guard the sidecar applies under its own locks (UndoDevice). So a repeated
+// Release, one that comes after the instance went IDLE and to another pod, and one of a MIG UUID
+// another pod holds change nothing; neither do the container's other devices. A MIG UUID this
+// adapter never handed out (another adapter's, or its predecessor's before a plugin restart) is
+// nil with nothing sent: the owner is not known, and guessing it from what holds the MIG UUID
+// now is exactly the wrong undo. HAMi's rollback only ever releases what its own Allocate took,
+// within that call, so it always has the owner here. An error keeps the owner for a retry.
 func (m *Manager) Release(migUUID string) error {
-	in, err := m.find(func(in *pb.Instance) bool { return in.GetMigUuid() == migUUID })
-	if err != nil || in == nil || in.GetState() != pb.InstanceState_ACTIVE || in.GetOwner() == nil {
+	if err := m.live(); err != nil {
 		return err
 	}
-	res, err := m.c.UndoAllocate(m.ctx, in.GetOwner().GetPod().GetUid(), in.GetOwner().GetContainerIndex())
-	for _, d := range res.Destroyed {
-		m.forget(d.MigUUID)
+	m.mu.Lock()
+	o, ok := m.owners[migUUID]
+	m.mu.Unlock()
+	if !ok {
+		return nil
 	}
-	return err
+	done, err := m.c.UndoDevice(m.ctx, migUUID, o.device)
+	if err != nil {
+		return err
+	}
+	m.mu.Lock()
+	if m.owners[migUUID] == o {
+		delete(m.owners, migUUID)
+	}
+	m.mu.Unlock()
+	m.unrealized(migUUID)
+	if done.Destroyed != nil {
+		m.forget(migUUID)
+	}
+	return nil
 }
 
 func atKey(gpuUUID, profile string, placement nvml.GpuInstancePlacement) func(*pb.Instance) bool {
@@ -224,6 +292,13 @@ func atKey(gpuUUID, profile string, placement nvml.GpuInstancePlacement) func(*p
 // holds it. An error reading it answers false, so annotateMigRuntimeInfo writes nothing it has
 // not seen.
 func (m *Manager) AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool) {
+	key := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
+	m.mu.Lock()
+	r, ok := m.realized[key]
+	m.mu.Unlock()
+	if ok {
+		return r.info, true
+	}
 	g, err := m.gpu(gpuIndex)
 	if err != nil {
 		return RuntimeInfo{}, false
@@ -256,10 +331,11 @@ func (m *Manager) AdoptAllocation(gpuIndex int, profile, migUUID string, placeme
 
 // ReconcileActiveAllocations releases what no live pod holds. The sidecar needs each
 // allocation's owner, which HAMi's key set lacks, so the allocations come from the pod list
-// given at construction, taken after HAMi's and so at least as fresh; active itself is not
-// needed. Released instances go IDLE (the sidecar caches them for reuse and reclaims them
-// under placement pressure); the pass is fenced by the sidecar's generation, so an Allocate
-// racing it is never released.
+// given at construction; active itself is not needed (HAMi calls ReconcileNodePods instead,
+// without listing the pods itself). Released instances go IDLE (the sidecar caches them for
+// reuse and reclaims them under placement pressure). The pass is fenced by a generation the
+// sidecar answered with before the list was taken (migclient.ReleaseWithKnownGeneration), so an
+// Allocate racing it is never released, and costs one SyncActive in the steady state.
 func (m *Manager) ReconcileActiveAllocations(map[AllocationKey]struct{}) error {
 	if err := m.live(); err != nil {
 		return err
@@ -267,9 +343,47 @@ func (m *Manager) ReconcileActiveAllocations(map[AllocationKey]struct{}) error {
 	if m.list == nil {
 		return fmt.Errorf("the MIG sidecar adapter was built without a pod list: nothing released")
 	}
-	_, err := m.c.ReleaseByPodList(m.ctx, m.list)
+	var listed map[string]bool // MIG UUIDs the pods' annotations name, nil until a list succeeded
+	var before uint64          // the answers up to this one came before the list
+	list := func(ctx context.Context) ([]*pb.ActiveAllocation, error) {
+		m.mu.Lock()
+		before = m.seq
+		m.mu.Unlock()
+		active, err := m.list(ctx)
+		if err == nil {
+			listed = map[string]bool{}
+			for _, a := range active {
+				listed[a.GetMigUuid()] = a.GetMigUuid() != ""
+			}
+		}
+		return active, err
+	}
+	res, err := m.c.ReleaseWithKnownGeneration(m.ctx, list)
+	for _, r := range res.Idled {
+		m.unrealized(r.MigUUID)
+	}
+	if err == nil && listed != nil {
+		// Another client (an older plugin's adapter in this process, still reconciling) may have
+		// released an instance this adapter allocated without telling it: keep only the runtime
+		// identities a live pod's annotation names, or that were answered after the list.
+		m.mu.Lock()
+		for k, r := range m.realized {
+			if r.seq <= before && !listed[r.info.MigUUID] {
+				delete(m.realized, k)
+			}
+		}
+		m.mu.Unlock()
+	}
 	return err
 }
+
+// ReconcileNodePods is what HAMi's reconcileActiveMigAllocations calls in place of its own pod
+// list when the manager is this adapter: the one list of the node's pods per pass is the
+// adapter's (the pod list given at construction), which it needs anyway for the pods' identity,
+// so HAMi's API server sees one LIST per pass, as with the in-process manager. The pass is a
+// SyncActive fenced by the last generation the sidecar answered with, read before the list: in
+// the steady state one sidecar call. See ReconcileActiveAllocations.
+func (m *Manager) ReconcileNodePods() error { return m.ReconcileActiveAllocations(nil) }
 
 // ResetIdleGPUs prepares the GPUs no pod and no process uses for on-demand instances: MIG mode
 // on, as HAMi's does. Unlike HAMi's, it destroys nothing: the instances on those GPUs are the
@@ -351,7 +465,13 @@ func (m *Manager) Shutdown() {
 	already := m.shutdown
 	m.shutdown = true
 	m.mu.Unlock()
-	if !already && m.closes {
+	if already {
+		return
+	}
+	if m.release != nil {
+		m.release()
+	}
+	if m.closes {
 		_ = m.c.Close()
 	}
 }

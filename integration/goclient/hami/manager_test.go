@@ -164,3 +164,109 @@ func TestTheLazyExtrasAndShutdown(t *testing.T) {
 		t.Fatalf("after Shutdown: %v", err)
 	}
 }
+
+func stateOf(s *fakesidecar.Server, mig string) (pb.InstanceState, string) {
+	for _, in := range s.Instances() {
+		if in.MigUUID == mig {
+			if in.Owner != nil {
+				return in.State, in.Owner.PodUID
+			}
+			return in.State, ""
+		}
+	}
+	return pb.InstanceState_INSTANCE_STATE_UNSPECIFIED, ""
+}
+
+func TestReleaseUndoesOnlyTheDeviceItsOwnerStillHolds(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	dev0, _, err := m.EnsureAllocation(own("a", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1})
+	if err != nil || dev0 != cached.MigUUID {
+		t.Fatal(dev0, err)
+	}
+	dev1, _, err := m.EnsureAllocation(own("a", 1), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 1, Size: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// Device 1 of the container is released: device 0 stays ACTIVE for pod a.
+	if err := m.Release(dev1); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := stateOf(s, dev1); st != pb.InstanceState_INSTANCE_STATE_UNSPECIFIED {
+		t.Fatalf("the created device 1 is still there: %v", st)
+	}
+	if st, holder := stateOf(s, dev0); st != pb.InstanceState_ACTIVE || holder != "a" {
+		t.Fatalf("device 0 after releasing device 1: %v %q", st, holder)
+	}
+
+	// Device 0 goes back IDLE; pod b reuses it; a repeated Release of it (a retried rollback)
+	// leaves pod b's instance alone.
+	if err := m.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := stateOf(s, dev0); st != pb.InstanceState_IDLE {
+		t.Fatalf("device 0 after its release: %v", st)
+	}
+	s.ResetCalls()
+	if err := m.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.Calls()["UndoDevice"]; n != 0 {
+		t.Fatalf("a repeated Release sent %d UndoDevice", n)
+	}
+	if again, _, err := m.EnsureAllocation(own("b", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1}); err != nil || again != dev0 {
+		t.Fatal(again, err)
+	}
+	// Another adapter over the same sidecar (a second plugin, or this one restarted) never
+	// handed dev0 out: its Release changes nothing.
+	other, err := NewLazy(context.Background(), m.Client(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	other.MarkIdle(dev0)
+	if st, holder := stateOf(s, dev0); st != pb.InstanceState_ACTIVE || holder != "b" {
+		t.Fatalf("pod b's instance after Releases that were not its own: %v %q", st, holder)
+	}
+}
+
+// TestTheSidecarGuardsAStaleOwner: an owner that no longer holds the instance (it went IDLE and
+// to another pod behind this adapter's back, through another adapter) is refused by the
+// sidecar, not by the adapter's memory.
+func TestTheSidecarGuardsAStaleOwner(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	mig, _, err := m.EnsureAllocation(own("a", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 2, Size: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := NewLazy(context.Background(), m.Client(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Client().UndoDevice(context.Background(), mig, migclient.DeviceOwner{PodUID: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 2, Size: 1, State: pb.InstanceState_IDLE, MigUUID: mig + "-again"})
+	if _, err := other.EnsureAllocation(own("b", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 2, Size: 1}); err != nil {
+		t.Fatal(err)
+	}
+	s.ResetCalls()
+	if err := m.Release(mig + "-again"); err != nil { // never handed out by m
+		t.Fatal(err)
+	}
+	if n := s.Calls()["UndoDevice"]; n != 0 {
+		t.Fatalf("a MIG UUID m never handed out sent %d UndoDevice", n)
+	}
+	res, err := m.Client().UndoDevice(context.Background(), mig+"-again", migclient.DeviceOwner{PodUID: "a"})
+	if err != nil || res.Skipped != migclient.UndoSkipOtherOwner {
+		t.Fatalf("a stale owner: %+v %v", res, err)
+	}
+	if st, holder := stateOf(s, mig+"-again"); st != pb.InstanceState_ACTIVE || holder != "b" {
+		t.Fatalf("pod b's instance: %v %q", st, holder)
+	}
+}

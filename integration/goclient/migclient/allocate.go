@@ -29,6 +29,7 @@ func (c *Client) Allocate(ctx context.Context, req AllocateRequest) (AllocateRes
 	if err != nil {
 		return AllocateResult{}, err
 	}
+	c.noteGeneration(resp.GetGeneration())
 	return allocateResult(req, resp)
 }
 

@@ -29,7 +29,9 @@ func (c *Client) getInfo(ctx context.Context) (Info, error) {
 	c.mu.Lock()
 	if c.seen != nil && *c.seen != inc {
 		c.restarts++
+		c.known = 0 // a generation of the process before is no fence for this one
 	}
+	c.known = max(c.known, info.Generation)
 	c.seen = &inc
 	c.backendOK = berr == nil
 	c.mu.Unlock()

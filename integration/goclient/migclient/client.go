@@ -110,6 +110,12 @@ type Client struct {
 	// READY, a connection-level UNAVAILABLE, a NOT_RECOVERED answer), so the next call checks
 	// again before it sends anything.
 	backendOK bool
+	// known is the largest generation this sidecar answered with (GetInfo or a call's answer),
+	// meaningful once seen is set. Generations never go back, across restarts too, so it is never above the
+	// sidecar's current one: a pod list taken after it was read may be fenced with it
+	// (ReleaseWithKnownGeneration) without a GetInfo first. Every GetInfo sets it (0 is a
+	// generation too); one that sees another process resets it to that process's value.
+	known uint64
 
 	// recovering holds a token while a recovery runs, so that concurrent calls that all hit
 	// NOT_RECOVERED share one Recover. A channel rather than a mutex: a call waits for the

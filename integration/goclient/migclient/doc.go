@@ -13,6 +13,9 @@
 //   - a sidecar that restarted answers NOT_RECOVERED; given Options.ListActive the client then
 //     calls Recover with the plugin's active allocations and retries the call once;
 //   - ReleaseByPodList implements the generation-fenced release (GetInfo, pod list, SyncActive);
+//     ReleaseWithKnownGeneration is the same pass fenced by the last generation an answer
+//     carried, one SyncActive in the steady state;
+//   - UndoDevice undoes one MIG device only while the named owner holds it, and says why not;
 //   - answers are checked: a call either returns a complete result or an error, never a
 //     partial success;
 //   - a sidecar on the simulated backend is refused (SIMULATED_BACKEND) unless

@@ -43,6 +43,7 @@ func (c *Client) SyncActive(ctx context.Context, generation uint64, active []*pb
 	if err != nil {
 		return SyncResult{}, err
 	}
+	c.noteGeneration(resp.GetGeneration())
 	return SyncResult{
 		Generation:  generation,
 		Idled:       instanceRefsFromPB(resp.GetIdled()),

@@ -2,9 +2,12 @@ package migclient_test
 
 import (
 	"context"
+	"net"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
@@ -174,5 +177,91 @@ func TestRecoverSendsPendingReservationsTheListNames(t *testing.T) {
 	if len(recs) != 1 || len(recs[0].GetActive()) != 1 || recs[0].GetActive()[0].GetMigUuid() != "" ||
 		recs[0].GetActive()[0].GetPod().GetUid() != "later" {
 		t.Fatalf("Recover did not carry the pending reservation: %v", recs)
+	}
+}
+
+// oldSidecar is a sidecar from before UndoDevice: it answers GetInfo and nothing new.
+type oldSidecar struct {
+	pb.UnimplementedMigSidecarServer
+}
+
+func (oldSidecar) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
+	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "old", Recovered: true}, nil
+}
+
+func TestUndoDeviceAgainstAnOlderSidecarFailsAndNeverFallsBackToTheContainerUndo(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "old.sock")
+	lis, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	pb.RegisterMigSidecarServer(srv, oldSidecar{})
+	go func() { _ = srv.Serve(lis) }()
+	t.Cleanup(srv.Stop)
+	c, err := migclient.New(context.Background(), socket, migclient.Options{CallTimeout: 5 * time.Second, AllocateTimeout: 5 * time.Second,
+		MaxAttempts: 2, AllowSimulatedBackend: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.UndoDevice(context.Background(), "MIG-x", migclient.DeviceOwner{PodUID: "p"}); migclient.CodeOf(err) != codes.Unimplemented {
+		t.Fatalf("an older sidecar: %v", err)
+	}
+}
+
+func TestUndoDeviceAnswersWhatItDidOrWhyNot(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	res, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1), on("GPU-a", "1g.10gb", 1, 1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev0, dev1 := res.Devices[0].MigUUID, res.Devices[1].MigUUID
+	done, err := c.UndoDevice(ctx, dev1, migclient.DeviceOwner{PodUID: "p", DeviceIndex: 1})
+	if err != nil || done.Destroyed == nil || done.Destroyed.MigUUID != dev1 || done.Skipped != migclient.UndoSkipNone {
+		t.Fatalf("undo of device 1: %+v %v", done, err)
+	}
+	if got := states(s); len(got) != 1 || got[dev0] != pb.InstanceState_ACTIVE {
+		t.Fatalf("device 0 after undoing device 1: %v", got)
+	}
+	for _, tc := range []struct {
+		mig   string
+		owner migclient.DeviceOwner
+		want  migclient.UndoSkip
+	}{
+		{dev1, migclient.DeviceOwner{PodUID: "p", DeviceIndex: 1}, migclient.UndoSkipUnknownInstance},
+		{dev0, migclient.DeviceOwner{PodUID: "p", DeviceIndex: 1}, migclient.UndoSkipOtherOwner},
+		{dev0, migclient.DeviceOwner{PodUID: "q"}, migclient.UndoSkipOtherOwner},
+	} {
+		if got, err := c.UndoDevice(ctx, tc.mig, tc.owner); err != nil || got.Skipped != tc.want || got.Destroyed != nil || got.Idled != nil {
+			t.Fatalf("%s %+v: %+v %v, want %s", tc.mig, tc.owner, got, err, tc.want)
+		}
+	}
+	if got := states(s); len(got) != 1 || got[dev0] != pb.InstanceState_ACTIVE {
+		t.Fatalf("after the skipped undos: %v", got)
+	}
+	if _, err := c.UndoDevice(ctx, "", migclient.DeviceOwner{PodUID: "p"}); !migclient.IsReason(err, migclient.ReasonInvalidRequest) {
+		t.Fatalf("an empty MIG UUID: %v", err)
+	}
+}
+
+func TestTheKnownGenerationPassFallsBackWhenTheSidecarRestarted(t *testing.T) {
+	s, c := fake(t, func(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil })
+	ctx := context.Background()
+	if _, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1))); err != nil {
+		t.Fatal(err)
+	}
+	s.Unrecover() // NOT_RECOVERED until the next Recover, as after a restart
+	s.ResetCalls()
+	res, err := c.ReleaseWithKnownGeneration(ctx, func(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil })
+	if err != nil || len(res.Idled) != 1 {
+		t.Fatalf("after the restart: %+v %v", res, err)
+	}
+	if calls := s.Calls(); calls["Recover"] != 1 || calls["GetInfo"] == 0 {
+		t.Fatalf("the fallback pass: %v", calls)
+	}
+	if got := states(s); len(got) != 1 {
+		t.Fatalf("%v", got)
 	}
 }

@@ -202,6 +202,63 @@ func (PlacementCost) EnumDescriptor() ([]byte, []int) {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
 }
 
+// Why an UndoDevice changed nothing.
+type UndoSkip int32
+
+const (
+	// Not skipped: destroyed or idled is set.
+	UndoSkip_UNDO_SKIP_UNSPECIFIED UndoSkip = 0
+	// No owned instance has that MIG UUID (never allocated, or destroyed since).
+	UndoSkip_UNDO_SKIP_UNKNOWN_INSTANCE UndoSkip = 1
+	// The instance is not ACTIVE (IDLE after a release or an earlier undo, ERROR, in flight).
+	UndoSkip_UNDO_SKIP_NOT_ACTIVE UndoSkip = 2
+	// The instance is ACTIVE for another owner (another pod, container or device).
+	UndoSkip_UNDO_SKIP_OTHER_OWNER UndoSkip = 3
+)
+
+// Enum value maps for UndoSkip.
+var (
+	UndoSkip_name = map[int32]string{
+		0: "UNDO_SKIP_UNSPECIFIED",
+		1: "UNDO_SKIP_UNKNOWN_INSTANCE",
+		2: "UNDO_SKIP_NOT_ACTIVE",
+		3: "UNDO_SKIP_OTHER_OWNER",
+	}
+	UndoSkip_value = map[string]int32{
+		"UNDO_SKIP_UNSPECIFIED":      0,
+		"UNDO_SKIP_UNKNOWN_INSTANCE": 1,
+		"UNDO_SKIP_NOT_ACTIVE":       2,
+		"UNDO_SKIP_OTHER_OWNER":      3,
+	}
+)
+
+func (x UndoSkip) Enum() *UndoSkip {
+	p := new(UndoSkip)
+	*p = x
+	return p
+}
+
+func (x UndoSkip) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (UndoSkip) Descriptor() protoreflect.EnumDescriptor {
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3].Descriptor()
+}
+
+func (UndoSkip) Type() protoreflect.EnumType {
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3]
+}
+
+func (x UndoSkip) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use UndoSkip.Descriptor instead.
+func (UndoSkip) EnumDescriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
+}
+
 // A placement on the GPU's memory-slice axis: [start, start+size). size counts memory slices.
 type Placement struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -649,7 +706,10 @@ type AllocateResponse struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Devices []*AllocatedDevice     `protobuf:"bytes,1,rep,name=devices,proto3" json:"devices,omitempty"`
 	// IDLE instances destroyed because they overlapped a requested placement.
-	Reclaimed     []*InstanceRef `protobuf:"bytes,2,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
+	Reclaimed []*InstanceRef `protobuf:"bytes,2,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
+	// The sidecar's generation when it answered (as GetInfo's): a fence for a later SyncActive whose
+	// pod list is taken after this answer arrived, without another GetInfo.
+	Generation    uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -696,6 +756,13 @@ func (x *AllocateResponse) GetReclaimed() []*InstanceRef {
 		return x.Reclaimed
 	}
 	return nil
+}
+
+func (x *AllocateResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
 }
 
 type ReleaseRequest struct {
@@ -957,9 +1024,11 @@ func (x *SyncActiveRequest) GetActive() []*ActiveAllocation {
 }
 
 type SyncActiveResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Idled         []*InstanceRef         `protobuf:"bytes,1,rep,name=idled,proto3" json:"idled,omitempty"`
-	Reactivated   []*InstanceRef         `protobuf:"bytes,2,rep,name=reactivated,proto3" json:"reactivated,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Idled       []*InstanceRef         `protobuf:"bytes,1,rep,name=idled,proto3" json:"idled,omitempty"`
+	Reactivated []*InstanceRef         `protobuf:"bytes,2,rep,name=reactivated,proto3" json:"reactivated,omitempty"`
+	// The sidecar's generation when it answered (see AllocateResponse.generation).
+	Generation    uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1006,6 +1075,13 @@ func (x *SyncActiveResponse) GetReactivated() []*InstanceRef {
 		return x.Reactivated
 	}
 	return nil
+}
+
+func (x *SyncActiveResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
 }
 
 type RecoverRequest struct {
@@ -2697,6 +2773,156 @@ func (x *RankPlacementsResponse) GetPlacements() []*RankedPlacement {
 	return nil
 }
 
+type UndoDeviceRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	MigUuid string                 `protobuf:"bytes,1,opt,name=mig_uuid,json=migUuid,proto3" json:"mig_uuid,omitempty"`
+	// The owner the caller handed mig_uuid to.
+	PodUid         string `protobuf:"bytes,2,opt,name=pod_uid,json=podUid,proto3" json:"pod_uid,omitempty"`
+	ContainerIndex uint32 `protobuf:"varint,3,opt,name=container_index,json=containerIndex,proto3" json:"container_index,omitempty"`
+	DeviceIndex    uint32 `protobuf:"varint,4,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *UndoDeviceRequest) Reset() {
+	*x = UndoDeviceRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UndoDeviceRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UndoDeviceRequest) ProtoMessage() {}
+
+func (x *UndoDeviceRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UndoDeviceRequest.ProtoReflect.Descriptor instead.
+func (*UndoDeviceRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *UndoDeviceRequest) GetMigUuid() string {
+	if x != nil {
+		return x.MigUuid
+	}
+	return ""
+}
+
+func (x *UndoDeviceRequest) GetPodUid() string {
+	if x != nil {
+		return x.PodUid
+	}
+	return ""
+}
+
+func (x *UndoDeviceRequest) GetContainerIndex() uint32 {
+	if x != nil {
+		return x.ContainerIndex
+	}
+	return 0
+}
+
+func (x *UndoDeviceRequest) GetDeviceIndex() uint32 {
+	if x != nil {
+		return x.DeviceIndex
+	}
+	return 0
+}
+
+type UndoDeviceResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Set when the owner's Allocate created the instance: it is destroyed (record and CDI spec gone).
+	Destroyed *InstanceRef `protobuf:"bytes,1,opt,name=destroyed,proto3" json:"destroyed,omitempty"`
+	// Set when the owner's Allocate reused it: it is IDLE again.
+	Idled *InstanceRef `protobuf:"bytes,2,opt,name=idled,proto3" json:"idled,omitempty"`
+	// Set when nothing changed: that owner does not hold that MIG UUID.
+	Skipped UndoSkip `protobuf:"varint,3,opt,name=skipped,proto3,enum=hami.migsidecar.v1.UndoSkip" json:"skipped,omitempty"`
+	// With skipped: what the sidecar found instead ("state IDLE", "held by pod ... container ... device ...").
+	Detail string `protobuf:"bytes,4,opt,name=detail,proto3" json:"detail,omitempty"`
+	// The sidecar's generation when it answered (see AllocateResponse.generation).
+	Generation    uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UndoDeviceResponse) Reset() {
+	*x = UndoDeviceResponse{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UndoDeviceResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UndoDeviceResponse) ProtoMessage() {}
+
+func (x *UndoDeviceResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UndoDeviceResponse.ProtoReflect.Descriptor instead.
+func (*UndoDeviceResponse) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *UndoDeviceResponse) GetDestroyed() *InstanceRef {
+	if x != nil {
+		return x.Destroyed
+	}
+	return nil
+}
+
+func (x *UndoDeviceResponse) GetIdled() *InstanceRef {
+	if x != nil {
+		return x.Idled
+	}
+	return nil
+}
+
+func (x *UndoDeviceResponse) GetSkipped() UndoSkip {
+	if x != nil {
+		return x.Skipped
+	}
+	return UndoSkip_UNDO_SKIP_UNSPECIFIED
+}
+
+func (x *UndoDeviceResponse) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *UndoDeviceResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
 
 const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
@@ -2736,10 +2962,13 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\tplacement\x18\x03 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12\x19\n" +
 	"\bmig_uuid\x18\x04 \x01(\tR\amigUuid\x12&\n" +
 	"\x0fgpu_instance_id\x18\x05 \x01(\rR\rgpuInstanceId\x12.\n" +
-	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\"\x90\x01\n" +
+	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\"\xb0\x01\n" +
 	"\x10AllocateResponse\x12=\n" +
 	"\adevices\x18\x01 \x03(\v2#.hami.migsidecar.v1.AllocatedDeviceR\adevices\x12=\n" +
-	"\treclaimed\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\")\n" +
+	"\treclaimed\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x03 \x01(\x04R\n" +
+	"generation\")\n" +
 	"\x0eReleaseRequest\x12\x17\n" +
 	"\apod_uid\x18\x01 \x01(\tR\x06podUid\"N\n" +
 	"\x0fReleaseResponse\x12;\n" +
@@ -2760,10 +2989,13 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\n" +
 	"generation\x18\x01 \x01(\x04R\n" +
 	"generation\x12<\n" +
-	"\x06active\x18\x02 \x03(\v2$.hami.migsidecar.v1.ActiveAllocationR\x06active\"\x8e\x01\n" +
+	"\x06active\x18\x02 \x03(\v2$.hami.migsidecar.v1.ActiveAllocationR\x06active\"\xae\x01\n" +
 	"\x12SyncActiveResponse\x125\n" +
 	"\x05idled\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x05idled\x12A\n" +
-	"\vreactivated\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\vreactivated\"N\n" +
+	"\vreactivated\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\vreactivated\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x03 \x01(\x04R\n" +
+	"generation\"N\n" +
 	"\x0eRecoverRequest\x12<\n" +
 	"\x06active\x18\x01 \x03(\v2$.hami.migsidecar.v1.ActiveAllocationR\x06active\"\xd2\x03\n" +
 	"\x0fRecoverResponse\x12F\n" +
@@ -2897,7 +3129,20 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x16RankPlacementsResponse\x12C\n" +
 	"\n" +
 	"placements\x18\x01 \x03(\v2#.hami.migsidecar.v1.RankedPlacementR\n" +
-	"placements*R\n" +
+	"placements\"\x93\x01\n" +
+	"\x11UndoDeviceRequest\x12\x19\n" +
+	"\bmig_uuid\x18\x01 \x01(\tR\amigUuid\x12\x17\n" +
+	"\apod_uid\x18\x02 \x01(\tR\x06podUid\x12'\n" +
+	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xfa\x01\n" +
+	"\x12UndoDeviceResponse\x12=\n" +
+	"\tdestroyed\x18\x01 \x01(\v2\x1f.hami.migsidecar.v1.InstanceRefR\tdestroyed\x125\n" +
+	"\x05idled\x18\x02 \x01(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x05idled\x126\n" +
+	"\askipped\x18\x03 \x01(\x0e2\x1c.hami.migsidecar.v1.UndoSkipR\askipped\x12\x16\n" +
+	"\x06detail\x18\x04 \x01(\tR\x06detail\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x05 \x01(\x04R\n" +
+	"generation*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +
@@ -2917,7 +3162,12 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x05REUSE\x10\x01\x12\b\n" +
 	"\x04FREE\x10\x02\x12\v\n" +
 	"\aRECLAIM\x10\x03\x12\v\n" +
-	"\aBLOCKED\x10\x042\xe2\b\n" +
+	"\aBLOCKED\x10\x04*z\n" +
+	"\bUndoSkip\x12\x19\n" +
+	"\x15UNDO_SKIP_UNSPECIFIED\x10\x00\x12\x1e\n" +
+	"\x1aUNDO_SKIP_UNKNOWN_INSTANCE\x10\x01\x12\x18\n" +
+	"\x14UNDO_SKIP_NOT_ACTIVE\x10\x02\x12\x19\n" +
+	"\x15UNDO_SKIP_OTHER_OWNER\x10\x032\xbf\t\n" +
 	"\n" +
 	"MigSidecar\x12R\n" +
 	"\aGetInfo\x12\".hami.migsidecar.v1.GetInfoRequest\x1a#.hami.migsidecar.v1.GetInfoResponse\x12U\n" +
@@ -2933,7 +3183,9 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"SetMigMode\x12%.hami.migsidecar.v1.SetMigModeRequest\x1a&.hami.migsidecar.v1.SetMigModeResponse\x12a\n" +
 	"\fUndoAllocate\x12'.hami.migsidecar.v1.UndoAllocateRequest\x1a(.hami.migsidecar.v1.UndoAllocateResponse\x12^\n" +
 	"\vReclaimIdle\x12&.hami.migsidecar.v1.ReclaimIdleRequest\x1a'.hami.migsidecar.v1.ReclaimIdleResponse\x12g\n" +
-	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
+	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponse\x12[\n" +
+	"\n" +
+	"UndoDevice\x12%.hami.migsidecar.v1.UndoDeviceRequest\x1a&.hami.migsidecar.v1.UndoDeviceResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
 
 var (
 	file_hami_migsidecar_v1_migsidecar_proto_rawDescOnce sync.Once
@@ -2947,126 +3199,134 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescData
 }
 
-var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
+var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(Outcome)(0),                     // 0: hami.migsidecar.v1.Outcome
 	(InstanceState)(0),               // 1: hami.migsidecar.v1.InstanceState
 	(PlacementCost)(0),               // 2: hami.migsidecar.v1.PlacementCost
-	(*Placement)(nil),                // 3: hami.migsidecar.v1.Placement
-	(*PodRef)(nil),                   // 4: hami.migsidecar.v1.PodRef
-	(*DeviceRequest)(nil),            // 5: hami.migsidecar.v1.DeviceRequest
-	(*AllocateRequest)(nil),          // 6: hami.migsidecar.v1.AllocateRequest
-	(*AllocatedDevice)(nil),          // 7: hami.migsidecar.v1.AllocatedDevice
-	(*InstanceRef)(nil),              // 8: hami.migsidecar.v1.InstanceRef
-	(*AllocateResponse)(nil),         // 9: hami.migsidecar.v1.AllocateResponse
-	(*ReleaseRequest)(nil),           // 10: hami.migsidecar.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 11: hami.migsidecar.v1.ReleaseResponse
-	(*ActiveAllocation)(nil),         // 12: hami.migsidecar.v1.ActiveAllocation
-	(*SyncActiveRequest)(nil),        // 13: hami.migsidecar.v1.SyncActiveRequest
-	(*SyncActiveResponse)(nil),       // 14: hami.migsidecar.v1.SyncActiveResponse
-	(*RecoverRequest)(nil),           // 15: hami.migsidecar.v1.RecoverRequest
-	(*RecoverResponse)(nil),          // 16: hami.migsidecar.v1.RecoverResponse
-	(*GetInfoRequest)(nil),           // 17: hami.migsidecar.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),          // 18: hami.migsidecar.v1.GetInfoResponse
-	(*MigMode)(nil),                  // 19: hami.migsidecar.v1.MigMode
-	(*Gpu)(nil),                      // 20: hami.migsidecar.v1.Gpu
-	(*ListGpusRequest)(nil),          // 21: hami.migsidecar.v1.ListGpusRequest
-	(*ListGpusResponse)(nil),         // 22: hami.migsidecar.v1.ListGpusResponse
-	(*DiscoverProfilesRequest)(nil),  // 23: hami.migsidecar.v1.DiscoverProfilesRequest
-	(*Profile)(nil),                  // 24: hami.migsidecar.v1.Profile
-	(*DiscoverProfilesResponse)(nil), // 25: hami.migsidecar.v1.DiscoverProfilesResponse
-	(*Owner)(nil),                    // 26: hami.migsidecar.v1.Owner
-	(*Instance)(nil),                 // 27: hami.migsidecar.v1.Instance
-	(*ForeignInstance)(nil),          // 28: hami.migsidecar.v1.ForeignInstance
-	(*GpuState)(nil),                 // 29: hami.migsidecar.v1.GpuState
-	(*GetStateRequest)(nil),          // 30: hami.migsidecar.v1.GetStateRequest
-	(*GetStateResponse)(nil),         // 31: hami.migsidecar.v1.GetStateResponse
-	(*SetMigModeRequest)(nil),        // 32: hami.migsidecar.v1.SetMigModeRequest
-	(*SetMigModeResponse)(nil),       // 33: hami.migsidecar.v1.SetMigModeResponse
-	(*UndoAllocateRequest)(nil),      // 34: hami.migsidecar.v1.UndoAllocateRequest
-	(*UndoAllocateResponse)(nil),     // 35: hami.migsidecar.v1.UndoAllocateResponse
-	(*ReclaimIdleRequest)(nil),       // 36: hami.migsidecar.v1.ReclaimIdleRequest
-	(*ReclaimIdleResponse)(nil),      // 37: hami.migsidecar.v1.ReclaimIdleResponse
-	(*RankPlacementsRequest)(nil),    // 38: hami.migsidecar.v1.RankPlacementsRequest
-	(*RankedPlacement)(nil),          // 39: hami.migsidecar.v1.RankedPlacement
-	(*RankPlacementsResponse)(nil),   // 40: hami.migsidecar.v1.RankPlacementsResponse
-	(*timestamppb.Timestamp)(nil),    // 41: google.protobuf.Timestamp
+	(UndoSkip)(0),                    // 3: hami.migsidecar.v1.UndoSkip
+	(*Placement)(nil),                // 4: hami.migsidecar.v1.Placement
+	(*PodRef)(nil),                   // 5: hami.migsidecar.v1.PodRef
+	(*DeviceRequest)(nil),            // 6: hami.migsidecar.v1.DeviceRequest
+	(*AllocateRequest)(nil),          // 7: hami.migsidecar.v1.AllocateRequest
+	(*AllocatedDevice)(nil),          // 8: hami.migsidecar.v1.AllocatedDevice
+	(*InstanceRef)(nil),              // 9: hami.migsidecar.v1.InstanceRef
+	(*AllocateResponse)(nil),         // 10: hami.migsidecar.v1.AllocateResponse
+	(*ReleaseRequest)(nil),           // 11: hami.migsidecar.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 12: hami.migsidecar.v1.ReleaseResponse
+	(*ActiveAllocation)(nil),         // 13: hami.migsidecar.v1.ActiveAllocation
+	(*SyncActiveRequest)(nil),        // 14: hami.migsidecar.v1.SyncActiveRequest
+	(*SyncActiveResponse)(nil),       // 15: hami.migsidecar.v1.SyncActiveResponse
+	(*RecoverRequest)(nil),           // 16: hami.migsidecar.v1.RecoverRequest
+	(*RecoverResponse)(nil),          // 17: hami.migsidecar.v1.RecoverResponse
+	(*GetInfoRequest)(nil),           // 18: hami.migsidecar.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 19: hami.migsidecar.v1.GetInfoResponse
+	(*MigMode)(nil),                  // 20: hami.migsidecar.v1.MigMode
+	(*Gpu)(nil),                      // 21: hami.migsidecar.v1.Gpu
+	(*ListGpusRequest)(nil),          // 22: hami.migsidecar.v1.ListGpusRequest
+	(*ListGpusResponse)(nil),         // 23: hami.migsidecar.v1.ListGpusResponse
+	(*DiscoverProfilesRequest)(nil),  // 24: hami.migsidecar.v1.DiscoverProfilesRequest
+	(*Profile)(nil),                  // 25: hami.migsidecar.v1.Profile
+	(*DiscoverProfilesResponse)(nil), // 26: hami.migsidecar.v1.DiscoverProfilesResponse
+	(*Owner)(nil),                    // 27: hami.migsidecar.v1.Owner
+	(*Instance)(nil),                 // 28: hami.migsidecar.v1.Instance
+	(*ForeignInstance)(nil),          // 29: hami.migsidecar.v1.ForeignInstance
+	(*GpuState)(nil),                 // 30: hami.migsidecar.v1.GpuState
+	(*GetStateRequest)(nil),          // 31: hami.migsidecar.v1.GetStateRequest
+	(*GetStateResponse)(nil),         // 32: hami.migsidecar.v1.GetStateResponse
+	(*SetMigModeRequest)(nil),        // 33: hami.migsidecar.v1.SetMigModeRequest
+	(*SetMigModeResponse)(nil),       // 34: hami.migsidecar.v1.SetMigModeResponse
+	(*UndoAllocateRequest)(nil),      // 35: hami.migsidecar.v1.UndoAllocateRequest
+	(*UndoAllocateResponse)(nil),     // 36: hami.migsidecar.v1.UndoAllocateResponse
+	(*ReclaimIdleRequest)(nil),       // 37: hami.migsidecar.v1.ReclaimIdleRequest
+	(*ReclaimIdleResponse)(nil),      // 38: hami.migsidecar.v1.ReclaimIdleResponse
+	(*RankPlacementsRequest)(nil),    // 39: hami.migsidecar.v1.RankPlacementsRequest
+	(*RankedPlacement)(nil),          // 40: hami.migsidecar.v1.RankedPlacement
+	(*RankPlacementsResponse)(nil),   // 41: hami.migsidecar.v1.RankPlacementsResponse
+	(*UndoDeviceRequest)(nil),        // 42: hami.migsidecar.v1.UndoDeviceRequest
+	(*UndoDeviceResponse)(nil),       // 43: hami.migsidecar.v1.UndoDeviceResponse
+	(*timestamppb.Timestamp)(nil),    // 44: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
-	3,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
-	4,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
-	5,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
-	3,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
+	5,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
+	6,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
+	4,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
 	0,  // 4: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
-	3,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
-	7,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
-	8,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
-	4,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
-	3,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
-	12, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	8,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
-	12, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	8,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	41, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
-	19, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	20, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
-	3,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
-	24, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
-	4,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
-	3,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
+	8,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
+	9,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
+	5,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
+	4,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
+	13, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	9,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
+	13, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	9,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
+	44, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	20, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	21, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
+	4,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
+	25, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
+	5,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
+	4,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
 	1,  // 27: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
-	26, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	41, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
-	3,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
-	20, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
-	27, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
-	28, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
-	29, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
-	19, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	8,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 40: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	27, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
+	44, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	4,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
+	21, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
+	28, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
+	29, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
+	30, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
+	20, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	9,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
+	4,  // 40: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
 	2,  // 41: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
-	8,  // 42: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
-	39, // 43: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
-	17, // 44: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	21, // 45: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	23, // 46: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	6,  // 47: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	10, // 48: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	13, // 49: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	15, // 50: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	30, // 51: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	32, // 52: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	34, // 53: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	36, // 54: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	38, // 55: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	18, // 56: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	22, // 57: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	25, // 58: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	9,  // 59: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	11, // 60: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	14, // 61: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	16, // 62: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	31, // 63: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	33, // 64: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	35, // 65: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	37, // 66: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	40, // 67: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	56, // [56:68] is the sub-list for method output_type
-	44, // [44:56] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	9,  // 42: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	40, // 43: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	9,  // 44: hami.migsidecar.v1.UndoDeviceResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 45: hami.migsidecar.v1.UndoDeviceResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	3,  // 46: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
+	18, // 47: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	22, // 48: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	24, // 49: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	7,  // 50: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	11, // 51: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	14, // 52: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	16, // 53: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	31, // 54: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	33, // 55: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	35, // 56: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	37, // 57: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	39, // 58: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	42, // 59: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
+	19, // 60: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	23, // 61: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	26, // 62: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	10, // 63: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	12, // 64: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	15, // 65: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	17, // 66: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	32, // 67: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	34, // 68: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	36, // 69: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	38, // 70: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	41, // 71: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	43, // 72: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
+	60, // [60:73] is the sub-list for method output_type
+	47, // [47:60] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -3079,8 +3339,8 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   38,
+			NumEnums:      4,
+			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -42,6 +42,7 @@ const (
 	MigSidecar_UndoAllocate_FullMethodName     = "/hami.migsidecar.v1.MigSidecar/UndoAllocate"
 	MigSidecar_ReclaimIdle_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/ReclaimIdle"
 	MigSidecar_RankPlacements_FullMethodName   = "/hami.migsidecar.v1.MigSidecar/RankPlacements"
+	MigSidecar_UndoDevice_FullMethodName       = "/hami.migsidecar.v1.MigSidecar/UndoDevice"
 )
 
 // MigSidecarClient is the client API for MigSidecar service.
@@ -73,6 +74,10 @@ type MigSidecarClient interface {
 	ReclaimIdle(ctx context.Context, in *ReclaimIdleRequest, opts ...grpc.CallOption) (*ReclaimIdleResponse, error)
 	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
 	RankPlacements(ctx context.Context, in *RankPlacementsRequest, opts ...grpc.CallOption) (*RankPlacementsResponse, error)
+	// The device-level undo: undo the Allocate of one MIG UUID, only while the named owner (pod UID,
+	// container index, device index) holds it ACTIVE. Otherwise nothing changes and the answer says
+	// why (skipped). The guard is the sidecar's, so it holds across plugin restarts. Idempotent.
+	UndoDevice(ctx context.Context, in *UndoDeviceRequest, opts ...grpc.CallOption) (*UndoDeviceResponse, error)
 }
 
 type migSidecarClient struct {
@@ -203,6 +208,16 @@ func (c *migSidecarClient) RankPlacements(ctx context.Context, in *RankPlacement
 	return out, nil
 }
 
+func (c *migSidecarClient) UndoDevice(ctx context.Context, in *UndoDeviceRequest, opts ...grpc.CallOption) (*UndoDeviceResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UndoDeviceResponse)
+	err := c.cc.Invoke(ctx, MigSidecar_UndoDevice_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MigSidecarServer is the server API for MigSidecar service.
 // All implementations must embed UnimplementedMigSidecarServer
 // for forward compatibility.
@@ -232,6 +247,10 @@ type MigSidecarServer interface {
 	ReclaimIdle(context.Context, *ReclaimIdleRequest) (*ReclaimIdleResponse, error)
 	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
 	RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error)
+	// The device-level undo: undo the Allocate of one MIG UUID, only while the named owner (pod UID,
+	// container index, device index) holds it ACTIVE. Otherwise nothing changes and the answer says
+	// why (skipped). The guard is the sidecar's, so it holds across plugin restarts. Idempotent.
+	UndoDevice(context.Context, *UndoDeviceRequest) (*UndoDeviceResponse, error)
 	mustEmbedUnimplementedMigSidecarServer()
 }
 
@@ -277,6 +296,9 @@ func (UnimplementedMigSidecarServer) ReclaimIdle(context.Context, *ReclaimIdleRe
 }
 func (UnimplementedMigSidecarServer) RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RankPlacements not implemented")
+}
+func (UnimplementedMigSidecarServer) UndoDevice(context.Context, *UndoDeviceRequest) (*UndoDeviceResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UndoDevice not implemented")
 }
 func (UnimplementedMigSidecarServer) mustEmbedUnimplementedMigSidecarServer() {}
 func (UnimplementedMigSidecarServer) testEmbeddedByValue()                    {}
@@ -515,6 +537,24 @@ func _MigSidecar_RankPlacements_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MigSidecar_UndoDevice_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UndoDeviceRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MigSidecarServer).UndoDevice(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MigSidecar_UndoDevice_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MigSidecarServer).UndoDevice(ctx, req.(*UndoDeviceRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MigSidecar_ServiceDesc is the grpc.ServiceDesc for MigSidecar service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -569,6 +609,10 @@ var MigSidecar_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RankPlacements",
 			Handler:    _MigSidecar_RankPlacements_Handler,
+		},
+		{
+			MethodName: "UndoDevice",
+			Handler:    _MigSidecar_UndoDevice_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

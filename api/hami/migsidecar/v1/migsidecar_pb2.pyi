@@ -33,6 +33,13 @@ class PlacementCost(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FREE: _ClassVar[PlacementCost]
     RECLAIM: _ClassVar[PlacementCost]
     BLOCKED: _ClassVar[PlacementCost]
+
+class UndoSkip(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UNDO_SKIP_UNSPECIFIED: _ClassVar[UndoSkip]
+    UNDO_SKIP_UNKNOWN_INSTANCE: _ClassVar[UndoSkip]
+    UNDO_SKIP_NOT_ACTIVE: _ClassVar[UndoSkip]
+    UNDO_SKIP_OTHER_OWNER: _ClassVar[UndoSkip]
 OUTCOME_UNSPECIFIED: Outcome
 CREATED: Outcome
 REUSED: Outcome
@@ -48,6 +55,10 @@ REUSE: PlacementCost
 FREE: PlacementCost
 RECLAIM: PlacementCost
 BLOCKED: PlacementCost
+UNDO_SKIP_UNSPECIFIED: UndoSkip
+UNDO_SKIP_UNKNOWN_INSTANCE: UndoSkip
+UNDO_SKIP_NOT_ACTIVE: UndoSkip
+UNDO_SKIP_OTHER_OWNER: UndoSkip
 
 class Placement(_message.Message):
     __slots__ = ("start", "size")
@@ -130,12 +141,14 @@ class InstanceRef(_message.Message):
     def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("devices", "reclaimed")
+    __slots__ = ("devices", "reclaimed", "generation")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[AllocatedDevice]
     reclaimed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
-    def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pod_uid",)
@@ -182,12 +195,14 @@ class SyncActiveRequest(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., active: _Optional[_Iterable[_Union[ActiveAllocation, _Mapping]]] = ...) -> None: ...
 
 class SyncActiveResponse(_message.Message):
-    __slots__ = ("idled", "reactivated")
+    __slots__ = ("idled", "reactivated", "generation")
     IDLED_FIELD_NUMBER: _ClassVar[int]
     REACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     idled: _containers.RepeatedCompositeFieldContainer[InstanceRef]
     reactivated: _containers.RepeatedCompositeFieldContainer[InstanceRef]
-    def __init__(self, idled: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., reactivated: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, idled: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., reactivated: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RecoverRequest(_message.Message):
     __slots__ = ("active",)
@@ -474,3 +489,29 @@ class RankPlacementsResponse(_message.Message):
     PLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     placements: _containers.RepeatedCompositeFieldContainer[RankedPlacement]
     def __init__(self, placements: _Optional[_Iterable[_Union[RankedPlacement, _Mapping]]] = ...) -> None: ...
+
+class UndoDeviceRequest(_message.Message):
+    __slots__ = ("mig_uuid", "pod_uid", "container_index", "device_index")
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    POD_UID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    mig_uuid: str
+    pod_uid: str
+    container_index: int
+    device_index: int
+    def __init__(self, mig_uuid: _Optional[str] = ..., pod_uid: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
+
+class UndoDeviceResponse(_message.Message):
+    __slots__ = ("destroyed", "idled", "skipped", "detail", "generation")
+    DESTROYED_FIELD_NUMBER: _ClassVar[int]
+    IDLED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    destroyed: InstanceRef
+    idled: InstanceRef
+    skipped: UndoSkip
+    detail: str
+    generation: int
+    def __init__(self, destroyed: _Optional[_Union[InstanceRef, _Mapping]] = ..., idled: _Optional[_Union[InstanceRef, _Mapping]] = ..., skipped: _Optional[_Union[UndoSkip, str]] = ..., detail: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...

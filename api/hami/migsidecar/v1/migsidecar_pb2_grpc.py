@@ -94,6 +94,11 @@ class MigSidecarStub:
                 request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
                 response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
                 _registered_method=True)
+        self.UndoDevice = channel.unary_unary(
+                '/hami.migsidecar.v1.MigSidecar/UndoDevice',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.FromString,
+                _registered_method=True)
 
 
 class MigSidecarServicer:
@@ -186,6 +191,15 @@ class MigSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UndoDevice(self, request, context):
+        """The device-level undo: undo the Allocate of one MIG UUID, only while the named owner (pod UID,
+        container index, device index) holds it ACTIVE. Otherwise nothing changes and the answer says
+        why (skipped). The guard is the sidecar's, so it holds across plugin restarts. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +262,11 @@ def add_MigSidecarServicer_to_server(servicer, server):
                     servicer.RankPlacements,
                     request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.FromString,
                     response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.SerializeToString,
+            ),
+            'UndoDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.UndoDevice,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +593,33 @@ class MigSidecar:
             '/hami.migsidecar.v1.MigSidecar/RankPlacements',
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UndoDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/UndoDevice',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.FromString,
             options,
             channel_credentials,
             insecure,

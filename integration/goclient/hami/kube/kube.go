@@ -7,6 +7,12 @@ package kube
 import (
 	"context"
 	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -89,13 +95,138 @@ func NodeAllocations(pods PodLister, nodeName string) migclient.ListActiveFunc {
 	}
 }
 
+// AllowSimulatedEnv is the environment variable HAMi's GPU-less CI sets to "true" in the device
+// plugin's environment so that Dial accepts a sidecar on the simulated backend (see
+// AllowSimulatedBackend). Any other value than a boolean fails Dial; unset or false, a simulated
+// sidecar is refused with SIMULATED_BACKEND before anything is sent to it.
+const AllowSimulatedEnv = "HAMI_MIG_SIDECAR_ALLOW_SIMULATED"
+
+// Option changes how Dial connects.
+type Option func(*migclient.Options)
+
+// AllowSimulatedBackend accepts a sidecar whose GetInfo reports the simulated backend: for the
+// switch's own tests in CI, never on a real node (a simulated sidecar creates no MIG instance, so
+// a container given one of its MIG UUIDs would get no device or another one). Dial logs it.
+func AllowSimulatedBackend() Option {
+	return func(o *migclient.Options) { o.AllowSimulatedBackend = true }
+}
+
+// WithClientOptions sets the client's timeouts and retries (the other fields are Dial's own).
+func WithClientOptions(opts migclient.Options) Option {
+	return func(o *migclient.Options) {
+		o.CallTimeout, o.AllocateTimeout, o.MaxAttempts, o.Backoff = opts.CallTimeout, opts.AllocateTimeout, opts.MaxAttempts, opts.Backoff
+		o.DialOptions = opts.DialOptions
+	}
+}
+
+// sharedClient is the one connection of this process to one sidecar socket. HAMi builds a new
+// plugin, and with it a new manager, each time it restarts its plugins (a kubelet restart, a
+// SIGHUP), in the same process and with the same context, so the old manager's Shutdown never
+// runs; a connection per Dial would leak one (and its goroutines) per restart. The pod list of
+// the newest Dial is the one recovery uses.
+type sharedClient struct {
+	c    *migclient.Client
+	list atomic.Pointer[migclient.ListActiveFunc]
+	refs int
+}
+
+var shared = struct {
+	sync.Mutex
+	bySocket map[string]*sharedClient
+}{bySocket: map[string]*sharedClient{}}
+
+// connect returns the process's client for socket with opts, making it on the first call, and
+// the function that gives this reference back (the last one closes the connection).
+func connect(ctx context.Context, socket string, opts migclient.Options) (*migclient.Client, func(), error) {
+	abs, err := filepath.Abs(socket)
+	if err != nil {
+		return nil, nil, err
+	}
+	key := fmt.Sprintf("%s|simulated=%t", abs, opts.AllowSimulatedBackend)
+	shared.Lock()
+	defer shared.Unlock()
+	sc, ok := shared.bySocket[key]
+	if !ok {
+		sc = &sharedClient{}
+		list := opts.ListActive
+		opts.ListActive = func(ctx context.Context) ([]*pb.ActiveAllocation, error) { return (*sc.list.Load())(ctx) }
+		c, err := migclient.New(ctx, socket, opts)
+		if err != nil {
+			return nil, nil, err
+		}
+		sc.c = c
+		sc.list.Store(&list)
+		if opts.AllowSimulatedBackend {
+			log.Printf("hami-mig-sidecar: %s accepts a sidecar on the simulated backend (%s or AllowSimulatedBackend): "+
+				"it creates no real MIG instance; never set this on a node with GPUs", abs, AllowSimulatedEnv)
+		}
+		shared.bySocket[key] = sc
+	} else {
+		list := opts.ListActive
+		sc.list.Store(&list)
+	}
+	sc.refs++
+	var once sync.Once
+	return sc.c, func() {
+		once.Do(func() {
+			shared.Lock()
+			defer shared.Unlock()
+			if sc.refs--; sc.refs == 0 {
+				delete(shared.bySocket, key)
+				_ = sc.c.Close()
+			}
+		})
+	}, nil
+}
+
+// options are the client options of a Dial: the client's defaults, the pod list of nodeName,
+// the opt-ins given and the one in the environment.
+func options(pods PodLister, nodeName string, opts []Option) (migclient.Options, error) {
+	o := migclient.Options{ListActive: NodeAllocations(pods, nodeName)}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if v, ok := os.LookupEnv(AllowSimulatedEnv); ok && v != "" {
+		allow, err := strconv.ParseBool(v)
+		if err != nil {
+			return o, fmt.Errorf("%s=%q is not a boolean", AllowSimulatedEnv, v)
+		}
+		o.AllowSimulatedBackend = o.AllowSimulatedBackend || allow
+	}
+	return o, nil
+}
+
+func dial(ctx context.Context, socket string, pods PodLister, nodeName string, opts []Option) (*hami.Manager, error) {
+	o, err := options(pods, nodeName, opts)
+	if err != nil {
+		return nil, err
+	}
+	c, release, err := connect(ctx, socket, o)
+	if err != nil {
+		return nil, err
+	}
+	m, err := hami.NewShared(ctx, c, o.ListActive, release)
+	if err != nil {
+		release()
+		return nil, err
+	}
+	return m, nil
+}
+
 // Dial is the sidecar adapter for HAMi v2.10's plugin, its pod list that of nodeName, with the
-// client's defaults otherwise.
-func Dial(ctx context.Context, socket string, pods PodLister, nodeName string) (*hami.Manager, error) {
-	return hami.Dial(ctx, socket, migclient.Options{ListActive: NodeAllocations(pods, nodeName)})
+// client's defaults otherwise. A sidecar on the simulated backend is refused unless
+// AllowSimulatedBackend is given or AllowSimulatedEnv is true. All adapters of one process over
+// one socket share one connection (the first Dial's client options hold for it); it closes with
+// the last one's Shutdown.
+func Dial(ctx context.Context, socket string, pods PodLister, nodeName string, opts ...Option) (*hami.Manager, error) {
+	return dial(ctx, socket, pods, nodeName, opts)
 }
 
 // DialLazy is Dial for the lazy-lifecycle method set.
-func DialLazy(ctx context.Context, socket string, pods PodLister, nodeName string) (*hami.Lazy, error) {
-	return hami.DialLazy(ctx, socket, migclient.Options{ListActive: NodeAllocations(pods, nodeName)})
+func DialLazy(ctx context.Context, socket string, pods PodLister, nodeName string, opts ...Option) (*hami.Lazy, error) {
+	m, err := dial(ctx, socket, pods, nodeName, opts)
+	if err != nil {
+		return nil, err
+	}
+	return hami.LazyOver(m), nil
 }

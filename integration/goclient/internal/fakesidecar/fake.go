@@ -43,6 +43,9 @@ type Instance struct {
 	Owner     *Key
 	Created   bool // the owning Allocate created it (UndoAllocate destroys it) rather than reused it
 	Processes bool // a process runs on it (ReclaimIdle answers INSTANCE_IN_USE)
+	// Activated is the generation at which it last became ACTIVE: SyncActive idles it only for a
+	// list fenced at that generation or later, as the sidecar does.
+	Activated uint64
 }
 
 // Server is the fake. Its fields are guarded by mu; tests use the methods.
@@ -61,9 +64,11 @@ type Server struct {
 	nextGI      uint32
 	recovered   bool
 	recovers    []*pb.RecoverRequest
-	generation  uint64 // handed out, as the sidecar does, at every activation and every idle
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
+	generation  uint64         // the fence: one more at every activation and every idle
+	calls       map[string]int // RPCs received, by method name
+	conns       int            // client connections open now
 }
 
 // profiles is the fake's profile table: name -> size and legal starts (an 8-slice GPU).
@@ -82,7 +87,7 @@ var profiles = map[string]struct {
 func Start(t *testing.T, gpus ...string) (*Server, string) {
 	t.Helper()
 	s := &Server{gpus: gpus, migOn: map[string]bool{}, migPending: map[string]bool{}, resetNeeded: map[string]bool{},
-		modeIgnored: map[string]bool{}, nextGI: 1, recovered: true}
+		modeIgnored: map[string]bool{}, nextGI: 1, recovered: true, calls: map[string]int{}}
 	for _, g := range gpus {
 		s.migOn[g] = true
 		s.migPending[g] = true
@@ -92,11 +97,80 @@ func Start(t *testing.T, gpus ...string) (*Server, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(grpc.UnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		s.mu.Lock()
+		s.calls[filepath.Base(info.FullMethod)]++
+		s.mu.Unlock()
+		return h(ctx, req)
+	}))
 	pb.RegisterMigSidecarServer(srv, s)
-	go func() { _ = srv.Serve(lis) }()
+	go func() { _ = srv.Serve(&counting{Listener: lis, s: s}) }()
 	t.Cleanup(srv.Stop)
 	return s, socket
+}
+
+// counting counts the connections the fake serves, so a test can see one left open.
+type counting struct {
+	net.Listener
+	s *Server
+}
+
+func (l *counting) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	l.s.mu.Lock()
+	l.s.conns++
+	l.s.mu.Unlock()
+	return &countedConn{Conn: c, s: l.s}, nil
+}
+
+type countedConn struct {
+	net.Conn
+	s    *Server
+	once sync.Once
+}
+
+func (c *countedConn) Close() error {
+	c.once.Do(func() {
+		c.s.mu.Lock()
+		c.s.conns--
+		c.s.mu.Unlock()
+	})
+	return c.Conn.Close()
+}
+
+// Calls returns how many calls of each RPC the fake received, by method name ("Allocate").
+func (s *Server) Calls() map[string]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]int, len(s.calls))
+	for k, v := range s.calls {
+		out[k] = v
+	}
+	return out
+}
+
+// ResetCalls forgets the calls counted so far.
+func (s *Server) ResetCalls() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.calls = map[string]int{}
+}
+
+// OpenConns is the number of client connections open now.
+func (s *Server) OpenConns() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conns
+}
+
+// Generation is the fake's current generation.
+func (s *Server) Generation() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.generation
 }
 
 func fail(code codes.Code, reason, msg string, md map[string]string) error {
@@ -222,7 +296,7 @@ func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoRespon
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "fake", Recovered: s.recovered,
-		StartedAt: timestamppb.New(time.Unix(1000, 0)), Generation: s.generation}, nil
+		Generation: s.generation, StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
 }
 
 func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
@@ -274,18 +348,22 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	if err := s.gate(); err != nil {
 		return nil, err
 	}
+	if req.GetGeneration() > s.generation {
+		return nil, fail(codes.InvalidArgument, "INVALID_REQUEST", "generation never handed out", nil)
+	}
 	listed := map[Key]bool{}
 	for _, a := range req.GetActive() {
 		listed[Key{a.GetPod().GetUid(), a.GetContainerIndex(), a.GetDeviceIndex()}] = true
 	}
 	out := &pb.SyncActiveResponse{}
 	for _, in := range s.instances {
-		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] {
+		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] && in.Activated <= req.GetGeneration() {
 			in.State = pb.InstanceState_IDLE
 			s.generation++
 			out.Idled = append(out.Idled, ref(in))
 		}
 	}
+	out.Generation = s.generation
 	return out, nil
 }
 
@@ -336,12 +414,14 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 		if outcome != pb.Outcome_ALREADY_ALLOCATED {
 			got.Created = outcome == pb.Outcome_CREATED
 			s.generation++
+			got.Activated = s.generation
 		}
 		got.State, got.Owner = pb.InstanceState_ACTIVE, &key
 		out.Devices = append(out.Devices, &pb.AllocatedDevice{DeviceIndex: d.GetDeviceIndex(), GpuUuid: got.GPU,
 			Profile: got.Profile, Placement: d.GetPlacement(), MigUuid: got.MigUUID, GpuInstanceId: got.GI,
 			ComputeInstanceId: got.CI, CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + got.MigUUID, Outcome: outcome})
 	}
+	out.Generation = s.generation
 	return out, nil
 }
 
@@ -366,6 +446,42 @@ func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*
 			out.Idled = append(out.Idled, ref(in))
 		}
 	}
+	return out, nil
+}
+
+func (s *Server) UndoDevice(_ context.Context, req *pb.UndoDeviceRequest) (*pb.UndoDeviceResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	if req.GetMigUuid() == "" || req.GetPodUid() == "" {
+		return nil, fail(codes.InvalidArgument, "INVALID_REQUEST", "MIG UUID and pod UID are required", nil)
+	}
+	out := &pb.UndoDeviceResponse{}
+	var in *Instance
+	for _, x := range s.instances {
+		if x.MigUUID == req.GetMigUuid() {
+			in = x
+		}
+	}
+	want := Key{req.GetPodUid(), req.GetContainerIndex(), req.GetDeviceIndex()}
+	switch {
+	case in == nil:
+		out.Skipped = pb.UndoSkip_UNDO_SKIP_UNKNOWN_INSTANCE
+	case in.State != pb.InstanceState_ACTIVE || in.Owner == nil:
+		out.Skipped, out.Detail = pb.UndoSkip_UNDO_SKIP_NOT_ACTIVE, in.State.String()
+	case *in.Owner != want:
+		out.Skipped, out.Detail = pb.UndoSkip_UNDO_SKIP_OTHER_OWNER, "held by "+in.Owner.PodUID
+	case in.Created:
+		s.remove(in)
+		out.Destroyed = ref(in)
+	default:
+		in.State, in.Owner = pb.InstanceState_IDLE, nil
+		s.generation++
+		out.Idled = ref(in)
+	}
+	out.Generation = s.generation
 	return out, nil
 }
 

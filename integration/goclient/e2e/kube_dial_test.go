@@ -1,0 +1,124 @@
+// kube.Dial as HAMi's CI uses it: against a real sidecar on the simulated backend, with the
+// opt-in in the environment, the pods in client-go's fake clientset; and the device-level
+// rollback through the adapter, seen in the sidecar's state and on the simulated hardware.
+package e2e
+
+import (
+	"context"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes/fake"
+
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/hami"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/hami/kube"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook(t *testing.T) {
+	socket := env(t, "MIGSIDECAR_SOCKET")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	pods := fake.NewSimpleClientset()
+	quick := kube.WithClientOptions(migclient.Options{CallTimeout: 30 * time.Second, AllocateTimeout: 60 * time.Second})
+
+	t.Setenv(kube.AllowSimulatedEnv, "")
+	if _, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick); !migclient.IsReason(err, migclient.ReasonSimulatedBackend) {
+		t.Fatalf("without the opt-in: %v", err)
+	}
+	t.Setenv(kube.AllowSimulatedEnv, "true")
+	m, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Shutdown()
+	gpus, err := m.Client().ListGpus(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := int(gpus[0].Index)
+	owner := func(uid string, device int) hami.Owner {
+		return hami.Owner{PodUID: uid, PodNamespace: "e2e", PodName: "pod-" + uid, ContainerName: "main", DeviceIndex: device}
+	}
+	at := func(start uint32) nvml.GpuInstancePlacement { return nvml.GpuInstancePlacement{Start: start, Size: 1} }
+
+	// A container with two devices; the rollback of device 1 leaves device 0 as it was.
+	dev0, _, err := m.EnsureAllocation(owner("a", 0), gpu, "1g.10gb", at(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev1, _, err := m.EnsureAllocation(owner("a", 1), gpu, "1g.10gb", at(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(dev1); err != nil {
+		t.Fatal(err)
+	}
+	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_ACTIVE {
+		t.Fatalf("after releasing device 1: %v", s)
+	}
+	if uuids, _ := hardware(t); !slices.Equal(uuids, []string{dev0}) {
+		t.Fatalf("hardware after releasing device 1: %v", uuids)
+	}
+
+	// Pod a goes (the reconciler idles device 0), pod b reuses it, and a's repeated Release
+	// (a retried rollback) changes nothing of b's.
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "e2e", Name: "pod-b", UID: "b"}, Spec: corev1.PodSpec{NodeName: "node-1"}}
+	if _, err := pods.CoreV1().Pods("e2e").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.ReconcileNodePods(); err != nil {
+		t.Fatal(err)
+	}
+	if s := states(ctx, t, m.Client()); s[dev0] != pb.InstanceState_IDLE {
+		t.Fatalf("after pod a went: %v", s)
+	}
+	reused, took, err := m.EnsureAllocation(owner("b", 0), gpu, "1g.10gb", at(0))
+	if err != nil || !took || reused != dev0 {
+		t.Fatalf("reuse: %s %t %v", reused, took, err)
+	}
+	for range 2 {
+		if err := m.Release(dev1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Another adapter (a plugin restarted, or a second one) never handed dev0 out.
+	other, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	other.Shutdown()
+	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_ACTIVE {
+		t.Fatalf("pod b's instance after Releases not its own: %v", s)
+	}
+	st, err := m.Client().GetState(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range st.GetGpus() {
+		for _, in := range g.GetInstances() {
+			if in.GetMigUuid() == dev0 && in.GetOwner().GetPod().GetUid() != "b" {
+				t.Fatalf("dev0 held by %v", in.GetOwner())
+			}
+		}
+	}
+	// b's own rollback gives it back IDLE; once more changes nothing.
+	if err := m.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Release(dev0); err != nil {
+		t.Fatal(err)
+	}
+	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_IDLE {
+		t.Fatalf("after b's rollback: %v", s)
+	}
+}
