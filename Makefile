@@ -1,6 +1,7 @@
 # The two commands of the README:
 #   make run-sim   run the sidecar on a simulated GPU node (state under ./.run/)
 #   make test      lint, type-check and run every test (Python and Go)
+# The inner loop: make check (lint, type-check, unit and component tests; no e2e, no Go).
 # Both work from a fresh clone: they create .venv (Python 3.11) and install what they need.
 
 PYTHON ?= python3.11
@@ -13,7 +14,13 @@ GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdisch
 RUN_DIR  := $(CURDIR)/.run
 SIM_GPUS ?= h100-80gb:2,a100-40gb:1
 
-.PHONY: run-sim test venv lint typecheck pytest go-plugins go-test proto image clean
+# Tests run in PYTEST_WORKERS processes (pytest-xdist; auto: one per CPU). Each test already has its
+# own sidecar process, directories and, for metrics, a port the kernel picks; the Go tests share one
+# build of the Go binaries and so run in one worker (their xdist_group). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= auto
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+
+.PHONY: run-sim test check venv lint typecheck pytest go-plugins go-test proto image clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +39,9 @@ run-sim: venv
 
 test: lint typecheck go-plugins go-test pytest
 
+check: lint typecheck
+	$(BIN)/pytest -q $(PYTEST_PARALLEL) tests/unit tests/component tests/nvml
+
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -39,9 +49,9 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy
 
-# pytest exits 5 when it collects nothing; make treats that as the failure it is.
+# pytest exits 5 when it collects nothing (with workers too); make treats that as the failure it is.
 pytest: venv
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q $(PYTEST_PARALLEL)
 
 go-plugins:
 	@while read -r plugin; do \

@@ -17,7 +17,8 @@ from go_harness import GOCLIENT, GoBinaries, GoRunner
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from sidecar_process import Sidecar
 
-pytestmark = [pytest.mark.e2e, pytest.mark.go]
+# One worker runs them all (make's pytest-xdist --dist loadgroup): they share one build of the binaries.
+pytestmark = [pytest.mark.e2e, pytest.mark.go, pytest.mark.xdist_group("go")]
 
 SCENARIOS = GOCLIENT / "scenarios"
 

@@ -10,7 +10,9 @@ first ``OCCURRENCES`` calls) until the fault is cleared, so every call site is t
 once. The call must succeed or fail with NVML_ERROR (UNAVAILABLE, retried by the client), never
 anything else, and leave the invariants of ``matrix_world``; cleared, one reconciler round and the
 same call again must work. A new RPC is one entry in ``RPCS``; an operation in ``OPERATIONS`` that
-no RPC reaches fails ``test_every_operation_is_reached_by_some_rpc``.
+no RPC reaches fails ``test_every_operation_is_reached_by_some_rpc``, and a case whose call makes no
+NVML call, or never meets the fault it injects, fails. Release and SyncActive make no NVML call, so
+they are not in ``RPCS``; the last test holds them to working while every NVML call fails.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from lifecycle_world import World, build_world, restart
+from lifecycle_world import World, active_of, build_world, restart
 from matrix_world import Held, before, check, probe_reuse, settle, standard_start
 
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
-from sidecar.model.domain import State
+from sidecar.model.domain import ActiveAllocation, State
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml.sim import OP_ALIASES, uninstall
 
@@ -81,14 +83,6 @@ def allocate_reuse(world: World, held: Held) -> None:
 
 def allocate_two(world: World, held: Held) -> None:
     held.allocate("pod-two", (0, "3g.40gb", 4, 4), (1, "1g.10gb", 0, 1))
-
-
-def release_keep(world: World, held: Held) -> None:
-    held.release("pod-keep")
-
-
-def sync_active(world: World, held: Held) -> None:
-    world.lifecycle.sync_active(world.lifecycle.generation, held.active())
 
 
 def get_state(world: World, held: Held) -> None:
@@ -195,8 +189,6 @@ RPCS = [
     Rpc("Allocate reclaiming", idle_at_4_1, allocate_3g),
     Rpc("Allocate reusing", idle_at_4_1, allocate_reuse),
     Rpc("Allocate two devices", nothing, allocate_two),
-    Rpc("Release", nothing, release_keep),
-    Rpc("SyncActive", idle_at_4_1, sync_active),
     Rpc("GetState", idle_at_4_1, get_state),
     Rpc("ListGpus", idle_at_4_1, list_gpus),
     Rpc("Recover", error_and_orphan, recover),
@@ -268,13 +260,16 @@ def answer(rpc: Rpc, world: World, held: Held) -> tuple[str, errors.Code] | None
 def test_a_fault_keeps_the_invariants_and_the_call_works_once_it_clears(
     scratch: Path, rpc: Rpc, code: str
 ) -> None:
-    for op, count in calls_made(scratch, rpc).items():
+    made = calls_made(scratch, rpc)
+    assert made, f"{rpc.name} makes no NVML call: the matrix has nothing of it to fault"
+    for op, count in made.items():
         for n in range(min(count, OCCURRENCES)):
             case = f"{rpc.name}: {op} answers {code} from its call {n} on"
             with fresh(scratch / f"{op}-{n}", rpc) as (world, held):
                 was = before(world, held)
                 world.hw.inject_fault(op, code, after=n, times=FOREVER)
                 failed = answer(rpc, world, held)
+                assert [f.times for f in world.hw.faults()] != [FOREVER], f"{case}: the fault was never met"
                 assert failed in {None, ("NVML_ERROR", errors.Code.UNAVAILABLE)}, f"{case}: {failed}"
                 world.hw.clear_faults()
                 if world.lifecycle.recovered:
@@ -285,3 +280,36 @@ def test_a_fault_keeps_the_invariants_and_the_call_works_once_it_clears(
                 (rpc.retry or rpc.call)(world, held)
                 check(world, was, settled=True)
                 probe_reuse(world, held)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_release_and_sync_active_work_with_every_nvml_call_failing(scratch: Path, code: str) -> None:
+    """Release and SyncActive change records only, never the hardware: with every NVML call failing (a
+    GPU fallen off the bus) pod-keep let go by SyncActive, listed again, let go by Release and listed
+    again is IDLE and ACTIVE on disk each time, and once the fault clears the hardware is unchanged."""
+    with fresh(scratch / "no-nvml", Rpc("Release and SyncActive", idle_at_4_1, nothing)) as (world, held):
+        was, layout = before(world, held), world.layout()
+        keep = held.pods["pod-keep"]
+        listed = active_of("pod-keep", keep)
+        (name,) = [
+            r.name for r in world.record_files().values() if r.mig_uuid == keep.devices[0].identity.mig_uuid
+        ]
+        others = {n: s for n, s in world.states().items() if n != name}
+        world.hw.inject_fault("any", code, times=FOREVER)
+
+        def sync(active: list[ActiveAllocation]) -> tuple[int, int]:
+            idled, reactivated = world.lifecycle.sync_active(world.lifecycle.generation, active)
+            return len(idled), len(reactivated)
+
+        assert sync([]) == (1, 0)
+        assert world.states()[name] is State.IDLE
+        assert sync(listed) == (0, 1)
+        assert world.states()[name] is State.ACTIVE
+        assert [ref.identity for ref in world.lifecycle.release("pod-keep")] == [keep.devices[0].identity]
+        assert world.states()[name] is State.IDLE
+        assert sync(listed) == (0, 1)
+        assert world.states() == {**others, name: State.ACTIVE}
+        assert world.record_files()[name].owner == listed[0].owner
+        world.hw.clear_faults()
+        assert world.layout() == layout
+        check(world, was, settled=True)

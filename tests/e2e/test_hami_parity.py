@@ -15,14 +15,13 @@ changes is the request's doing, not a background round's.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import wait_until
 from sidecar_process import (
     CALL_TIMEOUT_S,
     Sidecar,
@@ -175,15 +174,6 @@ def pending(car: Sidecar, pod: str, profile: str, start: int, size: int) -> Any:
         profile=profile,
         placement=pb.Placement(start=start, size=size),
     )
-
-
-def wait_until(what: str, condition: Any) -> None:
-    """Poll ``condition`` (background work); the bound is generous, never a timing assertion."""
-    deadline = time.monotonic() + 30.0
-    pause = threading.Event()
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        pause.wait(0.05)
 
 
 class TestAPendingReservation:

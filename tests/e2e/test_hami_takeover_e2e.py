@@ -11,6 +11,7 @@ import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami_format import record_filename, spec_filename, write_record, write_spec
+from helpers_e2e import TAKEOVER_POINTS
 from sidecar_process import Sidecar, SidecarFactory, allocate_one, instances, snapshot_dir
 
 from sidecar.lifecycle import crashpoints
@@ -209,9 +210,6 @@ class TestHamiRecordsThatDoNotMatchAreKept:
         assert len(hami_lines) == 2, verify.stdout
         assert any(line.startswith(f"  HAMI     {wrong_gi['record']}: ") for line in hami_lines)
         assert any(line.startswith(f"  HAMI     {bad_version['record']}: not usable") for line in hami_lines)
-
-
-TAKEOVER_POINTS = ("after-takeover-record", "after-remove-hami-record")
 
 
 def hami_or_ours(car: Sidecar, insts: list[dict[str, Any]]) -> dict[str, tuple[bool, bool]]:

@@ -8,9 +8,8 @@ import contextlib
 import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import DELETE_POINTS, assert_converged, wait_until
 from sidecar_process import CALL_TIMEOUT_S, SidecarFactory, allocate_one, layouts
-from test_lifecycle_socket import wait_until
-from test_recovery_e2e import DELETE_POINTS, assert_converged
 
 from sidecar.lifecycle import crashpoints
 

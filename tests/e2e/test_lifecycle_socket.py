@@ -18,7 +18,6 @@ import ctypes
 import ctypes.util
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import wait_until
 from sidecar_process import (
     CALL_TIMEOUT_S,
     Sidecar,
@@ -45,7 +45,6 @@ pytestmark = pytest.mark.e2e
 NVML_ERROR_UNKNOWN = "999"
 FOREVER = "1000"  # more failures than any bounded retry or test ever consumes
 QUIET = ("--reconcile-interval", "3600")  # no background round while a test compares snapshots
-WAIT_S = 30.0  # an upper bound for background work, not a timing assertion
 
 Device = tuple[str, str, int, int]  # (GPU UUID, profile, placement start, placement size)
 Start = Callable[..., Sidecar]
@@ -136,15 +135,6 @@ def get_state(car: Sidecar) -> Any:
 
 def fault(car: Sidecar, op: str, after: int = 0) -> None:
     car.sim("fault", op, NVML_ERROR_UNKNOWN, "--after", str(after), "--times", FOREVER)
-
-
-def wait_until(what: str, condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    pause = threading.Event()
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"still not true after {WAIT_S}s: {what}")
-        pause.wait(0.05)
 
 
 # -- reading the hardware and the disk -------------------------------------------------------------------

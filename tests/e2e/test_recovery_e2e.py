@@ -8,12 +8,11 @@ files and what later calls do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
 import msgspec
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import CREATE_POINTS, DELETE_POINTS, assert_converged, crash_during
 from sidecar_process import (
     Sidecar,
     SidecarFactory,
@@ -235,12 +234,6 @@ class TestCorruptRecords:
             assert path.stem in verify.stdout
 
 
-CREATE_POINTS = crashpoints.POINTS[: crashpoints.POINTS.index("after-write-cdi") + 1]
-DELETE_POINTS = crashpoints.POINTS[
-    crashpoints.POINTS.index("after-record-deleting") : crashpoints.POINTS.index("after-remove-cdi") + 1
-]
-
-
 class TestCrashPoints:
     @pytest.mark.parametrize("point", CREATE_POINTS)
     def test_a_crash_inside_a_create_leaves_nothing_unowned_after_recovery(
@@ -352,30 +345,6 @@ class TestRepeatedRecover:
 
 
 # -- a kill -9 during recovery's own destroys ----------------------------------------------------------
-
-
-def crash_during(car: Sidecar, call: Callable[[], object]) -> None:
-    """``call`` must end the process at its armed crash point (exit 137) instead of answering."""
-    with pytest.raises(grpc.RpcError):
-        call()
-    assert car.proc is not None
-    assert car.proc.wait(timeout=30) == 137
-
-
-def assert_converged(car: Sidecar) -> None:
-    """Every live GI has a verified ACTIVE/IDLE record and nothing else is left: no foreign instance,
-    no record without its instance, no CDI file without a live owned instance."""
-    state = car.stub.GetState(pb.GetStateRequest(), timeout=30)
-    assert all(not g.foreign for g in state.gpus), "recovery left an instance without a record"
-    owned = {(i.gpu_uuid, i.gpu_instance_id): i for g in state.gpus for i in g.instances}
-    live = {(g.uuid, gi.id): gi for g in layouts(car) for gi in g.gis}
-    assert set(owned) == set(live)
-    for key, instance in owned.items():
-        assert instance.state in (pb.ACTIVE, pb.IDLE)
-        assert [c.mig_uuid for c in live[key].cis] == [instance.mig_uuid]
-    assert len(list(car.state_dir.glob("mig-*.json"))) == len(owned)
-    for spec in car.cdi_dir.glob("*.json"):
-        assert any(i.mig_uuid in spec.name for i in owned.values()), f"stray CDI spec {spec.name}"
 
 
 class TestAKill9WhileRecoveryItselfDestroysSomethingConverges:

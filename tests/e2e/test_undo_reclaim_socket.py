@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import TAKEOVER_POINTS, assert_converged, crash_during
 from sidecar_process import (
     CALL_TIMEOUT_S,
     Sidecar,
@@ -25,8 +26,6 @@ from sidecar_process import (
     snapshot_dir,
     states,
 )
-from test_hami_takeover_e2e import TAKEOVER_POINTS  # armed by the takeover crash tests
-from test_recovery_e2e import assert_converged, crash_during
 
 from sidecar.lifecycle import crashpoints
 

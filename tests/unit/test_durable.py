@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_records import make_record
+from helpers_records import make_record
 
 from sidecar.model.domain import State
 from sidecar.model.errors import StateWriteFailed
