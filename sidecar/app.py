@@ -28,6 +28,7 @@ from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.liveness import Liveness
+from sidecar.lifecycle.locks import Locks
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.lifecycle.recover import Recovery
@@ -191,7 +192,8 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
     port = MeteredPort(backend.port, metrics, liveness)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
-    ctx = Context(port, records, cdi, boot_id)  # the one context, given once to each of its users
+    # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
+    ctx = Context(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
     lifecycle = Lifecycle(ctx)
     recovery = Recovery(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None

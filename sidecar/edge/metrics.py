@@ -354,7 +354,8 @@ class _HealthCollector:
         busy = GaugeMetricFamily(
             f"{PREFIX}_busy_seconds",
             "Seconds the oldest running NVML call (part=nvml) or reconciler round (part=reconciler) has "
-            "run; 0 when none runs. Past --stuck-threshold the health service answers NOT_SERVING.",
+            "worked, waits for GPU locks left out; 0 when none runs. Past --stuck-threshold the health "
+            "service answers NOT_SERVING.",
             labels=["part"],
         )
         ages = self._liveness.oldest() if self._liveness is not None else {}

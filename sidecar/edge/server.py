@@ -41,7 +41,7 @@ from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
-from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
+from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 
 log = logging.getLogger(__name__)
 
@@ -256,12 +256,20 @@ class MigSidecarServicer:
         def answer() -> Any:
             started = time.perf_counter()
             result = None
+            bad_input = False
             try:
                 decoded = decode.allocate(request)
                 result = self.lifecycle.allocate(decoded)
+            except (InvalidRequest, UnknownGpu):
+                bad_input = True
+                raise
             finally:
                 self.metrics.observe_allocate(result, time.perf_counter() - started)
-                self.on_change()  # a refusal too: what it asked for may be what the reserve keeps ready
+                # A refusal too: what it asked for may be what the reserve keeps ready. Not one for
+                # bad input, which asked for nothing: a flood of those must not keep the reconciler
+                # busy and its GPU locks taken while good calls wait.
+                if not bad_input:
+                    self.on_change()
             return encode.encode_allocated(result)
 
         return self._handle("Allocate", context, answer)
