@@ -1,20 +1,17 @@
 """What the liveness probe means: the sidecar is alive while nothing of it has been stuck too long.
 
-Two parts can hang without the process dying: an NVML call (the driver stops answering; on real
-hardware a GI create takes seconds, a hung one never returns) and a reconciler round (its own NVML
-calls). Each registers while it runs (``running``); ``stuck`` names the oldest one past the threshold.
-The health service answers NOT_SERVING while ``stuck`` is not None, so kubelet restarts the container,
-the remedy for a hung driver call: a restart is crash-safe (records, then recovery).
+Two parts can hang without the process dying: an NVML call (the driver stops answering; a GI create
+takes seconds, a hung one never returns) and a reconciler round (its own NVML calls). Each registers
+while it runs (``running``); ``stuck`` names the oldest past the threshold, and the health service
+answers NOT_SERVING meanwhile, so kubelet restarts the container (crash-safe: records, then recovery).
 
-Only work in flight counts. A round that waits for a GPU lock behind queued, healthy creates (seven
-1.5 s creates on one GPU keep it waiting 9 s) is not stuck: the wait (``waiting``, which the GPU
-locks enter only when they must block) is taken off the age of every call the waiting thread has
-registered. A lock held by a hung NVML call still shows: that call is registered too, and its age
-grows. A restart there would cancel the healthy calls in the queue and fix nothing.
+Only work in flight counts: a round waiting for a GPU lock behind queued, healthy creates is not
+stuck. A GPU lock that must block does so inside ``waiting``, whose time is left out of the age of
+every call the waiting thread registered; a lock held by a hung NVML call still shows, as that call
+is registered and its age grows. A restart there would cancel the healthy queue and fix nothing.
 
 The threshold (``--stuck-threshold``, 300 s by default) is far above the slowest NVML call a healthy
-node makes; a round of the reconciler that trims many instances makes several, which the default
-still covers. ``clock`` is injected so tests move time instead of sleeping.
+node makes. ``clock`` is injected so tests move time instead of sleeping.
 """
 
 from __future__ import annotations
