@@ -230,6 +230,7 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         def on_xid(report: FaultReport) -> None:
             metrics.count_xid(report)
             log_xid(report)
+            servicer.health_feed.publish(report.changed)  # WatchHealth's followers
             if report.faulted:
                 reconciler.kick()  # a faulted IDLE instance is ERROR now: destroyed off the request path
 

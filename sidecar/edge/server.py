@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 import sidecar
 from sidecar.edge import decode, encode
+from sidecar.edge.health_feed import HealthFeed
 from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, cut
 from sidecar.edge.metrics import Metrics
 from sidecar.lifecycle.interfaces import Recover, Service
@@ -112,6 +113,7 @@ class MigSidecarServicer:
         self.on_recovered = on_recovered
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
+        self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition(threading.Lock())
         self._in_flight = 0
@@ -304,6 +306,11 @@ class MigSidecarServicer:
 
         return self._handle("Recover", context, answer)
 
+    def WatchHealth(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
+        """Not through ``_handle``: a following stream lives as long as its client, and shutdown
+        ends it (``HealthFeed.close``) instead of waiting for it."""
+        return self.health_feed.serve(bool(request.follow), context)
+
     def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
 
@@ -388,7 +395,12 @@ def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
         if behaviour is None:
             continue
         response_class = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
             servicer.refusing_undecodable(method.name, behaviour),
             request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
             response_serializer=response_class.SerializeToString,
@@ -475,5 +487,6 @@ class SidecarServer:
         """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
         towards their clients; return only once every handler has returned (``drain``)."""
         self.health.enter_graceful_shutdown()
+        self.servicer.health_feed.close()  # following WatchHealth streams end now, not at the grace
         self._server.stop(grace_s).wait()
         self.servicer.drain()

@@ -38,6 +38,7 @@ class FaultReport(msgspec.Struct, frozen=True):
     counted: bool  # False: an ignored Xid, nothing changed
     faulted: tuple[InstanceRef, ...] = ()
     foreign: tuple[int, ...] = ()  # GI IDs
+    changed: tuple[OwnershipRecord, ...] = ()  # the faulted instances' records as now written
 
 
 def names(event: XidEvent, record: OwnershipRecord) -> bool:
@@ -75,6 +76,7 @@ def apply_xid(ctx: Context, event: XidEvent, ignored: frozenset[int]) -> FaultRe
     if event.xid in ignored:
         return FaultReport(event.xid, event.gpu_uuid, counted=False)
     out: list[InstanceRef] = []
+    written: list[OwnershipRecord] = []
     with ctx.locks.gpu(event.gpu_uuid):
         for record in ctx.table.on_gpu(event.gpu_uuid):
             if not names(event, record):
@@ -90,6 +92,7 @@ def apply_xid(ctx: Context, event: XidEvent, ignored: frozenset[int]) -> FaultRe
                     ctx.table.fail(record, changed.last_error)
                 continue
             out.append(instance_ref(changed))
+            written.append(changed)
         try:
             seen = gpu_views.foreign(ctx, event.gpu_uuid)
         except SidecarError as exc:
@@ -100,4 +103,6 @@ def apply_xid(ctx: Context, event: XidEvent, ignored: frozenset[int]) -> FaultRe
             for gi in seen
             if event.gpu_instance_id is None or gi.gpu_instance_id == event.gpu_instance_id
         )
-    return FaultReport(event.xid, event.gpu_uuid, counted=True, faulted=tuple(out), foreign=foreign)
+    return FaultReport(
+        event.xid, event.gpu_uuid, counted=True, faulted=tuple(out), foreign=foreign, changed=tuple(written)
+    )

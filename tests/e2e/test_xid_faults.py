@@ -8,6 +8,7 @@ the sidecar must reach.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -167,3 +168,41 @@ def test_a_fault_survives_a_kill_and_recover(sidecar_factory: SidecarFactory) ->
     release(car, "pod-held")
     assert record_of(car, held) is None
     assert held.gpu_instance_id not in gis(car, 0)
+
+
+def test_health_reaches_get_state_and_a_following_watch(sidecar_factory: SidecarFactory) -> None:
+    car = started(sidecar_factory)
+    hit = allocate_one(car, "pod-hit", 0, "1g.10gb", 0, 1)
+    fine = allocate_one(car, "pod-fine", 0, "1g.10gb", 1, 1)
+    stream = car.stub.WatchHealth(pb.WatchHealthRequest(follow=True), timeout=WAIT_S)
+    opening = [next(stream), next(stream)]  # the health as it stands, one update per instance
+    assert {(u.mig_uuid, u.health, u.current) for u in opening} == {
+        (hit.mig_uuid, pb.HEALTHY, True),
+        (fine.mig_uuid, pb.HEALTHY, True),
+    }
+    xid(car, 0, 79, hit)
+    change = next(stream)
+    assert (change.mig_uuid, change.health, change.xid, change.current) == (
+        hit.mig_uuid,
+        pb.FAULTED,
+        79,
+        False,
+    )
+    assert (change.gpu_instance_id, change.placement.start) == (hit.gpu_instance_id, 0)
+    stream.cancel()
+
+    state = car.stub.GetState(pb.GetStateRequest(), timeout=CALL_TIMEOUT_S)
+    health = {i.mig_uuid: (i.health, i.xid) for g in state.gpus for i in g.instances}
+    assert health == {hit.mig_uuid: (pb.FAULTED, 79), fine.mig_uuid: (pb.HEALTHY, 0)}
+    # Without follow: the health as it stands, then the stream ends.
+    once = list(car.stub.WatchHealth(pb.WatchHealthRequest(), timeout=CALL_TIMEOUT_S))
+    assert sorted((u.mig_uuid, u.health) for u in once) == sorted(
+        [(hit.mig_uuid, pb.FAULTED), (fine.mig_uuid, pb.HEALTHY)]
+    )
+    follower = car.stub.WatchHealth(pb.WatchHealthRequest(follow=True), timeout=WAIT_S)
+    assert len([next(follower), next(follower)]) == 2
+    proc = car.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGTERM)  # a following stream does not hold up shutdown: it ends
+    assert list(follower) == []
+    assert proc.wait(timeout=WAIT_S) == 0

@@ -202,6 +202,56 @@ func (PlacementCost) EnumDescriptor() ([]byte, []int) {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
 }
 
+type InstanceHealth int32
+
+const (
+	InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED InstanceHealth = 0
+	InstanceHealth_HEALTHY                     InstanceHealth = 1
+	// A critical Xid (one --xid-ignore does not name) named the instance or its whole GPU.
+	InstanceHealth_FAULTED InstanceHealth = 2
+)
+
+// Enum value maps for InstanceHealth.
+var (
+	InstanceHealth_name = map[int32]string{
+		0: "INSTANCE_HEALTH_UNSPECIFIED",
+		1: "HEALTHY",
+		2: "FAULTED",
+	}
+	InstanceHealth_value = map[string]int32{
+		"INSTANCE_HEALTH_UNSPECIFIED": 0,
+		"HEALTHY":                     1,
+		"FAULTED":                     2,
+	}
+)
+
+func (x InstanceHealth) Enum() *InstanceHealth {
+	p := new(InstanceHealth)
+	*p = x
+	return p
+}
+
+func (x InstanceHealth) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (InstanceHealth) Descriptor() protoreflect.EnumDescriptor {
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3].Descriptor()
+}
+
+func (InstanceHealth) Type() protoreflect.EnumType {
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3]
+}
+
+func (x InstanceHealth) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use InstanceHealth.Descriptor instead.
+func (InstanceHealth) EnumDescriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
+}
+
 // A placement on the GPU's memory-slice axis: [start, start+size). size counts memory slices.
 type Placement struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1794,6 +1844,10 @@ type Instance struct {
 	Since             *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=since,proto3" json:"since,omitempty"`
 	// "hami" for an instance taken over at Recover from HAMi's in-process lifecycle; "" otherwise.
 	TakenOverFrom string `protobuf:"bytes,12,opt,name=taken_over_from,json=takenOverFrom,proto3" json:"taken_over_from,omitempty"`
+	// FAULTED once a critical Xid named it or its GPU: it is never reused (destroyed at its release).
+	Health InstanceHealth `protobuf:"varint,13,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
+	// The Xid that faulted it; 0 while HEALTHY.
+	Xid           uint32 `protobuf:"varint,14,opt,name=xid,proto3" json:"xid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1910,6 +1964,20 @@ func (x *Instance) GetTakenOverFrom() string {
 		return x.TakenOverFrom
 	}
 	return ""
+}
+
+func (x *Instance) GetHealth() InstanceHealth {
+	if x != nil {
+		return x.Health
+	}
+	return InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED
+}
+
+func (x *Instance) GetXid() uint32 {
+	if x != nil {
+		return x.Xid
+	}
+	return 0
 }
 
 // A GI (and maybe its CI) on the hardware that no ownership record claims.
@@ -2686,6 +2754,161 @@ func (x *RankPlacementsResponse) GetPlacements() []*RankedPlacement {
 	return nil
 }
 
+type WatchHealthRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// false: the current health of every owned instance, then the stream ends. true: after those,
+	// one update per change, until the call is cancelled or the sidecar shuts down.
+	Follow        bool `protobuf:"varint,1,opt,name=follow,proto3" json:"follow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchHealthRequest) Reset() {
+	*x = WatchHealthRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchHealthRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchHealthRequest) ProtoMessage() {}
+
+func (x *WatchHealthRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchHealthRequest.ProtoReflect.Descriptor instead.
+func (*WatchHealthRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{38}
+}
+
+func (x *WatchHealthRequest) GetFollow() bool {
+	if x != nil {
+		return x.Follow
+	}
+	return false
+}
+
+type InstanceHealthUpdate struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid           string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	Profile           string                 `protobuf:"bytes,2,opt,name=profile,proto3" json:"profile,omitempty"`
+	Placement         *Placement             `protobuf:"bytes,3,opt,name=placement,proto3" json:"placement,omitempty"`
+	MigUuid           string                 `protobuf:"bytes,4,opt,name=mig_uuid,json=migUuid,proto3" json:"mig_uuid,omitempty"`
+	GpuInstanceId     uint32                 `protobuf:"varint,5,opt,name=gpu_instance_id,json=gpuInstanceId,proto3" json:"gpu_instance_id,omitempty"`
+	ComputeInstanceId uint32                 `protobuf:"varint,6,opt,name=compute_instance_id,json=computeInstanceId,proto3" json:"compute_instance_id,omitempty"`
+	Health            InstanceHealth         `protobuf:"varint,7,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
+	Xid               uint32                 `protobuf:"varint,8,opt,name=xid,proto3" json:"xid,omitempty"` // 0 while HEALTHY
+	// true on the updates that open the stream (the health as it stood); false on a change.
+	Current       bool `protobuf:"varint,9,opt,name=current,proto3" json:"current,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InstanceHealthUpdate) Reset() {
+	*x = InstanceHealthUpdate{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InstanceHealthUpdate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InstanceHealthUpdate) ProtoMessage() {}
+
+func (x *InstanceHealthUpdate) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InstanceHealthUpdate.ProtoReflect.Descriptor instead.
+func (*InstanceHealthUpdate) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{39}
+}
+
+func (x *InstanceHealthUpdate) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetProfile() string {
+	if x != nil {
+		return x.Profile
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetPlacement() *Placement {
+	if x != nil {
+		return x.Placement
+	}
+	return nil
+}
+
+func (x *InstanceHealthUpdate) GetMigUuid() string {
+	if x != nil {
+		return x.MigUuid
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetGpuInstanceId() uint32 {
+	if x != nil {
+		return x.GpuInstanceId
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetComputeInstanceId() uint32 {
+	if x != nil {
+		return x.ComputeInstanceId
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetHealth() InstanceHealth {
+	if x != nil {
+		return x.Health
+	}
+	return InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED
+}
+
+func (x *InstanceHealthUpdate) GetXid() uint32 {
+	if x != nil {
+		return x.Xid
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
 
 const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
@@ -2814,7 +3037,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
-	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xf1\x03\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xbf\x04\n" +
 	"\bInstance\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -2830,7 +3053,9 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"last_error\x18\n" +
 	" \x01(\tR\tlastError\x120\n" +
 	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12&\n" +
-	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\"\x8d\x02\n" +
+	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\x12:\n" +
+	"\x06health\x18\r \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
+	"\x03xid\x18\x0e \x01(\rR\x03xid\"\x8d\x02\n" +
 	"\x0fForeignInstance\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12;\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12&\n" +
@@ -2884,7 +3109,19 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x16RankPlacementsResponse\x12C\n" +
 	"\n" +
 	"placements\x18\x01 \x03(\v2#.hami.migsidecar.v1.RankedPlacementR\n" +
-	"placements*R\n" +
+	"placements\",\n" +
+	"\x12WatchHealthRequest\x12\x16\n" +
+	"\x06follow\x18\x01 \x01(\bR\x06follow\"\xe3\x02\n" +
+	"\x14InstanceHealthUpdate\x12\x19\n" +
+	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
+	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
+	"\tplacement\x18\x03 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12\x19\n" +
+	"\bmig_uuid\x18\x04 \x01(\tR\amigUuid\x12&\n" +
+	"\x0fgpu_instance_id\x18\x05 \x01(\rR\rgpuInstanceId\x12.\n" +
+	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\x12:\n" +
+	"\x06health\x18\a \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
+	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
+	"\acurrent\x18\t \x01(\bR\acurrent*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +
@@ -2904,7 +3141,11 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x05REUSE\x10\x01\x12\b\n" +
 	"\x04FREE\x10\x02\x12\v\n" +
 	"\aRECLAIM\x10\x03\x12\v\n" +
-	"\aBLOCKED\x10\x042\xe2\b\n" +
+	"\aBLOCKED\x10\x04*K\n" +
+	"\x0eInstanceHealth\x12\x1f\n" +
+	"\x1bINSTANCE_HEALTH_UNSPECIFIED\x10\x00\x12\v\n" +
+	"\aHEALTHY\x10\x01\x12\v\n" +
+	"\aFAULTED\x10\x022\xc5\t\n" +
 	"\n" +
 	"MigSidecar\x12R\n" +
 	"\aGetInfo\x12\".hami.migsidecar.v1.GetInfoRequest\x1a#.hami.migsidecar.v1.GetInfoResponse\x12U\n" +
@@ -2920,7 +3161,8 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"SetMigMode\x12%.hami.migsidecar.v1.SetMigModeRequest\x1a&.hami.migsidecar.v1.SetMigModeResponse\x12a\n" +
 	"\fUndoAllocate\x12'.hami.migsidecar.v1.UndoAllocateRequest\x1a(.hami.migsidecar.v1.UndoAllocateResponse\x12^\n" +
 	"\vReclaimIdle\x12&.hami.migsidecar.v1.ReclaimIdleRequest\x1a'.hami.migsidecar.v1.ReclaimIdleResponse\x12g\n" +
-	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
+	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponse\x12a\n" +
+	"\vWatchHealth\x12&.hami.migsidecar.v1.WatchHealthRequest\x1a(.hami.migsidecar.v1.InstanceHealthUpdate0\x01BNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
 
 var (
 	file_hami_migsidecar_v1_migsidecar_proto_rawDescOnce sync.Once
@@ -2934,126 +3176,134 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescData
 }
 
-var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 38)
+var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(Outcome)(0),                     // 0: hami.migsidecar.v1.Outcome
 	(InstanceState)(0),               // 1: hami.migsidecar.v1.InstanceState
 	(PlacementCost)(0),               // 2: hami.migsidecar.v1.PlacementCost
-	(*Placement)(nil),                // 3: hami.migsidecar.v1.Placement
-	(*PodRef)(nil),                   // 4: hami.migsidecar.v1.PodRef
-	(*DeviceRequest)(nil),            // 5: hami.migsidecar.v1.DeviceRequest
-	(*AllocateRequest)(nil),          // 6: hami.migsidecar.v1.AllocateRequest
-	(*AllocatedDevice)(nil),          // 7: hami.migsidecar.v1.AllocatedDevice
-	(*InstanceRef)(nil),              // 8: hami.migsidecar.v1.InstanceRef
-	(*AllocateResponse)(nil),         // 9: hami.migsidecar.v1.AllocateResponse
-	(*ReleaseRequest)(nil),           // 10: hami.migsidecar.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 11: hami.migsidecar.v1.ReleaseResponse
-	(*ActiveAllocation)(nil),         // 12: hami.migsidecar.v1.ActiveAllocation
-	(*SyncActiveRequest)(nil),        // 13: hami.migsidecar.v1.SyncActiveRequest
-	(*SyncActiveResponse)(nil),       // 14: hami.migsidecar.v1.SyncActiveResponse
-	(*RecoverRequest)(nil),           // 15: hami.migsidecar.v1.RecoverRequest
-	(*RecoverResponse)(nil),          // 16: hami.migsidecar.v1.RecoverResponse
-	(*GetInfoRequest)(nil),           // 17: hami.migsidecar.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),          // 18: hami.migsidecar.v1.GetInfoResponse
-	(*MigMode)(nil),                  // 19: hami.migsidecar.v1.MigMode
-	(*Gpu)(nil),                      // 20: hami.migsidecar.v1.Gpu
-	(*ListGpusRequest)(nil),          // 21: hami.migsidecar.v1.ListGpusRequest
-	(*ListGpusResponse)(nil),         // 22: hami.migsidecar.v1.ListGpusResponse
-	(*DiscoverProfilesRequest)(nil),  // 23: hami.migsidecar.v1.DiscoverProfilesRequest
-	(*Profile)(nil),                  // 24: hami.migsidecar.v1.Profile
-	(*DiscoverProfilesResponse)(nil), // 25: hami.migsidecar.v1.DiscoverProfilesResponse
-	(*Owner)(nil),                    // 26: hami.migsidecar.v1.Owner
-	(*Instance)(nil),                 // 27: hami.migsidecar.v1.Instance
-	(*ForeignInstance)(nil),          // 28: hami.migsidecar.v1.ForeignInstance
-	(*GpuState)(nil),                 // 29: hami.migsidecar.v1.GpuState
-	(*GetStateRequest)(nil),          // 30: hami.migsidecar.v1.GetStateRequest
-	(*GetStateResponse)(nil),         // 31: hami.migsidecar.v1.GetStateResponse
-	(*SetMigModeRequest)(nil),        // 32: hami.migsidecar.v1.SetMigModeRequest
-	(*SetMigModeResponse)(nil),       // 33: hami.migsidecar.v1.SetMigModeResponse
-	(*UndoAllocateRequest)(nil),      // 34: hami.migsidecar.v1.UndoAllocateRequest
-	(*UndoAllocateResponse)(nil),     // 35: hami.migsidecar.v1.UndoAllocateResponse
-	(*ReclaimIdleRequest)(nil),       // 36: hami.migsidecar.v1.ReclaimIdleRequest
-	(*ReclaimIdleResponse)(nil),      // 37: hami.migsidecar.v1.ReclaimIdleResponse
-	(*RankPlacementsRequest)(nil),    // 38: hami.migsidecar.v1.RankPlacementsRequest
-	(*RankedPlacement)(nil),          // 39: hami.migsidecar.v1.RankedPlacement
-	(*RankPlacementsResponse)(nil),   // 40: hami.migsidecar.v1.RankPlacementsResponse
-	(*timestamppb.Timestamp)(nil),    // 41: google.protobuf.Timestamp
+	(InstanceHealth)(0),              // 3: hami.migsidecar.v1.InstanceHealth
+	(*Placement)(nil),                // 4: hami.migsidecar.v1.Placement
+	(*PodRef)(nil),                   // 5: hami.migsidecar.v1.PodRef
+	(*DeviceRequest)(nil),            // 6: hami.migsidecar.v1.DeviceRequest
+	(*AllocateRequest)(nil),          // 7: hami.migsidecar.v1.AllocateRequest
+	(*AllocatedDevice)(nil),          // 8: hami.migsidecar.v1.AllocatedDevice
+	(*InstanceRef)(nil),              // 9: hami.migsidecar.v1.InstanceRef
+	(*AllocateResponse)(nil),         // 10: hami.migsidecar.v1.AllocateResponse
+	(*ReleaseRequest)(nil),           // 11: hami.migsidecar.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 12: hami.migsidecar.v1.ReleaseResponse
+	(*ActiveAllocation)(nil),         // 13: hami.migsidecar.v1.ActiveAllocation
+	(*SyncActiveRequest)(nil),        // 14: hami.migsidecar.v1.SyncActiveRequest
+	(*SyncActiveResponse)(nil),       // 15: hami.migsidecar.v1.SyncActiveResponse
+	(*RecoverRequest)(nil),           // 16: hami.migsidecar.v1.RecoverRequest
+	(*RecoverResponse)(nil),          // 17: hami.migsidecar.v1.RecoverResponse
+	(*GetInfoRequest)(nil),           // 18: hami.migsidecar.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 19: hami.migsidecar.v1.GetInfoResponse
+	(*MigMode)(nil),                  // 20: hami.migsidecar.v1.MigMode
+	(*Gpu)(nil),                      // 21: hami.migsidecar.v1.Gpu
+	(*ListGpusRequest)(nil),          // 22: hami.migsidecar.v1.ListGpusRequest
+	(*ListGpusResponse)(nil),         // 23: hami.migsidecar.v1.ListGpusResponse
+	(*DiscoverProfilesRequest)(nil),  // 24: hami.migsidecar.v1.DiscoverProfilesRequest
+	(*Profile)(nil),                  // 25: hami.migsidecar.v1.Profile
+	(*DiscoverProfilesResponse)(nil), // 26: hami.migsidecar.v1.DiscoverProfilesResponse
+	(*Owner)(nil),                    // 27: hami.migsidecar.v1.Owner
+	(*Instance)(nil),                 // 28: hami.migsidecar.v1.Instance
+	(*ForeignInstance)(nil),          // 29: hami.migsidecar.v1.ForeignInstance
+	(*GpuState)(nil),                 // 30: hami.migsidecar.v1.GpuState
+	(*GetStateRequest)(nil),          // 31: hami.migsidecar.v1.GetStateRequest
+	(*GetStateResponse)(nil),         // 32: hami.migsidecar.v1.GetStateResponse
+	(*SetMigModeRequest)(nil),        // 33: hami.migsidecar.v1.SetMigModeRequest
+	(*SetMigModeResponse)(nil),       // 34: hami.migsidecar.v1.SetMigModeResponse
+	(*UndoAllocateRequest)(nil),      // 35: hami.migsidecar.v1.UndoAllocateRequest
+	(*UndoAllocateResponse)(nil),     // 36: hami.migsidecar.v1.UndoAllocateResponse
+	(*ReclaimIdleRequest)(nil),       // 37: hami.migsidecar.v1.ReclaimIdleRequest
+	(*ReclaimIdleResponse)(nil),      // 38: hami.migsidecar.v1.ReclaimIdleResponse
+	(*RankPlacementsRequest)(nil),    // 39: hami.migsidecar.v1.RankPlacementsRequest
+	(*RankedPlacement)(nil),          // 40: hami.migsidecar.v1.RankedPlacement
+	(*RankPlacementsResponse)(nil),   // 41: hami.migsidecar.v1.RankPlacementsResponse
+	(*WatchHealthRequest)(nil),       // 42: hami.migsidecar.v1.WatchHealthRequest
+	(*InstanceHealthUpdate)(nil),     // 43: hami.migsidecar.v1.InstanceHealthUpdate
+	(*timestamppb.Timestamp)(nil),    // 44: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
-	3,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
-	4,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
-	5,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
-	3,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
+	5,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
+	6,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
+	4,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
 	0,  // 4: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
-	3,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
-	7,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
-	8,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
-	4,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
-	3,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
-	12, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	8,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
-	12, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	8,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	41, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
-	19, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	20, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
-	3,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
-	24, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
-	4,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
-	3,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
+	8,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
+	9,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
+	5,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
+	4,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
+	13, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	9,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
+	13, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	9,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
+	44, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	20, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	21, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
+	4,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
+	25, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
+	5,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
+	4,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
 	1,  // 27: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
-	26, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	41, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
-	3,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
-	20, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
-	27, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
-	28, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
-	29, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
-	19, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	8,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	8,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 40: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
-	2,  // 41: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
-	8,  // 42: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
-	39, // 43: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
-	17, // 44: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	21, // 45: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	23, // 46: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	6,  // 47: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	10, // 48: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	13, // 49: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	15, // 50: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	30, // 51: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	32, // 52: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	34, // 53: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	36, // 54: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	38, // 55: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	18, // 56: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	22, // 57: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	25, // 58: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	9,  // 59: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	11, // 60: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	14, // 61: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	16, // 62: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	31, // 63: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	33, // 64: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	35, // 65: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	37, // 66: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	40, // 67: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	56, // [56:68] is the sub-list for method output_type
-	44, // [44:56] is the sub-list for method input_type
-	44, // [44:44] is the sub-list for extension type_name
-	44, // [44:44] is the sub-list for extension extendee
-	0,  // [0:44] is the sub-list for field type_name
+	27, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
+	44, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	3,  // 30: hami.migsidecar.v1.Instance.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	4,  // 31: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
+	21, // 32: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
+	28, // 33: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
+	29, // 34: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
+	30, // 35: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
+	20, // 36: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	9,  // 37: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 38: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	9,  // 40: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
+	4,  // 41: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	2,  // 42: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
+	9,  // 43: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	40, // 44: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	4,  // 45: hami.migsidecar.v1.InstanceHealthUpdate.placement:type_name -> hami.migsidecar.v1.Placement
+	3,  // 46: hami.migsidecar.v1.InstanceHealthUpdate.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	18, // 47: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	22, // 48: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	24, // 49: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	7,  // 50: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	11, // 51: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	14, // 52: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	16, // 53: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	31, // 54: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	33, // 55: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	35, // 56: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	37, // 57: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	39, // 58: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	42, // 59: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
+	19, // 60: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	23, // 61: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	26, // 62: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	10, // 63: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	12, // 64: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	15, // 65: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	17, // 66: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	32, // 67: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	34, // 68: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	36, // 69: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	38, // 70: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	41, // 71: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	43, // 72: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
+	60, // [60:73] is the sub-list for method output_type
+	47, // [47:60] is the sub-list for method input_type
+	47, // [47:47] is the sub-list for extension type_name
+	47, // [47:47] is the sub-list for extension extendee
+	0,  // [0:47] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -3066,8 +3316,8 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
-			NumEnums:      3,
-			NumMessages:   38,
+			NumEnums:      4,
+			NumMessages:   40,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -42,6 +42,7 @@ const (
 	MigSidecar_UndoAllocate_FullMethodName     = "/hami.migsidecar.v1.MigSidecar/UndoAllocate"
 	MigSidecar_ReclaimIdle_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/ReclaimIdle"
 	MigSidecar_RankPlacements_FullMethodName   = "/hami.migsidecar.v1.MigSidecar/RankPlacements"
+	MigSidecar_WatchHealth_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/WatchHealth"
 )
 
 // MigSidecarClient is the client API for MigSidecar service.
@@ -73,6 +74,10 @@ type MigSidecarClient interface {
 	ReclaimIdle(ctx context.Context, in *ReclaimIdleRequest, opts ...grpc.CallOption) (*ReclaimIdleResponse, error)
 	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
 	RankPlacements(ctx context.Context, in *RankPlacementsRequest, opts ...grpc.CallOption) (*RankPlacementsResponse, error)
+	// The health of every owned instance as it stands; with follow, then every change as it happens
+	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+	WatchHealth(ctx context.Context, in *WatchHealthRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[InstanceHealthUpdate], error)
 }
 
 type migSidecarClient struct {
@@ -203,6 +208,25 @@ func (c *migSidecarClient) RankPlacements(ctx context.Context, in *RankPlacement
 	return out, nil
 }
 
+func (c *migSidecarClient) WatchHealth(ctx context.Context, in *WatchHealthRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[InstanceHealthUpdate], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &MigSidecar_ServiceDesc.Streams[0], MigSidecar_WatchHealth_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchHealthRequest, InstanceHealthUpdate]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MigSidecar_WatchHealthClient = grpc.ServerStreamingClient[InstanceHealthUpdate]
+
 // MigSidecarServer is the server API for MigSidecar service.
 // All implementations must embed UnimplementedMigSidecarServer
 // for forward compatibility.
@@ -232,6 +256,10 @@ type MigSidecarServer interface {
 	ReclaimIdle(context.Context, *ReclaimIdleRequest) (*ReclaimIdleResponse, error)
 	// Reuse-aware placement advice for one profile on one GPU, best first. Read-only.
 	RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error)
+	// The health of every owned instance as it stands; with follow, then every change as it happens
+	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+	WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error
 	mustEmbedUnimplementedMigSidecarServer()
 }
 
@@ -277,6 +305,9 @@ func (UnimplementedMigSidecarServer) ReclaimIdle(context.Context, *ReclaimIdleRe
 }
 func (UnimplementedMigSidecarServer) RankPlacements(context.Context, *RankPlacementsRequest) (*RankPlacementsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RankPlacements not implemented")
+}
+func (UnimplementedMigSidecarServer) WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error {
+	return status.Error(codes.Unimplemented, "method WatchHealth not implemented")
 }
 func (UnimplementedMigSidecarServer) mustEmbedUnimplementedMigSidecarServer() {}
 func (UnimplementedMigSidecarServer) testEmbeddedByValue()                    {}
@@ -515,6 +546,17 @@ func _MigSidecar_RankPlacements_Handler(srv interface{}, ctx context.Context, de
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MigSidecar_WatchHealth_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchHealthRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(MigSidecarServer).WatchHealth(m, &grpc.GenericServerStream[WatchHealthRequest, InstanceHealthUpdate]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MigSidecar_WatchHealthServer = grpc.ServerStreamingServer[InstanceHealthUpdate]
+
 // MigSidecar_ServiceDesc is the grpc.ServiceDesc for MigSidecar service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -571,6 +613,12 @@ var MigSidecar_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _MigSidecar_RankPlacements_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchHealth",
+			Handler:       _MigSidecar_WatchHealth_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "hami/migsidecar/v1/migsidecar.proto",
 }

@@ -94,6 +94,11 @@ class MigSidecarStub:
                 request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
                 response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
                 _registered_method=True)
+        self.WatchHealth = channel.unary_stream(
+                '/hami.migsidecar.v1.MigSidecar/WatchHealth',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
+                _registered_method=True)
 
 
 class MigSidecarServicer:
@@ -186,6 +191,15 @@ class MigSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHealth(self, request, context):
+        """The health of every owned instance as it stands; with follow, then every change as it happens
+        (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+        the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -248,6 +262,11 @@ def add_MigSidecarServicer_to_server(servicer, server):
                     servicer.RankPlacements,
                     request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.FromString,
                     response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.SerializeToString,
+            ),
+            'WatchHealth': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHealth,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -574,6 +593,33 @@ class MigSidecar:
             '/hami.migsidecar.v1.MigSidecar/RankPlacements',
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsRequest.SerializeToString,
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.RankPlacementsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/WatchHealth',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
             options,
             channel_credentials,
             insecure,
