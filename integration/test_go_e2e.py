@@ -219,6 +219,7 @@ GO_E2E_TESTS = [
     "TestTheRegisterHelperPublishesAnIdleInstanceFirstAndItsReclaimLast",
     "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
     "TestTheLazyAdapterAnswersThePR3128MethodSet",
+    "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
 ]
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.

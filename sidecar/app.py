@@ -26,13 +26,16 @@ from sidecar.edge.metrics import MeteredPort, Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.faults import FaultReport
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.liveness import Liveness
+from sidecar.lifecycle.locks import Locks
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.xid_watch import XidWatcher
 from sidecar.model.errors import StateWriteFailed
-from sidecar.nvml.port import NvmlError, NvmlPort
+from sidecar.nvml.port import NvmlError, NvmlPort, XidEvents
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked
 
@@ -53,6 +56,9 @@ class Backend(Protocol):
 
     @property
     def kind(self) -> str: ...
+
+    @property
+    def xids(self) -> XidEvents | None: ...
 
     def close(self) -> None: ...
 
@@ -95,6 +101,7 @@ class Application:
         reconciler: Reconciler,
         metrics: Metrics,
         server: SidecarServer,
+        xid_watcher: XidWatcher | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -105,16 +112,20 @@ class Application:
         self.reconciler = reconciler
         self.metrics = metrics
         self.server = server
+        self.xid_watcher = xid_watcher
         self._recovered_lock = threading.Lock()
         self._reconciler_started = False
         self._socket_bound = False
 
     def on_recovered(self) -> None:
-        """Called after every successful Recover: health turns SERVING, the reconciler starts once."""
+        """Called after every successful Recover: health turns SERVING, the reconciler and the Xid
+        watcher start once (the table they act on is trusted from now on)."""
         with self._recovered_lock:
             self.server.mark_recovered()
             if not self._reconciler_started:
                 self.reconciler.start()
+                if self.xid_watcher is not None:
+                    self.xid_watcher.start()
                 self._reconciler_started = True
 
     def start(self) -> None:
@@ -174,6 +185,8 @@ class Application:
         if self._socket_bound:
             self.server.stop(self.config.shutdown_grace_s)
         if self._reconciler_started:
+            if self.xid_watcher is not None:
+                self.xid_watcher.stop()  # before NVML shuts down: it waits on an NVML event set
             self.reconciler.stop()
             self._reconciler_started = False
         self.metrics.close()
@@ -191,7 +204,8 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
     port = MeteredPort(backend.port, metrics, liveness)
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
-    ctx = Context(port, records, cdi, boot_id)  # the one context, given once to each of its users
+    # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
+    ctx = Context(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
     lifecycle = Lifecycle(ctx)
     recovery = Recovery(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None
@@ -210,6 +224,17 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         started_at=dt.datetime.now(dt.UTC),
     )
     servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
+    watcher = None
+    if backend.xids is not None:
+
+        def on_xid(report: FaultReport) -> None:
+            metrics.count_xid(report)
+            log_xid(report)
+            servicer.health_feed.publish(report.changed)  # WatchHealth's followers
+            if report.faulted:
+                reconciler.kick()  # a faulted IDLE instance is ERROR now: destroyed off the request path
+
+        watcher = XidWatcher(ctx, backend.xids, frozenset(config.xid_ignore), on_report=on_xid)
     server = SidecarServer(servicer, liveness=liveness)
     app = Application(
         config=config,
@@ -221,11 +246,28 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
         reconciler=reconciler,
         metrics=metrics,
         server=server,
+        xid_watcher=watcher,
     )
     servicer.on_recovered = app.on_recovered
     if idle is not None:
         servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
     return app
+
+
+def log_xid(report: FaultReport) -> None:
+    """One line per Xid event: what it faulted, the foreign GIs it named (reported, never touched)."""
+    if not report.counted:
+        event(log, logging.INFO, "ignored Xid", xid=report.xid, gpu=report.gpu_uuid)
+        return
+    event(
+        log,
+        logging.ERROR,
+        "Xid faulted instances",
+        xid=report.xid,
+        gpu=report.gpu_uuid,
+        faulted=[f"{r.reservation.profile}@{r.reservation.placement}" for r in report.faulted],
+        foreign_gis=list(report.foreign),
+    )
 
 
 def sweep_cdi_temp_files(cdi: CdiSpecs) -> None:

@@ -26,6 +26,7 @@ import msgspec
 from sidecar.model.domain import PROFILE_NAME_RE
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
+from sidecar.nvml.port import XID_APPLICATION_ERRORS
 from sidecar.store.cdi import DEFAULT_KIND
 from sidecar.store.cdi_format import parse_kind
 
@@ -39,6 +40,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 DEFAULT_RESERVE_WINDOW_S = 3600.0  # a profile nobody asked for in an hour is not kept ready
 RESERVE_AUTO = "auto"
 DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
+DEFAULT_XID_IGNORE = ",".join(str(x) for x in sorted(XID_APPLICATION_ERRORS))  # the device plugin's
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
 MAX_SOCKET_PATH_BYTES = 107
@@ -222,6 +224,15 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         default=str(DEFAULT_STUCK_THRESHOLD_S),
         metavar="SECONDS",
     ),
+    FlagSpec(
+        "--xid-ignore",
+        "xid_ignore",
+        "Critical Xids that do not fault an instance (application errors; the NVIDIA device plugin's "
+        "default); every other Xid NVML reports on an instance, or on its whole GPU, keeps it from "
+        "ever being reused. 'none' counts every Xid.",
+        default=DEFAULT_XID_IGNORE,
+        metavar="XID,...",
+    ),
 )
 
 
@@ -256,6 +267,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     stuck_threshold_s: float = DEFAULT_STUCK_THRESHOLD_S
     idle: IdleSettings = IdleSettings()
+    xid_ignore: tuple[int, ...] = tuple(int(x) for x in DEFAULT_XID_IGNORE.split(","))
 
     @property
     def sim_gpus_text(self) -> str:
@@ -319,6 +331,17 @@ def _count(raw: str | None, where: str) -> int:
     if not text.isdigit():
         raise ConfigError(f"{where}: {raw!r} is not a count (a whole number, 0 or more)")
     return int(text)
+
+
+def parse_xids(text: str, where: str) -> tuple[int, ...]:
+    """``13,31`` -> (13, 31), sorted, each once; ``none`` -> ()."""
+    if text.strip().lower() == "none":
+        return ()
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [p for p in parts if not p.isdigit()]
+    if bad or not parts:
+        raise ConfigError(f"{where}: {', '.join(bad) or repr(text)} is not an Xid list (e.g. 13,31, or none)")
+    return tuple(sorted({int(p) for p in parts}))
 
 
 def parse_profiles(text: str, where: str) -> tuple[str, ...]:
@@ -469,4 +492,5 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
         stuck_threshold_s=_seconds(raw["stuck_threshold"], origin["stuck_threshold"]),
         idle=_idle_settings(raw, origin),
+        xid_ignore=parse_xids(raw["xid_ignore"] or DEFAULT_XID_IGNORE, origin["xid_ignore"]),
     )

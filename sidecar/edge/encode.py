@@ -102,6 +102,21 @@ def _timestamp(text: str) -> Any:
     return None
 
 
+def encode_health(record: OwnershipRecord, *, current: bool) -> Any:
+    """One ``InstanceHealthUpdate`` of ``WatchHealth``: the instance and whether an Xid faulted it."""
+    return pb.InstanceHealthUpdate(
+        gpu_uuid=record.gpu_uuid,
+        profile=record.profile,
+        placement=pb_placement(record.placement),
+        mig_uuid=record.mig_uuid or "",
+        gpu_instance_id=record.gpu_instance_id or 0,
+        compute_instance_id=record.compute_instance_id or 0,
+        health=pb.FAULTED if record.xid else pb.HEALTHY,
+        xid=record.xid,
+        current=current,
+    )
+
+
 def encode_instance(record: OwnershipRecord) -> Any:
     message = pb.Instance(
         gpu_uuid=record.gpu_uuid,
@@ -114,6 +129,8 @@ def encode_instance(record: OwnershipRecord) -> Any:
         cdi_device=record.cdi_device,
         last_error=record.last_error,
         taken_over_from=record.taken_over_from,
+        health=pb.FAULTED if record.xid else pb.HEALTHY,
+        xid=record.xid,
     )
     if record.owner is not None:
         owner = record.owner

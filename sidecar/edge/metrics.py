@@ -22,6 +22,7 @@ import prometheus_client
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 
+from sidecar.lifecycle.faults import FaultReport
 from sidecar.lifecycle.gpu_views import last_used
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.model.domain import AllocateResult, Outcome, State
@@ -148,6 +149,20 @@ class Metrics:
             ["gpu", "outcome"],
             registry=self.registry,
         )
+        self.xid_events = prometheus_client.Counter(
+            f"{PREFIX}_xid_events",
+            "Critical Xid events NVML reported, by GPU, Xid and whether they fault instances "
+            "(counted=false: an application error --xid-ignore names, which changes nothing).",
+            ["gpu", "xid", "counted"],
+            registry=self.registry,
+        )
+        self.faulted_instances = prometheus_client.Counter(
+            f"{PREFIX}_faulted_instances",
+            "Owned instances a critical Xid faulted (never reused again: destroyed at release, or by "
+            "the reconciler when IDLE), by GPU and Xid.",
+            ["gpu", "xid"],
+            registry=self.registry,
+        )
         self.gpu_reclaims = prometheus_client.Counter(
             f"{PREFIX}_gpu_reclaims",
             "IDLE instances an Allocate destroyed because they blocked its placement, by GPU.",
@@ -253,6 +268,13 @@ class Metrics:
             return "already_allocated"
         return "reused"
 
+    def count_xid(self, report: FaultReport) -> None:
+        """Count one Xid event and the instances it faulted."""
+        xid = str(report.xid)
+        self.xid_events.labels(report.gpu_uuid, xid, "true" if report.counted else "false").inc()
+        if report.faulted:
+            self.faulted_instances.labels(report.gpu_uuid, xid).inc(len(report.faulted))
+
     def serve(self, host: str, port: int) -> None:
         """Start the HTTP endpoint (``/metrics``) on a daemon thread."""
         self._server, self._thread = prometheus_client.start_http_server(
@@ -356,7 +378,8 @@ class _HealthCollector:
         busy = GaugeMetricFamily(
             f"{PREFIX}_busy_seconds",
             "Seconds the oldest running NVML call (part=nvml) or reconciler round (part=reconciler) has "
-            "run; 0 when none runs. Past --stuck-threshold the health service answers NOT_SERVING.",
+            "worked, waits for GPU locks left out; 0 when none runs. Past --stuck-threshold the health "
+            "service answers NOT_SERVING.",
             labels=["part"],
         )
         ages = self._liveness.oldest() if self._liveness is not None else {}

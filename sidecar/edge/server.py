@@ -20,14 +20,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
 import msgspec
-from google.protobuf import any_pb2, message_factory
-from google.protobuf.message import DecodeError
+from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -36,13 +35,15 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 import sidecar
 from sidecar.edge import decode, encode
+from sidecar.edge.health_feed import HealthFeed
 from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, cut
 from sidecar.edge.metrics import Metrics
+from sidecar.edge.wire import Undecodable, register
 from sidecar.lifecycle.interfaces import Recover, Service
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
 from sidecar.model.domain import AllocationKey
-from sidecar.model.errors import InvalidRequest, SidecarError, UnknownProfile, nvml_errors
+from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class MigSidecarServicer:
         self.on_recovered = on_recovered
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
+        self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition(threading.Lock())
         self._in_flight = 0
@@ -257,12 +259,20 @@ class MigSidecarServicer:
         def answer() -> Any:
             started = time.perf_counter()
             result = None
+            bad_input = False
             try:
                 decoded = decode.allocate(request)
                 result = self.lifecycle.allocate(decoded)
+            except (InvalidRequest, UnknownGpu):
+                bad_input = True
+                raise
             finally:
                 self.metrics.observe_allocate(result, time.perf_counter() - started)
-                self.on_change()  # a refusal too: what it asked for may be what the reserve keeps ready
+                # A refusal too: what it asked for may be what the reserve keeps ready. Not one for
+                # bad input, which asked for nothing: a flood of those must not keep the reconciler
+                # busy and its GPU locks taken while good calls wait.
+                if not bad_input:
+                    self.on_change()
             message = encode.encode_allocated(result)
             message.generation = self.lifecycle.generation
             return message
@@ -299,6 +309,11 @@ class MigSidecarServicer:
             return encode.encode_report(report)
 
         return self._handle("Recover", context, answer)
+
+    def WatchHealth(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
+        """Not through ``_handle``: a following stream lives as long as its client, and shutdown
+        ends it (``HealthFeed.close``) instead of waiting for it."""
+        return self.health_feed.serve(bool(request.follow), context)
 
     def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
         return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
@@ -364,49 +379,6 @@ class MigSidecarServicer:
             )
 
         return self._handle("ReclaimIdle", context, answer)
-
-
-class Undecodable:
-    """What a request body that does not parse as its message turns into; the handler refuses it."""
-
-    def __init__(self, why: str) -> None:
-        self.why = why
-
-
-def _tolerant(message_class: Any) -> Callable[[bytes], Any]:
-    """A request deserializer that hands an unparsable body on as ``Undecodable``: grpcio answers a
-    raising deserializer with a bare INTERNAL, and the contract says INVALID_REQUEST."""
-
-    def parse(data: bytes) -> Any:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as exc:
-            return Undecodable(str(exc))
-
-    return parse
-
-
-def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
-    """Serve every RPC of the contract that ``servicer`` implements, with tolerant deserializers.
-
-    Built from the service descriptor instead of the generated ``add_..._to_server``, which demands a
-    method for every RPC of the proto: one the servicer does not implement yet is left out, and
-    gRPC answers it UNIMPLEMENTED."""
-    service = pb.DESCRIPTOR.services_by_name["MigSidecar"]
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-    for method in service.methods:
-        behaviour = getattr(servicer, method.name, None)
-        if behaviour is None:
-            continue
-        response_class = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            servicer.refusing_undecodable(method.name, behaviour),
-            request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
-            response_serializer=response_class.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    # grpcio's own registered-method fast path (what the generated code calls).
-    server.add_registered_method_handlers(service.full_name, handlers)
 
 
 class _CheckedHealth(health.HealthServicer):
@@ -486,5 +458,6 @@ class SidecarServer:
         """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
         towards their clients; return only once every handler has returned (``drain``)."""
         self.health.enter_graceful_shutdown()
+        self.servicer.health_feed.close()  # following WatchHealth streams end now, not at the grace
         self._server.stop(grace_s).wait()
         self.servicer.drain()

@@ -56,6 +56,9 @@ class Reconciler:
         # the wait and the next round) still gets a round of its own.
         self._wake = threading.Condition()
         self._kicks = 0
+        # Rounds the background loop has run (a failed one too): what shows that a call did, or did
+        # not, cost the node a round (the metrics and the tests read it).
+        self.rounds = 0
         self._thread: threading.Thread | None = None
 
     def run_once(self) -> ReconcileReport:
@@ -110,6 +113,12 @@ class Reconciler:
             self._kicks += 1
             self._wake.notify()
 
+    @property
+    def kicks(self) -> int:
+        """Requests for an early round so far (``kick``); several may share one round."""
+        with self._wake:
+            return self._kicks
+
     def start(self) -> None:
         """Run ``run_once`` every ``interval_s`` on a daemon thread (only after recovery succeeded)."""
         if self._thread is not None and self._thread.is_alive():
@@ -150,3 +159,5 @@ class Reconciler:
                     self.run_once()
             except Exception:  # noqa: BLE001 - one bad round must not end background retries for good
                 _log.exception("reconciler round failed")
+            finally:
+                self.rounds += 1

@@ -1,4 +1,7 @@
-"""Release and SyncActive: ACTIVE instances go IDLE (never destroyed), IDLE ones may come back.
+"""Release and SyncActive: ACTIVE instances go IDLE, IDLE ones may come back.
+
+The one exception: a faulted instance (an Xid named it, ``OwnershipRecord.xid``) is destroyed at
+its release instead of going IDLE, so it is never handed to the next pod (``release_faulted``).
 
 Both change a batch of instances; one instance's failure is kept for the end of the batch
 (``steps.put_each``, ``steps.raise_first``) so one corrupt file does not keep the others from changing.
@@ -7,18 +10,33 @@ Both change a batch of instances; one instance's failure is kept for the end of 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.steps import put_each, raise_first
+from sidecar.lifecycle.teardown import destroy
 from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import OwnershipRecord, instance_ref
 
+_log = logging.getLogger(__name__)
+
+
+def release_faulted(ctx: Context, record: OwnershipRecord) -> None:
+    """Destroy a faulted ACTIVE instance its pod has left (under its GPU lock). A destroy that
+    fails leaves it ERROR (``teardown.destroy``), which the reconciler retries: released either way."""
+    _log.warning("destroying faulted instance %s (Xid %d) at its release", record.name, record.xid)
+    try:
+        destroy(ctx, record, mark_deleting=True)
+    except SidecarError as exc:
+        _log.error("faulted instance %s not destroyed yet: %s", record.name, exc)
+
 
 def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
-    """A confirmed pod release: its ACTIVE instances become IDLE. Never destroys; unknown pod = []."""
+    """A confirmed pod release: its ACTIVE instances become IDLE (a faulted one is destroyed
+    instead); unknown pod = []."""
     ctx.require_recovered()
     if not POD_UID_RE.match(pod_uid):
         raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
@@ -34,6 +52,10 @@ def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
             current = ctx.table.get(r.name)
             if current is None or current.state is not State.ACTIVE or current.owner != r.owner:
                 continue  # changed while we waited for the lock
+            if current.xid:
+                release_faulted(ctx, current)
+                released.append(instance_ref(current))
+                continue
             if put_each(ctx, failures, ctx.idle, current):
                 released.append(instance_ref(current))
     raise_first(failures)
@@ -52,8 +74,8 @@ def sync_active(
     released after the list was taken, which still names the pod that is gone, and stays IDLE.
     Listed entries that match nothing are ignored. Entries without runtime identity are pending
     reservations: their keys count as listed, and they replace the pending set (``sidecar.model.pending``),
-    which keeps the IDLE or ERROR instance at exactly each one from being destroyed. Never destroys
-    anything.
+    which keeps the IDLE or ERROR instance at exactly each one from being destroyed. Destroys only
+    a faulted instance it would have made IDLE (``release_faulted``).
 
     A ``generation`` larger than any handed out is no fence at all: InvalidRequest, nothing changes."""
     ctx.require_recovered()
@@ -106,6 +128,10 @@ def sync_active(
                 or current.owner != r.owner
                 or current.activated_generation > generation
             ):
+                continue
+            if current.xid:
+                release_faulted(ctx, current)
+                idled.append(instance_ref(current))
                 continue
             if put_each(ctx, failures, ctx.idle, current):
                 idled.append(instance_ref(current))

@@ -84,6 +84,10 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # "hami" when recovery took the instance over from HAMi's in-process lifecycle: its HAMi CDI spec
     # may still be in use and goes with the instance (teardown removes it after the destroy).
     taken_over_from: str = ""
+    # The first critical Xid NVML reported on this instance (or its whole GPU); 0: none. A faulted
+    # instance is never handed out again: ACTIVE, it is destroyed at its release; IDLE, it goes
+    # ERROR and the reconciler destroys it (``sidecar.lifecycle.faults``). Kept across restarts.
+    xid: int = 0
 
     @property
     def name(self) -> str:
@@ -126,6 +130,7 @@ def live_record(
     cdi_device: str = "",
     origin: Origin = Origin.REUSED,
     taken_over_from: str = "",
+    xid: int = 0,
 ) -> OwnershipRecord:
     """The record of a live GI and its CI (None: a bare GI), the one place the live values are copied.
 
@@ -153,6 +158,7 @@ def live_record(
         since=since,
         origin=origin,
         taken_over_from=taken_over_from,
+        xid=xid,
     )
 
 

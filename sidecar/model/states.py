@@ -28,13 +28,14 @@ TRANSITIONS: dict[tuple[State | None, State], str] = {
     (A, I): "Release, SyncActive, the rollback of a reuse, or recovery restoring it",
     (I, I): "recovery restores an IDLE instance as it is (fresh CDI name, error cleared)",
     (I, D): "an IDLE instance is reclaimed for another placement",
-    (A, D): "the rollback of a failed allocation destroys the instance it created",
+    (A, D): "the rollback of a failed allocation destroys the instance it created, or a release"
+    " destroys a faulted one (an Xid named it)",
     (C, D): "recovery undoes a create a crash interrupted",
     (D, D): "a destroy restarted (recovery finishing a DELETING record) re-stamps it",
     (E, D): "recovery destroys the bare GI of a failed create's ERROR record",
     (C, E): "a create and its undo failed",
-    (A, E): "recovery could not record an adoption",
-    (I, E): "a reused instance failed its live verification",
+    (A, E): "recovery could not record an adoption, or finds a faulted one no pod holds",
+    (I, E): "a reused instance failed its live verification, or an Xid faulted it",
     (D, E): "a destroy failed (or the record could not be deleted after it)",
     (E, E): "another attempt at an ERROR instance failed",
 }

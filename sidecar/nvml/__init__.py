@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.nvml.port import NvmlError, NvmlPort
+from sidecar.nvml.port import NvmlError, NvmlPort, XidEvents
 
 KINDS = ("nvml", "simulated")
 
@@ -25,6 +25,7 @@ class Backend:
     port: NvmlPort
     proc_root: Path  # /proc, or the simulated hardware's fake tree
     kind: str  # "nvml" or "simulated"
+    xids: XidEvents | None = None  # critical Xid events of its GPUs (None: this backend has none)
     _closers: tuple[Callable[[], None], ...] = field(default=(), repr=False)
 
     def close(self) -> None:
@@ -45,6 +46,7 @@ def open_backend(
     ``sim_state`` the hardware is in memory for this process only, and ``sim_gpus`` is required.
     """
     from sidecar.nvml.pynvml_backend import PynvmlBackend  # noqa: PLC0415 - keeps pynvml out of import time
+    from sidecar.nvml.xid_events import PynvmlXidEvents  # noqa: PLC0415
 
     if kind == "nvml":
         try:
@@ -54,7 +56,9 @@ def open_backend(
                 f"cannot initialise NVML ({exc.message}, code {exc.code}): is the NVIDIA driver installed "
                 "and libnvidia-ml.so.1 visible? (--backend simulated is only used when asked for)"
             ) from exc
-        return Backend(port=port, proc_root=Path("/proc"), kind="nvml", _closers=(port.close,))
+        return Backend(
+            port=port, proc_root=Path("/proc"), kind="nvml", xids=PynvmlXidEvents(), _closers=(port.close,)
+        )
     if kind != "simulated":
         raise BackendUnavailableError(f"unknown NVML backend {kind!r}; expected one of {', '.join(KINDS)}")
 
@@ -86,5 +90,6 @@ def open_backend(
         port=port,
         proc_root=proc_root,
         kind="simulated",
+        xids=PynvmlXidEvents(),
         _closers=(port.close, simulated.uninstall, *closers),
     )

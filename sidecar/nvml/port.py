@@ -217,6 +217,47 @@ class NvmlPort(Protocol):
         ...
 
 
+# Xids that are application errors, after which the GPU is still healthy: the NVIDIA device
+# plugin's default list of ignored Xids (13 graphics engine exception, 31 GPU memory page fault,
+# 43 GPU stopped processing, 45 preemptive cleanup, 68 video processor exception, 109 context
+# switch timeout). Every other critical Xid faults what it names.
+XID_APPLICATION_ERRORS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+XID_ALL_INSTANCES = 0xFFFFFFFF  # nvmlEventData_t's GI/CI ID when the event is about the whole GPU
+
+
+class XidEvent(msgspec.Struct, frozen=True):
+    """One critical Xid event (nvmlEventTypeXidCriticalError) as NVML delivered it.
+
+    ``gpu_instance_id``/``compute_instance_id`` are None when the event names the whole GPU (NVML's
+    0xFFFFFFFF); a compute instance ID of None with a GI ID names every CI of that GI."""
+
+    gpu_uuid: str
+    xid: int
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+
+class XidEvents(Protocol):
+    """Critical Xid events of some GPUs, waited for on one thread (``sidecar.lifecycle.xid_watch``).
+
+    Not part of ``NvmlPort``: nothing on a request's path waits for events, and a wait is not a call
+    whose time the liveness probe should count (it returns at its timeout by design)."""
+
+    def watch_xids(self, gpu_uuids: list[str]) -> object:
+        """nvmlEventSetCreate, then nvmlDeviceRegisterEvents(XidCriticalError) for each GPU; the
+        returned set is for ``wait_xid`` and ``stop_watching``. A GPU that cannot be registered
+        raises (NvmlError) after the set is freed."""
+        ...
+
+    def wait_xid(self, watch: object, timeout_ms: int) -> XidEvent | None:
+        """nvmlEventSetWait_v2: the next event, or None when none came within ``timeout_ms``."""
+        ...
+
+    def stop_watching(self, watch: object) -> None:
+        """nvmlEventSetFree."""
+        ...
+
+
 def prove_by_parts(port: NvmlPort, gpu_uuid: str, mig_uuid: str) -> IdleProof:
     """``NvmlPort.prove_idle`` made of the port's own ``gpu`` and ``mig_device_processes`` calls."""
     gpu = port.gpu(gpu_uuid)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import msgspec
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from sidecar_process import snapshot_dir
@@ -64,10 +65,13 @@ class InProcessSidecar:
 
 
 @contextmanager
-def inprocess_sidecar(sim_gpus: str = "h100-80gb:1,a100-40gb:1") -> Iterator[InProcessSidecar]:
+def inprocess_sidecar(
+    sim_gpus: str = "h100-80gb:1,a100-40gb:1", **overrides: Any
+) -> Iterator[InProcessSidecar]:
     """Start one sidecar in this process (not recovered yet); stop it and remove its files after.
 
-    Paths sit under a short temp root: a Unix socket address is limited to 107 bytes."""
+    Paths sit under a short temp root: a Unix socket address is limited to 107 bytes. ``overrides``
+    replace ``ServeConfig`` fields (an idle policy, say)."""
     root = Path(tempfile.mkdtemp(prefix="hmi"))
     gpus = tuple(SimGpu(model, int(count)) for model, count in (g.split(":") for g in sim_gpus.split(",")))
     config = ServeConfig(
@@ -80,6 +84,7 @@ def inprocess_sidecar(sim_gpus: str = "h100-80gb:1,a100-40gb:1") -> Iterator[InP
         reconcile_interval_s=3600.0,  # no background round while a test compares snapshots
         shutdown_grace_s=2.0,
     )
+    config = msgspec.structs.replace(config, **overrides)
     app = open_app(config)
     try:
         app.start()

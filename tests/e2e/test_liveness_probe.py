@@ -9,9 +9,13 @@ timing is asserted: the test waits (bounded) for each state the sidecar must rea
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
@@ -70,3 +74,61 @@ def test_a_hung_nvml_call_of_the_reconciler_fails_the_probe_until_it_returns(
     # The trim the hang held up completed: the instance is gone from the hardware and the records.
     wait_for(car, "the trimmed instance gone", lambda: not car.records())
     assert all(not g["gis"] for g in car.hardware()), device.mig_uuid
+
+
+def allocate_past_its_deadline(car: Sidecar, pod: str, start: int) -> None:
+    """An Allocate whose NVML call hangs: the client gives up at its deadline, the server goes on."""
+    with contextlib.suppress(grpc.RpcError):
+        allocate_one(car, pod, 0, "1g.10gb", start, 1)
+
+
+def test_creates_queued_on_one_gpu_keep_health_serving_and_a_hung_create_does_not(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    """Seven 1.5 s creates queued on one GPU with the threshold at 5 s: the reconciler round each
+    Allocate wakes (the reserve lists the GPU under its lock) waits behind them for up to 9 s, and
+    that wait is not stuck work, so health stays SERVING while every Allocate succeeds. A create
+    that hangs is stuck work: health turns NOT_SERVING, and SERVING again once it returns."""
+    car = sidecar_factory(
+        extra_args=["--idle-reserve", "1g.10gb", "--stuck-threshold", "5"], sim_gpus="h100-80gb:1"
+    )
+    car.recover()
+    car.sim("latency", "create-gi", "1.5")
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.add(car.health_status())
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        futures = [pool.submit(allocate_one, car, f"pod-{i}", 0, "1g.10gb", i, 1) for i in range(7)]
+        devices = [f.result() for f in futures]
+    seen.add(car.health_status())
+    done.set()
+    watcher.join()
+    assert len({d.mig_uuid for d in devices}) == 7
+    assert seen == {SERVING}
+    assert "stuck: health NOT_SERVING" not in car.log_text()
+
+    # An NVML call of an Allocate that never returns on its own (the process count that proves the
+    # released instance idle before its reuse) is stuck work, whoever waits behind it.
+    car.stub.Release(pb.ReleaseRequest(pod_uid="pod-6"), timeout=CALL_TIMEOUT_S)
+    car.sim("latency", "processes", "600")
+    hung = threading.Thread(target=allocate_past_its_deadline, args=(car, "pod-hung", 6), daemon=True)
+    hung.start()
+    wait_for(car, "health NOT_SERVING", lambda: car.health_status() == NOT_SERVING)
+    stuck = car.log_event("stuck: health NOT_SERVING")
+    assert stuck["part"] == "nvml"
+    assert stuck["seconds"] >= 5
+    car.sim("latency", "processes", "0")
+    wait_for(car, "health SERVING", lambda: car.health_status() == SERVING)
+    hung.join(WAIT_S)
+    wait_for(
+        car,
+        "the reuse the hang held up done",
+        lambda: [r["state"] for r in car.records().values()] == ["ACTIVE"] * 7,
+    )

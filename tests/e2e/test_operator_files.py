@@ -1,7 +1,7 @@
 """Every metric the alert rules and the dashboard of ``deploy/`` name is exported by a running sidecar.
 
 A real sidecar is driven through what the rules and panels watch (a created, a reused and a
-reclaiming Allocate, an NVML failure, an IDLE instance), then ``/metrics`` is scraped; a name in
+reclaiming Allocate, an NVML failure, an IDLE instance, an Xid), then ``/metrics`` is scraped; a name in
 ``deploy/prometheus-rules.yaml`` or ``deploy/grafana-dashboard.json`` that the page does not carry
 fails the test, so the files cannot drift from the code. The files' structure (strict decoding, every
 expression parsed as PromQL, broken copies failing) is checked in ``integration/manifests``.
@@ -56,13 +56,16 @@ def drive(car: Sidecar) -> None:
     car.stub.Release(pb.ReleaseRequest(pod_uid="pod-a"), timeout=CALL_TIMEOUT_S)
     assert allocate_one(car, "pod-b", 0, "1g.10gb", 0, 1).outcome == pb.REUSED
     car.stub.Release(pb.ReleaseRequest(pod_uid="pod-b"), timeout=CALL_TIMEOUT_S)
-    allocate_one(car, "pod-c", 0, "2g.20gb", 0, 2)  # reclaims the IDLE 1g.10gb at 0:1
+    held = allocate_one(car, "pod-c", 0, "2g.20gb", 0, 2)  # reclaims the IDLE 1g.10gb at 0:1
     car.sim("fault", "create-gi", "INSUFFICIENT_RESOURCES")
     with pytest.raises(grpc.RpcError) as failed:
         allocate_one(car, "pod-d", 0, "1g.10gb", 4, 1)
     assert error_info(failed.value)[1] == "NVML_ERROR"
     allocate_one(car, "pod-e", 0, "1g.10gb", 5, 1)
     car.stub.Release(pb.ReleaseRequest(pod_uid="pod-e"), timeout=CALL_TIMEOUT_S)  # stays IDLE
+    car.log_event("watching critical Xid events on 1 GPU(s)")
+    car.sim("xid", "--gpu", "0", "--gi", str(held.gpu_instance_id), "79")  # pod-c's instance faulted
+    car.log_event("Xid faulted instances")
 
 
 class TestMetricsNamedByTheOperatorFiles:

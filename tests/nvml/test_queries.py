@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterator
-from ctypes import byref, c_char_p, c_uint, create_string_buffer
+from ctypes import byref, c_char_p, c_uint, c_ulonglong, create_string_buffer
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ class _Handles:
         self.gi = nv.nvmlDeviceGetGpuInstanceById(self.gpu, gi.id)
         self.ci_id = gi.cis[0].id
         self.ci = nv.nvmlGpuInstanceGetComputeInstanceById(self.gi, self.ci_id)
+        self.event_set = nv.nvmlEventSetCreate()
 
 
 def _gi_info_v2() -> Any:
@@ -96,6 +97,9 @@ QUERY_ARGS: dict[str, Callable[[_Handles], tuple[Any, ...]]] = {
     "nvmlInitWithFlags": lambda h: (0,),
     "nvmlShutdown": lambda h: (),
     "nvmlErrorString": lambda h: (3,),
+    "nvmlEventSetCreate": lambda h: (byref(nv.c_nvmlEventSet_t()),),
+    "nvmlDeviceRegisterEvents": lambda h: (h.gpu, c_ulonglong(nv.nvmlEventTypeXidCriticalError), h.event_set),
+    "nvmlEventSetFree": lambda h: (h.event_set,),
     "nvmlSystemGetDriverVersion": lambda h: (create_string_buffer(80), c_uint(80)),
     "nvmlDeviceGetCount": lambda h: (_uint(),),
     "nvmlDeviceGetCount_v2": lambda h: (_uint(),),

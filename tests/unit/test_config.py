@@ -246,3 +246,15 @@ class TestHamiTakeover:
         assert parse(["--no-hami-takeover"]).hami_takeover is False
         assert parse([], {"HAMI_MIG_SIDECAR_NO_HAMI_TAKEOVER": "true"}).hami_takeover is False
         assert parse([], {"HAMI_MIG_SIDECAR_NO_HAMI_TAKEOVER": "false"}).hami_takeover is True
+
+
+def test_xids_ignored_by_default_are_the_device_plugins_application_errors() -> None:
+    assert parse([]).xid_ignore == (13, 31, 43, 45, 68, 109)
+    assert parse(["--xid-ignore", "13, 43,13"]).xid_ignore == (13, 43)
+    assert parse([], {"HAMI_MIG_SIDECAR_XID_IGNORE": "none"}).xid_ignore == ()
+
+
+@pytest.mark.parametrize("bad", ["79,x", "-1", ",", "13;31"])
+def test_an_xid_list_that_is_not_one_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match="--xid-ignore"):
+        parse(["--xid-ignore", bad])

@@ -117,6 +117,8 @@ def adopt_active(b: PlanDraft) -> PlanDraft:
                 taken_over_from=old.taken_over_from
                 if old is not None and old.mig_uuid == ci.mig_uuid
                 else "",
+                # A fault stays with the very instance it named: its release destroys it.
+                xid=old.xid if old is not None and old.mig_uuid == ci.mig_uuid else 0,
             ),
             replacing=old,
             recovery=True,

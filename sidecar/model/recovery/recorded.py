@@ -47,6 +47,8 @@ def reconcile_records(b: PlanDraft) -> PlanDraft:
         b.claimed.add((record.gpu_uuid, gi.info.id))
         if record.state is State.ACTIVE and b.inputs.recovered:
             keep_active(b, record)
+        elif record.state in LIVE_STATES and record.xid:
+            fault_to_error(b, record)
         elif record.state in LIVE_STATES:
             restore_idle(b, record, gi)
         elif record.state is State.ERROR and record.gpu_instance_id is not None:
@@ -222,6 +224,30 @@ def keep_active(b: PlanDraft, record: OwnershipRecord) -> None:
     """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""
     b.table[record.name] = record
     b.steps.append(Step(subject=f"keep {record.name} ACTIVE", record_name=record.name))
+
+
+def fault_to_error(b: PlanDraft, record: OwnershipRecord) -> None:
+    """A faulted instance no pod holds (an Xid named it) is never restored IDLE: it goes ERROR, so
+    it is never reused and the reconciler destroys it, its CDI spec after the hardware."""
+    failed = transition(
+        record,
+        State.ERROR,
+        recovery=True,
+        owner=None,
+        last_error=f"Xid {record.xid} on its GPU instance: never reused, destroyed by the reconciler",
+        since=b.inputs.now,
+    )
+    if record.mig_uuid:
+        b.protected_cdi.add(record.mig_uuid)
+    b.table[record.name] = failed
+    b.steps.append(
+        Step(
+            subject=f"keep faulted {record.name} in ERROR",
+            actions=() if failed == record else (PutRecord(failed),),
+            record_name=record.name,
+            on_failure=failed,
+        )
+    )
 
 
 def keep_error(b: PlanDraft, record: OwnershipRecord) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from sidecar.nvml import profiles
-from sidecar.nvml.sim import OP_ALIASES, SimError, SimulatedHardware, parse_code
+from sidecar.nvml.sim import OP_ALIASES, SimError, SimulatedHardware, events, parse_code
 
 ENV_SIM_STATE = "HAMI_MIG_SIDECAR_SIM_STATE"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE = 0, 1, 2
@@ -193,6 +193,17 @@ def _lose(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _xid(args: argparse.Namespace) -> int:
+    serial = events.raise_xid(_hardware(args).store, args.gpu, args.code, args.gi, args.ci)
+    where = (
+        "the whole GPU"
+        if args.gi is None
+        else f"GI {args.gi}" + ("" if args.ci is None else f" CI {args.ci}")
+    )
+    sys.stdout.write(f"Xid {args.code} raised on GPU {args.gpu}, {where} (event {serial})\n")
+    return EXIT_OK
+
+
 def _latency(args: argparse.Namespace) -> int:
     _hardware(args).set_latency(args.op, args.seconds)
     sys.stdout.write(f"latency of {args.op}: {args.seconds}s\n")
@@ -271,6 +282,12 @@ def register(subparsers: Any) -> None:
 
     p = add("lose", _lose, "the GPU falls off the bus: every call on it fails with GPU_IS_LOST")
     p.add_argument("--gpu", type=int, required=True, metavar="INDEX")
+
+    p = add("xid", _xid, "raise a critical Xid event on a GPU (the whole GPU unless --gi names an instance)")
+    p.add_argument("--gpu", type=int, required=True, metavar="INDEX")
+    p.add_argument("--gi", type=int, default=None, metavar="ID", help="the GPU instance it names")
+    p.add_argument("--ci", type=int, default=None, metavar="ID", help="the compute instance in that GI")
+    p.add_argument("code", type=int, metavar="CODE", help="the Xid, e.g. 79 (fallen off the bus) or 13")
 
     p = add("latency", _latency, "make an operation take SECONDS (0 removes it)")
     p.add_argument("op", metavar="OP")

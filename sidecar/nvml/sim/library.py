@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pynvml
 
-from sidecar.nvml.sim import devices, instances  # noqa: F401 - importing them registers their C functions
+from sidecar.nvml.sim import devices, events, instances  # noqa: F401 - importing them registers their C functions
 from sidecar.nvml.sim.cabi import ERROR_STRINGS, FUNCTIONS, QUERIES, UNFAULTABLE, op_matches
 from sidecar.nvml.sim.state import SimError, SimState
 from sidecar.nvml.sim.store import StateStore
@@ -48,6 +48,19 @@ class _CFunction:
         return self._call(self.__name__, self._impl, args)
 
 
+class _WaitFunction:
+    """``nvmlEventSetWait_v2`` (``events.wait``), with the attributes pynvml assigns."""
+
+    def __init__(self, library: SimulatedLibrary) -> None:
+        self.__name__ = events.WAIT_SYMBOL
+        self.restype: Any = None
+        self.argtypes: Any = None
+        self._library = library
+
+    def __call__(self, *args: Any) -> Any:
+        return events.wait(self._library, *args)
+
+
 class SimulatedLibrary:
     """The emulated C API over a state store; attribute names are the C symbols pynvml fetches.
 
@@ -58,6 +71,8 @@ class SimulatedLibrary:
         self.store = store
         for symbol, impl in FUNCTIONS.items():
             setattr(self, symbol, _CFunction(self, symbol, impl))
+        # Waits for events outside the store's lock, polling: not one access like the others.
+        setattr(self, events.WAIT_SYMBOL, _WaitFunction(self))
 
     def call(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         started = time.perf_counter_ns()

@@ -82,6 +82,22 @@ class SimFault(msgspec.Struct):
     times: int = 1
 
 
+class SimXid(msgspec.Struct, frozen=True):
+    """One Xid the operator raised (``sim xid``): ``serial`` orders them for every event set, which
+    delivers those raised after it was registered. ``gi``/``ci`` as NVML's event carries them:
+    ``XID_ALL`` (0xFFFFFFFF) for the whole GPU."""
+
+    serial: int
+    gpu: int  # GPU index
+    xid: int
+    gi: int
+    ci: int
+
+
+XID_ALL = 0xFFFFFFFF
+XIDS_KEPT = 256  # the newest raised Xids the state keeps; an event set slower than that misses some
+
+
 class SimState(msgspec.Struct):
     version: int = STATE_VERSION
     boot_id: str = ""
@@ -93,6 +109,8 @@ class SimState(msgspec.Struct):
     # nvmlComputeInstanceGetInfo().device: the MIG device (what tested drivers return) or, when set,
     # the parent GPU (what nvml.h documents)
     ci_info_device_is_parent: bool = False
+    xids: list[SimXid] = msgspec.field(default_factory=list)  # the newest raised, oldest first
+    next_xid_serial: int = 1
 
 
 # -- the frozen mirror a query reads --------------------------------------------------------------------
@@ -147,6 +165,8 @@ class StateView(msgspec.Struct, frozen=True):
     faults: tuple[FaultView, ...] = ()
     latency: Mapping[str, float] = msgspec.field(default_factory=dict)
     ci_info_device_is_parent: bool = False
+    xids: tuple[SimXid, ...] = ()
+    next_xid_serial: int = 1
 
 
 _VIEW_DECODER = msgspec.json.Decoder(StateView)

@@ -259,6 +259,56 @@ func (UndoSkip) EnumDescriptor() ([]byte, []int) {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
 }
 
+type InstanceHealth int32
+
+const (
+	InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED InstanceHealth = 0
+	InstanceHealth_HEALTHY                     InstanceHealth = 1
+	// A critical Xid (one --xid-ignore does not name) named the instance or its whole GPU.
+	InstanceHealth_FAULTED InstanceHealth = 2
+)
+
+// Enum value maps for InstanceHealth.
+var (
+	InstanceHealth_name = map[int32]string{
+		0: "INSTANCE_HEALTH_UNSPECIFIED",
+		1: "HEALTHY",
+		2: "FAULTED",
+	}
+	InstanceHealth_value = map[string]int32{
+		"INSTANCE_HEALTH_UNSPECIFIED": 0,
+		"HEALTHY":                     1,
+		"FAULTED":                     2,
+	}
+)
+
+func (x InstanceHealth) Enum() *InstanceHealth {
+	p := new(InstanceHealth)
+	*p = x
+	return p
+}
+
+func (x InstanceHealth) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (InstanceHealth) Descriptor() protoreflect.EnumDescriptor {
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4].Descriptor()
+}
+
+func (InstanceHealth) Type() protoreflect.EnumType {
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4]
+}
+
+func (x InstanceHealth) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use InstanceHealth.Descriptor instead.
+func (InstanceHealth) EnumDescriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{4}
+}
+
 // A placement on the GPU's memory-slice axis: [start, start+size). size counts memory slices.
 type Placement struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1870,6 +1920,10 @@ type Instance struct {
 	Since             *timestamppb.Timestamp `protobuf:"bytes,11,opt,name=since,proto3" json:"since,omitempty"`
 	// "hami" for an instance taken over at Recover from HAMi's in-process lifecycle; "" otherwise.
 	TakenOverFrom string `protobuf:"bytes,12,opt,name=taken_over_from,json=takenOverFrom,proto3" json:"taken_over_from,omitempty"`
+	// FAULTED once a critical Xid named it or its GPU: it is never reused (destroyed at its release).
+	Health InstanceHealth `protobuf:"varint,13,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
+	// The Xid that faulted it; 0 while HEALTHY.
+	Xid           uint32 `protobuf:"varint,14,opt,name=xid,proto3" json:"xid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1986,6 +2040,20 @@ func (x *Instance) GetTakenOverFrom() string {
 		return x.TakenOverFrom
 	}
 	return ""
+}
+
+func (x *Instance) GetHealth() InstanceHealth {
+	if x != nil {
+		return x.Health
+	}
+	return InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED
+}
+
+func (x *Instance) GetXid() uint32 {
+	if x != nil {
+		return x.Xid
+	}
+	return 0
 }
 
 // A GI (and maybe its CI) on the hardware that no ownership record claims.
@@ -2923,6 +2991,161 @@ func (x *UndoDeviceResponse) GetGeneration() uint64 {
 	return 0
 }
 
+type WatchHealthRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// false: the current health of every owned instance, then the stream ends. true: after those,
+	// one update per change, until the call is cancelled or the sidecar shuts down.
+	Follow        bool `protobuf:"varint,1,opt,name=follow,proto3" json:"follow,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchHealthRequest) Reset() {
+	*x = WatchHealthRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchHealthRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchHealthRequest) ProtoMessage() {}
+
+func (x *WatchHealthRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchHealthRequest.ProtoReflect.Descriptor instead.
+func (*WatchHealthRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{40}
+}
+
+func (x *WatchHealthRequest) GetFollow() bool {
+	if x != nil {
+		return x.Follow
+	}
+	return false
+}
+
+type InstanceHealthUpdate struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid           string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	Profile           string                 `protobuf:"bytes,2,opt,name=profile,proto3" json:"profile,omitempty"`
+	Placement         *Placement             `protobuf:"bytes,3,opt,name=placement,proto3" json:"placement,omitempty"`
+	MigUuid           string                 `protobuf:"bytes,4,opt,name=mig_uuid,json=migUuid,proto3" json:"mig_uuid,omitempty"`
+	GpuInstanceId     uint32                 `protobuf:"varint,5,opt,name=gpu_instance_id,json=gpuInstanceId,proto3" json:"gpu_instance_id,omitempty"`
+	ComputeInstanceId uint32                 `protobuf:"varint,6,opt,name=compute_instance_id,json=computeInstanceId,proto3" json:"compute_instance_id,omitempty"`
+	Health            InstanceHealth         `protobuf:"varint,7,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
+	Xid               uint32                 `protobuf:"varint,8,opt,name=xid,proto3" json:"xid,omitempty"` // 0 while HEALTHY
+	// true on the updates that open the stream (the health as it stood); false on a change.
+	Current       bool `protobuf:"varint,9,opt,name=current,proto3" json:"current,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InstanceHealthUpdate) Reset() {
+	*x = InstanceHealthUpdate{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InstanceHealthUpdate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InstanceHealthUpdate) ProtoMessage() {}
+
+func (x *InstanceHealthUpdate) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InstanceHealthUpdate.ProtoReflect.Descriptor instead.
+func (*InstanceHealthUpdate) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{41}
+}
+
+func (x *InstanceHealthUpdate) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetProfile() string {
+	if x != nil {
+		return x.Profile
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetPlacement() *Placement {
+	if x != nil {
+		return x.Placement
+	}
+	return nil
+}
+
+func (x *InstanceHealthUpdate) GetMigUuid() string {
+	if x != nil {
+		return x.MigUuid
+	}
+	return ""
+}
+
+func (x *InstanceHealthUpdate) GetGpuInstanceId() uint32 {
+	if x != nil {
+		return x.GpuInstanceId
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetComputeInstanceId() uint32 {
+	if x != nil {
+		return x.ComputeInstanceId
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetHealth() InstanceHealth {
+	if x != nil {
+		return x.Health
+	}
+	return InstanceHealth_INSTANCE_HEALTH_UNSPECIFIED
+}
+
+func (x *InstanceHealthUpdate) GetXid() uint32 {
+	if x != nil {
+		return x.Xid
+	}
+	return 0
+}
+
+func (x *InstanceHealthUpdate) GetCurrent() bool {
+	if x != nil {
+		return x.Current
+	}
+	return false
+}
+
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
 
 const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
@@ -3057,7 +3280,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
-	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xf1\x03\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xbf\x04\n" +
 	"\bInstance\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -3073,7 +3296,9 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"last_error\x18\n" +
 	" \x01(\tR\tlastError\x120\n" +
 	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12&\n" +
-	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\"\xae\x02\n" +
+	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\x12:\n" +
+	"\x06health\x18\r \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
+	"\x03xid\x18\x0e \x01(\rR\x03xid\"\xae\x02\n" +
 	"\x0fForeignInstance\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12;\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12&\n" +
@@ -3142,7 +3367,19 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x06detail\x18\x04 \x01(\tR\x06detail\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x05 \x01(\x04R\n" +
-	"generation*R\n" +
+	"generation\",\n" +
+	"\x12WatchHealthRequest\x12\x16\n" +
+	"\x06follow\x18\x01 \x01(\bR\x06follow\"\xe3\x02\n" +
+	"\x14InstanceHealthUpdate\x12\x19\n" +
+	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
+	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
+	"\tplacement\x18\x03 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12\x19\n" +
+	"\bmig_uuid\x18\x04 \x01(\tR\amigUuid\x12&\n" +
+	"\x0fgpu_instance_id\x18\x05 \x01(\rR\rgpuInstanceId\x12.\n" +
+	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\x12:\n" +
+	"\x06health\x18\a \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
+	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
+	"\acurrent\x18\t \x01(\bR\acurrent*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +
@@ -3167,7 +3404,12 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x15UNDO_SKIP_UNSPECIFIED\x10\x00\x12\x1e\n" +
 	"\x1aUNDO_SKIP_UNKNOWN_INSTANCE\x10\x01\x12\x18\n" +
 	"\x14UNDO_SKIP_NOT_ACTIVE\x10\x02\x12\x19\n" +
-	"\x15UNDO_SKIP_OTHER_OWNER\x10\x032\xbf\t\n" +
+	"\x15UNDO_SKIP_OTHER_OWNER\x10\x03*K\n" +
+	"\x0eInstanceHealth\x12\x1f\n" +
+	"\x1bINSTANCE_HEALTH_UNSPECIFIED\x10\x00\x12\v\n" +
+	"\aHEALTHY\x10\x01\x12\v\n" +
+	"\aFAULTED\x10\x022\xa2\n" +
+	"\n" +
 	"\n" +
 	"MigSidecar\x12R\n" +
 	"\aGetInfo\x12\".hami.migsidecar.v1.GetInfoRequest\x1a#.hami.migsidecar.v1.GetInfoResponse\x12U\n" +
@@ -3185,7 +3427,8 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\vReclaimIdle\x12&.hami.migsidecar.v1.ReclaimIdleRequest\x1a'.hami.migsidecar.v1.ReclaimIdleResponse\x12g\n" +
 	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponse\x12[\n" +
 	"\n" +
-	"UndoDevice\x12%.hami.migsidecar.v1.UndoDeviceRequest\x1a&.hami.migsidecar.v1.UndoDeviceResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
+	"UndoDevice\x12%.hami.migsidecar.v1.UndoDeviceRequest\x1a&.hami.migsidecar.v1.UndoDeviceResponse\x12a\n" +
+	"\vWatchHealth\x12&.hami.migsidecar.v1.WatchHealthRequest\x1a(.hami.migsidecar.v1.InstanceHealthUpdate0\x01BNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
 
 var (
 	file_hami_migsidecar_v1_migsidecar_proto_rawDescOnce sync.Once
@@ -3199,134 +3442,142 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescData
 }
 
-var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 40)
+var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(Outcome)(0),                     // 0: hami.migsidecar.v1.Outcome
 	(InstanceState)(0),               // 1: hami.migsidecar.v1.InstanceState
 	(PlacementCost)(0),               // 2: hami.migsidecar.v1.PlacementCost
 	(UndoSkip)(0),                    // 3: hami.migsidecar.v1.UndoSkip
-	(*Placement)(nil),                // 4: hami.migsidecar.v1.Placement
-	(*PodRef)(nil),                   // 5: hami.migsidecar.v1.PodRef
-	(*DeviceRequest)(nil),            // 6: hami.migsidecar.v1.DeviceRequest
-	(*AllocateRequest)(nil),          // 7: hami.migsidecar.v1.AllocateRequest
-	(*AllocatedDevice)(nil),          // 8: hami.migsidecar.v1.AllocatedDevice
-	(*InstanceRef)(nil),              // 9: hami.migsidecar.v1.InstanceRef
-	(*AllocateResponse)(nil),         // 10: hami.migsidecar.v1.AllocateResponse
-	(*ReleaseRequest)(nil),           // 11: hami.migsidecar.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 12: hami.migsidecar.v1.ReleaseResponse
-	(*ActiveAllocation)(nil),         // 13: hami.migsidecar.v1.ActiveAllocation
-	(*SyncActiveRequest)(nil),        // 14: hami.migsidecar.v1.SyncActiveRequest
-	(*SyncActiveResponse)(nil),       // 15: hami.migsidecar.v1.SyncActiveResponse
-	(*RecoverRequest)(nil),           // 16: hami.migsidecar.v1.RecoverRequest
-	(*RecoverResponse)(nil),          // 17: hami.migsidecar.v1.RecoverResponse
-	(*GetInfoRequest)(nil),           // 18: hami.migsidecar.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),          // 19: hami.migsidecar.v1.GetInfoResponse
-	(*MigMode)(nil),                  // 20: hami.migsidecar.v1.MigMode
-	(*Gpu)(nil),                      // 21: hami.migsidecar.v1.Gpu
-	(*ListGpusRequest)(nil),          // 22: hami.migsidecar.v1.ListGpusRequest
-	(*ListGpusResponse)(nil),         // 23: hami.migsidecar.v1.ListGpusResponse
-	(*DiscoverProfilesRequest)(nil),  // 24: hami.migsidecar.v1.DiscoverProfilesRequest
-	(*Profile)(nil),                  // 25: hami.migsidecar.v1.Profile
-	(*DiscoverProfilesResponse)(nil), // 26: hami.migsidecar.v1.DiscoverProfilesResponse
-	(*Owner)(nil),                    // 27: hami.migsidecar.v1.Owner
-	(*Instance)(nil),                 // 28: hami.migsidecar.v1.Instance
-	(*ForeignInstance)(nil),          // 29: hami.migsidecar.v1.ForeignInstance
-	(*GpuState)(nil),                 // 30: hami.migsidecar.v1.GpuState
-	(*GetStateRequest)(nil),          // 31: hami.migsidecar.v1.GetStateRequest
-	(*GetStateResponse)(nil),         // 32: hami.migsidecar.v1.GetStateResponse
-	(*SetMigModeRequest)(nil),        // 33: hami.migsidecar.v1.SetMigModeRequest
-	(*SetMigModeResponse)(nil),       // 34: hami.migsidecar.v1.SetMigModeResponse
-	(*UndoAllocateRequest)(nil),      // 35: hami.migsidecar.v1.UndoAllocateRequest
-	(*UndoAllocateResponse)(nil),     // 36: hami.migsidecar.v1.UndoAllocateResponse
-	(*ReclaimIdleRequest)(nil),       // 37: hami.migsidecar.v1.ReclaimIdleRequest
-	(*ReclaimIdleResponse)(nil),      // 38: hami.migsidecar.v1.ReclaimIdleResponse
-	(*RankPlacementsRequest)(nil),    // 39: hami.migsidecar.v1.RankPlacementsRequest
-	(*RankedPlacement)(nil),          // 40: hami.migsidecar.v1.RankedPlacement
-	(*RankPlacementsResponse)(nil),   // 41: hami.migsidecar.v1.RankPlacementsResponse
-	(*UndoDeviceRequest)(nil),        // 42: hami.migsidecar.v1.UndoDeviceRequest
-	(*UndoDeviceResponse)(nil),       // 43: hami.migsidecar.v1.UndoDeviceResponse
-	(*timestamppb.Timestamp)(nil),    // 44: google.protobuf.Timestamp
+	(InstanceHealth)(0),              // 4: hami.migsidecar.v1.InstanceHealth
+	(*Placement)(nil),                // 5: hami.migsidecar.v1.Placement
+	(*PodRef)(nil),                   // 6: hami.migsidecar.v1.PodRef
+	(*DeviceRequest)(nil),            // 7: hami.migsidecar.v1.DeviceRequest
+	(*AllocateRequest)(nil),          // 8: hami.migsidecar.v1.AllocateRequest
+	(*AllocatedDevice)(nil),          // 9: hami.migsidecar.v1.AllocatedDevice
+	(*InstanceRef)(nil),              // 10: hami.migsidecar.v1.InstanceRef
+	(*AllocateResponse)(nil),         // 11: hami.migsidecar.v1.AllocateResponse
+	(*ReleaseRequest)(nil),           // 12: hami.migsidecar.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 13: hami.migsidecar.v1.ReleaseResponse
+	(*ActiveAllocation)(nil),         // 14: hami.migsidecar.v1.ActiveAllocation
+	(*SyncActiveRequest)(nil),        // 15: hami.migsidecar.v1.SyncActiveRequest
+	(*SyncActiveResponse)(nil),       // 16: hami.migsidecar.v1.SyncActiveResponse
+	(*RecoverRequest)(nil),           // 17: hami.migsidecar.v1.RecoverRequest
+	(*RecoverResponse)(nil),          // 18: hami.migsidecar.v1.RecoverResponse
+	(*GetInfoRequest)(nil),           // 19: hami.migsidecar.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 20: hami.migsidecar.v1.GetInfoResponse
+	(*MigMode)(nil),                  // 21: hami.migsidecar.v1.MigMode
+	(*Gpu)(nil),                      // 22: hami.migsidecar.v1.Gpu
+	(*ListGpusRequest)(nil),          // 23: hami.migsidecar.v1.ListGpusRequest
+	(*ListGpusResponse)(nil),         // 24: hami.migsidecar.v1.ListGpusResponse
+	(*DiscoverProfilesRequest)(nil),  // 25: hami.migsidecar.v1.DiscoverProfilesRequest
+	(*Profile)(nil),                  // 26: hami.migsidecar.v1.Profile
+	(*DiscoverProfilesResponse)(nil), // 27: hami.migsidecar.v1.DiscoverProfilesResponse
+	(*Owner)(nil),                    // 28: hami.migsidecar.v1.Owner
+	(*Instance)(nil),                 // 29: hami.migsidecar.v1.Instance
+	(*ForeignInstance)(nil),          // 30: hami.migsidecar.v1.ForeignInstance
+	(*GpuState)(nil),                 // 31: hami.migsidecar.v1.GpuState
+	(*GetStateRequest)(nil),          // 32: hami.migsidecar.v1.GetStateRequest
+	(*GetStateResponse)(nil),         // 33: hami.migsidecar.v1.GetStateResponse
+	(*SetMigModeRequest)(nil),        // 34: hami.migsidecar.v1.SetMigModeRequest
+	(*SetMigModeResponse)(nil),       // 35: hami.migsidecar.v1.SetMigModeResponse
+	(*UndoAllocateRequest)(nil),      // 36: hami.migsidecar.v1.UndoAllocateRequest
+	(*UndoAllocateResponse)(nil),     // 37: hami.migsidecar.v1.UndoAllocateResponse
+	(*ReclaimIdleRequest)(nil),       // 38: hami.migsidecar.v1.ReclaimIdleRequest
+	(*ReclaimIdleResponse)(nil),      // 39: hami.migsidecar.v1.ReclaimIdleResponse
+	(*RankPlacementsRequest)(nil),    // 40: hami.migsidecar.v1.RankPlacementsRequest
+	(*RankedPlacement)(nil),          // 41: hami.migsidecar.v1.RankedPlacement
+	(*RankPlacementsResponse)(nil),   // 42: hami.migsidecar.v1.RankPlacementsResponse
+	(*UndoDeviceRequest)(nil),        // 43: hami.migsidecar.v1.UndoDeviceRequest
+	(*UndoDeviceResponse)(nil),       // 44: hami.migsidecar.v1.UndoDeviceResponse
+	(*WatchHealthRequest)(nil),       // 45: hami.migsidecar.v1.WatchHealthRequest
+	(*InstanceHealthUpdate)(nil),     // 46: hami.migsidecar.v1.InstanceHealthUpdate
+	(*timestamppb.Timestamp)(nil),    // 47: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
-	4,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
-	5,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
-	6,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
-	4,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
+	5,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
+	6,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
+	7,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
+	5,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
 	0,  // 4: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
-	4,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
-	8,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
-	9,  // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
-	5,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
-	4,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
-	13, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	9,  // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
-	13, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	9,  // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	44, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
-	20, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	21, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
-	4,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
-	25, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
-	5,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
-	4,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
+	5,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
+	9,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
+	10, // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
+	6,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
+	5,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
+	14, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	10, // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
+	14, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	10, // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
+	47, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	21, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	22, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
+	5,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
+	26, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
+	6,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
+	5,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
 	1,  // 27: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
-	27, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	44, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
-	4,  // 30: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
-	21, // 31: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
-	28, // 32: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
-	29, // 33: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
-	30, // 34: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
-	20, // 35: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	9,  // 36: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 37: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 38: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 39: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
-	4,  // 40: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
-	2,  // 41: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
-	9,  // 42: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
-	40, // 43: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
-	9,  // 44: hami.migsidecar.v1.UndoDeviceResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	9,  // 45: hami.migsidecar.v1.UndoDeviceResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 46: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
-	18, // 47: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	22, // 48: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	24, // 49: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	7,  // 50: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	11, // 51: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	14, // 52: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	16, // 53: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	31, // 54: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	33, // 55: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	35, // 56: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	37, // 57: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	39, // 58: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	42, // 59: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
-	19, // 60: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	23, // 61: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	26, // 62: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	10, // 63: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	12, // 64: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	15, // 65: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	17, // 66: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	32, // 67: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	34, // 68: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	36, // 69: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	38, // 70: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	41, // 71: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	43, // 72: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
-	60, // [60:73] is the sub-list for method output_type
-	47, // [47:60] is the sub-list for method input_type
-	47, // [47:47] is the sub-list for extension type_name
-	47, // [47:47] is the sub-list for extension extendee
-	0,  // [0:47] is the sub-list for field type_name
+	28, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
+	47, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	4,  // 30: hami.migsidecar.v1.Instance.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	5,  // 31: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
+	22, // 32: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
+	29, // 33: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
+	30, // 34: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
+	31, // 35: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
+	21, // 36: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	10, // 37: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 38: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 39: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 40: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
+	5,  // 41: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	2,  // 42: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
+	10, // 43: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	41, // 44: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	10, // 45: hami.migsidecar.v1.UndoDeviceResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	10, // 46: hami.migsidecar.v1.UndoDeviceResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	3,  // 47: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
+	5,  // 48: hami.migsidecar.v1.InstanceHealthUpdate.placement:type_name -> hami.migsidecar.v1.Placement
+	4,  // 49: hami.migsidecar.v1.InstanceHealthUpdate.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	19, // 50: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	23, // 51: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	25, // 52: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	8,  // 53: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	12, // 54: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	15, // 55: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	17, // 56: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	32, // 57: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	34, // 58: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	36, // 59: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	38, // 60: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	40, // 61: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	43, // 62: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
+	45, // 63: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
+	20, // 64: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	24, // 65: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	27, // 66: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	11, // 67: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	13, // 68: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	16, // 69: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	18, // 70: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	33, // 71: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	35, // 72: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	37, // 73: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	39, // 74: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	42, // 75: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	44, // 76: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
+	46, // 77: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
+	64, // [64:78] is the sub-list for method output_type
+	50, // [50:64] is the sub-list for method input_type
+	50, // [50:50] is the sub-list for extension type_name
+	50, // [50:50] is the sub-list for extension extendee
+	0,  // [0:50] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -3339,8 +3590,8 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
-			NumEnums:      4,
-			NumMessages:   40,
+			NumEnums:      5,
+			NumMessages:   42,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -43,6 +43,7 @@ const (
 	MigSidecar_ReclaimIdle_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/ReclaimIdle"
 	MigSidecar_RankPlacements_FullMethodName   = "/hami.migsidecar.v1.MigSidecar/RankPlacements"
 	MigSidecar_UndoDevice_FullMethodName       = "/hami.migsidecar.v1.MigSidecar/UndoDevice"
+	MigSidecar_WatchHealth_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/WatchHealth"
 )
 
 // MigSidecarClient is the client API for MigSidecar service.
@@ -78,6 +79,10 @@ type MigSidecarClient interface {
 	// container index, device index) holds it ACTIVE. Otherwise nothing changes and the answer says
 	// why (skipped). The guard is the sidecar's, so it holds across plugin restarts. Idempotent.
 	UndoDevice(ctx context.Context, in *UndoDeviceRequest, opts ...grpc.CallOption) (*UndoDeviceResponse, error)
+	// The health of every owned instance as it stands; with follow, then every change as it happens
+	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+	WatchHealth(ctx context.Context, in *WatchHealthRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[InstanceHealthUpdate], error)
 }
 
 type migSidecarClient struct {
@@ -218,6 +223,25 @@ func (c *migSidecarClient) UndoDevice(ctx context.Context, in *UndoDeviceRequest
 	return out, nil
 }
 
+func (c *migSidecarClient) WatchHealth(ctx context.Context, in *WatchHealthRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[InstanceHealthUpdate], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &MigSidecar_ServiceDesc.Streams[0], MigSidecar_WatchHealth_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchHealthRequest, InstanceHealthUpdate]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MigSidecar_WatchHealthClient = grpc.ServerStreamingClient[InstanceHealthUpdate]
+
 // MigSidecarServer is the server API for MigSidecar service.
 // All implementations must embed UnimplementedMigSidecarServer
 // for forward compatibility.
@@ -251,6 +275,10 @@ type MigSidecarServer interface {
 	// container index, device index) holds it ACTIVE. Otherwise nothing changes and the answer says
 	// why (skipped). The guard is the sidecar's, so it holds across plugin restarts. Idempotent.
 	UndoDevice(context.Context, *UndoDeviceRequest) (*UndoDeviceResponse, error)
+	// The health of every owned instance as it stands; with follow, then every change as it happens
+	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+	WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error
 	mustEmbedUnimplementedMigSidecarServer()
 }
 
@@ -299,6 +327,9 @@ func (UnimplementedMigSidecarServer) RankPlacements(context.Context, *RankPlacem
 }
 func (UnimplementedMigSidecarServer) UndoDevice(context.Context, *UndoDeviceRequest) (*UndoDeviceResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method UndoDevice not implemented")
+}
+func (UnimplementedMigSidecarServer) WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error {
+	return status.Error(codes.Unimplemented, "method WatchHealth not implemented")
 }
 func (UnimplementedMigSidecarServer) mustEmbedUnimplementedMigSidecarServer() {}
 func (UnimplementedMigSidecarServer) testEmbeddedByValue()                    {}
@@ -555,6 +586,17 @@ func _MigSidecar_UndoDevice_Handler(srv interface{}, ctx context.Context, dec fu
 	return interceptor(ctx, in, info, handler)
 }
 
+func _MigSidecar_WatchHealth_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchHealthRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(MigSidecarServer).WatchHealth(m, &grpc.GenericServerStream[WatchHealthRequest, InstanceHealthUpdate]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type MigSidecar_WatchHealthServer = grpc.ServerStreamingServer[InstanceHealthUpdate]
+
 // MigSidecar_ServiceDesc is the grpc.ServiceDesc for MigSidecar service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -615,6 +657,12 @@ var MigSidecar_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _MigSidecar_UndoDevice_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchHealth",
+			Handler:       _MigSidecar_WatchHealth_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "hami/migsidecar/v1/migsidecar.proto",
 }

@@ -40,6 +40,12 @@ class UndoSkip(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNDO_SKIP_UNKNOWN_INSTANCE: _ClassVar[UndoSkip]
     UNDO_SKIP_NOT_ACTIVE: _ClassVar[UndoSkip]
     UNDO_SKIP_OTHER_OWNER: _ClassVar[UndoSkip]
+
+class InstanceHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INSTANCE_HEALTH_UNSPECIFIED: _ClassVar[InstanceHealth]
+    HEALTHY: _ClassVar[InstanceHealth]
+    FAULTED: _ClassVar[InstanceHealth]
 OUTCOME_UNSPECIFIED: Outcome
 CREATED: Outcome
 REUSED: Outcome
@@ -59,6 +65,9 @@ UNDO_SKIP_UNSPECIFIED: UndoSkip
 UNDO_SKIP_UNKNOWN_INSTANCE: UndoSkip
 UNDO_SKIP_NOT_ACTIVE: UndoSkip
 UNDO_SKIP_OTHER_OWNER: UndoSkip
+INSTANCE_HEALTH_UNSPECIFIED: InstanceHealth
+HEALTHY: InstanceHealth
+FAULTED: InstanceHealth
 
 class Placement(_message.Message):
     __slots__ = ("start", "size")
@@ -337,7 +346,7 @@ class Owner(_message.Message):
     def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from")
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from", "health", "xid")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +359,8 @@ class Instance(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     TAKEN_OVER_FROM_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     profile: str
     placement: Placement
@@ -362,7 +373,9 @@ class Instance(_message.Message):
     last_error: str
     since: _timestamp_pb2.Timestamp
     taken_over_from: str
-    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ...) -> None: ...
+    health: InstanceHealth
+    xid: int
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ...) -> None: ...
 
 class ForeignInstance(_message.Message):
     __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid", "recorded_as")
@@ -515,3 +528,31 @@ class UndoDeviceResponse(_message.Message):
     detail: str
     generation: int
     def __init__(self, destroyed: _Optional[_Union[InstanceRef, _Mapping]] = ..., idled: _Optional[_Union[InstanceRef, _Mapping]] = ..., skipped: _Optional[_Union[UndoSkip, str]] = ..., detail: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class WatchHealthRequest(_message.Message):
+    __slots__ = ("follow",)
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    follow: bool
+    def __init__(self, follow: _Optional[bool] = ...) -> None: ...
+
+class InstanceHealthUpdate(_message.Message):
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "health", "xid", "current")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    MIG_UUID_FIELD_NUMBER: _ClassVar[int]
+    GPU_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    mig_uuid: str
+    gpu_instance_id: int
+    compute_instance_id: int
+    health: InstanceHealth
+    xid: int
+    current: bool
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., current: _Optional[bool] = ...) -> None: ...

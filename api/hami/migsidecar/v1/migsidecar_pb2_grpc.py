@@ -99,6 +99,11 @@ class MigSidecarStub:
                 request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.SerializeToString,
                 response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.FromString,
                 _registered_method=True)
+        self.WatchHealth = channel.unary_stream(
+                '/hami.migsidecar.v1.MigSidecar/WatchHealth',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
+                _registered_method=True)
 
 
 class MigSidecarServicer:
@@ -200,6 +205,15 @@ class MigSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchHealth(self, request, context):
+        """The health of every owned instance as it stands; with follow, then every change as it happens
+        (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
+        the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +281,11 @@ def add_MigSidecarServicer_to_server(servicer, server):
                     servicer.UndoDevice,
                     request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.FromString,
                     response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.SerializeToString,
+            ),
+            'WatchHealth': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchHealth,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +639,33 @@ class MigSidecar:
             '/hami.migsidecar.v1.MigSidecar/UndoDevice',
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceRequest.SerializeToString,
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.UndoDeviceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/WatchHealth',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
             options,
             channel_credentials,
             insecure,

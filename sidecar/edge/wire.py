@@ -1,0 +1,64 @@
+"""How the servicer goes on the wire: every RPC of the contract it implements, with a request
+deserializer that never raises (an unparsable body becomes ``Undecodable``, which the servicer refuses
+INVALID_REQUEST, where grpcio would answer a raising deserializer with a bare INTERNAL)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
+
+if TYPE_CHECKING:
+    from sidecar.edge.server import MigSidecarServicer
+
+
+class Undecodable:
+    """What a request body that does not parse as its message turns into; the handler refuses it."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _tolerant(message_class: Any) -> Callable[[bytes], Any]:
+    """A request deserializer that hands an unparsable body on as ``Undecodable``: grpcio answers a
+    raising deserializer with a bare INTERNAL, and the contract says INVALID_REQUEST."""
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return parse
+
+
+def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
+    """Serve every RPC of the contract that ``servicer`` implements, with tolerant deserializers.
+
+    Built from the service descriptor instead of the generated ``add_..._to_server``, which demands a
+    method for every RPC of the proto: one the servicer does not implement yet is left out, and
+    gRPC answers it UNIMPLEMENTED."""
+    service = pb.DESCRIPTOR.services_by_name["MigSidecar"]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        behaviour = getattr(servicer, method.name, None)
+        if behaviour is None:
+            continue
+        response_class = message_factory.GetMessageClass(method.output_type)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            servicer.refusing_undecodable(method.name, behaviour),
+            request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
+            response_serializer=response_class.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    # grpcio's own registered-method fast path (what the generated code calls).
+    server.add_registered_method_handlers(service.full_name, handlers)
