@@ -27,24 +27,26 @@ EXIT_USAGE = 2
 HEALTH_CHECK = "grpc.health.v1.Health/Check"
 
 
-def _methods() -> dict[str, tuple[str, Any, Any]]:
-    """Name -> (gRPC path, request class, response class) for every method ``call`` knows."""
+def _methods() -> dict[str, tuple[str, Any, Any, bool]]:
+    """Name -> (gRPC path, request class, response class, server-streaming) for every method
+    ``call`` knows: the unary ones and those that stream answers (``WatchHealth``)."""
     from google.protobuf import message_factory  # noqa: PLC0415
     from grpc_health.v1 import health_pb2  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
 
-    found: dict[str, tuple[str, Any, Any]] = {}
+    found: dict[str, tuple[str, Any, Any, bool]] = {}
     for service, short in (
         (pb.DESCRIPTOR.services_by_name["MigSidecar"], True),
         (health_pb2.DESCRIPTOR.services_by_name["Health"], False),
     ):
         for method in service.methods:
-            if method.server_streaming or method.client_streaming:
-                continue
+            if method.client_streaming or (method.server_streaming and not short):
+                continue  # the health service's Watch: ``health`` is the probe's command
             entry = (
                 f"/{service.full_name}/{method.name}",
                 message_factory.GetMessageClass(method.input_type),
                 message_factory.GetMessageClass(method.output_type),
+                bool(method.server_streaming),
             )
             found[f"{service.full_name}/{method.name}"] = entry
             if short:
@@ -106,7 +108,7 @@ def cmd_call(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    path, request_class, response_class = methods[args.method]
+    path, request_class, response_class, streaming = methods[args.method]
     text = sys.stdin.read() if args.request == "-" else args.request
     try:
         document = json.loads(text)
@@ -120,6 +122,21 @@ def cmd_call(args: argparse.Namespace) -> int:
     if target is None:
         return EXIT_FAILED
     with grpc.insecure_channel(target) as channel:
+        if streaming:  # one JSON object a line, as each answer comes; a following one until Ctrl-C
+            stream = channel.unary_stream(
+                path,
+                request_serializer=request_class.SerializeToString,
+                response_deserializer=response_class.FromString,
+            )
+            try:
+                for response in stream(request):
+                    code = _print(args, response, indent=None)
+                    if code != EXIT_OK:
+                        return code
+                    sys.stdout.flush()
+            except grpc.RpcError as exc:
+                return print_failure(f"call {args.method}", exc)
+            return EXIT_OK
         stub = channel.unary_unary(
             path,
             request_serializer=request_class.SerializeToString,
@@ -129,11 +146,18 @@ def cmd_call(args: argparse.Namespace) -> int:
             response = stub(request, timeout=args.timeout)
         except grpc.RpcError as exc:
             return print_failure(f"call {args.method}", exc)
+    return _print(args, response, indent=2)
+
+
+def _print(args: argparse.Namespace, response: Any, indent: int | None) -> int:
+    """One answer as JSON (proto field names), or its ``--field``."""
+    from google.protobuf import json_format  # noqa: PLC0415
+
     answer = json_format.MessageToDict(
         response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     if args.field is None:
-        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+        sys.stdout.write(json.dumps(answer, indent=indent) + "\n")
         return EXIT_OK
     try:
         value = _field(answer, args.field)
