@@ -30,13 +30,14 @@ MAX_REQUEST_TEXT = 8 * 1024 * 1024
 HEALTH_CHECK = "grpc.health.v1.Health/Check"
 
 
-def _methods() -> dict[str, tuple[str, Any, Any]]:
-    """Name -> (gRPC path, request class, response class) for every method ``call`` knows."""
+def _methods() -> dict[str, tuple[str, Any, Any, bool]]:
+    """Name -> (gRPC path, request class, response class, server-streaming) for every method
+    ``call`` knows: the unary ones and those that stream answers (``WatchHealth``)."""
     from google.protobuf import message_factory  # noqa: PLC0415
     from grpc_health.v1 import health_pb2  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
 
-    found: dict[str, tuple[str, Any, Any]] = {}
+    found: dict[str, tuple[str, Any, Any, bool]] = {}
     # Any: the health stubs type DESCRIPTOR as the upb or the Python descriptor, GetMessageClass takes one.
     services: tuple[tuple[Any, bool], ...] = (
         (pb.DESCRIPTOR.services_by_name["MigSidecar"], True),
@@ -44,12 +45,13 @@ def _methods() -> dict[str, tuple[str, Any, Any]]:
     )
     for service, short in services:
         for method in service.methods:
-            if method.server_streaming or method.client_streaming:
-                continue
+            if method.client_streaming or (method.server_streaming and not short):
+                continue  # the health service's Watch: ``health`` is the probe's command
             entry = (
                 f"/{service.full_name}/{method.name}",
                 message_factory.GetMessageClass(method.input_type),
                 message_factory.GetMessageClass(method.output_type),
+                bool(method.server_streaming),
             )
             found[f"{service.full_name}/{method.name}"] = entry
             if short:
@@ -126,7 +128,7 @@ def cmd_call(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    path, request_class, response_class = methods[args.method]
+    path, request_class, response_class, streaming = methods[args.method]
     text = _read_request(args)
     try:
         if len(text) > MAX_REQUEST_TEXT:
@@ -150,6 +152,21 @@ def cmd_call(args: argparse.Namespace) -> int:
     if target is None:
         return EXIT_FAILED
     with grpc.insecure_channel(target) as channel:
+        if streaming:  # one JSON object a line, as each answer comes; a following one until Ctrl-C
+            stream = channel.unary_stream(
+                path,
+                request_serializer=request_class.SerializeToString,
+                response_deserializer=response_class.FromString,
+            )
+            try:
+                for response in stream(request):
+                    code = _print(args, response, indent=None)
+                    if code != EXIT_OK:
+                        return code
+                    sys.stdout.flush()
+            except grpc.RpcError as exc:
+                return print_failure(f"call {args.method}", exc)
+            return EXIT_OK
         stub = channel.unary_unary(
             path,
             request_serializer=request_class.SerializeToString,
@@ -159,11 +176,18 @@ def cmd_call(args: argparse.Namespace) -> int:
             response = stub(request, timeout=args.timeout)
         except grpc.RpcError as exc:
             return print_failure(f"call {args.method}", exc)
+    return _print(args, response, indent=2)
+
+
+def _print(args: argparse.Namespace, response: Any, indent: int | None) -> int:
+    """One answer as JSON (proto field names), or its ``--field``."""
+    from google.protobuf import json_format  # noqa: PLC0415
+
     answer = json_format.MessageToDict(
         response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     if args.field is None:
-        sys.stdout.write(json.dumps(answer, indent=2) + "\n")
+        sys.stdout.write(json.dumps(answer, indent=indent) + "\n")
         return EXIT_OK
     try:
         value = _field(answer, args.field)

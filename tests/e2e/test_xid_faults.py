@@ -8,6 +8,7 @@ the sidecar must reach.
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -199,6 +200,13 @@ def test_health_reaches_get_state_and_a_following_watch(sidecar_factory: Sidecar
     assert sorted((u.mig_uuid, u.health) for u in once) == sorted(
         [(hit.mig_uuid, pb.FAULTED), (fine.mig_uuid, pb.HEALTHY)]
     )
+    # The operator's command streams the same: one JSON object a line.
+    result = car.cli("call", "WatchHealth", "{}", "--socket", str(car.socket))
+    assert result.returncode == 0, result.stderr
+    lines = sorted(
+        (d["mig_uuid"], d["health"], d["xid"]) for d in map(json.loads, result.stdout.splitlines())
+    )
+    assert lines == sorted([(hit.mig_uuid, "FAULTED", 79), (fine.mig_uuid, "HEALTHY", 0)])
     follower = car.stub.WatchHealth(pb.WatchHealthRequest(follow=True), timeout=WAIT_S)
     assert len([next(follower), next(follower)]) == 2
     proc = car.proc
