@@ -3,7 +3,9 @@
 HAMi's plugin rolls back an Allocate whose later step failed (the runtime-identity annotation patch,
 the answer to kubelet). The instances that Allocate created are destroyed, through the recorded
 destroy of ``teardown``; those it reused go back to IDLE. Each record says which it was
-(``OwnershipRecord.origin``, REUSED where the sidecar cannot know). Fenced: only instances that are
+(``OwnershipRecord.origin``, REUSED where the sidecar cannot know); a reused one that an Xid named
+while ACTIVE is destroyed too, as at a release, so an undo never gives back a faulted instance
+(``destroyed_by_undo``). Fenced: only instances that are
 still ACTIVE for exactly that pod and container are touched, so an instance released or handed to
 another key since is left alone, and repeating the undo finds nothing more to do.
 
@@ -48,8 +50,8 @@ def undo_allocate(
     with ctx.locks.claim(keys), ctx.locks.gpus(r.gpu_uuid for r in seen):
         names = {r.name for r in seen}
         current = [r for r in held(ctx, pod_uid, container_index) if r.name in names]
-        created = [r for r in current if r.origin is Origin.CREATED]
-        reused = [r for r in current if r.origin is not Origin.CREATED]
+        created = [r for r in current if destroyed_by_undo(r)]
+        reused = [r for r in current if not destroyed_by_undo(r)]
         for record in created:  # every check before anything changes
             require_no_processes(ctx, record)
         idled: list[InstanceRef] = []
@@ -61,6 +63,11 @@ def undo_allocate(
             crashpoints.crashpoint("after-undo-idle-one")
     raise_first(failures)
     return destroyed, idled
+
+
+def destroyed_by_undo(record: OwnershipRecord) -> bool:
+    """What its Allocate created, and a faulted instance whatever its origin: neither goes IDLE."""
+    return record.origin is Origin.CREATED or record.xid != 0
 
 
 def held(ctx: Context, pod_uid: str, container_index: int) -> list[OwnershipRecord]:
@@ -111,7 +118,7 @@ def undo_device(ctx: Context, mig_uuid: str, owner: AllocationKey) -> DeviceUndo
         current = _held(ctx, mig_uuid, owner)  # it may have changed while we waited
         if isinstance(current, DeviceUndo):
             return current
-        if current.origin is Origin.CREATED:
+        if destroyed_by_undo(current):
             require_no_processes(ctx, current)  # the check before anything changes
             failures: list[SidecarError] = []
             destroyed = destroy_each(ctx, [current], "after-undo-destroy-one", failures)

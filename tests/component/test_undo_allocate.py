@@ -6,11 +6,12 @@ import pytest
 from lifecycle_world import World, active_of, restart
 
 from sidecar.lifecycle import crashpoints, undo
+from sidecar.lifecycle.faults import apply_xid
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, AllocationKey, Outcome, State
 from sidecar.model.ownership import Origin
-from sidecar.nvml.port import NVML_ERROR_UNKNOWN
+from sidecar.nvml.port import NVML_ERROR_UNKNOWN, XidEvent
 
 FOREVER = 1000
 
@@ -264,3 +265,39 @@ class TestUndoDevice:
         restart(world)
         with pytest.raises(errors.NotRecovered):
             world.lifecycle.undo_device(mig, key("pod-a"))
+
+
+class TestAnUndoNeverGivesBackAFaultedInstance:
+    """A reused instance an Xid named while ACTIVE is destroyed by the undo, not put back IDLE: an
+    undo is a release, and a faulted instance is never handed to the next pod."""
+
+    @staticmethod
+    def fault(world: World, mig_uuid: str) -> None:
+        [record] = [r for r in world.record_files().values() if r.mig_uuid == mig_uuid]
+        event = XidEvent(record.gpu_uuid, 79, record.gpu_instance_id, record.compute_instance_id)
+        assert apply_xid(world.ctx, event, frozenset()).faulted
+
+    def test_undo_allocate_destroys_it(self, world: World) -> None:
+        reused, created = reuse_and_create(world)
+        self.fault(world, reused)
+
+        destroyed, idled = world.lifecycle.undo_allocate("pod-b", 0)
+
+        assert {r.identity.mig_uuid for r in destroyed if r.identity} == {reused, created}
+        assert idled == []
+        assert world.record_files() == {}
+        assert world.live_mig_uuids() == set()
+        world.assert_consistent()
+
+    def test_undo_device_destroys_it(self, world: World) -> None:
+        reused, created = reuse_and_create(world)
+        self.fault(world, reused)
+
+        done = world.lifecycle.undo_device(reused, key("pod-b"))
+
+        assert done.destroyed is not None
+        assert done.destroyed.identity is not None
+        assert (done.destroyed.identity.mig_uuid, done.idled) == (reused, None)
+        assert world.live_mig_uuids() == {created}
+        assert [r.mig_uuid for r in world.record_files().values()] == [created]
+        world.assert_consistent()
