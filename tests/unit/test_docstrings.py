@@ -1,9 +1,9 @@
-"""The repository documents itself: module docstrings are short and point into ``docs/``.
+"""The repository documents itself: no docstring or comment cites a document it does not hold.
 
-A module docstring says what the module is in at most 15 lines; a longer description lives in
-``docs/architecture.md``. No docstring or comment cites a document the repository does not hold: a
-docstring that mentions the architecture (or a habit) names the file under ``docs/`` it means, and
-no text anywhere cites numbered sections of a document that is not here.
+A module's docstring carries its why, as long as the idea needs (there is no length cap: the cap
+pushed module notes away from their code into ``docs/``). A docstring that mentions the architecture
+(or a habit) names the file it means, such as ``docs/architecture.md``, and no text anywhere cites numbered sections
+of a document that is not here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import sidecar
 REPO = Path(sidecar.__file__).parent.parent
 PYTHON_FOLDERS = ("sidecar", "tests", "bench", "integration")
 TEXT_FOLDERS = (*PYTHON_FOLDERS, "docs", "api", "deploy")
-MAX_LINES = 15
 MENTION = re.compile(r"architecture|habit", re.IGNORECASE)
 NAMES_A_DOC = re.compile(r"docs/[\w./-]+\.md")
 # "architecture section 5", "architecture 4.1", "style habit 3", "section 6": a numbered part of a
@@ -41,15 +40,6 @@ def docstring(path: Path) -> str:
 def test_every_python_folder_is_read() -> None:
     read = {p.relative_to(REPO).parts[0] for p in python_files()}
     assert read == set(PYTHON_FOLDERS)
-
-
-def test_no_module_docstring_is_longer_than_fifteen_lines() -> None:
-    long = {
-        str(p.relative_to(REPO)): n
-        for p in python_files()
-        if (n := len(docstring(p).splitlines())) > MAX_LINES
-    }
-    assert long == {}
 
 
 def test_a_docstring_that_mentions_the_architecture_names_the_file_in_docs() -> None:
