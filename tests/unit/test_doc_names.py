@@ -14,8 +14,9 @@ are examples, not references, and are skipped) and sorts each span by its shape,
 - a relative path (contains ``/`` or ends in a known file extension, no spaces or placeholders): the file
   or directory exists at the root, beside the document, or as the tail of a tracked path
   (``model/hami_takeover.py`` is ``sidecar/model/hami_takeover.py``).
-- a code symbol: a dotted name (``hami.Manager.Release``), a name with an underscore (``sync_active``)
-  or one with an inner capital (``EnsureAllocation``), optionally followed by a call's parentheses. Its
+- a code symbol: any identifier (``books``, ``EnsureAllocation``, ``sync_active``) or dotted name
+  (``hami.Manager.Release``), optionally followed by a call's parentheses, except a single word in
+  capitals (``ACTIVE``, ``HAMI``: a state or output, said in prose). Its
   last part, and every capitalised part before it, is defined in the repository: a Python ``def``,
   ``class``, assigned name or field; a Go ``func``, method, parameter, ``type``, ``const``, ``var``,
   struct field or interface method; a proto ``message``, ``enum``, ``rpc``, field or enum value; a module
@@ -66,6 +67,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "Fit",
             "GetContainerDeviceStrArray",
             "GetNodeDevices",
+            "Init",
             "Less",
             "MigInstanceManager",
             "MigPlacement",
@@ -83,6 +85,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "runMigAnnotationReconciler",
             "selectMigPlacement",
             "setupFakeClient",
+            "spread",
             "updateResponseForCDI",
             "device.go",
             "mig_topology.go",
@@ -125,10 +128,14 @@ FOREIGN: dict[str, frozenset[str]] = {
             "c_uint",
             "add_callback",
             "get_sample_value",
+            "isoformat",
+            "byref",
         }
     ),
     # Flags of other tools (helm).
     "flags": frozenset({"--set"}),
+    # System calls and commands of the operating system.
+    "os": frozenset({"dmesg", "fstat", "fsync", "flock"}),
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
@@ -182,7 +189,12 @@ def tracked_dirs() -> frozenset[str]:
 
 
 def source_files(*suffixes: str) -> list[Path]:
-    return [REPO / f for f in tracked() if f.endswith(suffixes) and not f.endswith("_pb2.py")]
+    """The tracked sources, less generated code and this file (its made-up names must stay made up)."""
+    return [
+        REPO / f
+        for f in tracked()
+        if f.endswith(suffixes) and not f.endswith("_pb2.py") and REPO / f != Path(__file__)
+    ]
 
 
 def python_names(tree: ast.AST) -> Iterator[str]:
@@ -299,7 +311,8 @@ def path_exists(span: str, doc: Path) -> bool:
 
 
 def is_symbol(name: str) -> bool:
-    return "." in name or "_" in name.strip("_") or re.search(r"[a-z][A-Z]", name) is not None
+    """Any identifier but a single word in capitals, which is prose or output (``HAMI``, ``LIST``)."""
+    return "." in name or "_" in name.strip("_") or not name.isupper()
 
 
 def problem(span: str, doc: Path) -> str | None:
@@ -420,10 +433,10 @@ def test_the_checker_catches_made_up_names_and_passes_real_ones() -> None:
         "Real: `sidecar/edge/server.py`, `deploy/helm/post-render`, `bench/trace.py`, `hami.Manager.Release`,"
         " `register.EncodeIdle`, `Liveness.waiting`, `--idle-ttl SECONDS`, `HAMI_MIG_SIDECAR_IDLE_TTL`,"
         " `make run-sim`, `sync_active`, `time.perf_counter_ns`, `pkg/scheduler/score.go`.\n"
-        "Not names: `on/off`, `k8s.io/api`, `/var/run/cdi`, `api/v0.1.0`, `migsidecar.hami.io`, `plan`.\n"
+        "Not names: `on/off`, `k8s.io/api`, `/var/run/cdi`, `api/v0.1.0`, `migsidecar.hami.io`, `NOWHERE`.\n"
         "```\n`sidecar/in_a_fence.py`\n```\n"
         "Made up: `sidecar/lifecycle.py`, `hami.Manager.Rel3ase`, `register.EncodeIdel`, `--no-such-flag`,"
-        " `HAMI_MIG_SIDECAR_NO_SUCH`, `make no-such-target`, `books_of_account`, `Nonexistent.waiting`."
+        " `HAMI_MIG_SIDECAR_NO_SUCH`, `make no-such-target`, `books`, `Nonexistent.waiting`."
     )
     assert problems(sample, doc) == [
         "no path 'sidecar/lifecycle.py'",
@@ -432,6 +445,6 @@ def test_the_checker_catches_made_up_names_and_passes_real_ones() -> None:
         "no flag '--no-such-flag' in the sources",
         "no flag '--no-such' for 'HAMI_MIG_SIDECAR_NO_SUCH'",
         "no make target 'no-such-target'",
-        "books_of_account: books_of_account not defined",
+        "books: books not defined",
         "Nonexistent.waiting: Nonexistent not defined",
     ]
