@@ -115,6 +115,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "InjectDevices",
             "DevicePluginCDIDevices",
             "FileMode",
+            "As",
             "ErrorInfo",
             "go.work",
         }
@@ -139,7 +140,8 @@ FOREIGN: dict[str, frozenset[str]] = {
 }
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
-CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)")
+# A code span may wrap onto the next line of its paragraph (never across a blank line).
+CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)((?:(?!\n[ \t]*\n)[^`]|`(?!\1))+?)(?<!`)\1(?!`)")
 EXTENSIONS = (
     ".py",
     ".go",
@@ -170,7 +172,7 @@ def doc_files() -> list[Path]:
 def code_spans(text: str) -> Iterator[str]:
     """The inline code spans of a Markdown text, outside fenced blocks, stripped of padding."""
     for match in CODE_SPAN.finditer(FENCE.sub("", text)):
-        span = match.group(2).strip()
+        span = " ".join(match.group(2).split())
         if span:
             yield span
 
@@ -435,8 +437,9 @@ def test_the_checker_catches_made_up_names_and_passes_real_ones() -> None:
         " `make run-sim`, `sync_active`, `time.perf_counter_ns`, `pkg/scheduler/score.go`.\n"
         "Not names: `on/off`, `k8s.io/api`, `/var/run/cdi`, `api/v0.1.0`, `migsidecar.hami.io`, `NOWHERE`.\n"
         "```\n`sidecar/in_a_fence.py`\n```\n"
-        "Made up: `sidecar/lifecycle.py`, `hami.Manager.Rel3ase`, `register.EncodeIdel`, `--no-such-flag`,"
-        " `HAMI_MIG_SIDECAR_NO_SUCH`, `make no-such-target`, `books`, `Nonexistent.waiting`."
+        "Made up: `sidecar/lifecycle.py`, `hami.Manager.Rel3ase`, `register.EncodeIdel(state,\n  blocked)`,"
+        " `--no-such-flag`, `HAMI_MIG_SIDECAR_NO_SUCH`, `make no-such-target`, `books`,"
+        " `Nonexistent.waiting`."
     )
     assert problems(sample, doc) == [
         "no path 'sidecar/lifecycle.py'",
