@@ -11,19 +11,18 @@ are examples, not references, and are skipped) and sorts each span by its shape,
   or as a Go ``flag`` name.
 - ``HAMI_MIG_SIDECAR_X``: the environment twin of a flag ``--x`` (``sidecar/config.py``'s rule), or a
   variable a source file spells out (``HAMI_MIG_SIDECAR_CRASH_AT``).
-- a relative path (contains ``/`` or ends in a known file extension, no spaces or placeholders): the file
-  or directory exists at the root, beside the document, or as the tail of a tracked path
-  (``model/hami_takeover.py`` is ``sidecar/model/hami_takeover.py``).
+- a relative path (ends in a file extension, or starts with a folder the repository has; no spaces or
+  placeholders): the file or directory exists at the root, beside the document, or as the tail of a
+  tracked path (``model/hami_takeover.py`` is ``sidecar/model/hami_takeover.py``).
 - a code symbol: any identifier (``books``, ``EnsureAllocation``, ``sync_active``) or dotted name
   (``hami.Manager.Release``), optionally followed by a call's parentheses, except a single word in
-  capitals (``ACTIVE``, ``HAMI``: a state or output, said in prose). Its
-  last part, and every capitalised part before it, is defined in the repository: a Python ``def``,
-  ``class``, assigned name or field; a Go ``func``, method, parameter, ``type``, ``const``, ``var``,
-  struct field or interface method; a proto ``message``, ``enum``, ``rpc``, field or enum value; a module
-  or package name. Names that are data rather than code count when the sources spell them: a string
-  literal (the error reason ``PLACEMENT_BUSY``, the CDI key ``cdiVersion``), a word of a deployment YAML
-  file (the alert ``HamiMigSidecarStuck``), a metric ``hami_mig_sidecar_X`` whose ``_X`` the sources
-  write. ``nvml...`` names are looked up in the installed NVML binding, and a dotted name whose first part
+  capitals (``ACTIVE``, ``HAMI``: a state or output, said in prose). Each of its parts is defined in
+  the repository: a Python ``def``, ``class``, assigned name or field; a Go ``func``, method,
+  parameter, ``type``, ``const``, ``var``, struct field or interface method; a proto ``message``,
+  ``enum``, ``rpc``, field or enum value; a module or package name. Names that are data rather than
+  code count when the sources spell them: a string literal (the error reason ``PLACEMENT_BUSY``, the
+  CDI key ``cdiVersion``), a word of a deployment YAML file (the alert ``HamiMigSidecarStuck``), a
+  metric ``hami_mig_sidecar_X`` whose ``_X`` the sources write. ``nvml...`` names are looked up in the installed NVML binding, and a dotted name whose first part
   is an installed module that is not ours (``time.perf_counter_ns``) must resolve by import. A name the
   document defines in its own code block (the patch ``docs/porting-hami.md`` shows) counts too.
 
@@ -342,8 +341,7 @@ def problem(span: str, doc: Path) -> str | None:
         return None  # a host or API group (migsidecar.hami.io), or a placeholder (X.Y.Z)
     if importable(match.group("name")):
         return None
-    checked = [p for p in parts[:-1] if p[0].isupper()] + [parts[-1]]
-    missing = [p for p in checked if not name_exists(p, doc)]
+    missing = [p for p in parts if not name_exists(p, doc)]
     return f"{'.'.join(parts)}: {', '.join(missing)} not defined" if missing else None
 
 
