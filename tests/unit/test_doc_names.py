@@ -22,9 +22,10 @@ are examples, not references, and are skipped) and sorts each span by its shape,
   ``enum``, ``rpc``, field or enum value; a module or package name. Names that are data rather than
   code count when the sources spell them: a string literal (the error reason ``PLACEMENT_BUSY``, the
   CDI key ``cdiVersion``), a word of a deployment YAML file (the alert ``HamiMigSidecarStuck``), a
-  metric ``hami_mig_sidecar_X`` whose ``_X`` the sources write. ``nvml...`` names are looked up in the installed NVML binding, and a dotted name whose first part
-  is an installed module that is not ours (``time.perf_counter_ns``) must resolve by import. A name the
-  document defines in its own code block (the patch ``docs/porting-hami.md`` shows) counts too.
+  metric ``hami_mig_sidecar_X`` whose ``_X`` the sources write. ``nvml...`` names are looked up in the
+  installed NVML binding, and a dotted name whose first part is an installed module that is not ours
+  (``time.perf_counter_ns``) must resolve by import. A name the document defines in its own code block
+  (the patch ``docs/porting-hami.md`` shows) counts too.
 
 Anything else (prose words, absolute host paths such as ``/var/run/cdi``, commands, JSON, Go module paths,
 annotation keys) is not checked. Names that belong to other code (HAMi's Go sources, which the HAMi
