@@ -8,7 +8,13 @@ response instead (``gpus.0.uuid``: keys and list indexes separated by dots; a st
 shell variable. A refusal prints ``CODE REASON: message`` and the ErrorInfo metadata, one
 ``key=value`` a line, on stderr and exits 1.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.call``.
+``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
+for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
+while an NVML call or reconciler round is stuck) for liveness, ``hami.migsidecar.v1.MigSidecar``
+(SERVING once recovered) for readiness.
+
+Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not SERVING, 2 bad usage
+(unknown method, a request that does not parse, a ``--field`` the response does not have).
 """
 
 from __future__ import annotations

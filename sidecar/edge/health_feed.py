@@ -3,8 +3,9 @@
 The Xid watcher publishes the records a fault changed (``publish``); every following stream has its
 own bounded queue, so a slow client never holds up the watcher: when its queue is full the stream
 ends with RESOURCE_EXHAUSTED and the client watches again (it gets the current state first, so it
-misses nothing). A stream without ``follow`` ends after the current state, like a GetState. Shutdown
-ends every stream (``close``) before the server drains: a stream would otherwise outlive its grace.
+misses nothing). A stream without ``follow`` ends after the current state, like a GetState. A stream
+does not go through the servicer's in-flight count: shutdown ends every stream (``close``) before
+the server drains instead of waiting for it, as a stream would otherwise outlive its grace.
 A stream holds one worker thread of the server while it follows.
 """
 

@@ -10,7 +10,12 @@ lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), an
 instead of parsing messages. Anything else that escapes a handler is a bug: it is logged with its
 traceback and answered INTERNAL.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.server``.
+Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
+process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
+succeeded; both answer NOT_SERVING while an NVML call or a reconciler round has worked longer than the
+stuck threshold (its waits for GPU locks behind healthy calls left out; ``sidecar.lifecycle.liveness``;
+evaluated at every Check, which is what the probes call), and SERVING again once it returned — and
+server reflection, so ``grpcurl`` works without the .proto file.
 """
 
 from __future__ import annotations
