@@ -4,7 +4,7 @@ Nothing here talks to NVML or the disk: ``lifecycle`` gathers the live GI layout
 owned records of that GPU, and asks this module what stands in the way of a placement. Keeping the
 decision pure lets it be tested with plain values over every case of the state machine.
 
-Facts the logic rests on (what the driver does, not what NVML documents):
+Facts the logic rests on:
 
 * A placement is ``[start, start + size)`` in *memory* slices. Two GIs on one GPU may never share a
   memory slice; the driver refuses an overlapping create with INSUFFICIENT_RESOURCES, never with

@@ -11,14 +11,11 @@ takes care of, so that the domain never has to:
   argument through untouched;
 * ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
 * the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
-* handles going stale: GIs and CIs are looked up by ID, never cached across operations. A GI handle is
-  handed on once, to the next create or destroy on the same GPU, which uses it only if it works on
-  the same GI (``handoff``): from a GI create to its CI create, and from a CI destroy to its GI
-  destroy. Whatever else comes next on the GPU (an error stopped the follower, another instance, a
-  mode change) drops it unused, so no handle outlives the sequence it was made for. A retry looks
-  the GI up afresh,
-  and a handed-on handle that answers INVALID_ARGUMENT (the GI was destroyed outside meanwhile) is
-  looked up by ID, which answers what it answered before. Only physical GPU handles are cached by
+* handles going stale: GIs and CIs are looked up by ID, never cached across operations, except the
+  one GI handle handed on to the next create or destroy on the same GPU (``handoff`` says when it is
+  used and when dropped). A retry looks the GI up afresh, and a handed-on handle that answers
+  INVALID_ARGUMENT (the GI was destroyed outside meanwhile) is looked up by ID, which answers what it
+  answered before. Only physical GPU handles are cached by
   UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup can take seconds on a
   loaded node).
 

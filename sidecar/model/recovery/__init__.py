@@ -3,7 +3,7 @@
 Recovery decides about hardware it did not just create, after a crash, with nothing but durable
 records, pod annotations and what NVML shows. The decision is one pure function over plain values
 (``plan.plan``), so every rule is testable on plain data and *nothing* is modified unless the whole
-picture was read and verified.
+picture was read and verified. The modules, and the shell that runs them:
 
 - ``inputs``: what gather reads (``Inputs``); ``steps``: what plan decides (``Plan``, ``Step``,
   the ``Action``s, ``RecoveryReport``, ``settle_report``); ``draft``: the plan being drafted, which the rules
