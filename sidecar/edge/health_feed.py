@@ -15,9 +15,9 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import grpc
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import encode
 from sidecar.model.ownership import OwnershipRecord
@@ -54,7 +54,7 @@ class HealthFeed:
             with contextlib.suppress(queue.Full):  # a full one is ended for lagging anyway
                 q.put_nowait(_CLOSED)
 
-    def serve(self, follow: bool, context: grpc.ServicerContext) -> Iterator[Any]:
+    def serve(self, follow: bool, context: grpc.ServicerContext) -> Iterator[pb.InstanceHealthUpdate]:
         """The updates of one ``WatchHealth`` call."""
         q: queue.Queue[object] = queue.Queue(QUEUE_SIZE)
         if follow:
