@@ -2,9 +2,21 @@
 """Decision cost of the sidecar over its Unix socket: wall-clock ratios and NVML calls (not a test).
 
 Starts one sidecar on simulated hardware (one H100-80GB), then drives the same cycle every round on
-the same socket and measures, for each decision:
+the same socket and measures each decision: its wall clock as a ratio to ``GetInfo`` in the same run,
+its NVML calls, the time inside the simulated driver; what each column means, the flags and the
+results: ``bench/README.md``.
 
-The rest: ``docs/architecture.md``, "Module notes", ``bench/decision_latency.py``.
+The cycle (every round is identical, so every round makes the same calls; a decision whose count
+differs between rounds is flagged):
+
+1. Allocate CREATED + reclaim — 1g.10gb at 0:1 while an idle 7g.80gb covers the GPU: one reclaim;
+2. Allocate CREATED — 1g.10gb at 1:1, a free placement;
+3. ALREADY_ALLOCATED — the same request again (a kubelet retry);
+4. Release — the pod of (2): its instance goes IDLE;
+5. Allocate REUSED — another pod asks for 1g.10gb at 1:1 and gets the idle instance;
+6. SyncActive — the plugin's periodic level-triggered sync, with both live allocations listed;
+7. GetState — what ``status`` shows an operator;
+8. (not measured) release everything, allocate and release a 7g.80gb to leave the idle blocker of (1).
 """
 
 from __future__ import annotations

@@ -4,7 +4,35 @@ the trace benchmark, and the scheduler helper's re-ranking over it (not a test).
 Written from reading HAMi's scheduler, not copied from it: the ``spread`` GPU order over pods'
 reservations only (``meet_order``), v2.10's ``orderedMigPlacements`` (``v210_placements``), #2855's
 scored placements (``scored_placements``), and this project's helper, Go package ``schedule``
-(``rerank``). ``docs/architecture.md``, "bench/hami_order.py", says what each step follows.
+(``rerank``).
+
+What each function follows:
+
+* the GPU order (``meet_order``): the scheduler scores every device of the node for the request
+  (``ComputeScore``: slots used over the device's count, plus cores used over its total, plus
+  memory used over its total, equal weights; what the request adds is the same on every GPU of one
+  model) and sorts them; under the default ``spread`` policy the highest score sorts first, and the
+  NVIDIA ``Fit`` walks the sorted list *from the end*, taking the first device that fits. So the
+  least loaded GPU is met first and, among equal scores, the highest index (Go's sort of a list this
+  short is an insertion sort, which keeps the annotation's index order among ties, and the walk
+  reverses it). "Used" counts only pods' reservations: an IDLE instance is not in any of them.
+* the placement at v2.10 (``v210_placements``): ``orderedMigPlacements`` re-sorts a profile's
+  published placements by start, 1g and 3g profiles from the top, the others from the bottom, and
+  ``selectMigPlacement`` takes the first that overlaps no reservation.
+* the placement on HAMi master (#2855, merged after v2.10; ``scored_placements``): the card is split
+  at its midpoint into two regions (one region when a placement straddles it); the region with the
+  fewest published placements is the one reserved for region-sized profiles; each free placement
+  is scored by the regions left wholly empty (more first), whether its size matches its region's
+  role (matching first), its distance from the card's middle (farther first), then its start.
+* the profile: HAMi picks the smallest allow-listed profile whose memory covers the request and
+  that has a free placement, which in the trace is the one requested (why: ``bench/README.md``).
+
+The helper (``rerank``) is this project's scheduler change (Go package ``schedule``): among the GPUs
+and placements HAMi found fit, on a GPU the exact IDLE placement of the requested profile first, then
+the fewest IDLE slices overwritten (a free placement overwrites none); the GPUs by the same key of
+their best placement, so a GPU holding that IDLE instance first, then one with a free placement, then
+the fewest IDLE slices overwritten; HAMi's order on every tie. ``gpu_key="exact"`` keeps only the
+first GPU level (a GPU holding the instance first, HAMi's order for the rest), "" none.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ per pod from a profile mix of 50 % 1g.10gb, 30 % 2g.20gb, 20 % 3g.40gb, sized so
 the memory slices are held on average. Events run in trace order, one RPC at a time, over the sidecar's
 Unix socket, like a plugin that allocates and releases pods one by one.
 
-The rest: ``docs/architecture.md``, "Module notes", ``bench/trace.py``.
+The latency model, the variants (a release policy and a scheduler each), the flags and the results:
+``bench/README.md``.
 """
 
 from __future__ import annotations

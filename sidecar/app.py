@@ -1,8 +1,26 @@
 """The composition root: the one place that builds and wires the sidecar's objects.
 
-Order matters and is the point of this module (``docs/architecture.md``, "Module notes", ``sidecar.app``):
+Order matters and is the point of this module:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.app``.
+1. open the hardware backend (NVML or the simulated node) — without a driver ``--backend nvml`` fails
+   here with a clear message; the simulator is never substituted;
+2. ``RecordStore.open()`` takes the state directory's flock *before* the socket is touched: a second
+   sidecar on the same directory exits here, and cannot unlink the first one's live socket (a Python
+   gRPC server silently takes over an existing socket path);
+3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
+   sweep the CDI temp files a crash inside a write left (the lock says no write of ours runs);
+4. only while holding the lock: remove a stale socket file (one that no process answers on: a
+   sidecar of another state directory may be serving there), bind, chmod 0660;
+5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
+   which also starts the reconciler (before recovery the table does not describe the hardware).
+
+SIGTERM/SIGINT: stop accepting, answer the in-flight calls that finish within the grace period (the
+others are cancelled towards their clients), wait until every handler has returned (gRPC does not stop
+handler threads, and one past the grace period still creates hardware and writes records), then stop
+the reconciler, close the backend, remove the socket, release the lock, exit 0.
+
+Nothing here does I/O at import time; ``serve`` takes the backend opener as an argument so tests and
+tools can wire a different one.
 """
 
 from __future__ import annotations

@@ -2,7 +2,22 @@
 
 Subcommands:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.cli``.
+* ``serve`` — run the sidecar (flags and their ``HAMI_MIG_SIDECAR_*`` variables: ``sidecar.config``);
+* ``status [--json]`` — ask a running sidecar (GetInfo + GetState) and print GPUs, owned instances and
+  foreign instances as a table, or the responses as JSON for machines;
+* ``reclaim --gpu N [--mig-uuid U ...]`` — ask a running sidecar to destroy IDLE instances of a GPU
+  (ReclaimIdle): the named ones, or every IDLE one; exits 1 on a refusal, naming its reason;
+* ``call METHOD [JSON]`` — send one request of the contract as JSON, print the response as JSON;
+  ``health [--service NAME]`` — exit 0 only when the health service answers SERVING (``sidecar.edge.call``);
+* ``records verify --state-dir DIR`` — offline report of valid, corrupt and stale ownership records,
+  and of HAMi's record files left there; exits 1 when any record is corrupt, so it can gate a
+  maintenance script;
+* ``probe [--json] [--sim-state FILE]`` — read-only: print the GPUs' MIG tables and instances and diff
+  them against the model of each GPU (``sidecar.nvml.probe``);
+* ``sim ...`` — operate the simulated hardware (registered by ``sidecar.nvml.sim.cli``).
+
+Exit codes: 0 success, 1 failure (startup failed, sidecar unreachable, corrupt records), 2 bad usage
+or configuration.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ response instead (``gpus.0.uuid``: keys and list indexes separated by dots; a st
 shell variable. A refusal prints ``CODE REASON: message`` and the ErrorInfo metadata, one
 ``key=value`` a line, on stderr and exits 1.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.call``.
+``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
+for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
+while an NVML call or reconciler round is stuck) for liveness, ``hami.migsidecar.v1.MigSidecar``
+(SERVING once recovered) for readiness.
+
+Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not SERVING, 2 bad usage
+(unknown method, a request that does not parse, a ``--field`` the response does not have).
 """
 
 from __future__ import annotations
@@ -18,7 +24,10 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from google.protobuf.message import Message
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -30,14 +39,14 @@ MAX_REQUEST_TEXT = 8 * 1024 * 1024
 HEALTH_CHECK = "grpc.health.v1.Health/Check"
 
 
-def _methods() -> dict[str, tuple[str, Any, Any, bool]]:
+def _methods() -> dict[str, tuple[str, type[Message], type[Message], bool]]:
     """Name -> (gRPC path, request class, response class, server-streaming) for every method
     ``call`` knows: the unary ones and those that stream answers (``WatchHealth``)."""
     from google.protobuf import message_factory  # noqa: PLC0415
     from grpc_health.v1 import health_pb2  # noqa: PLC0415
     from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
 
-    found: dict[str, tuple[str, Any, Any, bool]] = {}
+    found: dict[str, tuple[str, type[Message], type[Message], bool]] = {}
     # Any: the health stubs type DESCRIPTOR as the upb or the Python descriptor, GetMessageClass takes one.
     services: tuple[tuple[Any, bool], ...] = (
         (pb.DESCRIPTOR.services_by_name["MigSidecar"], True),
@@ -59,9 +68,9 @@ def _methods() -> dict[str, tuple[str, Any, Any, bool]]:
     return found
 
 
-def _field(document: Any, path: str) -> Any:
+def _field(document: object, path: str) -> object:
     """The value at ``path`` (``gpus.0.uuid``) of a decoded JSON document; KeyError if absent."""
-    value = document
+    value: object = document
     for part in path.split("."):
         if isinstance(value, list) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
@@ -179,7 +188,7 @@ def cmd_call(args: argparse.Namespace) -> int:
     return _print(args, response, indent=2)
 
 
-def _print(args: argparse.Namespace, response: Any, indent: int | None) -> int:
+def _print(args: argparse.Namespace, response: Message, indent: int | None) -> int:
     """One answer as JSON (proto field names), or its ``--field``."""
     from google.protobuf import json_format  # noqa: PLC0415
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.model.domain import (
     GPU_UUID_RE,
@@ -75,7 +76,7 @@ def _too_long(value: str, limit: int, what: str, field: str) -> InvalidRequest:
     return _invalid(f"{what} is {len(value.encode())} bytes, more than {limit}: {clip(value)}", field)
 
 
-def placement(message: Any, where: str) -> Placement:
+def placement(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Placement:
     if not message.HasField("placement"):
         raise _invalid(f"{where}: placement is missing", f"{where}.placement")
     given = message.placement
@@ -101,7 +102,7 @@ def profile_name(value: str, where: str, field: str) -> str:
     return value
 
 
-def reservation(message: Any, where: str) -> Reservation:
+def reservation(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Reservation:
     gpu = gpu_uuid(message.gpu_uuid, where)
     profile = profile_name(message.profile, where, f"{where}.profile")
     return Reservation(gpu, profile, placement(message, where))
@@ -117,7 +118,7 @@ def pod_uid(value: str, where: str, field: str) -> str:
     return value
 
 
-def pod(message: Any, has_pod: bool, where: str) -> PodRef:
+def pod(message: pb.PodRef, has_pod: bool, where: str) -> PodRef:
     uid = pod_uid(message.uid if has_pod else "", where, f"{where}.pod.uid")
     # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
     namespace, name = message.namespace, message.name
@@ -140,7 +141,7 @@ def container_name(value: str, where: str) -> str:
     return value
 
 
-def allocate(request: Any) -> AllocateRequest:
+def allocate(request: pb.AllocateRequest) -> AllocateRequest:
     owner = pod(request.pod, request.HasField("pod"), "request")
     container = container_name(request.container_name, "request")
     count = len(request.devices)
@@ -158,7 +159,7 @@ def allocate(request: Any) -> AllocateRequest:
     return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
 
 
-def active(messages: Sequence[Any]) -> list[ActiveAllocation]:
+def active(messages: Sequence[pb.ActiveAllocation]) -> list[ActiveAllocation]:
     """ActiveAllocation protos -> domain. An empty ``mig_uuid`` means "no runtime identity known"."""
     require(
         len(messages) <= MAX_ACTIVE,

@@ -6,7 +6,7 @@ unparsable time) is left unset rather than failing the whole answer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 from google.protobuf import timestamp_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
@@ -21,11 +21,11 @@ from sidecar.model.recovery.steps import RecoveryReport
 from sidecar.nvml.port import GpuInfo, Placement
 
 
-def pb_placement(placement: Placement) -> Any:
+def pb_placement(placement: Placement) -> pb.Placement:
     return pb.Placement(start=placement.start, size=placement.size)
 
 
-def encode_allocated(result: domain.AllocateResult) -> Any:
+def encode_allocated(result: domain.AllocateResult) -> pb.AllocateResponse:
     """The AllocateResponse. Devices are added in place and their placement set field by field:
     a nested message passed to a constructor is built and then copied, which costs twice as much."""
     message = pb.AllocateResponse(reclaimed=[encode_ref(ref) for ref in result.reclaimed])
@@ -46,7 +46,7 @@ def encode_allocated(result: domain.AllocateResult) -> Any:
     return message
 
 
-def encode_ref(ref: InstanceRef) -> Any:
+def encode_ref(ref: InstanceRef) -> pb.InstanceRef:
     message = pb.InstanceRef(
         gpu_uuid=ref.reservation.gpu_uuid,
         profile=ref.reservation.profile,
@@ -59,10 +59,10 @@ def encode_ref(ref: InstanceRef) -> Any:
     return message
 
 
-def encode_ranked(gpu_uuid: str, ranked: RankedPlacement) -> Any:
+def encode_ranked(gpu_uuid: str, ranked: RankedPlacement) -> pb.RankedPlacement:
     """One RankPlacements entry, its reclaim victims as InstanceRefs with their identity."""
 
-    def victim(inst: OwnedInstance) -> Any:
+    def victim(inst: OwnedInstance) -> pb.InstanceRef:
         ref = pb.InstanceRef(gpu_uuid=gpu_uuid, profile=inst.profile, placement=pb_placement(inst.placement))
         ref.mig_uuid = inst.mig_uuid
         ref.gpu_instance_id = inst.gpu_instance_id or 0
@@ -79,7 +79,7 @@ def encode_ranked(gpu_uuid: str, ranked: RankedPlacement) -> Any:
     )
 
 
-def encode_gpu(gpu: GpuInfo, busy: bool) -> Any:
+def encode_gpu(gpu: GpuInfo, busy: bool) -> pb.Gpu:
     return pb.Gpu(
         index=gpu.index,
         uuid=gpu.uuid,
@@ -91,7 +91,7 @@ def encode_gpu(gpu: GpuInfo, busy: bool) -> Any:
     )
 
 
-def _timestamp(text: str) -> Any:
+def _timestamp(text: str) -> timestamp_pb2.Timestamp | None:
     stamp = timestamp_pb2.Timestamp()
     if text:
         try:
@@ -102,7 +102,7 @@ def _timestamp(text: str) -> Any:
     return None
 
 
-def encode_health(record: OwnershipRecord, *, current: bool) -> Any:
+def encode_health(record: OwnershipRecord, *, current: bool) -> pb.InstanceHealthUpdate:
     """One ``InstanceHealthUpdate`` of ``WatchHealth``: the instance and whether an Xid faulted it."""
     return pb.InstanceHealthUpdate(
         gpu_uuid=record.gpu_uuid,
@@ -117,7 +117,7 @@ def encode_health(record: OwnershipRecord, *, current: bool) -> Any:
     )
 
 
-def encode_instance(record: OwnershipRecord) -> Any:
+def encode_instance(record: OwnershipRecord) -> pb.Instance:
     message = pb.Instance(
         gpu_uuid=record.gpu_uuid,
         profile=record.profile,
@@ -148,7 +148,7 @@ def encode_instance(record: OwnershipRecord) -> Any:
     return message
 
 
-def encode_foreign(foreign: domain.ForeignInstance) -> Any:
+def encode_foreign(foreign: domain.ForeignInstance) -> pb.ForeignInstance:
     return pb.ForeignInstance(
         profile=foreign.profile,
         placement=pb_placement(foreign.placement),
@@ -160,7 +160,7 @@ def encode_foreign(foreign: domain.ForeignInstance) -> Any:
     )
 
 
-def encode_state(snapshot: StateSnapshot) -> Any:
+def encode_state(snapshot: StateSnapshot) -> pb.GetStateResponse:
     return pb.GetStateResponse(
         generation=snapshot.generation,
         gpus=[
@@ -175,7 +175,7 @@ def encode_state(snapshot: StateSnapshot) -> Any:
     )
 
 
-def encode_report(report: RecoveryReport) -> Any:
+def encode_report(report: RecoveryReport) -> pb.RecoverResponse:
     return pb.RecoverResponse(
         adopted_active=[encode_ref(r) for r in report.adopted_active],
         restored_idle=[encode_ref(r) for r in report.restored_idle],
@@ -187,10 +187,13 @@ def encode_report(report: RecoveryReport) -> Any:
     )
 
 
-_UNDO_SKIPS: dict[undo.Skip, Any] = {skip: pb.UndoSkip.Value("UNDO_SKIP_" + skip.value) for skip in undo.Skip}
+# cast: the stubs' ``Value`` answers a bare int; the number is one of UndoSkip's (an unknown name raises).
+_UNDO_SKIPS: dict[undo.Skip, pb.UndoSkip] = {
+    skip: cast(pb.UndoSkip, pb.UndoSkip.Value("UNDO_SKIP_" + skip.value)) for skip in undo.Skip
+}
 
 
-def encode_device_undo(done: undo.DeviceUndo, generation: int) -> Any:
+def encode_device_undo(done: undo.DeviceUndo, generation: int) -> pb.UndoDeviceResponse:
     """The UndoDeviceResponse: what was destroyed or idled, or why nothing was (``skipped``)."""
     message = pb.UndoDeviceResponse(detail=done.detail, generation=generation)
     if done.destroyed is not None:

@@ -3,8 +3,9 @@
 The Xid watcher publishes the records a fault changed (``publish``); every following stream has its
 own bounded queue, so a slow client never holds up the watcher: when its queue is full the stream
 ends with RESOURCE_EXHAUSTED and the client watches again (it gets the current state first, so it
-misses nothing). A stream without ``follow`` ends after the current state, like a GetState. Shutdown
-ends every stream (``close``) before the server drains: a stream would otherwise outlive its grace.
+misses nothing). A stream without ``follow`` ends after the current state, like a GetState. A stream
+does not go through the servicer's in-flight count: shutdown ends every stream (``close``) before
+the server drains instead of waiting for it, as a stream would otherwise outlive its grace.
 A stream holds one worker thread of the server while it follows.
 """
 
@@ -14,9 +15,9 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import grpc
+from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import encode
 from sidecar.model.ownership import OwnershipRecord
@@ -53,7 +54,7 @@ class HealthFeed:
             with contextlib.suppress(queue.Full):  # a full one is ended for lagging anyway
                 q.put_nowait(_CLOSED)
 
-    def serve(self, follow: bool, context: grpc.ServicerContext) -> Iterator[Any]:
+    def serve(self, follow: bool, context: grpc.ServicerContext) -> Iterator[pb.InstanceHealthUpdate]:
         """The updates of one ``WatchHealth`` call."""
         q: queue.Queue[object] = queue.Queue(QUEUE_SIZE)
         if follow:

@@ -13,8 +13,7 @@ INVALID_REQUEST as usual.
 
 from __future__ import annotations
 
-from typing import Any
-
+from google.protobuf.message import Message
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import decode
@@ -25,11 +24,11 @@ _GPU = "GPU-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
 _MIG = "MIG-" + "f" * 8 + "-ffff-ffff-ffff-" + "f" * 12
 
 
-def _placement() -> Any:
+def _placement() -> pb.Placement:
     return pb.Placement(start=_U32, size=_U32)
 
 
-def _pod() -> Any:
+def _pod() -> pb.PodRef:
     return pb.PodRef(
         uid="u" * decode.MAX_POD_UID_BYTES,
         namespace="n" * decode.MAX_NAMESPACE_BYTES,
@@ -37,7 +36,7 @@ def _pod() -> Any:
     )
 
 
-def _active() -> Any:
+def _active() -> pb.ActiveAllocation:
     return pb.ActiveAllocation(
         pod=_pod(),
         container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
@@ -52,7 +51,7 @@ def _active() -> Any:
     )
 
 
-def largest_requests() -> dict[str, Any]:
+def largest_requests() -> dict[str, Message]:
     """The largest valid request of each RPC whose request has a repeated or unbounded field."""
     device = pb.DeviceRequest(
         device_index=_U32, gpu_uuid=_GPU, profile="g" * decode.MAX_PROFILE_BYTES, placement=_placement()

@@ -5,7 +5,24 @@ registry would refuse the second set of metric names; a private one also keeps l
 
 Where the numbers come from:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.metrics``.
+* instances by GPU and state, and the reconciler backlog (ERROR instances + queued CDI removals), are
+  read from the lifecycle at scrape time, so they cannot drift from the table they describe;
+* creations, destructions and NVML errors by operation and code are counted at the hardware port by
+  ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
+  every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
+* reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses, and so
+  are allocated devices by GPU and outcome, reclaims by GPU and Allocate latency by outcome (what
+  the dashboard in ``deploy/`` shows per GPU). These per-call observations are queued by the call
+  (one append) and applied, in order, by the next read of the registry (a scrape, a scrape
+  restricted by ``name[]``, ``get_sample_value``) or once 64 are waiting: a read made after a
+  call returned always counts it;
+* idle instances and the age of the oldest per GPU are read from the table at scrape time, trims of
+  the idle policy are counted by cause as the reconciler makes them;
+* whether a Recover succeeded, and the age of the oldest running NVML call and reconciler round
+  (``sidecar.lifecycle.liveness``) are read at scrape time; the start time and the idle TTL are set once.
+
+Every metric named by ``deploy/prometheus-rules.yaml`` and ``deploy/grafana-dashboard.json`` is
+exported (a test scrapes a running sidecar for each).
 """
 
 from __future__ import annotations

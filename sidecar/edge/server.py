@@ -10,7 +10,12 @@ lifecycle's NOT_RECOVERED gate, which every mutating call meets first thing), an
 instead of parsing messages. Anything else that escapes a handler is a bug: it is logged with its
 traceback and answered INTERNAL.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.edge.server``.
+Also served on the same socket: ``grpc.health.v1.Health`` — service ``""`` is SERVING as soon as the
+process listens, service ``hami.migsidecar.v1.MigSidecar`` turns SERVING only once a ``Recover`` has
+succeeded; both answer NOT_SERVING while an NVML call or a reconciler round has worked longer than the
+stuck threshold (its waits for GPU locks behind healthy calls left out; ``sidecar.lifecycle.liveness``;
+evaluated at every Check, which is what the probes call), and SERVING again once it returned — and
+server reflection, so ``grpcurl`` works without the .proto file.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 import msgspec
 from google.protobuf import any_pb2
+from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -54,6 +60,8 @@ DEFAULT_WORKERS = 16
 UNKNOWN_SHOWN = 8  # unknown profile names quoted in an UNKNOWN_PROFILE error; the rest are counted
 
 _T = TypeVar("_T")
+_Request = TypeVar("_Request", bound=Message)
+_Response = TypeVar("_Response")  # a response message, or an iterator of them for a stream
 
 
 class ServerInfo(msgspec.Struct, frozen=True):
@@ -69,7 +77,7 @@ class ServerInfo(msgspec.Struct, frozen=True):
 # -- errors -------------------------------------------------------------------------------------------
 
 
-def error_status(err: SidecarError) -> Any:
+def error_status(err: SidecarError) -> status_pb2.Status:
     """The ``google.rpc.Status`` for a domain error: code, message, ErrorInfo(reason, domain, metadata).
 
     Message and metadata are bounded so an error stays near 1 KB whatever a request repeated into
@@ -85,7 +93,7 @@ def error_status(err: SidecarError) -> Any:
     return status_pb2.Status(code=code.value[0], message=message, details=[detail])
 
 
-def internal_status(method: str) -> Any:
+def internal_status(method: str) -> status_pb2.Status:
     info = error_details_pb2.ErrorInfo(reason="INTERNAL", domain=ERROR_DOMAIN, metadata={"method": method})
     detail = any_pb2.Any()
     detail.Pack(info)
@@ -136,16 +144,16 @@ class MigSidecarServicer:
             self._calls.wait_for(lambda: self._in_flight == 0)
 
     def refusing_undecodable(
-        self, method: str, behaviour: Callable[[Any, grpc.ServicerContext], Any]
-    ) -> Callable[[Any, grpc.ServicerContext], Any]:
+        self, method: str, behaviour: Callable[[_Request, grpc.ServicerContext], _Response]
+    ) -> Callable[[_Request | Undecodable, grpc.ServicerContext], _Response]:
         """``behaviour``, answering INVALID_REQUEST for a body that did not decode (``Undecodable``)."""
 
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
+        def call(request: _Request | Undecodable, context: grpc.ServicerContext) -> _Response:
             if not isinstance(request, Undecodable):
                 return behaviour(request, context)
             why = request.why
 
-            def refuse() -> Any:
+            def refuse() -> NoReturn:
                 raise InvalidRequest(
                     f"{method}: the request body does not decode: {decode.clip(why, 200)}", {"field": ""}
                 )
@@ -190,8 +198,10 @@ class MigSidecarServicer:
         finally:
             self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
 
-    def GetInfo(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
-        def answer() -> Any:
+    def GetInfo(  # noqa: N802 - gRPC method name
+        self, request: pb.GetInfoRequest, context: grpc.ServicerContext
+    ) -> pb.GetInfoResponse:
+        def answer() -> pb.GetInfoResponse:
             message = pb.GetInfoResponse(
                 api_version=API_VERSION,
                 sidecar_version=sidecar.__version__,
@@ -207,8 +217,10 @@ class MigSidecarServicer:
 
         return self._handle("GetInfo", context, answer)
 
-    def ListGpus(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def ListGpus(  # noqa: N802
+        self, request: pb.ListGpusRequest, context: grpc.ServicerContext
+    ) -> pb.ListGpusResponse:
+        def answer() -> pb.ListGpusResponse:
             with nvml_errors("listing GPUs failed"):
                 gpus = self.lifecycle.gpus()
             return pb.ListGpusResponse(
@@ -217,8 +229,10 @@ class MigSidecarServicer:
 
         return self._handle("ListGpus", context, answer)
 
-    def DiscoverProfiles(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def DiscoverProfiles(  # noqa: N802
+        self, request: pb.DiscoverProfilesRequest, context: grpc.ServicerContext
+    ) -> pb.DiscoverProfilesResponse:
+        def answer() -> pb.DiscoverProfilesResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             requested = decode.allowed_profiles(request.allowed_profiles)
             profiles = self.lifecycle.profiles(gpu_uuid)
@@ -255,8 +269,10 @@ class MigSidecarServicer:
 
         return self._handle("DiscoverProfiles", context, answer)
 
-    def Allocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def Allocate(  # noqa: N802
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        def answer() -> pb.AllocateResponse:
             started = time.perf_counter()
             result = None
             bad_input = False
@@ -279,8 +295,10 @@ class MigSidecarServicer:
 
         return self._handle("Allocate", context, answer)
 
-    def Release(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseResponse:
+        def answer() -> pb.ReleaseResponse:
             decode.pod_uid(request.pod_uid, "request", "pod_uid")
             released = self.lifecycle.release(request.pod_uid)
             self.on_change()
@@ -288,8 +306,10 @@ class MigSidecarServicer:
 
         return self._handle("Release", context, answer)
 
-    def SyncActive(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def SyncActive(  # noqa: N802
+        self, request: pb.SyncActiveRequest, context: grpc.ServicerContext
+    ) -> pb.SyncActiveResponse:
+        def answer() -> pb.SyncActiveResponse:
             active = decode.active(request.active)
             idled, reactivated = self.lifecycle.sync_active(int(request.generation), active)
             self.on_change()
@@ -301,8 +321,10 @@ class MigSidecarServicer:
 
         return self._handle("SyncActive", context, answer)
 
-    def Recover(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def Recover(  # noqa: N802
+        self, request: pb.RecoverRequest, context: grpc.ServicerContext
+    ) -> pb.RecoverResponse:
+        def answer() -> pb.RecoverResponse:
             active = decode.active(request.active)
             report = self.recovery.recover(active)  # recovery logs its own summary
             self.on_recovered()
@@ -310,16 +332,22 @@ class MigSidecarServicer:
 
         return self._handle("Recover", context, answer)
 
-    def WatchHealth(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802
+    def WatchHealth(  # noqa: N802
+        self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.InstanceHealthUpdate]:
         """Not through ``_handle``: a following stream lives as long as its client, and shutdown
         ends it (``HealthFeed.close``) instead of waiting for it."""
         return self.health_feed.serve(bool(request.follow), context)
 
-    def GetState(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
+    def GetState(  # noqa: N802
+        self, request: pb.GetStateRequest, context: grpc.ServicerContext
+    ) -> pb.GetStateResponse:
         return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
 
-    def RankPlacements(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def RankPlacements(  # noqa: N802
+        self, request: pb.RankPlacementsRequest, context: grpc.ServicerContext
+    ) -> pb.RankPlacementsResponse:
+        def answer() -> pb.RankPlacementsResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             profile = decode.profile_name(request.profile, "request", "profile")
             ranked = self.lifecycle.rank_placements(gpu_uuid, profile)
@@ -327,8 +355,10 @@ class MigSidecarServicer:
 
         return self._handle("RankPlacements", context, answer)
 
-    def SetMigMode(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def SetMigMode(  # noqa: N802
+        self, request: pb.SetMigModeRequest, context: grpc.ServicerContext
+    ) -> pb.SetMigModeResponse:
+        def answer() -> pb.SetMigModeResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             current, pending, needs_reset = self.lifecycle.set_mig_mode(
                 gpu_uuid,
@@ -342,8 +372,10 @@ class MigSidecarServicer:
 
         return self._handle("SetMigMode", context, answer)
 
-    def UndoAllocate(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def UndoAllocate(  # noqa: N802
+        self, request: pb.UndoAllocateRequest, context: grpc.ServicerContext
+    ) -> pb.UndoAllocateResponse:
+        def answer() -> pb.UndoAllocateResponse:
             pod_uid = decode.pod_uid(request.pod_uid, "request", "pod_uid")
             destroyed, idled = self.lifecycle.undo_allocate(pod_uid, int(request.container_index))
             return pb.UndoAllocateResponse(
@@ -353,8 +385,10 @@ class MigSidecarServicer:
 
         return self._handle("UndoAllocate", context, answer)
 
-    def UndoDevice(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def UndoDevice(  # noqa: N802
+        self, request: pb.UndoDeviceRequest, context: grpc.ServicerContext
+    ) -> pb.UndoDeviceResponse:
+        def answer() -> pb.UndoDeviceResponse:
             mig_uuid = decode.mig_uuid(request.mig_uuid, "request.mig_uuid")
             owner = AllocationKey(
                 decode.pod_uid(request.pod_uid, "request", "pod_uid"),
@@ -368,8 +402,10 @@ class MigSidecarServicer:
 
         return self._handle("UndoDevice", context, answer)
 
-    def ReclaimIdle(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802
-        def answer() -> Any:
+    def ReclaimIdle(  # noqa: N802
+        self, request: pb.ReclaimIdleRequest, context: grpc.ServicerContext
+    ) -> pb.ReclaimIdleResponse:
+        def answer() -> pb.ReclaimIdleResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
             mig_uuids = decode.mig_uuids(request.mig_uuids, "mig_uuids")
             done = self.lifecycle.reclaim_idle(gpu_uuid, mig_uuids, force=bool(request.force))
@@ -388,7 +424,9 @@ class _CheckedHealth(health.HealthServicer):
         super().__init__(experimental_non_blocking=True)
         self._refresh = refresh
 
-    def Check(self, request: Any, context: grpc.ServicerContext) -> Any:  # noqa: N802 - gRPC method name
+    def Check(  # noqa: N802 - gRPC method name
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
         self._refresh()
         return super().Check(request, context)
 

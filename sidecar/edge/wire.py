@@ -5,11 +5,11 @@ INVALID_REQUEST, where grpcio would answer a raising deserializer with a bare IN
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import message_factory
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 if TYPE_CHECKING:
@@ -23,11 +23,11 @@ class Undecodable:
         self.why = why
 
 
-def _tolerant(message_class: Any) -> Callable[[bytes], Any]:
+def _tolerant(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     """A request deserializer that hands an unparsable body on as ``Undecodable``: grpcio answers a
     raising deserializer with a bare INTERNAL, and the contract says INVALID_REQUEST."""
 
-    def parse(data: bytes) -> Any:
+    def parse(data: bytes) -> Message | Undecodable:
         try:
             return message_class.FromString(data)
         except DecodeError as exc:
@@ -43,11 +43,13 @@ def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
     method for every RPC of the proto: one the servicer does not implement yet is left out, and
     gRPC answers it UNIMPLEMENTED."""
     service = pb.DESCRIPTOR.services_by_name["MigSidecar"]
-    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Message | Undecodable, Message]] = {}
     for method in service.methods:
-        behaviour = getattr(servicer, method.name, None)
-        if behaviour is None:
+        if not hasattr(servicer, method.name):
             continue
+        # Found by the RPC's name, so mypy cannot tell which message it takes: typed as taking any
+        # Message, which holds as its deserializer below comes from the same method descriptor.
+        behaviour: Callable[[Message, grpc.ServicerContext], object] = getattr(servicer, method.name)
         response_class = message_factory.GetMessageClass(method.output_type)
         make = (
             grpc.unary_stream_rpc_method_handler

@@ -1,16 +1,21 @@
 """What a critical Xid does to the instances it names: none of them is ever handed out again.
 
-An event names one GI (and CI) of a GPU, or the whole GPU. Under the GPU's lock every owned
+A cache of released instances adds a risk destroy-on-release does not have: a warm instance whose GI
+saw a hardware fault handed to the next pod. An event names one GI (and CI) of a GPU, or the whole
+GPU (0xFFFFFFFF). Under the GPU's lock every owned
 instance it names is marked on its record (``xid``, durable like every record write):
 
 * ACTIVE: stays ACTIVE (its pod still runs there); its release destroys it instead of keeping it
-  IDLE (``release.release_faulted``), and recovery keeps the mark with the very instance;
+  IDLE (``release.release_faulted``, for Release and SyncActive alike), and recovery keeps the mark
+  with the very instance (same MIG UUID) an active allocation names, and turns a faulted one no pod
+  holds into ERROR instead of restoring it IDLE;
 * IDLE: goes ERROR, never reused; the reconciler destroys it once no pod references it, its CDI
   spec after the hardware, as for any ERROR;
 * CREATING, DELETING, ERROR: left as they are (a destroy is on its way or the state is never reused).
 
-A foreign GI the event names is reported (``FaultReport.foreign``), never touched. An Xid in the
-ignored set (by default ``port.XID_APPLICATION_ERRORS``, the device plugin's) changes nothing.
+A foreign GI the event names is reported (``FaultReport.foreign``, and in the log), never touched. An
+Xid in the ignored set (``--xid-ignore``; by default ``port.XID_APPLICATION_ERRORS``, the NVIDIA device
+plugin's application errors 13, 31, 43, 45, 68, 109) changes nothing.
 """
 
 from __future__ import annotations

@@ -4,7 +4,21 @@ Retries the destruction of ERROR instances that no active allocation references 
 reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
 gone) and retries queued CDI removals.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.lifecycle.reconciler``.
+Each attempt runs under the GPU lock of its instance through ``Maintenance.retry_error``, so it never
+races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
+(before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
+live pod: it is left alone then, because destroying a device under a
+running container is worse than keeping a broken one. A destroy that still fails leaves the instance
+ERROR with the new ``last_error``; the next round tries again. A round then lists the GIs of every
+MIG-enabled GPU into the advice's layout view (``gpu_views.refresh_layout``) when ``interval_s`` has
+passed on ``clock`` since the last listing, so ``RankPlacements`` sees a GI created or destroyed
+outside the sidecar within one interval; the rounds an Allocate or a Release kicks in between make no
+listing (they would take every GPU lock beside the request path). With an idle policy configured, each
+round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
+repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
+Each round of the thread is registered with ``liveness`` while it runs: a round whose own work (not
+its wait for a GPU lock) passes the threshold turns the health service NOT_SERVING. ``kicks`` and
+``rounds`` count the wake-ups asked and the rounds run; an Allocate refused for bad input asks none.
 """
 
 from __future__ import annotations

@@ -10,7 +10,26 @@ so it is cheap enough to call on every registration loop and testable with plain
 
 The classes, best first, follow what ``Allocate`` would do there:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.advice``.
+* REUSE — an IDLE instance of exactly this profile at exactly this placement, and nothing else on
+  those slices;
+* FREE — nothing at all overlaps;
+* RECLAIM — only IDLE instances overlap (listed): ``Allocate`` destroys them, then creates;
+* BLOCKED — an ACTIVE, ERROR, CREATING or DELETING instance, a foreign GI, a record left aside, a
+  placement in flight, a pending reservation, or an IDLE instance running processes overlaps.
+  ``Allocate`` would answer PLACEMENT_BUSY (or INSTANCE_IN_USE); the first blocker is named.
+
+A pending reservation is a placement the scheduler has already promised to another pod: it blocks
+like an occupant, whether an IDLE instance sits there or not, so advice never steers a second pod
+onto it (and never counts the IDLE instance it protects as reusable or reclaimable: the same
+``pending.Guards.keeps`` that Allocate, ReclaimIdle, the MIG disable, the idle policy and the
+reconciler consult).
+
+The foreign GIs come from the inventory's layout view, never from a listing of its own: the last GI
+listing of the GPU, which every listing the lifecycle makes anyway replaces (``ListingTap``: an
+Allocate's, a destroy's, GetState's, a refused create's), which the sidecar's own GI creates and
+destroys edit, and which the reconciler lists afresh once per interval. Which listed GIs are foreign
+is judged when the view is read, against the records then, so a listing taken before a record changed
+never makes an owned GI foreign.
 """
 
 from __future__ import annotations

@@ -1,9 +1,29 @@
 """The domain errors, one small hierarchy, each carrying the contract's ``reason``.
 
 ``server`` maps every one of them to a gRPC status plus ``google.rpc.ErrorInfo`` (domain
-``migsidecar.hami.io``); nothing else in the code base knows about gRPC.
+``migsidecar.hami.io``); nothing else in the code base knows about gRPC. The hierarchy, with each
+class's gRPC code and reason::
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.errors``.
+    SidecarError                      (reason, code, metadata)
+    ├── InvalidRequest                INVALID_ARGUMENT  INVALID_REQUEST
+    │   ├── UnknownProfile            INVALID_ARGUMENT  UNKNOWN_PROFILE
+    │   └── IllegalPlacement          INVALID_ARGUMENT  ILLEGAL_PLACEMENT
+    ├── UnknownGpu                    NOT_FOUND         UNKNOWN_GPU
+    ├── UnknownInstance               NOT_FOUND         UNKNOWN_INSTANCE  (ReclaimIdle: no owned instance)
+    ├── NotRecovered                  FAILED_PRECONDITION NOT_RECOVERED
+    ├── PlacementBusy                 FAILED_PRECONDITION PLACEMENT_BUSY   (metadata names the blocker)
+    ├── KeyConflict                   FAILED_PRECONDITION KEY_CONFLICT
+    ├── MigDisabled                   FAILED_PRECONDITION MIG_DISABLED
+    ├── NotIdle                       FAILED_PRECONDITION NOT_IDLE         (ReclaimIdle: named, not IDLE)
+    ├── Reserved                      FAILED_PRECONDITION RESERVED         (a pending reservation keeps it)
+    ├── UnverifiableState             FAILED_PRECONDITION UNVERIFIABLE_STATE
+    │   └── ComputeInstanceNotOurs                        (a CI in a GI recorded bare: never destroyed)
+    ├── InstanceInUse                 UNAVAILABLE       INSTANCE_IN_USE
+    ├── NvmlFailure                   UNAVAILABLE       NVML_ERROR        (wraps nvml.port.NvmlError)
+    └── StateWriteFailed              UNAVAILABLE       STATE_WRITE_FAILED
+
+UNAVAILABLE means "the same call may succeed later, with the same key"; the Go client retries nothing
+else. ``nvml_errors`` is the one boundary where the port's ``NvmlError`` becomes ``NvmlFailure``.
 """
 
 from __future__ import annotations

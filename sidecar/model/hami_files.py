@@ -7,7 +7,29 @@ this module only reads them and derives their names, and never writes one.
 Ownership records, in the state directory (HAMi's default is this sidecar's default state
 directory), one per instance HAMi created or adopted::
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.hami_files``.
+    hami-owned-mig-<hex>.json     <hex> = lowercase sha256 of the MIG UUID string ("MIG-...")
+    {"version":1,"migUUID":"MIG-...","parentGPUUUID":"GPU-...","profile":"1g.10gb",
+     "placement":{"start":1,"size":1},"gpuInstanceID":2,"computeInstanceID":3}
+
+HAMi writes every field (no omission), ``version`` 1, followed by a newline; its own loader refuses
+a file whose name is not the one derived from the MIG UUID inside. Here decoding is stricter than
+HAMi's: an unknown or missing field, a value of the wrong type, a version other than 1, a MIG UUID
+or GPU UUID of the wrong shape, a zero-size placement, or a name that is not the content's all make
+the file undecodable (``HamiRecordError``), and an undecodable file is never converted or removed.
+A lenient second reading (``hami_record_hint``) still says which instance such a file points at, so
+that instance can stay foreign.
+
+CDI specs, in the CDI directory, one per instance::
+
+    hami-dynamic-mig-mig-<hex>.json   kind "k8s.device-plugin.nvidia.com/dynamic-mig",
+                                      one device named "mig-<hex>", annotated
+                                      hami.io/mig-uuid, hami.io/parent-gpu-uuid,
+                                      hami.io/mig-geometry ("<parent minor>:<GI ID>:<CI ID>")
+
+A file is HAMi's spec only when all of it agrees: the kind, exactly one device, the device name
+derived from its ``hami.io/mig-uuid`` annotation, and the file name derived from that device name
+(HAMi applies the same test before it deletes one). Anything else in the directory is someone
+else's and is never touched.
 """
 
 from __future__ import annotations

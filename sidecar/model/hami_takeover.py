@@ -7,7 +7,28 @@ each of HAMi's files; recovery applies the decision.
 
 Per HAMi record file, one outcome (never two, so no file is both kept and converted):
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.hami_takeover``.
+- **convert**: it decodes, and the live GI at exactly its placement on its parent GPU matches it in
+  everything the sidecar checks of its own records (profile name, GI ID, exactly one CI, the
+  full-size CI profile, CI ID, MIG UUID). It becomes a sidecar record - ``ACTIVE`` with the
+  allocation as owner when the pod list names that runtime identity, ``IDLE`` otherwise - and
+  HAMi's file is removed only after that record is durable.
+- **finish**: as convert, but the sidecar already holds a record of that very instance (same MIG
+  UUID) that comes from this takeover: a crash came between writing ours (marked as taken over) and
+  removing HAMi's, or the pod list's adoption made it in this very recovery (its record is written
+  with the mark in the same write). Only HAMi's file is removed.
+- **conflict** (a keep): the sidecar already owned that instance by a record of its own from before
+  (not taken over from HAMi; ``own_records``). The sidecar's record wins as it is, provenance
+  unchanged; HAMi's file stays for the operator and the conflict is named in ``errors``.
+- **keep**: anything else - it does not decode, has another version, is misnamed, its GPU is not
+  visible, or the live hardware contradicts it. The file stays untouched and is named in
+  ``errors``; the instance it points at (when one can be found) stays foreign: never reused, never
+  adopted, never destroyed. Two HAMi files pointing at one instance are both kept.
+
+HAMi's CDI specs: a running container re-resolves its CDI names when kubelet restarts it, so the spec
+of an instance that is ``ACTIVE`` stays until that instance is destroyed (teardown removes it then).
+So does the spec of any live instance the sidecar does not own. Specs of ``IDLE`` owned instances
+(reuse hands out the sidecar's own spec) and strays (no live instance) are removed - but only once
+the takeover is complete: no HAMi record file is kept, so nothing of HAMi's is left to judge.
 """
 
 from __future__ import annotations

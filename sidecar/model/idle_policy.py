@@ -6,7 +6,22 @@ over plain values (the ``advice`` module's ``GpuView`` per GPU, the clock readin
 destroys what it returns through the same recorded, crash-safe teardown as any reclaim. Three causes,
 each opt-in (all off by default, so nothing is trimmed):
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.idle_policy``.
+* ``ttl`` — an instance idle for longer than ``ttl_s`` seconds;
+* ``max_idle`` — more than ``max_idle_per_gpu`` IDLE instances on one GPU: the least recently used go
+  until the count fits (instances that may not be trimmed still count);
+* ``reserve`` — for each profile the GPU's scheduler allows (``reserve``: GPU -> profile -> its legal
+  placements), when no placement is ready (REUSE or FREE in ``advice.rank_placements``), the idle
+  instances of one RECLAIM placement go, so the next request for that profile finds it FREE. The
+  placement chosen is the one whose victims' profiles keep the most idle copies (``_victim_key``:
+  a request reuses *any* idle copy of its profile, so destroying one of many costs the next hit
+  little and destroying the last costs it for sure), then the one whose most recently used victim
+  is the oldest (least recently used cache first), then the one with fewer victims, then the
+  advice order.
+
+Causes apply in that order, each seeing the instances the earlier ones chose as gone; an instance is
+trimmed at most once, under the first cause that chose it. Never trimmed: anything not IDLE (ACTIVE,
+ERROR, CREATING, DELETING), foreign GIs (never in ``owned``), an IDLE instance marked ``busy`` (a
+process runs on it) and one protected by a pending reservation (``pending``, or the view's own).
 """
 
 from __future__ import annotations

@@ -4,9 +4,17 @@ Nothing here talks to NVML or the disk: ``lifecycle`` gathers the live GI layout
 owned records of that GPU, and asks this module what stands in the way of a placement. Keeping the
 decision pure lets it be tested with plain values over every case of the state machine.
 
-Facts the logic rests on (see the NVML reference notes):
+Facts the logic rests on:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.model.placement``.
+* A placement is ``[start, start + size)`` in *memory* slices. Two GIs on one GPU may never share a
+  memory slice; the driver refuses an overlapping create with INSUFFICIENT_RESOURCES, never with
+  "already exists".
+* The possible placements of a profile are static (independent of what is occupied), so legality is
+  simply membership in that list.
+* GI IDs are reused by the driver and follow the placement (``giId = (S/size - 1) + start/size`` on
+  real drivers), so a GI that is re-created at the same placement gets the same ID. An ID alone never
+  proves ownership; a live GI is *owned* only when a record on that GPU names the same GI ID, GI
+  profile ID and placement (the MIG UUID check happens where a CI is looked at).
 """
 
 from __future__ import annotations

@@ -1,13 +1,26 @@
 """The hardware port: what the domain needs from NVML, in NVML's own words, typed.
 
 The domain (``lifecycle``, ``recovery``, ``reconciler``, ``server``) depends on this module only.
-Two things implement it side by side:
+One adapter implements it, ``pynvml_backend.PynvmlBackend``, over ``pynvml`` (the only module importing
+it). On a real node it talks to ``libnvidia-ml.so.1``; with ``--backend simulated`` the very same
+adapter runs over ``sim.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
 
-* ``pynvml_backend.PynvmlBackend`` — the adapter over ``pynvml`` (the only module importing it). On a
-  real node it talks to ``libnvidia-ml.so.1``; with ``--backend simulated`` the very same adapter runs
-  over ``sim.SimulatedLibrary`` installed as ``pynvml.nvmlLib``.
+The port is stateless and addressed by IDs (GPU UUID, GI ID, CI ID), never by NVML handles: handles go
+stale after a destroy and the driver reuses IDs, so every call looks its objects up afresh and the MIG
+UUID is what proves identity.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.port``.
+Errors: every NVML failure surfaces as ``NvmlError`` (``code`` is the ``nvmlReturn_t`` value, the
+pynvml exception is kept as ``__cause__``). Bounded retries of transient codes happen inside the
+adapter; what reaches the domain is final.
+
+``prove_idle`` is the reads of a reuse in one port call: the GPU (its MIG mode, current and
+pending), then, only when MIG is enabled now and after the next reset, the lookup by MIG UUID and
+its processes. The NVML calls and the retries are those of ``gpu`` and ``mig_device_processes``
+made one after the other (``prove_by_parts``); the layers above the adapter (the metering and
+liveness of ``MeteredPort``, the inventory's listing tap) are passed once instead of twice. A
+failure of the GPU read raises; one of the lookup comes back in the proof (``IdleProof.failure``),
+for the lifecycle to judge as it judges a failed ``mig_device_processes`` (a NOT_FOUND the GPU's
+listing contradicts proves nothing), and is counted under ``mig_device_processes``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,51 @@
 It runs unchanged over the real ``libnvidia-ml.so.1`` and over ``sim.SimulatedLibrary``. What it
 takes care of, so that the domain never has to:
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.pynvml_backend``.
+* profile *index* vs profile *ID*: profiles are enumerated by index constant, everything else is
+  addressed by the ID the profile info returns;
+* caller-allocated arrays: possible placements are fetched with a count query (NULL array) and then a
+  sized array; GI/CI lists use arrays sized by the profile's ``instanceCount``;
+* placements passed by reference (``byref(c_nvmlGpuInstancePlacement_t)``): pynvml passes the
+  argument through untouched;
+* ``nvmlDeviceIsMigDeviceHandle`` returning the ``c_uint`` itself rather than its value;
+* the MIG UUID of a CI, proven by GI and CI ID (``mig_identity``, the adapter's other half);
+* handles going stale: GIs and CIs are looked up by ID, never cached across operations, except the
+  one GI handle handed on to the next create or destroy on the same GPU (``handoff`` says when it is
+  used and when dropped). A retry looks the GI up afresh, and a handed-on handle that answers
+  INVALID_ARGUMENT (the GI was destroyed outside meanwhile) is looked up by ID, which answers what it
+  answered before. Only physical GPU handles are cached by
+  UUID (they stay valid until a MIG mode change, and an uncached by-UUID lookup can take seconds on a
+  loaded node).
+
+What is cached, and why that is safe (every NVML call is a driver round trip on the Allocate path of
+kubelet, and ``sim stats`` counts them): only facts that cannot change while the driver that answered
+them stays loaded and the device stays bound, which is also the lifetime of the cached GPU handles
+they are read through. A MIG mode change may rebind the device (nvml.h: minor number and handle may
+change), so ``set_mig_mode`` drops everything cached about that GPU, and the tables of its model.
+
+* per GPU: index, minor number, name, total memory — properties of the physical device;
+* per GPU *model* (``ModelKey``: the name ``nvmlDeviceGetName`` reports and the total memory): the GI
+  profile table (every profile index with its info), the possible placements of each GI profile, and
+  the CI profile table of each GI profile. These are the MIG geometry of a board, fixed by its chip
+  and memory configuration and by the loaded driver (one per node, shared by every GPU the adapter
+  sees), and independent of occupancy: nvml.h documents the placements as "independent of the
+  currently used placements". Boards that share a name and a memory size share that geometry (the
+  name carries the form factor and memory kind: "NVIDIA H100 80GB HBM3", "NVIDIA H100 NVL"). That
+  is an assumption about the driver, not something NVML promises per GPU; ``sidecar.nvml.probe``
+  checks it on a real node (``static_tables_agree``: every GPU's tables against the others of its
+  key, with the board part number and PCI IDs beside each GPU). An empty table is never cached
+  (Ampere answers NOT_SUPPORTED for every index while MIG is disabled), and GIs are never listed
+  from one. The tables are read under one lock, so the threads of Recover's gather wait for one read
+  of their model's table instead of each making it: a node of 8 identical GPUs reads each table once;
+* the full-size CI profile of each GI profile follows from those tables, so it is told again from
+  them at every call, without an NVML call. A compute instance listing reads its GI's ID once (it
+  found the GI by that ID), not once per CI.
+
+Everything that describes the *layout* is read live on every call: MIG mode (current and pending),
+the GIs of every profile with their placements, the CIs of a GI with their MIG UUIDs, processes. A GI
+or CI created or destroyed behind the sidecar's back is therefore seen at the next call, as before.
+
+Errors are mapped and transient ones retried in ``calls`` (``mapped``, ``Caller``).
 """
 
 from __future__ import annotations

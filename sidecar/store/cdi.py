@@ -1,4 +1,4 @@
-"""Per-instance CDI spec files (``docs/architecture.md``, "The state directory").
+"""Per-instance CDI spec files.
 
 One spec file per MIG instance in the CDI directory, named ``<vendor>-<class>_<MIG UUID>.json`` (the
 CDI library's ``GenerateTransientSpecName``), of a kind of its own (default ``k8s.hami.io/mig``): HAMi
@@ -7,9 +7,33 @@ two files of one directory is a conflict that makes the CDI cache drop the devic
 device named by the MIG UUID, which is new on every creation, so a runtime's spec cache never serves a
 stale entry for a re-created instance.
 
-The spec is the smallest one that works::
+The spec is the smallest one that works (its format: ``docs/architecture.md``, "The state directory").
+``cdiVersion`` is the minimum the content needs (older runtimes reject versions they do not know):
+nothing here needs more than 0.3.0 (no ``hostPath``, no annotations, device names start with a
+letter), except a dot in the class part of the kind, which needs 0.6.0.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.store.cdi``.
+Every node carries ``type`` and ``major`` because a runtime ``stat``s the host path of a node that
+lacks them, and ``/dev/nvidia-caps/nvidia-cap<N>`` usually does not exist on the host (only
+``nvidia-modprobe`` creates those nodes, and only when something asks); the runtime creates the nodes
+inside the container from these numbers. Majors come from ``<proc>/devices``; the cap minors and modes
+from the GI and CI ``access`` files. ``DeviceFileMode`` there is decimal (256 = 0o400) and goes into
+``fileMode`` as the same number, which is how the CDI JSON encodes a Go ``os.FileMode``.
+
+Files are written atomically (temp name not ending in .json, fsync, rename, fsync dir) with mode 0644,
+as bytes that depend only on the inputs, so "identical" is a byte comparison. A crash inside a write
+leaves its temp file behind; ``sweep_temp_files`` removes those of this kind at the next start. A
+removal that fails is queued in memory for ``retry_removals`` (run by the reconciler). With CDI
+disabled nothing is ever written and every method is a no-op.
+
+Ownership: the file at a spec's path is this sidecar's only when it is a regular file (not a
+symlink, not a directory) whose JSON reads as a spec of this kind whose devices are all named by
+that MIG UUID (``not_ours``). Anything else there (another kind, another or a second MIG UUID, bytes
+that are not such JSON, a truncated file whose kind cannot be read) belongs to someone else: it is
+never overwritten nor removed, and ``ensure``/``remove`` raise ``ForeignSpecFile`` (UNAVAILABLE
+STATE_WRITE_FAILED naming the file). A spec of this kind naming that MIG UUID whose content differs
+from what ``render`` gives (wrong edits, another ``cdiVersion``, extra fields, a device entry that
+is not what this sidecar writes) is this sidecar's, corrupt or outdated, and is rewritten. Writes
+are atomic, so a truncated file is never one this sidecar left; it is left alone.
 """
 
 from __future__ import annotations

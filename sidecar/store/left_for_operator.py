@@ -2,7 +2,7 @@
 
 A corrupt record file, or one without a boot id (made or edited by hand), is never overwritten or
 deleted automatically; its name still says which placement it was written for, so no create may
-go there until the operator has dealt with the file (``docs/architecture.md``, "State directory").
+go there until the operator has dealt with the file (``docs/architecture.md``, "The state directory").
 """
 
 from __future__ import annotations

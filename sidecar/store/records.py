@@ -1,10 +1,35 @@
 """Durable ownership records: one JSON file per owned instance under the state directory.
 
-The file format is a public API (version 1; ``docs/architecture.md``, "The state directory")::
+The file format is a public API (version 1), and the files of the directory, the envelope, atomic
+writes and permissions are drawn in ``docs/architecture.md``, "The state directory"; what follows is
+why this module does them so.
 
-    {"version":1,"checksum":"sha256:<hex of the exact record bytes>","record":{...OwnershipRecord...}}
+Why the checksum is over the record's exact bytes R, never over a re-encoding: one that orders or
+spaces fields differently would make a good file look corrupt, or a bad one look good. Reading keeps
+``record`` as ``msgspec.Raw`` for the checksum, then strict-decodes R, then checks the file name
+against ``record_name`` (validated values, never request strings).
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.store.records``.
+A missing record raises ``RecordNotFound`` (start empty), a corrupt one ``CorruptRecord`` (stop and
+surface); ``put`` and ``delete`` refuse to touch a corrupt file. A future version 2 would
+keep today's ``OwnershipRecord`` as a frozen ``OwnershipRecordV1`` type, add a converter ``v1 -> v2``,
+decode by the envelope's version and always write the newest version.
+
+The generation ceiling is handed out hi/lo: the lifecycle hands out generations (one per activation
+and one per instance going IDLE) up to it and durably raises it by a block before a larger one. The
+ceiling outlives the records, so even when the records of the instances changed last are gone, a
+SyncActive fenced with a generation read before a restart can never idle an instance activated after
+it, nor reactivate one idled after it. A missing file is a first run (the records are all there is);
+a corrupt one is left for the operator. It does not end in ``.json``, so no record reader sees it;
+``verify`` reports it.
+
+``.lock`` is never unlinked: another process could otherwise lock a fresh inode. A crash between
+write and rename leaves a temp file behind and the old record intact; ``open()`` sweeps them. On
+tmpfs (``/var/run`` on a node) ``durable.rewrite_in_place`` pads with trailing spaces, all or nothing
+too. Records name pods, and nothing outside the node agent needs them (files 0600). The sidecar runs
+as root and trusts these files to say which GPU instances it may destroy, so ``open`` refuses
+(``UnsafeStateDir``) a directory or record file another user owns or that is group- or
+world-writable, and a lock file that is a symlink, not a regular file, or hard-linked: anything there
+could have been planted, and the lock file is truncated on open.
 """
 
 from __future__ import annotations

@@ -2,7 +2,18 @@
 
 The invariants, checked on the simulated hardware, the record files and the CDI files:
 
-The rest: ``docs/architecture.md``, "Module notes", ``tests/component/matrix_world.py``.
+* no leaked GI/CI: every live GI is claimed by a record (ID, placement) or was foreign before the
+  operation (then exactly as it was);
+* no lost record: every instance held ACTIVE before is ACTIVE after, with the same MIG UUID;
+* nothing unverified is kept reusable: an ACTIVE or IDLE record names exactly the live GI and its
+  one CI (ID and MIG UUID), and its CDI spec is the one ``CdiSpecs`` renders; no CDI file without a
+  record; after a settle no record is ERROR, CREATING or DELETING;
+* every IDLE instance is handed out as REUSED with its own MIG UUID, and a foreign GI blocks its GPU;
+* HAMi's files (a takeover at Recover): while an instance a HAMi record named before lives, exactly
+  one of the sidecar's record of it and HAMi's file claims it (never both, never neither); one a
+  listed pod held is ACTIVE for that pod with the same MIG UUID; once no HAMi record is left, no
+  HAMi CDI spec is left without its live instance or for an instance taken over IDLE, and the spec
+  of one taken over ACTIVE stays while it is ACTIVE (its container re-resolves the name).
 """
 
 from __future__ import annotations

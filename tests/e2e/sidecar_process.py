@@ -6,7 +6,24 @@ kill -9 the sidecar, restart it on the same paths and see what recovery makes of
 
 Usage::
 
-The rest: ``docs/architecture.md``, "Module notes", ``tests/e2e/sidecar_process.py``.
+    def test_something(sidecar: Sidecar) -> None:          # started, not yet recovered
+        sidecar.recover()                                   # Recover with no active allocations
+        info = sidecar.stub.GetInfo(pb.GetInfoRequest())
+        sidecar.sim("create", "--gpu", "0", "--profile", "1g.10gb", "--placement", "0:1")
+        sidecar.kill9()
+        sidecar.restart()
+
+    def test_other(sidecar_factory: SidecarFactory) -> None:
+        car = sidecar_factory(extra_args=["--no-cdi"], env={"HAMI_MIG_SIDECAR_CRASH_AT": "after-create-gi"})
+
+Paths are short on purpose: a Unix socket address is limited to 107 bytes and pytest's ``tmp_path`` is
+long, so everything lives under ``tempfile.mkdtemp(prefix="hms")``:
+``<root>/s.sock``, ``<root>/state``, ``<root>/cdi``, ``<root>/hw.json``; the process's stderr (JSON log
+lines) goes to ``<root>/sidecar.log`` and is readable as ``.log_text()``.
+
+The names of this module (``Sidecar``, ``SidecarFactory``, the fixtures ``sidecar`` and
+``sidecar_factory``, and the attributes and methods of ``Sidecar``) are used by every e2e test: keep
+them stable.
 """
 
 from __future__ import annotations

@@ -9,7 +9,15 @@ are read where an operator would look for them, never from the sidecar's memory 
 - the CDI specs: the files in the CDI directory;
 - the sidecar's own view: ``GetState``, which must agree with the three above.
 
-The rest: ``docs/architecture.md``, "Module notes", ``tests/e2e/test_lifecycle_socket.py``.
+Every test runs twice. ``cdi``: specs are written to the CDI directory. ``no-cdi``: the sidecar gets the
+same CDI directory from the environment (as the chart sets it) *and* ``--no-cdi``; the flag wins, every
+response carries an empty ``cdi_device`` and the directory, which exists, stays empty.
+
+Faults are injected through the simulated driver's own knob (``sim fault``): the next calls of one NVML
+operation fail with ``NVML_ERROR_UNKNOWN``, which is not transient, so the sidecar's bounded retries do
+not absorb it. A sidecar process starts in well under a second, so each test gets its own (isolation
+beats sharing). Tests that compare byte snapshots start it with a reconciler interval of an hour, so
+no background round can rewrite a record while they look.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A module's docstring carries its why, as long as the idea needs (there is no length cap: the cap
 pushed module notes away from their code into ``docs/``). A docstring that mentions the architecture
-(or a habit) names the file it means, such as ``docs/architecture.md``, and no text anywhere cites numbered sections
-of a document that is not here.
+(or a habit) names the file it means, such as ``docs/architecture.md``, and no text anywhere cites
+numbered sections of a document that is not here.
 """
 
 from __future__ import annotations

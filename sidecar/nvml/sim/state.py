@@ -9,7 +9,11 @@ The rules (``create_gi``, ``destroy_gi`` …) are plain functions over the state
 them into C-style return codes, and the Python test knobs share them, so an instance created by a
 knob obeys the same placement and overlap rules as one created through NVML.
 
-The rest: ``docs/architecture.md``, "Module notes", ``sidecar.nvml.sim.state``.
+The state structs are mutable on purpose: they are the machine, changed in place under the lock and
+encoded whole; values handed out to callers (``layout``) are frozen copies. The C functions that only
+read (queries: ``cabi.query``) get a frozen mirror instead (``StateView``: the same fields, tuples for
+lists), decoded from the same bytes: a query that tried to change the hardware would fail at once,
+so a store may skip looking for a change after one. The helpers below take either form.
 """
 
 from __future__ import annotations
