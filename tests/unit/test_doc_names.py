@@ -104,8 +104,6 @@ FOREIGN: dict[str, frozenset[str]] = {
     "hami-master": frozenset({"newMigLayout"}),
     # Names docs/porting-hami.md's port adds to HAMi's plugin (aliases of this repository's types).
     "ported-plugin": frozenset({"migAllocationResult", "migOwnershipRecord"}),
-    # A name docs/architecture.md proposes for a record version that does not exist yet.
-    "proposed": frozenset({"OwnershipRecordV1"}),
     # go-nvml, the CDI reference library, kubelet, the Go toolchain and standard library, googleapis.
     "go": frozenset(
         {
@@ -114,7 +112,6 @@ FOREIGN: dict[str, frozenset[str]] = {
             "ReadSpec",
             "InjectDevices",
             "DevicePluginCDIDevices",
-            "FileMode",
             "As",
             "ErrorInfo",
             "go.work",
@@ -123,14 +120,11 @@ FOREIGN: dict[str, frozenset[str]] = {
     # Python's standard library and the packages the sidecar and its tests use.
     "python": frozenset(
         {
-            "tmp_path",
             "Condition",
             "notify_all",
-            "c_uint",
             "add_callback",
             "get_sample_value",
             "isoformat",
-            "byref",
         }
     ),
     # Flags of other tools (helm).
