@@ -40,12 +40,13 @@ from typing import Protocol
 from sidecar import nvml
 from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
-from sidecar.edge.metrics import MeteredPort, Metrics
+from sidecar.edge.metrics import Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.faults import FaultReport
 from sidecar.lifecycle.idle_trim import IdleTrimmer
+from sidecar.lifecycle.inventory import ListingTap
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.locks import Locks
 from sidecar.lifecycle.logs import event
@@ -53,6 +54,7 @@ from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.lifecycle.recover import Recovery
 from sidecar.lifecycle.xid_watch import XidWatcher
 from sidecar.model.errors import StateWriteFailed
+from sidecar.nvml.metered import MeteredPort
 from sidecar.nvml.port import NvmlError, NvmlPort, XidEvents
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked
@@ -220,7 +222,11 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     """Wire everything from an open backend and a locked record store. No socket is touched here."""
     metrics = Metrics()
     liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
-    port = MeteredPort(backend.port, metrics, liveness)
+    # The NVML port, every decorator of it stacked here and nowhere else, from the lifecycle down:
+    # the listing tap keeps the advice's layout view (``lifecycle.inventory``), the meter counts and
+    # times each call once (``nvml.metered``), the backend makes the pynvml call, mapping its errors
+    # and retrying transient codes (``nvml.pynvml_backend`` over ``nvml.calls``).
+    port = ListingTap(MeteredPort(backend.port, metrics, liveness))
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
     ctx = Context(port, records, cdi, boot_id, locks=Locks(liveness.waiting))

@@ -8,8 +8,9 @@ Where the numbers come from:
 * instances by GPU and state, and the reconciler backlog (ERROR instances + queued CDI removals), are
   read from the lifecycle at scrape time, so they cannot drift from the table they describe;
 * creations, destructions and NVML errors by operation and code are counted at the hardware port by
-  ``MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front of the backend, so
-  every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the same way;
+  ``sidecar.nvml.metered.MeteredPort``, a pass-through ``NvmlPort`` the composition root puts in front
+  of the backend, so every caller (allocate, rollback, reclaim, recovery, reconciler) is counted the
+  same way; ``Metrics`` is the meter it counts into (``nvml_failed``, ``gi_created``, ``gi_destroyed``);
 * reuse hits, reclaims and RPC latency are counted by the gRPC servicer from its responses, and so
   are allocated devices by GPU and outcome, reclaims by GPU and Allocate latency by outcome (what
   the dashboard in ``deploy/`` shows per GPU). These per-call observations are queued by the call
@@ -45,21 +46,9 @@ from sidecar.lifecycle.liveness import Liveness
 from sidecar.model.domain import AllocateResult, Outcome, State
 from sidecar.model.idle_policy import Cause
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.nvml.port import (
-    ComputeInstanceInfo,
-    GpuInfo,
-    GpuInstanceInfo,
-    GpuInstanceProfile,
-    IdleProof,
-    NvmlError,
-    NvmlPort,
-    Placement,
-    code_name,
-)
 
 PREFIX = "hami_mig_sidecar"
 
-_T = TypeVar("_T")
 _Labelled = TypeVar("_Labelled", prometheus_client.Counter, prometheus_client.Histogram)
 
 # RPCs are ~1 ms of gRPC overhead; creates are dominated by NVML (tens of ms to seconds on hardware).
@@ -285,6 +274,16 @@ class Metrics:
             return "already_allocated"
         return "reused"
 
+    # The meter of ``sidecar.nvml.metered.MeteredPort`` (``NvmlMeter``): what the hardware port counts.
+    def nvml_failed(self, operation: str, code: str) -> None:
+        self.nvml_errors.labels(operation, code).inc()
+
+    def gi_created(self) -> None:
+        self.creations.inc()
+
+    def gi_destroyed(self) -> None:
+        self.destructions.inc()
+
     def count_xid(self, report: FaultReport) -> None:
         """Count one Xid event and the instances it faulted."""
         xid = str(report.xid)
@@ -403,80 +402,3 @@ class _HealthCollector:
         for part in ("nvml", "reconciler"):
             busy.add_metric([part], ages.get(part, 0.0))
         return [recovered, busy]
-
-
-class MeteredPort:
-    """An ``NvmlPort`` that forwards every call and counts creations, destructions and NVML errors."""
-
-    def __init__(self, inner: NvmlPort, metrics: Metrics, liveness: Liveness | None = None) -> None:
-        self.inner = inner
-        self.metrics = metrics
-        self.liveness = liveness
-
-    def _call(self, operation: str, call: Callable[[], _T]) -> _T:
-        try:
-            if self.liveness is None:
-                return call()
-            with self.liveness.running("nvml"):
-                return call()
-        except NvmlError as exc:
-            self.metrics.nvml_errors.labels(operation, code_name(exc.code)).inc()
-            raise
-
-    def gpus(self) -> list[GpuInfo]:
-        return self._call("gpus", self.inner.gpus)
-
-    def gpu(self, gpu_uuid: str) -> GpuInfo:
-        return self._call("gpu", lambda: self.inner.gpu(gpu_uuid))
-
-    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
-        return self._call("set_mig_mode", lambda: self.inner.set_mig_mode(gpu_uuid, enabled))
-
-    def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
-        return self._call("gpu_instance_profiles", lambda: self.inner.gpu_instance_profiles(gpu_uuid))
-
-    def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
-        return self._call("gpu_instances", lambda: self.inner.gpu_instances(gpu_uuid))
-
-    def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
-        return self._call(
-            "compute_instances", lambda: self.inner.compute_instances(gpu_uuid, gpu_instance_id)
-        )
-
-    def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
-        info = self._call(
-            "create_gpu_instance", lambda: self.inner.create_gpu_instance(gpu_uuid, profile_id, placement)
-        )
-        self.metrics.creations.inc()
-        return info
-
-    def create_compute_instance(
-        self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
-    ) -> ComputeInstanceInfo:
-        return self._call(
-            "create_compute_instance",
-            lambda: self.inner.create_compute_instance(gpu_uuid, gpu_instance_id, ci_profile_id),
-        )
-
-    def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
-        self._call(
-            "destroy_compute_instance",
-            lambda: self.inner.destroy_compute_instance(gpu_uuid, gpu_instance_id, compute_instance_id),
-        )
-
-    def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
-        self._call("destroy_gpu_instance", lambda: self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id))
-        self.metrics.destructions.inc()
-
-    def mig_device_processes(self, mig_uuid: str) -> int:
-        return self._call("mig_device_processes", lambda: self.inner.mig_device_processes(mig_uuid))
-
-    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
-        """One metered call for both reads; each failure is counted under the read that failed."""
-        proof = self._call("gpu", lambda: self.inner.prove_idle(gpu_uuid, mig_uuid))
-        if proof.failure is not None:
-            self.metrics.nvml_errors.labels("mig_device_processes", code_name(proof.failure.code)).inc()
-        return proof
-
-    def gpu_processes(self, gpu_uuid: str) -> int:
-        return self._call("gpu_processes", lambda: self.inner.gpu_processes(gpu_uuid))

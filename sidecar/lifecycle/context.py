@@ -12,14 +12,13 @@ import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sidecar.lifecycle.inventory import Inventory
+from sidecar.lifecycle.inventory import Inventory, ListingTap
 from sidecar.lifecycle.locks import Locks
 from sidecar.model.domain import ActiveAllocation, Owner, State
 from sidecar.model.errors import NotRecovered
 from sidecar.model.ownership import Origin, OwnershipRecord
 from sidecar.model.pending import PendingSet
 from sidecar.model.states import now_rfc3339, transition
-from sidecar.nvml.port import NvmlPort
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.generation import Generations
 from sidecar.store.records import RecordStore
@@ -28,7 +27,9 @@ from sidecar.store.table import Table
 
 @dataclass
 class Context:
-    port: NvmlPort
+    # The port as the composition root stacked it; its top, the listing tap, keeps the inventory's
+    # layout view, so every GI listing the lifecycle makes also refreshes the advice.
+    port: ListingTap
     records: RecordStore
     cdi: CdiSpecs
     boot_id: str
@@ -46,7 +47,6 @@ class Context:
         self.table = Table(self.records)
         self.generations = Generations(self.records)
         self.inventory = Inventory(self.port)
-        self.port = self.inventory.port  # every GI listing also refreshes the advice's layout view
 
     @contextlib.contextmanager
     def exclusive(self, gpu_uuids: Iterable[str] = ()) -> Iterator[None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import msgspec
 
@@ -26,6 +25,7 @@ from sidecar.model.domain import ForeignInstance, State
 from sidecar.model.errors import MigDisabled, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import (
+    ComputeInstanceInfo,
     GpuInfo,
     GpuInstanceInfo,
     GpuInstanceProfile,
@@ -57,13 +57,12 @@ class StateSnapshot(msgspec.Struct, frozen=True):
 class Inventory:
     """Static GPU facts and profile tables, cached; MIG mode is always read live."""
 
-    def __init__(self, port: NvmlPort) -> None:
+    def __init__(self, port: ListingTap) -> None:
         self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
         # GPU UUID -> (MIG mode, its profile table) for recovery: re-read only when the mode changes.
         self._recovery_profiles: dict[str, tuple[bool, tuple[GpuInstanceProfile, ...]]] = {}
         self._gpus: dict[str, GpuInfo] = {}
-        self._layout: dict[str, tuple[GpuInstanceInfo, ...]] = {}  # GPU UUID -> its GIs as last seen
-        self.port: NvmlPort = ListingTap(port, self)
+        self.port = port  # its ``layout`` is the layout view
 
     def gpu_info(self, gpu_uuid: str) -> GpuInfo:
         """Static facts of a GPU (index, minor, model) from a cached GPU list; UnknownGpu if absent.
@@ -130,14 +129,14 @@ class Inventory:
         """A mode change may unbind or reset the device: its minor and profiles are read afresh."""
         self._gpus.pop(gpu_uuid, None)
         self._profiles.pop(gpu_uuid, None)
-        self._layout.pop(gpu_uuid, None)
+        self.port.layout.pop(gpu_uuid, None)
 
     def foreign_view(
         self, gpu_uuid: str, owned: Sequence[OwnershipRecord]
     ) -> tuple[ForeignInstance, ...] | None:
         """The GIs of the GPU's layout view that no record in ``owned`` claims; None before the GPU
         was first listed. No NVML call: profile names come from the cached tables only."""
-        live = self._layout.get(gpu_uuid)
+        live = self.port.layout.get(gpu_uuid)
         if live is None:
             return None
         return tuple(
@@ -145,25 +144,9 @@ class Inventory:
             for gi in placement.foreign_instances(live, owned)
         )
 
-    def note_listing(self, gpu_uuid: str, live: Sequence[GpuInstanceInfo]) -> None:
-        """A GI listing of the GPU was read just now: it becomes the GPU's layout view."""
-        self._layout[gpu_uuid] = tuple(live)
-
-    def note_created(self, gi: GpuInstanceInfo) -> None:
-        """The sidecar created ``gi``: the view gains it (a GPU never listed stays unlisted)."""
-        live = self._layout.get(gi.gpu_uuid)
-        if live is not None:
-            self._layout[gi.gpu_uuid] = (*(g for g in live if g.id != gi.id), gi)
-
-    def note_destroyed(self, gpu_uuid: str, gpu_instance_id: int) -> None:
-        """The sidecar destroyed that GI: the view loses it."""
-        live = self._layout.get(gpu_uuid)
-        if live is not None:
-            self._layout[gpu_uuid] = tuple(g for g in live if g.id != gpu_instance_id)
-
     def forget_foreign(self) -> None:
         """Recovery may adopt foreign GIs or leave records aside: the next advice lists afresh."""
-        self._layout.clear()
+        self.port.layout.clear()
 
     def _cached_profile_name(self, gpu_uuid: str, profile_id: int) -> str:
         tables = (self._profiles.get(gpu_uuid, ()), self._recovery_profiles.get(gpu_uuid, (False, ()))[1])
@@ -202,39 +185,67 @@ def require_enabled(live: GpuInfo) -> GpuInfo:
 
 class ListingTap:
     """The port the lifecycle talks to: NVML as it is, with every GI listing and every GI create and
-    destroy also kept in the inventory's layout view (module docstring). It adds no NVML call."""
+    destroy also kept in ``layout``, the advice's layout view (module docstring). It adds no NVML call.
 
-    def __init__(self, inner: NvmlPort, inventory: Inventory) -> None:
+    A decorator of ``NvmlPort`` like ``MeteredPort`` below it; the composition root stacks both."""
+
+    def __init__(self, inner: NvmlPort) -> None:
         self.inner = inner
-        self.inventory = inventory
+        self.layout: dict[str, tuple[GpuInstanceInfo, ...]] = {}  # GPU UUID -> its GIs as last seen
 
     def gpu_instances(self, gpu_uuid: str) -> list[GpuInstanceInfo]:
+        """The listing becomes the GPU's layout view."""
         live = self.inner.gpu_instances(gpu_uuid)
-        self.inventory.note_listing(gpu_uuid, live)
+        self.layout[gpu_uuid] = tuple(live)
         return live
 
     def create_gpu_instance(self, gpu_uuid: str, profile_id: int, placement: Placement) -> GpuInstanceInfo:
+        """The view gains the new GI (a GPU never listed stays unlisted)."""
         gi = self.inner.create_gpu_instance(gpu_uuid, profile_id, placement)
-        self.inventory.note_created(gi)
+        live = self.layout.get(gpu_uuid)
+        if live is not None:
+            self.layout[gpu_uuid] = (*(g for g in live if g.id != gi.id), gi)
         return gi
 
     def destroy_gpu_instance(self, gpu_uuid: str, gpu_instance_id: int) -> None:
+        """The view loses the GI."""
         self.inner.destroy_gpu_instance(gpu_uuid, gpu_instance_id)
-        self.inventory.note_destroyed(gpu_uuid, gpu_instance_id)
+        live = self.layout.get(gpu_uuid)
+        if live is not None:
+            self.layout[gpu_uuid] = tuple(g for g in live if g.id != gpu_instance_id)
 
-    # The reads of every reuse, forwarded by hand: a name ``__getattr__`` serves is first looked
-    # for and missed, which costs as much again as the forwarding.
+    # Every other port method, forwarded as it is.
+    def gpus(self) -> list[GpuInfo]:
+        return self.inner.gpus()
+
     def gpu(self, gpu_uuid: str) -> GpuInfo:
         return self.inner.gpu(gpu_uuid)
 
-    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
-        return self.inner.prove_idle(gpu_uuid, mig_uuid)
+    def set_mig_mode(self, gpu_uuid: str, enabled: bool) -> int:
+        return self.inner.set_mig_mode(gpu_uuid, enabled)
+
+    def gpu_instance_profiles(self, gpu_uuid: str) -> list[GpuInstanceProfile]:
+        return self.inner.gpu_instance_profiles(gpu_uuid)
+
+    def compute_instances(self, gpu_uuid: str, gpu_instance_id: int) -> list[ComputeInstanceInfo]:
+        return self.inner.compute_instances(gpu_uuid, gpu_instance_id)
+
+    def create_compute_instance(
+        self, gpu_uuid: str, gpu_instance_id: int, ci_profile_id: int
+    ) -> ComputeInstanceInfo:
+        return self.inner.create_compute_instance(gpu_uuid, gpu_instance_id, ci_profile_id)
+
+    def destroy_compute_instance(self, gpu_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
+        self.inner.destroy_compute_instance(gpu_uuid, gpu_instance_id, compute_instance_id)
 
     def mig_device_processes(self, mig_uuid: str) -> int:
         return self.inner.mig_device_processes(mig_uuid)
 
-    def __getattr__(self, name: str) -> Any:  # every other port method, as it is
-        return getattr(self.inner, name)
+    def prove_idle(self, gpu_uuid: str, mig_uuid: str) -> IdleProof:
+        return self.inner.prove_idle(gpu_uuid, mig_uuid)
+
+    def gpu_processes(self, gpu_uuid: str) -> int:
+        return self.inner.gpu_processes(gpu_uuid)
 
 
 def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.inventory import ListingTap
 from sidecar.lifecycle.recover import Recovery
 from sidecar.model.domain import (
     ActiveAllocation,
@@ -150,7 +151,7 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
     records.open()
     cdi_dir = tmp_path / "cdi"
     cdi = CdiSpecs(cdi_dir if cdi_enabled else None, proc_root=tmp_path / "proc")
-    ctx = Context(port, records, cdi, BOOT_ID)
+    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
     ctx.install([], 0)
     return World(hw, port, records, cdi, cdi_dir, ctx, Lifecycle(ctx), port.gpus())
 
@@ -165,7 +166,7 @@ def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Rec
     records.open()
     cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
     world.records, world.cdi = records, cdi
-    world.ctx = Context(world.port, records, cdi, boot_id)
+    world.ctx = Context(ListingTap(world.port), records, cdi, boot_id)
     world.lifecycle = Lifecycle(world.ctx)
     return Recovery(world.ctx, adopt_existing=adopt)
 

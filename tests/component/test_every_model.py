@@ -11,6 +11,7 @@ from lifecycle_world import BOOT_ID, World
 
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
+from sidecar.lifecycle.inventory import ListingTap
 from sidecar.model.domain import Outcome
 from sidecar.model.errors import SidecarError
 from sidecar.nvml import profiles
@@ -27,7 +28,7 @@ def _world(tmp_path: Path, key: str) -> World:
     records = RecordStore(tmp_path / "state")
     records.open()
     cdi = CdiSpecs(tmp_path / "cdi", proc_root=tmp_path / "proc")
-    ctx = Context(port, records, cdi, BOOT_ID)
+    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
     ctx.install([], 0)
     return World(hw, port, records, cdi, tmp_path / "cdi", ctx, Lifecycle(ctx), port.gpus())
 

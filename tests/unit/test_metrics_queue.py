@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.edge.metrics import DUE_LIMIT, MeteredPort, Metrics
+from sidecar.edge.metrics import DUE_LIMIT, Metrics
+from sidecar.nvml.metered import MeteredPort
 from sidecar.nvml.port import (
     NVML_ERROR_INSUFFICIENT_RESOURCES,
     NVML_ERROR_NOT_FOUND,
