@@ -1,8 +1,9 @@
 """The walk-through's shell examples work as written against a sidecar on the simulated node.
 
 The examples are read from ``docs/simulated-node.md`` (the README's "Trying it" points there), so a
-test fails when the text drifts from what the commands accept. ``.run/`` is the directory ``make run-sim`` uses; here it points at a test sidecar's
-directory (same layout: ``hw.json``, ``state``, ``cdi``; ``sidecar.sock`` links to its socket).
+test fails when the text drifts from what the commands accept. ``.run/`` is the directory
+``make run-sim`` uses; here it points at a test sidecar's directory (same layout: ``hw.json``,
+``state``, ``cdi``; ``sidecar.sock`` links to its socket).
 """
 
 from __future__ import annotations
