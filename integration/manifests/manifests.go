@@ -25,7 +25,7 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
-// What the sidecar's configuration and the node agree on (README, "Configuration").
+// What the sidecar's configuration and the node agree on (README, "Configure").
 const (
 	SidecarContainer = "mig-sidecar"
 	PluginContainer  = "device-plugin"
@@ -40,7 +40,7 @@ const (
 	defaultStateDir = "/var/run/hami/dynamic-mig-state"
 )
 
-// The alerts and panels the README's operator section describes; a file without one is incomplete.
+// The alerts (README, "Alerts") and panels (docs/operations.md); a file without one is incomplete.
 var (
 	RequiredAlerts = []string{
 		"HamiMigSidecarTargetDown",

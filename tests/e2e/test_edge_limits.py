@@ -163,7 +163,7 @@ class TestNamesAreHeldToKubernetesLimits:
         self, car: InProcessSidecar
     ) -> None:
         """The receive limit is what the largest valid request needs; above it gRPC itself refuses,
-        before any handler: RESOURCE_EXHAUSTED without ErrorInfo (the README's error table)."""
+        before any handler: RESOURCE_EXHAUSTED without ErrorInfo (the error table of docs/architecture.md)."""
         for name, largest in limits.largest_requests().items():
             assert largest.ByteSize() <= limits.MAX_REQUEST_BYTES, name
         active = pb.ActiveAllocation(

@@ -1,8 +1,9 @@
-"""The README's shell examples work as written against a sidecar on the simulated node.
+"""The walk-through's shell examples work as written against a sidecar on the simulated node.
 
-The examples are read from README.md itself, so a test fails when the text drifts from what the
-commands accept. ``.run/`` is the directory ``make run-sim`` uses; here it points at a test sidecar's
-directory (same layout: ``hw.json``, ``state``, ``cdi``; ``sidecar.sock`` links to its socket).
+The examples are read from ``docs/simulated-node.md`` (the README's "Trying it" points there), so a
+test fails when the text drifts from what the commands accept. ``.run/`` is the directory
+``make run-sim`` uses; here it points at a test sidecar's directory (same layout: ``hw.json``,
+``state``, ``cdi``; ``sidecar.sock`` links to its socket).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, allocate_on
 
 pytestmark = pytest.mark.e2e
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+WALK_THROUGH = Path(__file__).resolve().parents[2] / "docs" / "simulated-node.md"
 
 
 def shell_blocks() -> list[str]:
-    """The ```sh code blocks of the README."""
-    return re.findall(r"^```sh\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
+    """The ```sh code blocks of the walk-through."""
+    return re.findall(r"^```sh\n(.*?)^```", WALK_THROUGH.read_text(), re.MULTILINE | re.DOTALL)
 
 
 def block_with(text: str) -> str:
@@ -48,7 +49,7 @@ def commands(block: str) -> list[str]:
         if pending.strip() and not pending.lstrip().startswith("#"):
             result.append(pending)
         pending = ""
-    assert not pending, f"unterminated command in README: {pending!r}"
+    assert not pending, f"unterminated command in the walk-through: {pending!r}"
     return result
 
 
@@ -148,7 +149,7 @@ class TestRecordsVerifyExample:
 
 
 class TestWalkThrough:
-    """ "Talking to it" as a reader on a fresh clone does it: the console script only, no grpcurl or jq."""
+    """The walk-through as a reader on a fresh clone does it: the console script only, no grpcurl or jq."""
 
     def test_every_command_of_the_walk_through_runs_as_written(
         self, sidecar: Sidecar, tmp_path: Path

@@ -56,8 +56,8 @@ type Owner struct {
 // OwnershipPlacement and OwnershipRecord mirror migOwnershipPlacement and migOwnershipRecord of
 // HAMi's lazy lifecycle, the record it keeps per instance under /var/run/hami/dynamic-mig-state,
 // so that HAMi can alias them and keep the argument list of RestoreAllocations. With the sidecar
-// these files are no longer HAMi's to keep: the sidecar takes them over at its recovery (see the
-// README, "Switching from HAMi's in-process lifecycle") and writes its own.
+// these files are no longer HAMi's to keep: the sidecar takes them over at its recovery (see
+// docs/porting-hami.md, "Switching a node from the in-process lifecycle") and writes its own.
 type OwnershipPlacement struct {
 	Start uint32 `json:"start"`
 	Size  uint32 `json:"size"`
