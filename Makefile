@@ -46,6 +46,7 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# sidecar/, tests/ and bench/, as the files of [tool.mypy] in pyproject.toml name them.
 typecheck: venv
 	$(BIN)/mypy
 

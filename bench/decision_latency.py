@@ -31,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,6 +41,14 @@ from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from sidecar.nvml.sim import SimulatedHardware
 
 HEALTH = "health Check"
+
+
+class HealthCheck(Protocol):
+    """The one method of grpc's health stub timed here, as the generated stub has it."""
+
+    def Check(self, request: health_pb2.HealthCheckRequest) -> health_pb2.HealthCheckResponse: ...  # noqa: N802
+
+
 DECISIONS = (
     HEALTH,
     "GetInfo",
@@ -101,9 +110,7 @@ class Meter:
         return result
 
 
-def one_round(
-    stub: pb_grpc.MigSidecarStub, health: health_pb2_grpc.HealthStub, gpu: str, i: int, measure: Meter
-) -> None:
+def one_round(stub: pb_grpc.MigSidecarStub, health: HealthCheck, gpu: str, i: int, measure: Meter) -> None:
     def expect(response: object, outcome: int) -> pb.AllocatedDevice:
         assert isinstance(response, pb.AllocateResponse)
         device = response.devices[0]
@@ -225,7 +232,8 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
         channel = grpc.insecure_channel(f"unix://{socket}")
         grpc.channel_ready_future(channel).result(timeout=60)
         stub = pb_grpc.MigSidecarStub(channel)
-        health = health_pb2_grpc.HealthStub(channel)
+        # cast: the typed stubs of grpcio-health-checking declare HealthStub without its methods.
+        health = cast(HealthCheck, health_pb2_grpc.HealthStub(channel))
         stub.Recover(pb.RecoverRequest())
         gpu = stub.ListGpus(pb.ListGpusRequest()).gpus[0].uuid
         measure = Meter(SimulatedHardware.open(state))

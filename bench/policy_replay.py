@@ -19,7 +19,7 @@ import bisect
 import heapq
 import math
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from trace import GPUS, LOAD, MIX, MODEL_S, OTHER_S, Pod, make_trace
@@ -57,7 +57,8 @@ class Node:
     now: float = 0.0
     tick: int = 0
     active: Counter[str] = field(default_factory=Counter)
-    area: Counter[str] = field(default_factory=Counter)  # live pods of each profile, integrated over time
+    # Live pods of each profile, integrated over time (pod-seconds, so not a count).
+    area: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     asked: dict[str, float] = field(default_factory=dict)  # profile -> its last arrival, served or not
 
     def advance(self, now: float) -> None:

@@ -203,8 +203,8 @@ def client(  # noqa: PLR0917 - a thread target, called with its args tuple
                 shared.enter_sync()
                 try:
                     generation = stub.GetInfo(pb.GetInfoRequest(), timeout=TIMEOUT_S).generation
-                    request = pb.SyncActiveRequest(generation=generation, active=shared.active())
-                    stub.SyncActive(request, timeout=TIMEOUT_S)
+                    sync = pb.SyncActiveRequest(generation=generation, active=shared.active())
+                    stub.SyncActive(sync, timeout=TIMEOUT_S)
                 finally:
                     shared.leave_sync()
             elif kind == "state":

@@ -1,35 +1,13 @@
-"""Fixtures for lifecycle component tests.
+"""Fixtures for lifecycle component tests: ``world`` and ``cdi_world``, defined in ``lifecycle_world``.
 
 Every test that uses ``world`` runs twice: with CDI files and in legacy mode (CDI disabled), where the
 CDI directory must stay empty whatever happens.
+
+They live in ``lifecycle_world`` so that mypy checks them there: mypy names a module by its file name
+within the folder the tests import their helpers from, and every such folder's conftest would be
+``conftest``; pytest finds a fixture by its name in this module.
 """
 
-from __future__ import annotations
+from lifecycle_world import cdi_world, world
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-from lifecycle_world import World, build_world
-
-from sidecar.nvml.sim import uninstall
-
-
-@pytest.fixture(params=[True, False], ids=["cdi", "no-cdi"])
-def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
-    w = build_world(tmp_path, cdi_enabled=request.param)
-    try:
-        yield w
-    finally:
-        w.records.close()
-        uninstall()
-
-
-@pytest.fixture
-def cdi_world(tmp_path: Path) -> Iterator[World]:
-    w = build_world(tmp_path, cdi_enabled=True)
-    try:
-        yield w
-    finally:
-        w.records.close()
-        uninstall()
+__all__ = ["cdi_world", "world"]

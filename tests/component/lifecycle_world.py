@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from sidecar.lifecycle.context import Context
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.inventory import ListingTap
@@ -32,7 +34,7 @@ from sidecar.model.domain import (
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInfo, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
-from sidecar.nvml.sim import SimulatedHardware, install
+from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.records import RecordStore
 
@@ -204,3 +206,24 @@ def files_cannot_grow_past(size: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# The fixtures every component test takes; conftest.py hands them to pytest.
+@pytest.fixture(params=[True, False], ids=["cdi", "no-cdi"])
+def world(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[World]:
+    w = build_world(tmp_path, cdi_enabled=request.param)
+    try:
+        yield w
+    finally:
+        w.records.close()
+        uninstall()
+
+
+@pytest.fixture
+def cdi_world(tmp_path: Path) -> Iterator[World]:
+    w = build_world(tmp_path, cdi_enabled=True)
+    try:
+        yield w
+    finally:
+        w.records.close()
+        uninstall()

@@ -81,17 +81,23 @@ def standard_start(world: World) -> Held:
     return held
 
 
+def _mig_uuid(allocation: ActiveAllocation) -> str:
+    """A held allocation comes from a successful Allocate, which always names the instance it made."""
+    assert allocation.identity is not None, allocation
+    return allocation.identity.mig_uuid
+
+
 def before(world: World, held: Held) -> Before:
     records = world.record_files().values()
     claimed = {(r.gpu_uuid, r.gpu_instance_id) for r in records}
     foreign = frozenset(gi for gi in world.layout() if (world.uuid(gi[0]), gi[1]) not in claimed)
-    listed = {a.identity.mig_uuid for a in held.active()}
+    listed = {_mig_uuid(a) for a in held.active()}
     active = {r.name: r.mig_uuid for r in records if r.state is State.ACTIVE and r.mig_uuid in listed}
     hami = {mig: mig in listed for mig in hami_records(world)}
     # A pod on an instance HAMi made holds it ACTIVE once it is taken over, under the sidecar's name.
     for a in held.active():
-        if a.identity.mig_uuid in hami:
-            active[record_name(a.reservation.gpu_uuid, a.reservation.placement)] = a.identity.mig_uuid
+        if _mig_uuid(a) in hami:
+            active[record_name(a.reservation.gpu_uuid, a.reservation.placement)] = _mig_uuid(a)
     return Before(foreign, {k: v for k, v in active.items() if v is not None}, hami, others_cdi(world))
 
 

@@ -156,6 +156,6 @@ class TestNotFoundForWhatIsReallyGone:
         world.lifecycle.release("pod-a")
         [record] = world.record_files().values()
 
-        destroy_hardware(_VanishesThenNotFound(world), record)  # type: ignore[arg-type]
+        destroy_hardware(_VanishesThenNotFound(world), record)
 
         assert gis(world, 0) == set()

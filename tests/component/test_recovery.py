@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
+import msgspec
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
@@ -56,7 +57,9 @@ class TestOwnedInstancesSurviveARestart:
         assert states(world) == {(0, "0:1"): State.ACTIVE, (0, "4:4"): State.ACTIVE, (1, "0:2"): State.IDLE}
         assert {r.identity for r in report.adopted_active} == {a.devices[0].identity, b.devices[0].identity}
         assert [r.identity for r in report.restored_idle] == [c.devices[0].identity]
-        assert report.errors == report.preserved_foreign == report.dropped_stale_records == ()
+        assert report.errors == ()
+        assert report.preserved_foreign == ()
+        assert report.dropped_stale_records == ()
         world.assert_consistent()
         again = world.allocate("pod-d", (1, "2g.20gb", 0, 2))
         assert again.devices[0].outcome is Outcome.REUSED
@@ -101,7 +104,8 @@ class TestOwnedInstancesSurviveARestart:
         assert world.lifecycle.instances() == table
         assert world.layout() == hardware
         assert len(first.removed_orphan_gis) == 1
-        assert second.removed_orphan_gis == second.dropped_stale_records == ()
+        assert second.removed_orphan_gis == ()
+        assert second.dropped_stale_records == ()
         assert second.adopted_active == first.adopted_active
 
 
@@ -259,7 +263,7 @@ class TestARecordWithoutABootIdIsKeptAside:
         world.allocate("pod-a", (0, "3g.40gb", 0, 4))
         world.lifecycle.release("pod-a")
         [record] = world.record_files().values()
-        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.CREATING, "boot_id": ""}))
+        world.records.put(msgspec.structs.replace(record, state=State.CREATING, boot_id=""))
         before = world.everything()
 
         report = restart(world, adopt=True).recover([])
@@ -267,7 +271,8 @@ class TestARecordWithoutABootIdIsKeptAside:
         assert world.everything() == before
         assert world.lifecycle.instances() == []
         assert refs(report.preserved_foreign) == {f"{world.uuid(0)}/3g.40gb@0:4"}
-        assert report.dropped_stale_records == report.adopted_foreign == ()
+        assert report.dropped_stale_records == ()
+        assert report.adopted_foreign == ()
         [line] = report.errors
         assert record.name in line
         with pytest.raises(errors.PlacementBusy):
@@ -277,7 +282,7 @@ class TestARecordWithoutABootIdIsKeptAside:
     def test_records_verify_lists_it_apart_not_as_stale(self, world: World) -> None:
         world.allocate("pod-a", (0, "3g.40gb", 0, 4))
         [record] = world.record_files().values()
-        world.records.put(OwnershipRecord(**{**_fields(record), "boot_id": ""}))
+        world.records.put(msgspec.structs.replace(record, boot_id=""))
 
         found = record_verify.verify(world.records.directory, BOOT_ID)
 
@@ -310,7 +315,7 @@ class TestInterruptedTransactionsAreFinished:
         a = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         world.lifecycle.release("pod-a")
         (record,) = world.record_files().values()
-        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.DELETING}))
+        world.records.put(msgspec.structs.replace(record, state=State.DELETING))
         world.hw.inject_fault("destroy-ci", NVML_ERROR_UNKNOWN, times=FOREVER)
         report = restart(world).recover([])
         assert world.lifecycle.recovered
@@ -338,10 +343,6 @@ class TestCdiSpecsAreRepairedAtStartup:
         restart(world).recover([])
         assert world.cdi_files() == {spec.name}
         assert world.cdi_spec_is_current(0, a.devices[0].identity)
-
-
-def _fields(record: OwnershipRecord) -> dict[str, object]:
-    return {f: getattr(record, f) for f in record.__struct_fields__}
 
 
 class TestTheCdiStepAtStartup:
@@ -555,7 +556,7 @@ class TestTheReportNamesOnlyWhatHappened:
     def test_an_undo_whose_destroy_fails_is_error_and_not_reported_dropped(self, world: World) -> None:
         held = world.allocate("pod-a", (0, "1g.10gb", 0, 1)).devices[0]
         [record] = world.record_files().values()
-        world.records.put(OwnershipRecord(**{**_fields(record), "state": State.CREATING}))
+        world.records.put(msgspec.structs.replace(record, state=State.CREATING))
         world.hw.inject_fault("nvmlComputeInstanceDestroy", NVML_ERROR_UNKNOWN, times=FOREVER)
 
         report = restart(world).recover([])
@@ -615,7 +616,8 @@ class TestRecordsOnAGpuNvmlNoLongerListsAreKept:
         assert world.cdi_files() == cdi_before
         assert [r.gpu_uuid for r in world.lifecycle.instances()] == [world.uuid(0)]
         assert [ref.identity for ref in report.adopted_active] == [held.devices[0].identity]
-        assert report.dropped_stale_records == report.restored_idle == ()
+        assert report.dropped_stale_records == ()
+        assert report.restored_idle == ()
         [line] = report.errors
         assert f"GPU {world.uuid(2)} is not visible; record kept" in line
 

@@ -163,7 +163,8 @@ class TestAnOrphanRemovalDestroysABareGpuInstanceOnly:
         assert world.everything() == before
         assert world.lifecycle.instances() == []
         assert reservations(report.preserved_foreign) == {f"{world.uuid(1)}/3g.40gb@4:4"}
-        assert report.removed_orphan_gis == report.dropped_stale_records == ()
+        assert report.removed_orphan_gis == ()
+        assert report.dropped_stale_records == ()
 
     def test_a_ci_made_in_the_gi_of_a_failed_orphan_removal_survives_the_reconciler(
         self, world: World

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -223,7 +225,7 @@ class Sidecar:
     def info(self) -> Any:
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S)
 
-    def gpus(self) -> list[Any]:
+    def gpus(self) -> list[pb.Gpu]:
         return list(self.stub.ListGpus(pb.ListGpusRequest(), timeout=CALL_TIMEOUT_S).gpus)
 
     def health_status(self, service: str = "") -> int:
@@ -279,7 +281,7 @@ class Sidecar:
         logged, so a test that reads the log right after ``start()`` must wait for the line."""
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
-            events = [
+            events: list[dict[str, Any]] = [
                 json.loads(line)
                 for line in self.log_text().splitlines()
                 if line.startswith("{") and json.loads(line).get("msg") == msg
@@ -390,3 +392,42 @@ class SidecarFactory(Protocol):
         start: bool = True,
         root: Path | None = None,
     ) -> Sidecar: ...
+
+
+# The fixtures every e2e test takes; conftest.py hands them to pytest.
+@pytest.fixture
+def sidecar_factory() -> Iterator[SidecarFactory]:
+    """Make sidecars (started and answering unless ``start=False``); all are stopped and removed after.
+
+    ``root`` reuses another sidecar's directory (same socket, state and hardware): how a test builds a
+    second sidecar that must be refused by the first one's lock."""
+    made: list[Sidecar] = []
+    roots: list[Path] = []
+
+    def make(
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        sim_gpus: str = DEFAULT_SIM_GPUS,
+        start: bool = True,
+        root: Path | None = None,
+    ) -> Sidecar:
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="hms"))
+            roots.append(root)
+        car = Sidecar(root, extra_args, env, sim_gpus)
+        made.append(car)
+        if start:
+            car.start()
+        return car
+
+    yield make
+    for car in made:
+        car.close()
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def sidecar(sidecar_factory: SidecarFactory) -> Sidecar:
+    """A started sidecar on h100-80gb:2,a100-40gb:1 simulated GPUs, not yet recovered."""
+    return sidecar_factory()

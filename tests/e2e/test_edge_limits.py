@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import cast
 
 import grpc
 import msgspec
@@ -129,7 +130,7 @@ class TestNamesAreHeldToKubernetesLimits:
     ) -> None:
         car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
         before = car.world()
-        code, reason, _ = refused(lambda: allocate(car, "pod-a", **{field: value}))
+        code, reason, _ = refused(lambda: allocate(car, "pod-a", 0, **{field: value}))
         assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
         assert car.world() == before
 
@@ -183,7 +184,8 @@ class TestNamesAreHeldToKubernetesLimits:
 
     def test_the_largest_valid_sync_active_gets_through(self, car: InProcessSidecar) -> None:
         car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
-        request = limits.largest_requests()["SyncActive"]
+        # cast: largest_requests maps each RPC to its request message, typed as their common base.
+        request = cast(pb.SyncActiveRequest, limits.largest_requests()["SyncActive"])
         request.generation = 0
         for a in request.active:
             a.gpu_uuid = car.gpu_uuids()[0]
@@ -242,7 +244,7 @@ class TestTheWireItself:
             try:
                 call(b"", timeout=CALL_TIMEOUT_S)
             except grpc.RpcError as err:
-                codes.append(err.code())  # type: ignore[attr-defined]
+                codes.append(err.code())
             assert grpc.StatusCode.UNIMPLEMENTED not in codes, method.name
 
     def test_an_rpc_the_server_does_not_serve_is_unimplemented(self, car: InProcessSidecar) -> None:
@@ -255,5 +257,5 @@ class TestTheWireItself:
         )
         with pytest.raises(grpc.RpcError) as caught:
             raw(b"", timeout=CALL_TIMEOUT_S)
-        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
         assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"

@@ -59,7 +59,7 @@ def test_every_runtime_dependency_has_a_floor_and_a_bound_below_the_next_major()
 
 
 def test_the_floors_are_those_the_generated_code_demands() -> None:
-    floors = {canonicalize_name(r.name): _floor(r) for r in _requirements()}
+    floors: dict[str, Version] = {canonicalize_name(r.name): _floor(r) for r in _requirements()}
     generated = (ROOT / "api/hami/migsidecar/v1/migsidecar_pb2.py").read_text()
     marker = "# Protobuf Python Version: "
     protoc = Version(generated.split(marker, 1)[1].split()[0])

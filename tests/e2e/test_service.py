@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -272,7 +273,7 @@ class TestHealthAndRecoveryGate:
 
     def test_mutating_calls_fail_with_not_recovered_before_recover(self, sidecar: Sidecar) -> None:
         gpu = h100(sidecar)
-        calls = [
+        calls: list[Callable[[], object]] = [
             lambda: sidecar.stub.Allocate(allocate_request(gpu.uuid, "1g.10gb", 0, 1)),
             lambda: sidecar.stub.Release(pb.ReleaseRequest(pod_uid="pod-a")),
             lambda: sidecar.stub.SyncActive(pb.SyncActiveRequest(generation=0)),

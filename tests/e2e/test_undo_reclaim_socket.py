@@ -118,7 +118,7 @@ class TestUndoAllocate:
         assert undo(car, "pod-nobody") == pb.UndoAllocateResponse()
         assert undo(car, "pod-a", 3) == pb.UndoAllocateResponse()
         for bad in ("", "../pod-a"):
-            code, reason, _ = failure(lambda bad=bad: undo(car, bad))  # type: ignore[misc]
+            code, reason, _ = failure(lambda bad=bad: undo(car, bad))
             assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
 
         assert everything(car) == before
@@ -175,7 +175,7 @@ class TestUndoDevice:
         assert undo_device(car, held, "pod-a", container=1).skipped == pb.UNDO_SKIP_OTHER_OWNER
         assert undo_device(car, NOBODY, "pod-a").skipped == pb.UNDO_SKIP_UNKNOWN_INSTANCE
         for mig, pod in (("", "pod-a"), ("MIG-nope", "pod-a"), (held, ""), (held, "../pod-a")):
-            code, reason, _ = failure(lambda mig=mig, pod=pod: undo_device(car, mig, pod))  # type: ignore[misc]
+            code, reason, _ = failure(lambda mig=mig, pod=pod: undo_device(car, mig, pod))
             assert (code, reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"), (mig, pod)
 
         assert everything(car) == before
@@ -198,7 +198,7 @@ class TestReclaimIdle:
             (("MIG-nope",), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
         ]
         for names, want_code, want_reason in refusals:
-            code, reason, _ = failure(lambda names=names: reclaim(car, 0, *names))  # type: ignore[misc]
+            code, reason, _ = failure(lambda names=names: reclaim(car, 0, *names))
             assert (code, reason) == (want_code, want_reason), names
         unknown_gpu = pb.ReclaimIdleRequest(gpu_uuid="GPU-00000000-0000-0000-0000-000000000000")
         code, reason, _ = failure(lambda: car.stub.ReclaimIdle(unknown_gpu, timeout=CALL_TIMEOUT_S))

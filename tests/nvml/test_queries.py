@@ -223,7 +223,7 @@ class TestNoQueryChangesTheHardware:
             lambda s: setattr(s.gpus[1], "lost", True),
             lambda s: next(gi for gi in s.gpus[1].gis if gi.cis).cis.clear(),  # type: ignore[attr-defined]
             lambda s: s.busy.append("GPU-x"),  # type: ignore[attr-defined]
-            lambda s: s.latency.__setitem__("any", 9.0),  # type: ignore[attr-defined]
+            lambda s: s.latency.__setitem__("any", 9.0),  # type: ignore[index]  # the write a read-only view refuses
             lambda s: s.faults[0].__setattr__("after", 0),
         ]
         before = _bytes(node)

@@ -14,7 +14,8 @@ from helpers_records import make_record
 
 from sidecar.model.domain import State
 from sidecar.model.errors import StateWriteFailed
-from sidecar.store import durable, records
+from sidecar.store import durable
+from sidecar.store.record_format import CorruptRecord, encode_record
 from sidecar.store.records import RecordStore
 
 
@@ -76,7 +77,7 @@ class TestRewritingInPlace:
 
         data = path.read_bytes()
         assert (path.stat().st_ino, len(data)) == (inode, size)
-        encoded = records.encode_record(short)
+        encoded = encode_record(short)
         assert data == encoded + b" " * (size - len(encoded))
         assert store.load(short.name) == short
         assert store.load_all() == ({short.name: short}, {})
@@ -90,7 +91,7 @@ class TestRewritingInPlace:
 
         store.put(long)
 
-        assert (path.stat().st_ino, path.read_bytes()) == (inode, records.encode_record(long))
+        assert (path.stat().st_ino, path.read_bytes()) == (inode, encode_record(long))
         assert store.load(long.name) == long
 
     def test_a_file_that_would_pass_a_page_is_left_alone(self, tmp_path: Path) -> None:
@@ -106,13 +107,13 @@ class TestRewritingInPlace:
         old, new = make_record(state=State.IDLE), make_record(state=State.ACTIVE)
         store.put(old)
         pwrite = os.pwrite
-        monkeypatch.setattr(durable.os, "pwrite", lambda fd, data, at: pwrite(fd, data[: len(data) // 2], at))
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: pwrite(fd, data[: len(data) // 2], at))
 
         store.put(new)
 
         monkeypatch.undo()
         assert store.load(new.name) == new
-        assert store.path(new.name).read_bytes() == records.encode_record(new)
+        assert store.path(new.name).read_bytes() == encode_record(new)
 
     def test_a_short_write_that_cannot_be_repaired_forward_puts_the_old_record_back(
         self, store: RecordStore, monkeypatch: pytest.MonkeyPatch
@@ -120,15 +121,16 @@ class TestRewritingInPlace:
         old, new = make_record(state=State.IDLE), make_record(state=State.ACTIVE)
         store.put(old)
         old_bytes = store.path(old.name).read_bytes()
-        pwrite, replace = os.pwrite, records.atomic_write
+        pwrite, replace = os.pwrite, durable.atomic_write
 
         def full_disk_for_the_new(path: Path, data: bytes, mode: int, dir_fd: int | None = None) -> None:
-            if data == records.encode_record(new):
+            if data == encode_record(new):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             replace(path, data, mode, dir_fd)
 
-        monkeypatch.setattr(durable.os, "pwrite", lambda fd, data, at: pwrite(fd, data[:10], at))
-        monkeypatch.setattr(records, "atomic_write", full_disk_for_the_new)
+        monkeypatch.setattr(os, "pwrite", lambda fd, data, at: pwrite(fd, data[:10], at))
+        # records calls the name it imported from durable, so that is the name to replace.
+        monkeypatch.setattr("sidecar.store.records.atomic_write", full_disk_for_the_new)
 
         with pytest.raises(StateWriteFailed):
             store.put(new)
@@ -144,7 +146,7 @@ class TestRewritingInPlace:
         damaged = path.read_bytes().replace(b'"IDLE"', b'"IDLX"')
         path.write_bytes(damaged)
 
-        with pytest.raises(records.CorruptRecord):
+        with pytest.raises(CorruptRecord):
             store.put(msgspec.structs.replace(rec, state=State.ACTIVE))
 
         assert path.read_bytes() == damaged

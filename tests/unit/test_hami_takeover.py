@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 from hami_format import record_bytes, record_filename, spec_bytes, spec_filename
 from plain_board import TABLE, profiles
 
@@ -20,7 +21,7 @@ from sidecar.model.hami_takeover import (
     plan_takeover,
     read_record_file,
 )
-from sidecar.model.ownership import OwnershipRecord, record_name
+from sidecar.model.ownership import record_name
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, GpuInstanceProfile, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
@@ -262,12 +263,8 @@ class TestSpecs:
     def test_the_spec_of_an_owned_active_or_error_instance_is_kept_until_destroyed(self) -> None:
         conv = decide(hami_records=(hami(mig(2), "1g.10gb", 1, 2, 0),), gpus=LAYOUT).converted[0].record
         for state in (State.ACTIVE, State.ERROR, State.DELETING):
-            owned = OwnershipRecord(**{**_fields(conv), "state": state})
+            owned = msgspec.structs.replace(conv, state=state)
             out = decide(hami_specs=(spec(mig(2)),), gpus=LAYOUT, owned=(owned,))
             assert [s.mig_uuid for s in out.keep_specs] == [mig(2)], state
         out = decide(hami_specs=(spec(mig(2)),), gpus=LAYOUT, owned=(conv,))
         assert [s.mig_uuid for s in out.remove_specs] == [mig(2)]
-
-
-def _fields(record: OwnershipRecord) -> dict[str, object]:
-    return {f: getattr(record, f) for f in record.__struct_fields__}

@@ -58,7 +58,7 @@ class TestRecordNames:
             (f"{GPU}/..", Placement(0, 1)),
             (GPU, Placement(-1, 1)),
             (GPU, Placement(0, 0)),
-            (GPU, Placement(True, 1)),  # type: ignore[arg-type]
+            (GPU, Placement(True, 1)),
         ],
     )
     def test_invalid_gpu_uuids_and_placements_never_become_names(
@@ -70,9 +70,9 @@ class TestRecordNames:
     def test_a_name_already_made_for_slice_1_is_not_handed_to_true(self) -> None:
         assert record_name(GPU, Placement(1, 1)) == f"mig-{GPU}-1-1"  # now remembered
         with pytest.raises(ValueError, match="not a placement"):
-            record_name(GPU, Placement(True, 1))  # type: ignore[arg-type]
+            record_name(GPU, Placement(True, 1))
         with pytest.raises(ValueError, match="not a placement"):
-            record_name(GPU, Placement(1, True))  # type: ignore[arg-type]
+            record_name(GPU, Placement(1, True))
 
     @pytest.mark.parametrize("name", ["../x", "mig-GPU-x-0-1", ".lock", f"mig-{GPU}-0-1.json", ""])
     def test_the_store_refuses_paths_for_names_it_could_not_have_made(
@@ -139,7 +139,7 @@ class TestRoundTrip:
     def test_a_record_with_wrong_field_types_is_refused_before_it_reaches_the_disk(
         self, store: RecordStore, state_dir: Path
     ) -> None:
-        bad = msgspec.structs.replace(make_record(), gi_profile_id="19")  # type: ignore[arg-type]
+        bad = msgspec.structs.replace(make_record(), gi_profile_id="19")
         with pytest.raises(ValueError, match="would not read back"):
             store.put(bad)
         assert listing(state_dir) == [".lock"]

@@ -18,10 +18,17 @@ from plain_board import TABLE, profiles
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
 from sidecar.model.ownership import OwnershipRecord, parse_record_name, record_name
-from sidecar.model.recovery import plan as recovery_plan
 from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
 from sidecar.model.recovery.plan import plan
-from sidecar.model.recovery.steps import DeleteRecord, DestroyOwned, EnsureCdi, Plan, PutRecord, RemoveCdi
+from sidecar.model.recovery.steps import (
+    DeleteRecord,
+    DestroyOwned,
+    EnsureCdi,
+    Plan,
+    PutRecord,
+    RemoveCdi,
+    settle_report,
+)
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
@@ -1075,7 +1082,7 @@ class TestTheAppliedReportNamesOnlyStepsThatSucceeded:
         p = self.stale_record_and_orphan_at_one_placement()
         drop, remove = p.steps
 
-        report = recovery_plan.settle_report(p.report, done=[drop], left_foreign=[remove])
+        report = settle_report(p.report, done=[drop], left_foreign=[remove])
 
         assert report.dropped_stale_records == (name(GPU0, 0, 4),)
         assert report.removed_orphan_gis == ()
@@ -1085,7 +1092,7 @@ class TestTheAppliedReportNamesOnlyStepsThatSucceeded:
         p = self.stale_record_and_orphan_at_one_placement()
         drop, _ = p.steps
 
-        report = recovery_plan.settle_report(p.report, done=[drop], failures=["remove orphan failed"])
+        report = settle_report(p.report, done=[drop], failures=["remove orphan failed"])
 
         assert report.removed_orphan_gis == report.preserved_foreign == ()
         assert report.dropped_stale_records == (name(GPU0, 0, 4),)
