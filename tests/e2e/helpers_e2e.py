@@ -27,12 +27,16 @@ DELETE_POINTS = crashpoints.POINTS[
 TAKEOVER_POINTS = ("after-takeover-record", "after-remove-hami-record")
 
 
-def wait_until(what: str, condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
+def wait_until(
+    what: str, condition: Callable[[], bool], *, car: Sidecar | None = None, within: float = WAIT_S
+) -> None:
+    """Wait for ``condition``; past ``within`` seconds fail, with ``car``'s log when one is named."""
+    deadline = time.monotonic() + within
     pause = threading.Event()
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"still not true after {WAIT_S}s: {what}")
+            log = f"\n{car.log_text()}" if car is not None else ""
+            pytest.fail(f"still not true after {within}s: {what}{log}")
         pause.wait(0.05)
 
 

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import wait_until
 from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, allocate_one
 
 pytestmark = pytest.mark.e2e
@@ -30,11 +31,7 @@ WAIT_S = 120.0  # a bound on waiting for a state, never a measured duration
 
 
 def wait_for(car: Sidecar, what: str, condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"the sidecar never reached: {what}\n{car.log_text()}")
-        time.sleep(0.1)
+    wait_until(what, condition, car=car, within=WAIT_S)
 
 
 def probe(car: Sidecar, *service: str) -> tuple[int, str]:

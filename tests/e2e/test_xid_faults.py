@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
+from helpers_e2e import wait_until
 from sidecar_process import CALL_TIMEOUT_S, Sidecar, SidecarFactory, allocate_one, annotation
 
 pytestmark = pytest.mark.e2e
@@ -24,11 +24,7 @@ WAIT_S = 60.0  # a bound on waiting for a state, never a measured duration
 
 
 def wait_for(car: Sidecar, what: str, condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"the sidecar never reached: {what}\n{car.log_text()}")
-        time.sleep(0.05)
+    wait_until(what, condition, car=car, within=WAIT_S)
 
 
 def started(sidecar_factory: SidecarFactory, *args: str) -> Sidecar:
