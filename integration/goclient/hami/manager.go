@@ -288,6 +288,23 @@ func atKey(gpuUUID, profile string, placement nvml.GpuInstancePlacement) func(*p
 	}
 }
 
+// WatchFaults calls fn with the MIG UUID and Xid of every owned instance a critical Xid faulted:
+// those faulted now first, then each new fault as the sidecar records it, until the adapter's
+// context is done (nil) or the stream fails (the error; watch again, and the opening updates
+// repeat the faults that stand, so fn may see a MIG UUID twice but misses none). HAMi's health
+// loop marks the kubelet device of that MIG UUID unhealthy; the sidecar itself never hands the
+// instance out again and destroys it at its release.
+func (m *Manager) WatchFaults(fn func(migUUID string, xid uint32)) error {
+	if err := m.live(); err != nil {
+		return err
+	}
+	return m.c.WatchHealth(m.ctx, true, func(u migclient.HealthUpdate) {
+		if u.Faulted {
+			fn(u.MigUUID, u.Xid)
+		}
+	})
+}
+
 // AllocationRuntimeInfo is the ACTIVE instance at exactly that reservation, as the sidecar
 // holds it. An error reading it answers false, so annotateMigRuntimeInfo writes nothing it has
 // not seen.

@@ -270,3 +270,45 @@ func TestTheSidecarGuardsAStaleOwner(t *testing.T) {
 		t.Fatalf("pod b's instance: %v %q", st, holder)
 	}
 }
+
+func TestWatchFaultsReportsTheFaultsThatStandThenEachNewOneAndNoHealthyInstance(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	old := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 1, Size: 1, State: pb.InstanceState_IDLE})
+	fresh := s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "2g.20gb", Start: 2, Size: 2, State: pb.InstanceState_IDLE})
+	s.Fault(old.MigUUID, 48)
+
+	type fault struct {
+		mig string
+		xid uint32
+	}
+	got := make(chan fault, 8)
+	ctx, cancel := context.WithCancel(context.Background())
+	watcher, err := New(ctx, m.Client(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- watcher.WatchFaults(func(mig string, xid uint32) { got <- fault{mig, xid} }) }()
+
+	if f := <-got; f != (fault{old.MigUUID, 48}) {
+		t.Fatalf("the standing fault: %+v", f)
+	}
+	for deadline := time.Now().Add(10 * time.Second); s.Following() == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the watch never followed") // a bound on waiting, not a timing assertion
+		}
+	}
+	s.Fault(fresh.MigUUID, 79)
+	if f := <-got; f != (fault{fresh.MigUUID, 79}) {
+		t.Fatalf("the new fault: %+v", f)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("a cancelled watch: %v", err)
+	}
+	if len(got) != 0 {
+		t.Fatalf("a healthy instance was reported: %+v", <-got)
+	}
+}

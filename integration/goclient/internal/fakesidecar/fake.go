@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"net"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"testing"
@@ -46,6 +47,7 @@ type Instance struct {
 	// Activated is the generation at which it last became ACTIVE: SyncActive idles it only for a
 	// list fenced at that generation or later, as the sidecar does.
 	Activated uint64
+	Xid       uint32 // the critical Xid that faulted it (Fault); 0 while healthy
 }
 
 // Server is the fake. Its fields are guarded by mu; tests use the methods.
@@ -66,9 +68,10 @@ type Server struct {
 	recovers    []*pb.RecoverRequest
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
-	generation  uint64         // the fence: one more at every activation and every idle
-	calls       map[string]int // RPCs received, by method name
-	conns       int            // client connections open now
+	generation  uint64                          // the fence: one more at every activation and every idle
+	calls       map[string]int                  // RPCs received, by method name
+	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
+	conns       int                             // client connections open now
 }
 
 // profiles is the fake's profile table: name -> size and legal starts (an 8-slice GPU).
@@ -643,4 +646,73 @@ func owner(k *Key) *pb.Owner {
 		return nil
 	}
 	return &pb.Owner{Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex, DeviceIndex: k.DeviceIndex}
+}
+
+// Following is the number of WatchHealth streams that follow changes now.
+func (s *Server) Following() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.watchers)
+}
+
+// Fault marks the instance with migUUID faulted by xid, as a critical Xid does in the sidecar, and
+// tells every following WatchHealth stream.
+func (s *Server) Fault(migUUID string, xid uint32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, in := range s.instances {
+		if in.MigUUID == migUUID && in.Xid == 0 {
+			in.Xid = xid
+			for _, w := range s.watchers {
+				w <- healthOf(in, false)
+			}
+		}
+	}
+}
+
+func healthOf(in *Instance, current bool) *pb.InstanceHealthUpdate {
+	health := pb.InstanceHealth_HEALTHY
+	if in.Xid != 0 {
+		health = pb.InstanceHealth_FAULTED
+	}
+	return &pb.InstanceHealthUpdate{GpuUuid: in.GPU, Profile: in.Profile,
+		Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID, GpuInstanceId: in.GI,
+		ComputeInstanceId: in.CI, Health: health, Xid: in.Xid, Current: current}
+}
+
+func (s *Server) WatchHealth(req *pb.WatchHealthRequest, stream pb.MigSidecar_WatchHealthServer) error {
+	s.mu.Lock()
+	s.calls["WatchHealth"]++
+	opening := make([]*pb.InstanceHealthUpdate, 0, len(s.instances))
+	for _, in := range s.instances {
+		opening = append(opening, healthOf(in, true))
+	}
+	changes := make(chan *pb.InstanceHealthUpdate, 64)
+	if req.GetFollow() {
+		s.watchers = append(s.watchers, changes)
+	}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		s.watchers = slices.DeleteFunc(s.watchers, func(w chan *pb.InstanceHealthUpdate) bool { return w == changes })
+	}()
+	for _, u := range opening {
+		if err := stream.Send(u); err != nil {
+			return err
+		}
+	}
+	if !req.GetFollow() {
+		return nil
+	}
+	for {
+		select {
+		case <-stream.Context().Done():
+			return nil
+		case u := <-changes:
+			if err := stream.Send(u); err != nil {
+				return err
+			}
+		}
+	}
 }
