@@ -341,6 +341,20 @@ def open_app(config: ServeConfig, open_backend: BackendOpener = open_default_bac
         raise
 
 
+STOP_POLL_S = 0.5  # the longest a signal handled on another thread waits to be acted on
+
+
+def wait_for_stop(stop: threading.Event) -> None:
+    """Wait for ``stop`` in slices, never in one untimed wait.
+
+    The kernel may hand SIGTERM to any thread that does not block it (the Xid watcher, the
+    reconciler, gRPC's threads), and then the main thread, parked in an untimed lock wait, is never
+    woken to run the Python handler: the sidecar would ignore SIGTERM until the kubelet's SIGKILL.
+    A timed wait returns to the interpreter at every slice, which runs any handler still pending."""
+    while not stop.wait(STOP_POLL_S):
+        pass
+
+
 def serve(
     config: ServeConfig,
     open_backend: BackendOpener = open_default_backend,
@@ -379,7 +393,7 @@ def serve(
         metrics=app.metrics.bound_port or "",
     )
     try:
-        stop.wait()
+        wait_for_stop(stop)
     finally:
         app.shutdown()
         event(log, logging.INFO, "stopped", socket=str(config.socket))

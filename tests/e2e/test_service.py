@@ -260,6 +260,48 @@ class TestGracefulShutdown:
             assert car.cdi_files() == []
 
 
+# A child that serves from its main thread while another of its threads takes the SIGTERM, as the
+# kernel may choose: the signal is directed at that thread, which stays alive and busy.
+SIGNAL_ON_ANOTHER_THREAD = """
+import signal, sys, threading, time
+from pathlib import Path
+from sidecar.cli import main
+
+socket = Path(sys.argv[1])
+
+def take_the_signal():
+    while not socket.exists():
+        time.sleep(0.02)
+    time.sleep(0.2)
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    while True:
+        time.sleep(1)
+
+threading.Thread(target=take_the_signal, daemon=True).start()
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_sigterm_taken_by_another_thread_still_stops_the_sidecar(sidecar_factory: SidecarFactory) -> None:
+    """The main thread is woken however the kernel routes the signal; an untimed wait there would
+    leave the sidecar running until the kubelet's SIGKILL."""
+    car = sidecar_factory(start=False)
+    argv = car.command()[3:]  # after "python -m sidecar"
+    with car.log_path.open("ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-c", SIGNAL_ON_ANOTHER_THREAD, str(car.socket), *argv], stdout=log, stderr=log
+        )
+    try:
+        code = child.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        pytest.fail(f"the sidecar ignored a SIGTERM taken by another thread:\n{car.log_text()}")
+    assert code == 0, car.log_text()
+    assert '"msg":"stopping","signal":"SIGTERM"' in car.log_text()
+    assert not car.socket.exists()
+
+
 class TestHealthAndRecoveryGate:
     def test_the_process_is_serving_but_the_service_is_not_before_recover(self, sidecar: Sidecar) -> None:
         assert sidecar.health_status("") == SERVING
