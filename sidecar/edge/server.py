@@ -45,9 +45,10 @@ from sidecar.edge.health_feed import HealthFeed
 from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, cut
 from sidecar.edge.metrics import Metrics
 from sidecar.edge.wire import Undecodable, register
-from sidecar.lifecycle.interfaces import Recover, Service
+from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
+from sidecar.lifecycle.recover import Recovery
 from sidecar.model.domain import AllocationKey
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 
@@ -109,8 +110,8 @@ class MigSidecarServicer:
 
     def __init__(
         self,
-        lifecycle: Service,
-        recovery: Recover,
+        lifecycle: Lifecycle,
+        recovery: Recovery,
         info: ServerInfo,
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,

@@ -1,9 +1,12 @@
-"""The lifecycle facade: the one object the server and the reconciler call (``interfaces``).
+"""The lifecycle facade: the one object the server and the reconciler call.
 
-It only forwards; every rule lives in the module named beside its method: ``allocate``,
-``release`` (Release, SyncActive), ``undo``, ``reclaim``, ``migmode``, ``teardown`` (the reconciler's
-retry), ``inventory`` (caches, GetState), ``gpu_views`` (RankPlacements). It holds the one context
-and the Allocate transaction, nothing else. See ``docs/architecture.md``, "The facade".
+Its methods are the lifecycle's whole interface, written here once: each one forwards to the module
+that holds its rule, named beside it: ``allocate``, ``release`` (Release, SyncActive), ``undo``,
+``reclaim``, ``migmode``, ``teardown`` (the reconciler's retry), ``inventory`` (caches, GetState),
+``gpu_views`` (RankPlacements). It holds the one context and the Allocate transaction, nothing
+else, so a caller typed against ``Lifecycle`` reaches a rule by go-to-definition in one step, and
+no caller outside the lifecycle reads a part (port, records, CDI specs, context) off it
+(``tests/unit/test_facade.py``). Recover is ``recover.Recovery``, beside it over the same context.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
 
 
 class Lifecycle:
-    """``interfaces.Queries``, ``interfaces.Transactions`` and ``interfaces.Maintenance`` over one context."""
+    """Queries (change nothing), transactions (each raises ``errors.NotRecovered`` until a Recover has
+    succeeded) and the reconciler's maintenance, over one context."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx

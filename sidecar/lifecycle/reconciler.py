@@ -4,7 +4,7 @@ Retries the destruction of ERROR instances that no active allocation references 
 reservation keeps (``pending.Guards``; the CDI file and the record go only after the hardware is
 gone) and retries queued CDI removals.
 
-Each attempt runs under the GPU lock of its instance through ``Maintenance.retry_error``, so it never
+Each attempt runs under the GPU lock of its instance through ``Lifecycle.retry_error``, so it never
 races an allocation on the same GPU. An instance is *referenced* when the plugin's last SyncActive
 (before the first one: the successful Recover's active allocations) listed its MIG UUID as held by a
 live pod: it is left alone then, because destroying a device under a
@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.idle_trim import IdleTrimmer
-from sidecar.lifecycle.interfaces import Maintenance
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
@@ -52,7 +52,7 @@ class ReconcileReport(msgspec.Struct, frozen=True):
 class Reconciler:
     def __init__(
         self,
-        lifecycle: Maintenance,
+        lifecycle: Lifecycle,
         interval_s: float = 10.0,
         idle: IdleTrimmer | None = None,
         liveness: Liveness | None = None,

@@ -80,7 +80,7 @@ class _GpuBusyError(Exception):
 
 
 class Recovery:
-    """The Recover transaction (``interfaces.Recover``) over the lifecycle's one context."""
+    """The Recover transaction over the lifecycle's one context (the server's ``Recover``)."""
 
     def __init__(self, ctx: Context, *, adopt_existing: bool, hami_takeover: bool = True) -> None:
         self.ctx = ctx
