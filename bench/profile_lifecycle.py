@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
-from sidecar.lifecycle.inventory import ListingTap
+from sidecar.lifecycle.inventory import LayoutRecordingPort
 from sidecar.model.domain import AllocateRequest, DeviceRequest, PodRef, Reservation
 from sidecar.nvml.port import Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
@@ -69,7 +69,9 @@ def main() -> int:
         records = RecordStore(root / "state")
         records.open()
         assert hw.proc_root is not None
-        ctx = Context(ListingTap(port), records, CdiSpecs(root / "cdi", proc_root=hw.proc_root), hw.boot_id)
+        ctx = LifecycleContext(
+            LayoutRecordingPort(port), records, CdiSpecs(root / "cdi", proc_root=hw.proc_root), hw.boot_id
+        )
         ctx.install([], 0)
         lifecycle = Lifecycle(ctx)
         gpu = port.gpus()[0].uuid

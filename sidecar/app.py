@@ -35,27 +35,26 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Protocol
 
 from sidecar import nvml
 from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
 from sidecar.edge.metrics import Metrics
 from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.faults import FaultReport
 from sidecar.lifecycle.idle_trim import IdleTrimmer
-from sidecar.lifecycle.inventory import ListingTap
+from sidecar.lifecycle.inventory import LayoutRecordingPort
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.locks import Locks
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.reconciler import Reconciler
-from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.recover import Recoverer
 from sidecar.lifecycle.xid_watch import XidWatcher
 from sidecar.model.errors import StateWriteFailed
 from sidecar.nvml.metered import MeteredPort
-from sidecar.nvml.port import NvmlError, NvmlPort, XidEvents
+from sidecar.nvml.port import NvmlError
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked
 
@@ -65,25 +64,7 @@ EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
 
 
-class Backend(Protocol):
-    """What ``sidecar.nvml.open_backend`` returns: the port, where its /proc lives, and a close."""
-
-    @property
-    def port(self) -> NvmlPort: ...
-
-    @property
-    def proc_root(self) -> Path: ...
-
-    @property
-    def kind(self) -> str: ...
-
-    @property
-    def xids(self) -> XidEvents | None: ...
-
-    def close(self) -> None: ...
-
-
-BackendOpener = Callable[[ServeConfig], Backend]
+BackendOpener = Callable[[ServeConfig], nvml.Backend]
 
 
 class StartupError(Exception):
@@ -101,7 +82,7 @@ def read_boot_id(proc_root: Path) -> str:
         raise StartupError(f"cannot read the boot id from {path}: {exc.strerror}") from exc
 
 
-def open_default_backend(config: ServeConfig) -> Backend:
+def open_default_backend(config: ServeConfig) -> nvml.Backend:
     """Open the backend ``config`` names through ``sidecar.nvml.open_backend``."""
     return nvml.open_backend(config.backend, config.sim_state, config.sim_gpus_text or None)
 
@@ -113,11 +94,11 @@ class Application:
         self,
         *,
         config: ServeConfig,
-        backend: Backend,
+        backend: nvml.Backend,
         records: RecordStore,
         cdi: CdiSpecs,
         lifecycle: Lifecycle,
-        recovery: Recovery,
+        recovery: Recoverer,
         reconciler: Reconciler,
         metrics: Metrics,
         server: SidecarServer,
@@ -218,7 +199,7 @@ class Application:
         self.records.close()
 
 
-def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: str) -> Application:
+def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot_id: str) -> Application:
     """Wire everything from an open backend and a locked record store. No socket is touched here."""
     metrics = Metrics()
     liveness = Liveness(config.stuck_threshold_s)  # NVML calls and reconciler rounds, for the health service
@@ -226,12 +207,12 @@ def build(config: ServeConfig, backend: Backend, records: RecordStore, boot_id: 
     # the listing tap keeps the advice's layout view (``lifecycle.inventory``), the meter counts and
     # times each call once (``nvml.metered``), the backend makes the pynvml call, mapping its errors
     # and retrying transient codes (``nvml.pynvml_backend`` over ``nvml.calls``).
-    port = ListingTap(MeteredPort(backend.port, metrics, liveness))
+    port = LayoutRecordingPort(MeteredPort(backend.port, metrics, liveness))
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
-    ctx = Context(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
+    ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
     lifecycle = Lifecycle(ctx)
-    recovery = Recovery(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
+    recovery = Recoverer(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None
     if config.idle.enabled:
         idle = IdleTrimmer(ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc())

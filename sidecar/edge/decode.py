@@ -4,7 +4,7 @@ A malformed request never reaches the lifecycle: every check here raises ``Inval
 (INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. Names are held to
 Kubernetes' own limits, because a name is stored in a record and repeated in every GetState: a pod
 UID of at most 128 bytes, a namespace that is a DNS label (at most 63), a pod name of at most 253
-bytes and a container name of at most 63. Error messages quote an input through ``clip``, so an
+bytes and a container name of at most 63. Error messages quote an input through ``quote_clipped``, so an
 answer never grows with the request (a client's header limit would turn it into a reasonless
 RESOURCE_EXHAUSTED).
 """
@@ -43,11 +43,11 @@ MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
 MAX_DEVICES = 64
 MAX_ACTIVE = 1024
 MAX_ALLOWED_PROFILES = 256
-CLIP_CHARS = 64
+QUOTE_CHARS = 64
 DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
-def clip(value: str, limit: int = CLIP_CHARS) -> str:
+def quote_clipped(value: str, limit: int = QUOTE_CHARS) -> str:
     """``value`` quoted as ``ascii()`` does (no control or non-ASCII bytes reach a message), cut to
     about ``limit`` characters with its full length said, so a quote never grows with the input."""
     quoted = ascii(value)
@@ -73,7 +73,9 @@ def _fits(value: str, limit: int) -> bool:
 
 
 def _too_long(value: str, limit: int, what: str, field: str) -> InvalidRequest:
-    return _invalid(f"{what} is {len(value.encode())} bytes, more than {limit}: {clip(value)}", field)
+    return _invalid(
+        f"{what} is {len(value.encode())} bytes, more than {limit}: {quote_clipped(value)}", field
+    )
 
 
 def placement(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Placement:
@@ -90,7 +92,7 @@ def gpu_uuid(value: str, where: str) -> str:
     if not value:
         raise _invalid(f"{where}: gpu_uuid is missing", f"{where}.gpu_uuid")
     if not GPU_UUID_RE.match(value):
-        raise _invalid(f"{where}: {clip(value)} is not a GPU UUID", f"{where}.gpu_uuid")
+        raise _invalid(f"{where}: {quote_clipped(value)} is not a GPU UUID", f"{where}.gpu_uuid")
     return value
 
 
@@ -114,7 +116,7 @@ def pod_uid(value: str, where: str, field: str) -> str:
     if not _fits(value, MAX_POD_UID_BYTES):
         raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
     if not POD_UID_RE.match(value):
-        raise _invalid(f"{where}: {clip(value)} is not a pod UID", field)
+        raise _invalid(f"{where}: {quote_clipped(value)} is not a pod UID", field)
     return value
 
 
@@ -126,7 +128,7 @@ def pod(message: pb.PodRef, has_pod: bool, where: str) -> PodRef:
         raise _too_long(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
     if namespace and not DNS_LABEL_RE.match(namespace):
         raise _invalid(
-            f"{where}: pod namespace {clip(namespace)} is not a DNS label", f"{where}.pod.namespace"
+            f"{where}: pod namespace {quote_clipped(namespace)} is not a DNS label", f"{where}.pod.namespace"
         )
     if not _fits(name, MAX_POD_NAME_BYTES):
         raise _too_long(name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
@@ -175,7 +177,9 @@ def active(messages: Sequence[pb.ActiveAllocation]) -> list[ActiveAllocation]:
         identity = None
         if message.mig_uuid:
             if not MIG_UUID_RE.match(message.mig_uuid):
-                raise _invalid(f"{where}: {clip(message.mig_uuid)} is not a MIG UUID", f"{where}.mig_uuid")
+                raise _invalid(
+                    f"{where}: {quote_clipped(message.mig_uuid)} is not a MIG UUID", f"{where}.mig_uuid"
+                )
             identity = Identity(
                 int(message.gpu_instance_id), int(message.compute_instance_id), message.mig_uuid
             )
@@ -192,14 +196,14 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
     for position, value in enumerate(values):
         if not MIG_UUID_RE.match(value):
             field = f"{where}[{position}]"
-            raise _invalid(f"{field}: {clip(value)} is not a MIG UUID", field)
+            raise _invalid(f"{field}: {quote_clipped(value)} is not a MIG UUID", field)
     return list(values)
 
 
 def mig_uuid(value: str, where: str) -> str:
     """One MIG UUID a request names, checked for shape (whether it exists is the lifecycle's)."""
     if not MIG_UUID_RE.match(value):
-        raise _invalid(f"{where}: {clip(value) or 'empty'} is not a MIG UUID", where)
+        raise _invalid(f"{where}: {quote_clipped(value) or 'empty'} is not a MIG UUID", where)
     return value
 
 

@@ -17,7 +17,7 @@ from sidecar.model import domain
 from sidecar.model.advice import OwnedInstance, RankedPlacement
 from sidecar.model.domain import InstanceRef
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.steps import RecoveryReport
+from sidecar.model.recovery_plan.actions import RecoveryReport
 from sidecar.nvml.port import GpuInfo, Placement
 
 

@@ -89,7 +89,7 @@ MAX_METADATA_VALUE_BYTES = 128
 MAX_METADATA_BYTES = 448
 
 
-def cut(text: str, limit: int) -> str:
+def truncate_utf8(text: str, limit: int) -> str:
     """``text`` in at most ``limit`` UTF-8 bytes (cut at a character boundary, marked with "...")."""
     data = text.encode()
     if len(data) <= limit:
@@ -103,7 +103,7 @@ def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
     kept: dict[str, str] = {}
     used = 0
     for key, value in metadata.items():
-        entry = {cut(key, MAX_METADATA_KEY_BYTES): cut(value, MAX_METADATA_VALUE_BYTES)}
+        entry = {truncate_utf8(key, MAX_METADATA_KEY_BYTES): truncate_utf8(value, MAX_METADATA_VALUE_BYTES)}
         size = sum(len(k.encode()) + len(v.encode()) for k, v in entry.items())
         if used + size > MAX_METADATA_BYTES:
             break
@@ -112,4 +112,4 @@ def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
     return kept
 
 
-__all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "bounded_metadata", "cut", "largest_requests"]
+__all__ = ["MAX_MESSAGE_BYTES", "MAX_REQUEST_BYTES", "bounded_metadata", "largest_requests", "truncate_utf8"]

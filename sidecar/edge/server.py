@@ -42,13 +42,13 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 import sidecar
 from sidecar.edge import decode, encode
 from sidecar.edge.health_feed import HealthFeed
-from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, cut
+from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, truncate_utf8
 from sidecar.edge.metrics import Metrics
 from sidecar.edge.wire import Undecodable, register
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
-from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.recover import Recoverer
 from sidecar.model.domain import AllocationKey
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
 
@@ -90,7 +90,7 @@ def error_status(err: SidecarError) -> status_pb2.Status:
     )
     detail = any_pb2.Any()
     detail.Pack(info)
-    message = cut(err.message, MAX_MESSAGE_BYTES)
+    message = truncate_utf8(err.message, MAX_MESSAGE_BYTES)
     return status_pb2.Status(code=code.value[0], message=message, details=[detail])
 
 
@@ -111,7 +111,7 @@ class MigSidecarServicer:
     def __init__(
         self,
         lifecycle: Lifecycle,
-        recovery: Recovery,
+        recovery: Recoverer,
         info: ServerInfo,
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,
@@ -156,7 +156,8 @@ class MigSidecarServicer:
 
             def refuse() -> NoReturn:
                 raise InvalidRequest(
-                    f"{method}: the request body does not decode: {decode.clip(why, 200)}", {"field": ""}
+                    f"{method}: the request body does not decode: {decode.quote_clipped(why, 200)}",
+                    {"field": ""},
                 )
 
             return self._handle(method, context, refuse)
@@ -240,7 +241,7 @@ class MigSidecarServicer:
             known = {profile.name for profile in profiles}
             unknown = sorted(set(requested) - known)
             if unknown:
-                listed = ", ".join(decode.clip(name) for name in unknown[:UNKNOWN_SHOWN])
+                listed = ", ".join(decode.quote_clipped(name) for name in unknown[:UNKNOWN_SHOWN])
                 more = f" and {len(unknown) - UNKNOWN_SHOWN} more" if len(unknown) > UNKNOWN_SHOWN else ""
                 raise UnknownProfile(
                     f"GPU {gpu_uuid} has no profile {listed}{more}",

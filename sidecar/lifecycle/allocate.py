@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import msgspec
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.create import create_instance
 from sidecar.lifecycle.logs import hardware_change
 from sidecar.lifecycle.steps import placement_busy, require_no_processes, still_listed
@@ -45,7 +45,7 @@ class _Done(msgspec.Struct, frozen=True):
     record_name: str
 
 
-class Clearance(msgspec.Struct, frozen=True):
+class InTheWay(msgspec.Struct, frozen=True):
     """What a Create device must clear before its create, judged once under the GPU lock.
 
     ``live``: the GI listing it was judged on (None: the records alone showed the placement free, or
@@ -63,7 +63,7 @@ class Clearance(msgspec.Struct, frozen=True):
 class Allocator:
     """The Allocate transaction over the shared lifecycle parts."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: LifecycleContext) -> None:
         self.ctx = ctx
 
     def allocate(self, request: AllocateRequest) -> AllocateResult:
@@ -73,7 +73,7 @@ class Allocator:
         validated = validate(ctx.inventory, request)
         asked_at = time.time()
         for v in validated:
-            ctx.asked[v.profile.name] = asked_at
+            ctx.last_asked[v.profile.name] = asked_at
         with ctx.locks.claim([v.key for v in validated]), ctx.locks.gpus(v.gpu.uuid for v in validated):
             # Decided once from the table, under the locks (KEY_CONFLICT first). What an earlier device
             # creates or reclaims cannot change a later one's decision: devices never overlap and
@@ -101,13 +101,15 @@ class Allocator:
                     for uuid in sorted({validated[i].gpu.uuid for i in hardware})
                 }
             validated = [msgspec.structs.replace(v, gpu=now.get(v.gpu.uuid, v.gpu)) for v in validated]
-            clearances = self.clearances(validated, decisions)
+            in_the_way_of_each = self.in_the_way_of_each(validated, decisions)
             done: list[_Done] = []
             reclaimed: list[InstanceRef] = []
             try:
                 for i, v in enumerate(validated):
                     done.append(
-                        self.allocate_one(v, decisions[i], clearances.get(i), reclaimed, proofs.get(i))
+                        self.allocate_one(
+                            v, decisions[i], in_the_way_of_each.get(i), reclaimed, proofs.get(i)
+                        )
                     )
             except Exception:
                 self.undo_allocation(done)
@@ -136,9 +138,9 @@ class Allocator:
             raise placement_busy(res.gpu_uuid, res.placement, decided)
         return decided
 
-    def clearances(
+    def in_the_way_of_each(
         self, validated: Sequence[Validated], decisions: Sequence[Decision]
-    ) -> dict[int, Clearance]:
+    ) -> dict[int, InTheWay]:
         """Judge every device's placement before any device changes anything.
 
         A request that must fail with PLACEMENT_BUSY or INSTANCE_IN_USE for a later device would
@@ -146,16 +148,17 @@ class Allocator:
         bring those back. The devices of one request never overlap (validated), so what an earlier
         device creates or reclaims cannot change the verdict for a later one. A reusable instance
         that still runs processes is checked too when some device reclaims (``reuse`` checks it
-        again after verifying the instance live). Returns the clearance of each Create device by index."""
+        again after verifying the instance live). Returns what is in the way of each Create device,
+        by index."""
         found = {
-            i: self.clearance_for(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)
+            i: self.in_the_way_of(v) for i, v in enumerate(validated) if isinstance(decisions[i], Create)
         }
         for decided in decisions if any(c.reclaim for c in found.values()) else ():
             if isinstance(decided, Reuse):
                 require_no_processes(self.ctx, decided.record)
         return found
 
-    def clearance_for(self, v: Validated) -> Clearance:
+    def in_the_way_of(self, v: Validated) -> InTheWay:
         """The ERROR instances to retry and the IDLE ones to reclaim for the placement;
         PlacementBusy / InstanceInUse otherwise.
 
@@ -171,14 +174,14 @@ class Allocator:
         recorded = [*ctx.table.on_gpu(gpu), *aside.values()]
         overlapping = [r for r in recorded if r.gpu_uuid == gpu and r.placement.overlaps(res.placement)]
         if not overlapping:
-            return Clearance()
+            return InTheWay()
         guards = ctx.pending.guards(ctx.table.referenced, v.key)
         # A guarded instance in the way is for ``decide`` to judge (it blocks); only unguarded ones
         # may be proven and reclaimed without a listing.
         if not any(guards.why(r) for r in overlapping):
             proven = self.prove_reclaim(overlapping, res.placement)
             if proven:
-                return Clearance(reclaim=proven, proven=True)
+                return InTheWay(reclaim=proven, proven=True)
         with nvml_errors(f"list GPU instances of {gpu}"):
             live = ctx.port.gpu_instances(gpu)
         plan = placement.plan_placement(res.placement, live, ctx.table.on_gpu(gpu))
@@ -191,7 +194,7 @@ class Allocator:
         # The process count found each one by its MIG UUID (a gone one fails the request above): the
         # listing is needed for what else overlaps, never for the compute instances of the reclaimed.
         by_id = all(r.mig_uuid is not None and r.compute_instance_id is not None for r in decided.reclaim)
-        return Clearance(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=by_id)
+        return InTheWay(reclaim=decided.reclaim, retry=decided.retry, live=tuple(live), proven=by_id)
 
     def prove_reclaim(
         self, overlapping: Sequence[OwnershipRecord], wanted: Placement
@@ -226,12 +229,12 @@ class Allocator:
         self,
         v: Validated,
         decided: Decision,
-        clearance: Clearance | None,
+        in_the_way: InTheWay | None,
         reclaimed: list[InstanceRef],
         proof: IdleProof | None = None,
     ) -> _Done:
-        """Apply ``decided`` for one device (``clearance``: its ``clearances`` verdict when it creates;
-        ``proof``: the reads of its reuse, when they were made with the mode)."""
+        """Apply ``decided`` for one device (``in_the_way``: what stands where it creates, judged by
+        ``in_the_way_of_each``; ``proof``: the reads of its reuse, when they were made with the mode)."""
         if isinstance(decided, AlreadyHeld):
             held = decided.record
             return _Done(self.allocated(v, held, Outcome.ALREADY_ALLOCATED), held.name)
@@ -239,16 +242,16 @@ class Allocator:
             same_spot = decided.record
             reused = self.reuse(v, same_spot, proof)
             return _Done(self.allocated(v, reused, Outcome.REUSED), same_spot.name)
-        assert clearance is not None
-        for r in clearance.retry:  # first: a retry that fails must not have cost any idle instance
+        assert in_the_way is not None
+        for r in in_the_way.retry:  # first: a retry that fails must not have cost any idle instance
             reclaimed.append(self.retry_error(r))
-        if clearance.retry:
+        if in_the_way.retry:
             crashpoints.crashpoint("after-inline-error-retry")
-        for r in clearance.reclaim:
+        for r in in_the_way.reclaim:
             reclaimed.append(
-                destroy(self.ctx, r, mark_deleting=True, live=clearance.live, proven=clearance.proven)
+                destroy(self.ctx, r, mark_deleting=True, live=in_the_way.live, proven=in_the_way.proven)
             )
-        created = create_instance(self.ctx, v, listed=clearance.live is not None)
+        created = create_instance(self.ctx, v, listed=in_the_way.live is not None)
         return _Done(self.allocated(v, created, Outcome.CREATED), created.name)
 
     def retry_error(self, record: OwnershipRecord) -> InstanceRef:

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sidecar.lifecycle.inventory import Inventory, ListingTap
+from sidecar.lifecycle.inventory import Inventory, LayoutRecordingPort
 from sidecar.lifecycle.locks import Locks
 from sidecar.model.domain import ActiveAllocation, Owner, State
 from sidecar.model.errors import NotRecovered
@@ -22,14 +22,14 @@ from sidecar.model.states import now_rfc3339, transition
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.generation import Generations
 from sidecar.store.records import RecordStore
-from sidecar.store.table import Table
+from sidecar.store.table import RecordTable
 
 
 @dataclass
-class Context:
+class LifecycleContext:
     # The port as the composition root stacked it; its top, the listing tap, keeps the inventory's
     # layout view, so every GI listing the lifecycle makes also refreshes the advice.
-    port: ListingTap
+    port: LayoutRecordingPort
     records: RecordStore
     cdi: CdiSpecs
     boot_id: str
@@ -38,13 +38,13 @@ class Context:
     pending: PendingSet = field(default_factory=PendingSet)  # pending reservations (``pending``)
     # GI profile name -> when a valid Allocate last asked for it (``time.time``): the demand an idle
     # reserve of the recently asked profiles follows (``IdleSettings.reserved``). Not durable.
-    asked: dict[str, float] = field(default_factory=dict)
-    table: Table = field(init=False)
+    last_asked: dict[str, float] = field(default_factory=dict)
+    table: RecordTable = field(init=False)
     generations: Generations = field(init=False)
     inventory: Inventory = field(init=False)
 
     def __post_init__(self) -> None:
-        self.table = Table(self.records)
+        self.table = RecordTable(self.records)
         self.generations = Generations(self.records)
         self.inventory = Inventory(self.port)
 
@@ -52,7 +52,7 @@ class Context:
     def exclusive(self, gpu_uuids: Iterable[str] = ()) -> Iterator[None]:
         """Hold the lock of every known GPU and of ``gpu_uuids``: no transaction runs meanwhile.
 
-        Recovery holds this from gather to install, so a Recover repeated while the sidecar serves
+        Recoverer holds this from gather to install, so a Recover repeated while the sidecar serves
         never plans over a half-finished Allocate (its CREATING record would look like a crash)."""
         with self.locks.every_gpu(gpu_uuids):
             yield

@@ -12,7 +12,7 @@ import logging
 import msgspec
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.logs import hardware_change
 from sidecar.lifecycle.steps import placement_busy
 from sidecar.lifecycle.teardown import remove_spec, undo_create
@@ -28,7 +28,7 @@ from sidecar.nvml.port import NVML_ERROR_INSUFFICIENT_RESOURCES, NvmlError, Plac
 _log = logging.getLogger(__name__)
 
 
-def create_instance(ctx: Context, v: Validated, *, listed: bool = True) -> OwnershipRecord:
+def create_instance(ctx: LifecycleContext, v: Validated, *, listed: bool = True) -> OwnershipRecord:
     """Create the device's instance (see the module docstring); undo on any failure.
 
     ``listed``: the placement was proven free on a live listing. Without one (the records showed it
@@ -107,7 +107,7 @@ class _Refused(Exception):  # noqa: N818 - internal signal, never raised out of 
     """The driver refused the GPU instance create of an unlisted placement: something is in the way."""
 
 
-def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
+def _blocker_of(ctx: LifecycleContext, gpu_uuid: str, wanted: Placement) -> SidecarError:
     """What the driver's refusal of a create at ``wanted`` met: one listing names it. A listing that
     shows nothing in the way (it went meanwhile) still fails the request, as NVML_ERROR: retryable."""
     with nvml_errors(f"list GPU instances of {gpu_uuid}"):
@@ -122,10 +122,10 @@ def _blocker_of(ctx: Context, gpu_uuid: str, wanted: Placement) -> SidecarError:
     )
 
 
-def drop_records_left_aside(ctx: Context, gpu_uuid: str, wanted: Placement) -> None:
+def drop_records_left_aside(ctx: LifecycleContext, gpu_uuid: str, wanted: Placement) -> None:
     """Delete the record files recovery left aside at placements overlapping ``wanted``, with their specs.
 
-    Recovery keeps some records on disk, out of the table: those of a GPU NVML did not list and those
+    Recoverer keeps some records on disk, out of the table: those of a GPU NVML did not list and those
     that contradicted the live instance at their placement. When a create overlaps one, the live
     layout read under the GPU lock has just shown the placement free: no GI of that record exists any
     more. Records without a boot id never get here (``left_for_operator``). The record and its CDI

@@ -6,7 +6,7 @@ that holds its rule, named beside it: ``allocate``, ``release`` (Release, SyncAc
 ``gpu_views`` (RankPlacements). It holds the one context and the Allocate transaction, nothing
 else, so a caller typed against ``Lifecycle`` reaches a rule by go-to-definition in one step, and
 no caller outside the lifecycle reads a part (port, records, CDI specs, context) off it
-(``tests/unit/test_facade.py``). Recover is ``recover.Recovery``, beside it over the same context.
+(``tests/unit/test_facade.py``). Recover is ``recover.Recoverer``, beside it over the same context.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from sidecar.lifecycle import gpu_views, inventory, migmode, reclaim, release, teardown, undo
 from sidecar.lifecycle.allocate import Allocator
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.inventory import StateSnapshot
 from sidecar.model.advice import RankedPlacement
 from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, AllocationKey, InstanceRef
@@ -27,7 +27,7 @@ class Lifecycle:
     """Queries (change nothing), transactions (each raises ``errors.NotRecovered`` until a Recover has
     succeeded) and the reconciler's maintenance, over one context."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: LifecycleContext) -> None:
         self._ctx = ctx
         self._allocator = Allocator(ctx)
 

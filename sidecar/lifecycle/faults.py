@@ -25,7 +25,7 @@ import logging
 import msgspec
 
 from sidecar.lifecycle import gpu_views
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError
 from sidecar.model.ownership import OwnershipRecord, instance_ref
@@ -76,7 +76,7 @@ def faulted(record: OwnershipRecord, xid: int) -> OwnershipRecord | None:
     return None
 
 
-def apply_xid(ctx: Context, event: XidEvent, ignored: frozenset[int]) -> FaultReport:
+def apply_xid(ctx: LifecycleContext, event: XidEvent, ignored: frozenset[int]) -> FaultReport:
     """Mark what the event names (module docstring); before recovery, only the report."""
     if event.xid in ignored:
         return FaultReport(event.xid, event.gpu_uuid, counted=False)

@@ -17,7 +17,7 @@ import logging
 import math
 from collections.abc import Collection, Sequence
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.model.advice import GpuView, Hold, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.model.domain import ForeignInstance, Reservation
 from sidecar.model.errors import SidecarError, nvml_errors
@@ -28,7 +28,7 @@ from sidecar.store.left_for_operator import records_for_the_operator
 _log = logging.getLogger(__name__)
 
 
-def pending_reservations(ctx: Context) -> frozenset[Reservation]:
+def pending_reservations(ctx: LifecycleContext) -> frozenset[Reservation]:
     """The scheduler's pending reservations (``sidecar.model.pending``): they protect an
     IDLE instance from the idle policy and keep advice off their placements."""
     return frozenset(p.reservation for p in ctx.pending.current)
@@ -57,7 +57,7 @@ def owned_instance(record: OwnershipRecord, *, busy: bool = False) -> OwnedInsta
     )
 
 
-def operator_holds(ctx: Context, gpu_uuid: str) -> tuple[Hold, ...]:
+def operator_holds(ctx: LifecycleContext, gpu_uuid: str) -> tuple[Hold, ...]:
     """The record files on the GPU that ``Allocate`` refuses to create over (PLACEMENT_BUSY), as
     ``store.left_for_operator`` finds them: a corrupt one, or one without a boot id."""
     return tuple(
@@ -71,13 +71,13 @@ def memory_slices(profiles: Sequence[GpuInstanceProfile]) -> int:
     return max((p.end for prof in profiles for p in prof.placements), default=0)
 
 
-def foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
+def foreign(ctx: LifecycleContext, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
     """The foreign GIs of the layout view; the first call for a GPU lists it (under its lock)."""
     cached = ctx.inventory.foreign_view(gpu_uuid, ctx.table.on_gpu(gpu_uuid))
     return refresh_foreign(ctx, gpu_uuid) if cached is None else cached
 
 
-def refresh_foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
+def refresh_foreign(ctx: LifecycleContext, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
     """List the GPU's GIs under its lock (the listing becomes its layout view) and return the
     foreign ones. MigDisabled / NvmlFailure."""
     with ctx.locks.gpu(gpu_uuid):
@@ -89,7 +89,7 @@ def refresh_foreign(ctx: Context, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
     return listed
 
 
-def refresh_layout(ctx: Context) -> list[str]:
+def refresh_layout(ctx: LifecycleContext) -> list[str]:
     """The reconciler's round: list the GIs of every MIG-enabled GPU (each under its lock), so the
     advice sees a change made outside the sidecar within one round. Returns the GPUs listed; a GPU
     whose listing fails keeps its view until the next round (logged), and the others are listed."""
@@ -107,7 +107,7 @@ def refresh_layout(ctx: Context) -> list[str]:
     return listed
 
 
-def gpu_view(ctx: Context, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuView:
+def gpu_view(ctx: LifecycleContext, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuView:
     """The GPU's view; ``busy`` names MIG UUIDs of IDLE instances known to run processes."""
     return GpuView(
         gpu_uuid=gpu_uuid,
@@ -119,7 +119,7 @@ def gpu_view(ctx: Context, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuV
     )
 
 
-def rank(ctx: Context, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
+def rank(ctx: LifecycleContext, gpu_uuid: str, profile: str) -> list[RankedPlacement]:
     """``RankPlacements``: every legal placement of ``profile`` on the GPU, best first.
 
     NotRecovered before recovery (the table is not trusted yet); UnknownGpu / UnknownProfile as for

@@ -15,13 +15,13 @@ on every round: a round that trims nothing then costs no NVML call and takes no 
 chosen victim is listed again under its lock before the destroy, so no trim acts on a stale foreign view.
 
 With ``--idle-reserve auto`` the profiles of the reserve are read at the start of each round from
-``Context.asked`` (GI profile -> when a validated Allocate last asked for it, refusals included, so
-a request refused PLACEMENT_BUSY makes room for its retry; the server wakes the reconciler after a
-refused Allocate as after an answered one). Listing every profile the scheduler allows instead keeps
-placements free for profiles nobody asks for: on the trace benchmark's mix, a reserve of all seven
-H100 profiles makes GI creations 17.4 % of pods where the mix's three make 11.5 %
-(``bench/policy_replay.py``). ``asked`` is memory only: after a restart nothing is reserved until
-requests come, which costs at most the inline reclaims the reserve would have moved.
+``LifecycleContext.last_asked`` (GI profile -> when a validated Allocate last asked for it, refusals
+included, so a request refused PLACEMENT_BUSY makes room for its retry; the server wakes the
+reconciler after a refused Allocate as after an answered one). Listing every profile the scheduler
+allows instead keeps placements free for profiles nobody asks for: on the trace benchmark's mix, a
+reserve of all seven H100 profiles makes GI creations 17.4 % of pods where the mix's three make
+11.5 % (``bench/policy_replay.py``). ``last_asked`` is memory only: after a restart nothing is
+reserved until requests come, which costs at most the inline reclaims the reserve would have moved.
 
 ``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
 move time instead of sleeping.
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import msgspec
 
 from sidecar.lifecycle import crashpoints, gpu_views
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.teardown import destroy
 from sidecar.model.advice import GpuView
 from sidecar.model.domain import InstanceRef, State
@@ -59,7 +59,7 @@ class IdleTrimmer:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: LifecycleContext,
         settings: IdleSettings,
         *,
         clock: Callable[[], float] = time.time,
@@ -100,7 +100,7 @@ class IdleTrimmer:
             return []
         self._round_at = self.clock()  # every decision of this round reads the clock at or after it
         # A copy (one C call, under the GIL): an Allocate may add a profile while this reads.
-        self._reserved = self.settings.reserved(dict(self.ctx.asked), self._round_at)
+        self._reserved = self.settings.reserved(dict(self.ctx.last_asked), self._round_at)
         gpus = self._gpus()
         busy: set[str] = set()
         out: list[Trimmed] = []

@@ -5,7 +5,7 @@ created outside the sidecar blocks its placement (PLACEMENT_BUSY) at once. The r
 (``RankPlacements``) and the idle policy read the *layout view* instead: the GI listing of each GPU
 as last seen, which costs them no NVML call. It is kept current three ways: every GI listing the
 lifecycle makes anyway (an Allocate's, a destroy's, GetState's, a refused create's) replaces it
-(``ListingTap``), the sidecar's own GI creates and destroys edit it, and the reconciler lists every
+(``LayoutRecordingPort``), the sidecar's own GI creates and destroys edit it, and the reconciler lists every
 MIG-enabled GPU once per interval (``gpu_views.refresh_layout``). So advice lags a change outside the
 sidecar by one reconciler interval at most, and not at all once any call has listed that GPU. Which
 of the listed GIs are foreign is judged when the view is read, against the records then
@@ -36,7 +36,7 @@ from sidecar.nvml.port import (
 )
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.generation import Generations
-from sidecar.store.table import Table
+from sidecar.store.table import RecordTable
 
 _log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class StateSnapshot(msgspec.Struct, frozen=True):
 class Inventory:
     """Static GPU facts and profile tables, cached; MIG mode is always read live."""
 
-    def __init__(self, port: ListingTap) -> None:
+    def __init__(self, port: LayoutRecordingPort) -> None:
         self._profiles: dict[str, tuple[GpuInstanceProfile, ...]] = {}
         # GPU UUID -> (MIG mode, its profile table) for recovery: re-read only when the mode changes.
         self._recovery_profiles: dict[str, tuple[bool, tuple[GpuInstanceProfile, ...]]] = {}
@@ -145,7 +145,7 @@ class Inventory:
         )
 
     def forget_foreign(self) -> None:
-        """Recovery may adopt foreign GIs or leave records aside: the next advice lists afresh."""
+        """Recoverer may adopt foreign GIs or leave records aside: the next advice lists afresh."""
         self.port.layout.clear()
 
     def _cached_profile_name(self, gpu_uuid: str, profile_id: int) -> str:
@@ -183,7 +183,7 @@ def require_enabled(live: GpuInfo) -> GpuInfo:
     return live
 
 
-class ListingTap:
+class LayoutRecordingPort:
     """The port the lifecycle talks to: NVML as it is, with every GI listing and every GI create and
     destroy also kept in ``layout``, the advice's layout view (module docstring). It adds no NVML call.
 
@@ -248,7 +248,7 @@ class ListingTap:
         return self.inner.gpu_processes(gpu_uuid)
 
 
-def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:
+def gpu_busy(port: NvmlPort, table: RecordTable, gpu_uuid: str) -> bool:
     """An ACTIVE instance or a running process on the GPU; an NVML error counts as busy."""
     if any(r.gpu_uuid == gpu_uuid and r.state is State.ACTIVE for r in table.instances()):
         return True
@@ -260,7 +260,7 @@ def gpu_busy(port: NvmlPort, table: Table, gpu_uuid: str) -> bool:
 
 def snapshot(
     inventory: Inventory,
-    table: Table,
+    table: RecordTable,
     locks: Locks,
     generations: Generations,
     cdi: CdiSpecs,
@@ -314,7 +314,7 @@ def _foreign(inventory: Inventory, gpu_uuid: str, owned: Sequence[OwnershipRecor
     return out
 
 
-def _records_on_disk(table: Table) -> dict[tuple[str, int], OwnershipRecord]:
+def _records_on_disk(table: RecordTable) -> dict[tuple[str, int], OwnershipRecord]:
     """The valid record files by (GPU UUID, GI ID); none when the directory cannot be read (logged)."""
     try:
         valid, _ = table.records.load_all()

@@ -64,7 +64,7 @@ def event(logger: logging.Logger, level: int, msg: str, *, exc_info: bool = Fals
 
 
 HARDWARE_ACTIONS = ("created", "reused", "reclaimed", "destroyed", "adopted")
-"""The ``action`` of a ``hardware_change`` line; ``ERROR`` lines come from ``store.table.Table.fail``."""
+"""The ``action`` of a ``hardware_change`` line; ``ERROR`` lines come from ``RecordTable.fail``."""
 
 _hardware_log = logging.getLogger("sidecar.hardware")
 

@@ -7,7 +7,7 @@ under the same GPU lock, so nothing can be allocated between the reclaim and the
 from __future__ import annotations
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.steps import destroy_all, refuse_reserved
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import InstanceInUse, NvmlFailure, PlacementBusy, nvml_errors
@@ -22,7 +22,7 @@ from sidecar.nvml.port import (
 
 
 def set_mig_mode(
-    ctx: Context, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False
+    ctx: LifecycleContext, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False
 ) -> tuple[bool, bool, bool]:
     """Returns (current, pending, needs_reset). Refuses (PlacementBusy) to disable while any GI exists,
     and answers InstanceInUse when the driver refuses the change because a process runs on the GPU.
@@ -103,7 +103,7 @@ def check_mig_mode_status(gpu_uuid: str, wanted: str, status: int, after: GpuInf
     )
 
 
-def reclaim_for_disable(ctx: Context, gpu_uuid: str) -> list[InstanceRef]:
+def reclaim_for_disable(ctx: LifecycleContext, gpu_uuid: str) -> list[InstanceRef]:
     """Destroy every IDLE instance of a GPU whose MIG mode is about to be disabled. GPU lock held.
 
     Refuses first, destroying nothing, while anything that must outlive it is there: an owned

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.steps import destroy_all, require_no_processes
 from sidecar.model.domain import MIG_UUID_RE, InstanceRef, State
 from sidecar.model.errors import InvalidRequest, NotIdle, Reserved, UnknownInstance
@@ -32,7 +32,7 @@ class Reclaimed(msgspec.Struct, frozen=True):
 
 
 def reclaim_idle(
-    ctx: Context, gpu_uuid: str, mig_uuids: Sequence[str] = (), *, force: bool = False
+    ctx: LifecycleContext, gpu_uuid: str, mig_uuids: Sequence[str] = (), *, force: bool = False
 ) -> Reclaimed:
     """Destroy the named IDLE instances of a GPU (none named: every IDLE one a guard does not keep).
 
@@ -55,7 +55,7 @@ def reclaim_idle(
 
 
 def choose(
-    ctx: Context, gpu_uuid: str, mig_uuids: Sequence[str], guards: Guards
+    ctx: LifecycleContext, gpu_uuid: str, mig_uuids: Sequence[str], guards: Guards
 ) -> tuple[list[OwnershipRecord], list[OwnershipRecord]]:
     """(the IDLE instances to reclaim, every one checked; those a guard keeps). Raises the first
     refusal. GPU lock held."""

@@ -1,4 +1,4 @@
-"""Recover's imperative shell: gather reads everything, apply runs the plan of ``sidecar.model.recovery``."""
+"""Recover's imperative shell: gather reads everything, apply runs the plan of ``model.recovery_plan``."""
 
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sidecar.lifecycle import teardown
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.crashpoints import crashpoint
 from sidecar.lifecycle.logs import event, hardware_change
 from sidecar.model import errors
 from sidecar.model.domain import MIG_UUID_RE, ActiveAllocation, State
 from sidecar.model.errors import ComputeInstanceNotOurs, nvml_errors
 from sidecar.model.hami_takeover import read_record_file
-from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
-from sidecar.model.recovery.plan import plan
-from sidecar.model.recovery.steps import (
+from sidecar.model.recovery_plan.actions import (
     Action,
     DeleteRecord,
     DestroyOwned,
@@ -32,6 +30,8 @@ from sidecar.model.recovery.steps import (
     Step,
     settle_report,
 )
+from sidecar.model.recovery_plan.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.model.states import now_rfc3339, transition
 from sidecar.nvml.port import GpuInfo, NvmlError
 from sidecar.store import hami_records
@@ -57,7 +57,7 @@ def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
     R450/R460 drivers name MIG devices ``MIG-GPU-<gpu uuid>/<gi>/<ci>``. That name is built from IDs
     the driver reuses, so a re-created instance gets the same one: it cannot prove "same instance",
     which every ownership decision rests on (and it is no valid CDI device or file name either).
-    Recovery refuses rather than guess, in legacy (non-CDI) mode too."""
+    Recoverer refuses rather than guess, in legacy (non-CDI) mode too."""
     for gpu in gpus:
         for gi in gpu.gpu_instances:
             for ci in gi.compute_instances:
@@ -79,10 +79,10 @@ class _GpuBusyError(Exception):
     """``DestroyOwned.require_idle_gpu`` found the GPU busy: the step stops and its instance stays foreign."""
 
 
-class Recovery:
+class Recoverer:
     """The Recover transaction over the lifecycle's one context (the server's ``Recover``)."""
 
-    def __init__(self, ctx: Context, *, adopt_existing: bool, hami_takeover: bool = True) -> None:
+    def __init__(self, ctx: LifecycleContext, *, adopt_existing: bool, hami_takeover: bool = True) -> None:
         self.ctx = ctx
         self.adopt_existing = adopt_existing
         self.hami_takeover = hami_takeover

@@ -4,7 +4,7 @@ The one exception: a faulted instance (an Xid named it, ``OwnershipRecord.xid``)
 its release instead of going IDLE, so it is never handed to the next pod (``release_faulted``).
 
 Both change a batch of instances; one instance's failure is kept for the end of the batch
-(``steps.put_each``, ``steps.raise_first``) so one corrupt file does not keep the others from changing.
+(``steps.change_in_batch``, ``steps.raise_first``) so one corrupt file does not keep the others from changing.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import logging
 from collections.abc import Sequence
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
-from sidecar.lifecycle.steps import put_each, raise_first
+from sidecar.lifecycle.context import LifecycleContext
+from sidecar.lifecycle.steps import change_in_batch, raise_first
 from sidecar.lifecycle.teardown import destroy
 from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
 from sidecar.model.errors import InvalidRequest, SidecarError
@@ -24,7 +24,7 @@ from sidecar.model.ownership import OwnershipRecord, instance_ref
 _log = logging.getLogger(__name__)
 
 
-def release_faulted(ctx: Context, record: OwnershipRecord) -> None:
+def release_faulted(ctx: LifecycleContext, record: OwnershipRecord) -> None:
     """Destroy a faulted ACTIVE instance its pod has left (under its GPU lock). A destroy that
     fails leaves it ERROR (``teardown.destroy``), which the reconciler retries: released either way."""
     _log.warning("destroying faulted instance %s (Xid %d) at its release", record.name, record.xid)
@@ -34,7 +34,7 @@ def release_faulted(ctx: Context, record: OwnershipRecord) -> None:
         _log.error("faulted instance %s not destroyed yet: %s", record.name, exc)
 
 
-def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
+def release(ctx: LifecycleContext, pod_uid: str) -> list[InstanceRef]:
     """A confirmed pod release: its ACTIVE instances become IDLE (a faulted one is destroyed
     instead); unknown pod = []."""
     ctx.require_recovered()
@@ -56,14 +56,14 @@ def release(ctx: Context, pod_uid: str) -> list[InstanceRef]:
                 release_faulted(ctx, current)
                 released.append(instance_ref(current))
                 continue
-            if put_each(ctx, failures, ctx.idle, current):
+            if change_in_batch(ctx, failures, ctx.idle, current):
                 released.append(instance_ref(current))
     raise_first(failures)
     return released
 
 
 def sync_active(
-    ctx: Context, generation: int, active: Sequence[ActiveAllocation]
+    ctx: LifecycleContext, generation: int, active: Sequence[ActiveAllocation]
 ) -> tuple[list[InstanceRef], list[InstanceRef]]:
     """Returns (idled, reactivated): level-triggered release from a fresh pod list.
 
@@ -133,7 +133,7 @@ def sync_active(
                 release_faulted(ctx, current)
                 idled.append(instance_ref(current))
                 continue
-            if put_each(ctx, failures, ctx.idle, current):
+            if change_in_batch(ctx, failures, ctx.idle, current):
                 idled.append(instance_ref(current))
         for r, alloc in to_activate:
             current = ctx.table.get(r.name)
@@ -146,7 +146,7 @@ def sync_active(
                 continue
             if ctx.table.held_by(alloc.key) is not None:
                 continue  # that key already holds another instance; never give it two
-            if put_each(ctx, failures, functools.partial(ctx.activate, owner=alloc.owner), current):
+            if change_in_batch(ctx, failures, functools.partial(ctx.activate, owner=alloc.owner), current):
                 reactivated.append(instance_ref(current))
     raise_first(failures)
     return idled, reactivated

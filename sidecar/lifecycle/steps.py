@@ -1,6 +1,6 @@
 """The steps the transactions share, one home below them: no transaction imports another.
 
-Batches (``put_each``, ``raise_first``, ``destroy_each``, ``destroy_all``), the process check before a
+Batches (``change_in_batch``, ``raise_first``, ``destroy_each``, ``destroy_all``), the process check before a
 destroy or a hand-over (``require_no_processes``), whether a GPU still lists an owned instance
 (``still_listed``), the PLACEMENT_BUSY answer (``placement_busy``) and the RESERVED refusal of a MIG
 disable (``refuse_reserved``). Each calls down: into the
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.teardown import destroy, owned_gi
 from sidecar.model.decision import Busy
 from sidecar.model.domain import InstanceRef
@@ -25,8 +25,8 @@ from sidecar.nvml.port import NvmlPort, Placement
 _log = logging.getLogger(__name__)
 
 
-def put_each(
-    ctx: Context,
+def change_in_batch(
+    ctx: LifecycleContext,
     failures: list[SidecarError],
     change: Callable[[OwnershipRecord], OwnershipRecord],
     record: OwnershipRecord,
@@ -56,7 +56,7 @@ def raise_first(failures: Sequence[SidecarError]) -> None:
 
 
 def destroy_each(
-    ctx: Context, chosen: Sequence[OwnershipRecord], point: str, failures: list[SidecarError]
+    ctx: LifecycleContext, chosen: Sequence[OwnershipRecord], point: str, failures: list[SidecarError]
 ) -> list[InstanceRef]:
     """Destroy ``chosen`` one by one, crash point ``point`` after each; a failure (ERROR) is added to
     ``failures`` and does not stop the others. Returns what was destroyed. GPU locks held."""
@@ -70,7 +70,7 @@ def destroy_each(
     return destroyed
 
 
-def destroy_all(ctx: Context, chosen: Sequence[OwnershipRecord], point: str) -> list[InstanceRef]:
+def destroy_all(ctx: LifecycleContext, chosen: Sequence[OwnershipRecord], point: str) -> list[InstanceRef]:
     """``destroy_each``, then the first failure raised once every instance was dealt with."""
     failures: list[SidecarError] = []
     destroyed = destroy_each(ctx, chosen, point, failures)
@@ -78,7 +78,7 @@ def destroy_all(ctx: Context, chosen: Sequence[OwnershipRecord], point: str) -> 
     return destroyed
 
 
-def require_no_processes(ctx: Context, record: OwnershipRecord) -> None:
+def require_no_processes(ctx: LifecycleContext, record: OwnershipRecord) -> None:
     """InstanceInUse while a process runs on an instance; an NVML error refuses too (NvmlFailure).
 
     Before a destroy and before an idle instance is handed to a new pod (one in its grace period

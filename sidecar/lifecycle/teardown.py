@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.logs import hardware_change
 from sidecar.model import placement
 from sidecar.model.domain import MIG_UUID_RE, InstanceRef, State
@@ -117,7 +117,7 @@ def _destroy_listed(port: NvmlPort, rec: OwnershipRecord, live: Sequence[GpuInst
     crashpoints.crashpoint("after-destroy-gi")
 
 
-def with_created_gi(ctx: Context, record: OwnershipRecord) -> OwnershipRecord:
+def with_created_gi(ctx: LifecycleContext, record: OwnershipRecord) -> OwnershipRecord:
     """``record`` with the GI ID of the bare GI its create made but never reported, if there is one.
 
     A create can make the GI and still fail: reading the new GI's info fails after the create
@@ -163,7 +163,7 @@ def with_created_ci(port: NvmlPort, record: OwnershipRecord) -> OwnershipRecord:
     )
 
 
-def remove_spec(ctx: Context, mig_uuid: str | None) -> None:
+def remove_spec(ctx: LifecycleContext, mig_uuid: str | None) -> None:
     """Remove an instance's CDI spec; a failure is queued for the reconciler, never raised.
 
     A file at the spec's path that is not this sidecar's (``cdi.ForeignSpecFile``) is left as it
@@ -178,7 +178,7 @@ def remove_spec(ctx: Context, mig_uuid: str | None) -> None:
         crashpoints.crashpoint("after-foreign-cdi-kept")
 
 
-def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
+def delete_after_destroy(ctx: LifecycleContext, rec: OwnershipRecord) -> None:
     """The record goes only after the destroy: call once the hardware is gone.
 
     If the delete fails, a DELETING entry would block its slices until a restart (the reconciler
@@ -192,7 +192,7 @@ def delete_after_destroy(ctx: Context, rec: OwnershipRecord) -> None:
 
 
 def destroy(
-    ctx: Context,
+    ctx: LifecycleContext,
     record: OwnershipRecord,
     *,
     mark_deleting: bool,
@@ -233,14 +233,16 @@ def destroy(
     return instance_ref(record)
 
 
-def destroy_owned(ctx: Context, record: OwnershipRecord, *, mark_deleting: bool = True) -> InstanceRef:
+def destroy_owned(
+    ctx: LifecycleContext, record: OwnershipRecord, *, mark_deleting: bool = True
+) -> InstanceRef:
     """``destroy`` under the GPU lock. The record need not be in the table (recovery calls this
     before it installs its table)."""
     with ctx.locks.gpu(record.gpu_uuid):
         return destroy(ctx, record, mark_deleting=mark_deleting)
 
 
-def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
+def undo_create(ctx: LifecycleContext, known: OwnershipRecord, cause: Exception) -> None:
     """Undo what one create made, newest first. An undo that fails leaves ERROR with what is known.
 
     The CDI spec goes whenever the MIG UUID is known, written or not as far as the create could
@@ -270,7 +272,7 @@ def undo_create(ctx: Context, known: OwnershipRecord, cause: Exception) -> None:
         ctx.table.forget(known.name)
 
 
-def retry_error(ctx: Context, name: str) -> InstanceRef | None:
+def retry_error(ctx: LifecycleContext, name: str) -> InstanceRef | None:
     """One reconciler attempt at an ERROR instance; returns its ref once destroyed, None if skipped.
 
     Skipped: the record is gone or no longer ERROR, or a guard keeps it (``pending.Guards``: the
@@ -288,7 +290,7 @@ def retry_error(ctx: Context, name: str) -> InstanceRef | None:
         return destroy_error(ctx, current)
 
 
-def destroy_error(ctx: Context, record: OwnershipRecord) -> InstanceRef:
+def destroy_error(ctx: LifecycleContext, record: OwnershipRecord) -> InstanceRef:
     """Destroy an ERROR instance (the reconciler's retry, or an Allocate's inline one); the
     caller checked the guards. Raises as ``destroy``. Call with the GPU lock held."""
     if record.gpu_instance_id is None:
@@ -296,7 +298,7 @@ def destroy_error(ctx: Context, record: OwnershipRecord) -> InstanceRef:
     return destroy(ctx, record, mark_deleting=False)
 
 
-def find_created_gi(ctx: Context, record: OwnershipRecord) -> OwnershipRecord:
+def find_created_gi(ctx: LifecycleContext, record: OwnershipRecord) -> OwnershipRecord:
     """The GI of an ERROR record without a GI ID, found again before anything is destroyed.
 
     Such a record is a create that made its GI and failed, and whose undo could not find the GI.

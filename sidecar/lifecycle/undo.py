@@ -24,15 +24,15 @@ import enum
 import msgspec
 
 from sidecar.lifecycle import crashpoints
-from sidecar.lifecycle.context import Context
-from sidecar.lifecycle.steps import destroy_each, put_each, raise_first, require_no_processes
+from sidecar.lifecycle.context import LifecycleContext
+from sidecar.lifecycle.steps import change_in_batch, destroy_each, raise_first, require_no_processes
 from sidecar.model.domain import MIG_UUID_RE, POD_UID_RE, AllocationKey, InstanceRef, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref
 
 
 def undo_allocate(
-    ctx: Context, pod_uid: str, container_index: int
+    ctx: LifecycleContext, pod_uid: str, container_index: int
 ) -> tuple[list[InstanceRef], list[InstanceRef]]:
     """Returns (destroyed, idled). Unknown key: ([], []), nothing changes.
 
@@ -58,7 +58,7 @@ def undo_allocate(
         failures: list[SidecarError] = []
         destroyed = destroy_each(ctx, created, "after-undo-destroy-one", failures)
         for record in reused:
-            if put_each(ctx, failures, ctx.idle, record):
+            if change_in_batch(ctx, failures, ctx.idle, record):
                 idled.append(instance_ref(record))
             crashpoints.crashpoint("after-undo-idle-one")
     raise_first(failures)
@@ -70,7 +70,7 @@ def destroyed_by_undo(record: OwnershipRecord) -> bool:
     return record.origin is Origin.CREATED or record.xid != 0
 
 
-def held(ctx: Context, pod_uid: str, container_index: int) -> list[OwnershipRecord]:
+def held(ctx: LifecycleContext, pod_uid: str, container_index: int) -> list[OwnershipRecord]:
     """The instances ACTIVE for (pod, container), in device order."""
     found = [
         r
@@ -100,7 +100,7 @@ class DeviceUndo(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-def undo_device(ctx: Context, mig_uuid: str, owner: AllocationKey) -> DeviceUndo:
+def undo_device(ctx: LifecycleContext, mig_uuid: str, owner: AllocationKey) -> DeviceUndo:
     """Undo the Allocate of ``mig_uuid`` while ``owner`` holds it ACTIVE; else change nothing.
 
     The refusals and the failure are undo_allocate's for one instance: InstanceInUse (nothing changed)
@@ -129,7 +129,7 @@ def undo_device(ctx: Context, mig_uuid: str, owner: AllocationKey) -> DeviceUndo
         return DeviceUndo(idled=instance_ref(current))
 
 
-def _held(ctx: Context, mig_uuid: str, owner: AllocationKey) -> OwnershipRecord | DeviceUndo:
+def _held(ctx: LifecycleContext, mig_uuid: str, owner: AllocationKey) -> OwnershipRecord | DeviceUndo:
     """The record of ``mig_uuid`` if ``owner`` holds it ACTIVE, else the skip answer saying why."""
     record = next((r for r in ctx.table.instances() if r.mig_uuid == mig_uuid), None)
     if record is None:

@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.faults import FaultReport, apply_xid
 from sidecar.model.errors import SidecarError
 from sidecar.nvml.port import NvmlError, XidEvents
@@ -30,7 +30,7 @@ RETRY_S = 5.0  # the pause after a failed wait
 class XidWatcher:
     def __init__(
         self,
-        ctx: Context,
+        ctx: LifecycleContext,
         source: XidEvents,
         ignored: frozenset[int],
         on_report: Callable[[FaultReport], None] = lambda _: None,

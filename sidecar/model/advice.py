@@ -25,7 +25,7 @@ onto it (and never counts the IDLE instance it protects as reusable or reclaimab
 reconciler consult).
 
 The foreign GIs come from the inventory's layout view, never from a listing of its own: the last GI
-listing of the GPU, which every listing the lifecycle makes anyway replaces (``ListingTap``: an
+listing of the GPU, which every listing the lifecycle makes anyway replaces (``LayoutRecordingPort``: an
 Allocate's, a destroy's, GetState's, a refused create's), which the sidecar's own GI creates and
 destroys edit, and which the reconciler lists afresh once per interval. Which listed GIs are foreign
 is judged when the view is read, against the records then, so a listing taken before a record changed

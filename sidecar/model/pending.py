@@ -11,7 +11,7 @@ plugin's list: ``SyncActive``'s list replaces
 the set, ``Recover`` sets it, and a successful ``Allocate`` consumes its keys' entries. The set
 lives in memory only: the plugin sends it again with every list.
 
-An ERROR instance whose MIG UUID a live pod holds (``Table.referenced``) is guarded the same way:
+An ERROR instance whose MIG UUID a live pod holds (``RecordTable.referenced``) is guarded the same way:
 destroying a device under a running container is worse than keeping a broken one.
 """
 

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 
-class GiHandoff:
+class KeptGiHandles:
     """At most one kept GI handle per GPU. Thread-safe; mutating calls on one GPU are serialised by
     the lifecycle's GPU lock, so the next call on a GPU is well defined."""
 

@@ -2,20 +2,20 @@
 
 Pure data and lookups: the simulated library builds its GPUs from these tables, the probe diffs a
 real GPU against them, and tests pin them to the published hardware facts. The types and NVML's
-constants live in ``profile_model``; the tables, each row with its source, in ``tables``.
+constants live in ``profile_types``; the tables, each row with its source, in ``tables``.
 """
 
 from __future__ import annotations
 
 import math
 
-from sidecar.nvml.profile_model import *  # noqa: F403 - this module is the one place callers import from
-from sidecar.nvml.profile_model import CiProfile, GiProfile, GpuModel
+from sidecar.nvml.profile_types import *  # noqa: F403 - this module is the one place callers import from
+from sidecar.nvml.profile_types import CiProfile, GiProfile, GpuProduct
 from sidecar.nvml.tables.ampere import A30, A100_40GB, A100_80GB
 from sidecar.nvml.tables.blackwell import B200, RTX_PRO_6000
 from sidecar.nvml.tables.hopper import GH200_96GB, GH200_144GB, H20, H100_80GB, H100_94GB, H200_141GB
 
-MODELS: dict[str, GpuModel] = {
+MODELS: dict[str, GpuProduct] = {
     m.key: m
     for m in (
         A100_40GB,
@@ -33,7 +33,7 @@ MODELS: dict[str, GpuModel] = {
 }
 
 
-def model(key: str) -> GpuModel:
+def model(key: str) -> GpuProduct:
     """The model for a ``--sim-gpus`` key; KeyError lists the known ones."""
     try:
         return MODELS[key.lower()]
@@ -41,7 +41,7 @@ def model(key: str) -> GpuModel:
         raise KeyError(f"unknown GPU model {key!r}; known: {', '.join(MODELS)}") from None
 
 
-def model_by_name(name: str) -> GpuModel | None:
+def model_by_name(name: str) -> GpuProduct | None:
     return next((m for m in MODELS.values() if m.name == name), None)
 
 

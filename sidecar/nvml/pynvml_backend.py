@@ -60,7 +60,7 @@ from typing import Any, NamedTuple, TypeVar
 import pynvml
 
 from sidecar.nvml.calls import TRANSIENT_CODES, TRANSIENT_DESTROY_CODES, Caller, mapped
-from sidecar.nvml.handoff import GiHandoff
+from sidecar.nvml.handoff import KeptGiHandles
 from sidecar.nvml.mig_identity import UnprovableMigUuidError, proven_mig_uuid
 from sidecar.nvml.port import (
     NVML_ERROR_INVALID_ARGUMENT,
@@ -74,7 +74,7 @@ from sidecar.nvml.port import (
     Placement,
     prove_by_parts,
 )
-from sidecar.nvml.profile_model import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
+from sidecar.nvml.profile_types import CI_PROFILE_1_SLICE_REV1, full_ci_profile_id, pick_full_ci
 
 T = TypeVar("T")
 
@@ -135,7 +135,7 @@ class PynvmlBackend:
         self._handles: dict[str, Any] = {}
         self._static: dict[str, tuple[int, int, str, int]] = {}  # uuid -> index, minor, name, memory MiB
         # The GI handle a create or a CI destroy leaves for the next call on its GPU (``handoff``).
-        self._handoff = GiHandoff()
+        self._handoff = KeptGiHandles()
         # The static tables of each GPU model (module notes). Read under ``_tables_lock``, so GPUs
         # read at once by several threads (Recover's gather) wait for one read of their model's table
         # instead of each making it.
@@ -258,7 +258,7 @@ class PynvmlBackend:
             return placements
 
     def _full_ci(self, key: ModelKey, info: _GiProfileRow, plain_sms: int) -> int | None:
-        """The full-size CI profile of a GI profile, by ``profile_model.pick_full_ci``.
+        """The full-size CI profile of a GI profile, by ``profile_types.pick_full_ci``.
 
         Read from the CI profiles of a real GI of this profile once one has been seen (``_ci_profile_table``
         is filled by every create and listing). Before that, NVML offers no way to ask (CI profiles are

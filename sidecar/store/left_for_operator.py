@@ -14,7 +14,7 @@ import msgspec
 from sidecar.model.errors import PlacementBusy
 from sidecar.model.ownership import parse_record_name
 from sidecar.nvml.port import Placement
-from sidecar.store.table import Table
+from sidecar.store.table import RecordTable
 
 
 class LeftForTheOperator(msgspec.Struct, frozen=True):
@@ -26,7 +26,7 @@ class LeftForTheOperator(msgspec.Struct, frozen=True):
     blocker: str  # ``corrupt_record`` or ``record_without_boot_id``
 
 
-def records_for_the_operator(table: Table, gpu_uuid: str) -> list[LeftForTheOperator]:
+def records_for_the_operator(table: RecordTable, gpu_uuid: str) -> list[LeftForTheOperator]:
     """The record files on the GPU that a create must not go over: a corrupt one, or one without a
     boot id. From the table's copy of what is on disk outside it, so no directory is scanned."""
     valid, corrupt = table.left_aside()
@@ -46,13 +46,13 @@ def records_for_the_operator(table: Table, gpu_uuid: str) -> list[LeftForTheOper
     return found
 
 
-def require_no_record_for_the_operator(table: Table, gpu_uuid: str, wanted: Placement) -> None:
+def require_no_record_for_the_operator(table: RecordTable, gpu_uuid: str, wanted: Placement) -> None:
     """PlacementBusy when a record file left for the operator names a placement on the GPU that
     overlaps ``wanted``.
 
     A create at its placement could not write its own record, or would silently replace the
     operator's, a problem no retry clears; and the instance the file stood for may still be live.
-    Recovery keeps the GIs there foreign for the same reason, and nothing is reclaimed for a request
+    Recoverer keeps the GIs there foreign for the same reason, and nothing is reclaimed for a request
     that must fail anyway."""
     for left in records_for_the_operator(table, gpu_uuid):
         if not left.placement.overlaps(wanted):

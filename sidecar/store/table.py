@@ -34,7 +34,7 @@ def corrupt_in_the_way(name: str, exc: CorruptRecord) -> UnverifiableState:
     )
 
 
-class Table:
+class RecordTable:
     """Owned instances by record name, plus the MIG UUIDs live pods hold (``referenced``)."""
 
     def __init__(self, records: RecordStore) -> None:

@@ -1,7 +1,7 @@
 """A lifecycle over simulated hardware, in process: the real pynvml adapter, records and CDI code.
 
 Also the helpers every component test file needs: ``restart`` (what a killed sidecar leaves behind:
-hardware and files stay, a fresh lifecycle and its ``Recovery``), ``recovery_of`` (a repeated Recover
+hardware and files stay, a fresh lifecycle and its ``Recoverer``), ``recovery_of`` (a repeated Recover
 on the running lifecycle), ``active_of`` (the pod annotation after an Allocate), ``gis`` (one GPU's
 layout) and ``files_cannot_grow_past`` (a full disk).
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
-from sidecar.lifecycle.inventory import ListingTap
-from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.inventory import LayoutRecordingPort
+from sidecar.lifecycle.recover import Recoverer
 from sidecar.model.domain import (
     ActiveAllocation,
     AllocateRequest,
@@ -53,7 +53,7 @@ class World:
     records: RecordStore
     cdi: CdiSpecs
     cdi_dir: Path
-    ctx: Context
+    ctx: LifecycleContext
     lifecycle: Lifecycle
     gpus: list[GpuInfo]
 
@@ -153,7 +153,7 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
     records.open()
     cdi_dir = tmp_path / "cdi"
     cdi = CdiSpecs(cdi_dir if cdi_enabled else None, proc_root=tmp_path / "proc")
-    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
+    ctx = LifecycleContext(LayoutRecordingPort(port), records, cdi, BOOT_ID)
     ctx.install([], 0)
     return World(hw, port, records, cdi, cdi_dir, ctx, Lifecycle(ctx), port.gpus())
 
@@ -161,21 +161,21 @@ def build_world(tmp_path: Path, *, cdi_enabled: bool) -> World:
 # -- a restart, as the composition root performs it, and what the plugin sends to Recover ----------------
 
 
-def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recovery:
+def restart(world: World, *, adopt: bool = False, boot_id: str = BOOT_ID) -> Recoverer:
     """Forget everything in memory, keep hardware and files; a new lifecycle, not yet recovered."""
     world.records.close()
     records = RecordStore(world.records.directory, in_place=True)
     records.open()
     cdi = CdiSpecs(world.cdi.directory, kind=world.cdi.kind, proc_root=world.cdi.proc_root)
     world.records, world.cdi = records, cdi
-    world.ctx = Context(ListingTap(world.port), records, cdi, boot_id)
+    world.ctx = LifecycleContext(LayoutRecordingPort(world.port), records, cdi, boot_id)
     world.lifecycle = Lifecycle(world.ctx)
-    return Recovery(world.ctx, adopt_existing=adopt)
+    return Recoverer(world.ctx, adopt_existing=adopt)
 
 
-def recovery_of(world: World, *, adopt: bool = False) -> Recovery:
-    """A Recovery over the running lifecycle (a Recover RPC repeated while the sidecar serves)."""
-    return Recovery(world.ctx, adopt_existing=adopt)
+def recovery_of(world: World, *, adopt: bool = False) -> Recoverer:
+    """A Recoverer over the running lifecycle (a Recover RPC repeated while the sidecar serves)."""
+    return Recoverer(world.ctx, adopt_existing=adopt)
 
 
 def active_of(pod: str, result: AllocateResult) -> list[ActiveAllocation]:

@@ -7,9 +7,9 @@ import contextlib
 import pytest
 from lifecycle_world import World, restart
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
-from sidecar.lifecycle.inventory import ListingTap
+from sidecar.lifecycle.inventory import LayoutRecordingPort
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Outcome, Owner, PodRef, Reservation, State
 from sidecar.model.ownership import record_name
@@ -410,7 +410,7 @@ class TestValidation:
         assert world.port.gpu(world.uuid(1)).mig_pending
 
     def test_nothing_is_allocated_before_recovery(self, world: World) -> None:
-        fresh = Lifecycle(Context(ListingTap(world.port), world.records, world.cdi, "boot"))
+        fresh = Lifecycle(LifecycleContext(LayoutRecordingPort(world.port), world.records, world.cdi, "boot"))
         with pytest.raises(errors.NotRecovered):
             fresh.allocate(world.request("pod-a", (0, "1g.10gb", 0, 1)))
         with pytest.raises(errors.NotRecovered):

@@ -83,14 +83,14 @@ class TestAReactivationWaitsForAnAllocateOfItsKey:
         listed = active_of("pod-a", old)  # a pod list still naming the old instance
         # The Allocate pauses where it judges the placement, past its key check, holding the key.
         judging, resume = threading.Event(), threading.Event()
-        clearance_for = Allocator.clearance_for
+        in_the_way_of = Allocator.in_the_way_of
 
-        def paused_clearance_for(self: Allocator, v: Any) -> Any:
+        def paused_in_the_way_of(self: Allocator, v: Any) -> Any:
             judging.set()
             assert resume.wait(60), "the test never resumed the Allocate"
-            return clearance_for(self, v)
+            return in_the_way_of(self, v)
 
-        monkeypatch.setattr(Allocator, "clearance_for", paused_clearance_for)
+        monkeypatch.setattr(Allocator, "in_the_way_of", paused_in_the_way_of)
         claim_waits = threading.Event()
         keys = world.ctx.locks.keys
         wait = keys.wait

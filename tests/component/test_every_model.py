@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from lifecycle_world import BOOT_ID, World
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
-from sidecar.lifecycle.inventory import ListingTap
+from sidecar.lifecycle.inventory import LayoutRecordingPort
 from sidecar.model.domain import Outcome
 from sidecar.model.errors import SidecarError
 from sidecar.nvml import profiles
@@ -28,7 +28,7 @@ def _world(tmp_path: Path, key: str) -> World:
     records = RecordStore(tmp_path / "state")
     records.open()
     cdi = CdiSpecs(tmp_path / "cdi", proc_root=tmp_path / "proc")
-    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
+    ctx = LifecycleContext(LayoutRecordingPort(port), records, cdi, BOOT_ID)
     ctx.install([], 0)
     return World(hw, port, records, cdi, tmp_path / "cdi", ctx, Lifecycle(ctx), port.gpus())
 
@@ -47,7 +47,7 @@ def world_of(tmp_path: Path) -> Iterator[object]:
     uninstall()
 
 
-def _fill(model: profiles.GpuModel, p: profiles.GiProfile) -> list[int]:
+def _fill(model: profiles.GpuProduct, p: profiles.GiProfile) -> list[int]:
     """As many instances of ``p`` as fit side by side, lowest starts first."""
     starts: list[int] = []
     for s in p.starts:

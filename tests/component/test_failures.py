@@ -17,7 +17,7 @@ from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
 from sidecar.model.domain import Identity, Outcome, State
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import Placement
 from sidecar.store import durable
 

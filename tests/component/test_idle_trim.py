@@ -244,7 +244,7 @@ class TestFreeReserve:
 
         with pytest.raises(errors.PlacementBusy):
             world.allocate("pod-f", (0, "3g.40gb", 0, 4))
-        asked = world.ctx.asked["3g.40gb"]
+        asked = world.ctx.last_asked["3g.40gb"]
         assert reconcile(world, auto, asked + 3601.0) == []  # lapsed: as if never asked
         assert reconcile(world, auto, asked + 3600.0) == [blocker.mig_uuid]
         assert gone(world, blocker)

@@ -1,6 +1,6 @@
 """Records recovery left aside for a GPU NVML did not list, when the GPU comes back while serving.
 
-Recovery keeps such records on disk, out of the table, in case the GPU returns with its instances.
+Recoverer keeps such records on disk, out of the table, in case the GPU returns with its instances.
 If it returns without them (reset while hidden) and a create overlaps one, the create must neither
 overwrite the record silently nor leave its CDI spec describing an instance that is gone."""
 

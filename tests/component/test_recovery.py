@@ -3,7 +3,7 @@
 A "restart" here is what a killed sidecar leaves behind: the hardware (the simulator) and the files
 (records, CDI specs) stay, the in-memory lifecycle is gone. ``restart`` builds a fresh lifecycle on the
 same hardware and directories, exactly as the composition root does at startup, and returns its
-``Recovery``. Outcomes are asserted on the hardware layout, the files and later transactions.
+``Recoverer``. Outcomes are asserted on the hardware layout, the files and later transactions.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import pytest
 from lifecycle_world import BOOT_ID, World, active_of, files_cannot_grow_past, gis, restart
 
 from sidecar.lifecycle.reconciler import Reconciler
-from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.recover import Recoverer
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, Outcome, State
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
 from sidecar.nvml.sim.state import SimGpu
 from sidecar.store import record_verify
@@ -255,7 +255,7 @@ class TestStaleAndBrokenRecords:
 
 class TestARecordWithoutABootIdIsKeptAside:
     """Every record the sidecar writes carries the boot ID, so one without it was made or edited by
-    hand. Recovery judged it as this boot's (a CREATING one had the instance at its placement
+    hand. Recoverer judged it as this boot's (a CREATING one had the instance at its placement
     destroyed) while ``records verify`` called it stale; now recovery never acts on it, and verify
     lists it apart."""
 
@@ -374,7 +374,7 @@ class TestTheCdiStepAtStartup:
 
 
 class TestAStrayCdiSpecIsRemovedByThePathItWasFoundAt:
-    """Recovery found the spec files of our kind by content and removed strays by the name
+    """Recoverer found the spec files of our kind by content and removed strays by the name
     derived from their MIG UUID, so a stray of our kind under another file name stayed forever (and
     kept publishing a device no instance backs). Now the file that was found is removed."""
 
@@ -410,7 +410,7 @@ class TestARecordWriteFailingDuringRestoreLeavesAHealthyInstanceAlone:
     placement), the record on disk is left as it was, and the report says why; a later Recover with a
     working state directory restores it."""
 
-    def held_then_restarted(self, world: World) -> tuple[Recovery, OwnershipRecord, bytes]:
+    def held_then_restarted(self, world: World) -> tuple[Recoverer, OwnershipRecord, bytes]:
         """An instance a pod held when the sidecar stopped; the pod is gone by the restart."""
         world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         [record] = world.record_files().values()

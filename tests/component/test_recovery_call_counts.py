@@ -12,10 +12,10 @@ import pynvml
 import pytest
 from lifecycle_world import BOOT_ID, World, active_of
 
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
-from sidecar.lifecycle.inventory import ListingTap
-from sidecar.lifecycle.recover import Recovery
+from sidecar.lifecycle.inventory import LayoutRecordingPort
+from sidecar.lifecycle.recover import Recoverer
 from sidecar.model.domain import ActiveAllocation
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
@@ -36,7 +36,7 @@ def _world(tmp_path: Path, gpus: list[tuple[str, int]]) -> World:
     records = RecordStore(tmp_path / "state", in_place=True)
     records.open()
     cdi = CdiSpecs(tmp_path / "cdi", proc_root=tmp_path / "proc")
-    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
+    ctx = LifecycleContext(LayoutRecordingPort(port), records, cdi, BOOT_ID)
     ctx.install([], 0)
     return World(hw, port, records, cdi, tmp_path / "cdi", ctx, Lifecycle(ctx), port.gpus())
 
@@ -58,10 +58,10 @@ def _restarted_recover(world: World, active: list[ActiveAllocation]) -> tuple[in
     records = RecordStore(world.records.directory, in_place=True)
     records.open()
     cdi = CdiSpecs(world.cdi.directory, proc_root=world.cdi.proc_root)
-    ctx = Context(ListingTap(port), records, cdi, BOOT_ID)
+    ctx = LifecycleContext(LayoutRecordingPort(port), records, cdi, BOOT_ID)
     world.port, world.records, world.cdi, world.ctx, world.lifecycle = port, records, cdi, ctx, Lifecycle(ctx)
     world.hw.reset_call_counts()
-    report = Recovery(ctx, adopt_existing=False).recover(active)
+    report = Recoverer(ctx, adopt_existing=False).recover(active)
     return len(report.adopted_active), world.hw.call_counts()
 
 

@@ -3,7 +3,7 @@
 A GI with no record is removed only with adoption, only as a bare GI, and only where nothing runs on
 its GPU; a DELETING record owns only what its decision saw. Where a test must change the hardware
 between recovery's gather and its apply (what another actor on the node could do in that window), it
-calls the three public phases of ``Recovery`` one after the other instead of ``recover``. Outcomes
+calls the three public phases of ``Recoverer`` one after the other instead of ``recover``. Outcomes
 are asserted on the NVML layout, the record and CDI files and the recovery report.
 """
 
@@ -17,7 +17,7 @@ from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
 from sidecar.model.domain import Identity, Outcome, State
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN, Placement
 
 FOREVER = 1000  # more attempts than any bounded retry makes
@@ -58,7 +58,7 @@ class TestAnOrphanGiOnAGpuWithAnActiveInstanceIsPreserved:
 class TestADeletingRecordOwnsOnlyWhatItsDecisionSaw:
     """A DELETING record without a CI ID is written only for a GI that had no CI when the
     destroy was decided (an orphan GI being removed with adoption, or a bare GI left by a create).
-    Recovery treated any full-size CI in that GI as the record's own, as it rightly does for CREATING
+    Recoverer treated any full-size CI in that GI as the record's own, as it rightly does for CREATING
     (a crash between creating the CI and recording it). No transaction of ours creates a CI in a GI
     recorded DELETING, so a CI there now was made by someone else, and recovery destroyed it (and the
     GI it lives in) without ever having verified it as ours."""

@@ -1,4 +1,4 @@
-"""Recovery's gather: profile tables read once per GPU model, GPUs read in parallel (issues 13, 22).
+"""Recoverer's gather: profile tables read once per GPU model, GPUs read in parallel (issues 13, 22).
 
 The simulator counts every NVML C call exactly, so the calls a repeated Recover makes are asserted
 exactly; a parallel gather must build the same inputs, and so the same plan, as a one-at-a-time one.
@@ -12,7 +12,7 @@ from lifecycle_world import World, active_of, recovery_of, restart
 
 from sidecar.lifecycle import recover as apply
 from sidecar.model import errors
-from sidecar.model.recovery.plan import plan
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import NVML_ERROR_UNKNOWN
 
 # The C functions that read a GPU's profile table (GI profiles and their possible placements).

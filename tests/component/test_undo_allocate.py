@@ -101,7 +101,7 @@ class TestUndoAllocate:
     def test_an_instance_recovery_adopts_without_a_record_is_given_back_not_destroyed(
         self, world: World
     ) -> None:
-        """Recovery cannot know how the pod got it, so it counts as REUSED: kept IDLE, reclaimable."""
+        """Recoverer cannot know how the pod got it, so it counts as REUSED: kept IDLE, reclaimable."""
         result = world.allocate("pod-a", (0, "1g.10gb", 0, 1))
         [name] = world.record_files()
         world.records.path(name).unlink()

@@ -348,7 +348,7 @@ class TestRepeatedRecover:
 
 
 class TestAKill9WhileRecoveryItselfDestroysSomethingConverges:
-    """Recovery destroys through the same records-first helper as a reclaim; a crash at each of its
+    """Recoverer destroys through the same records-first helper as a reclaim; a crash at each of its
     points, then a clean restart and Recover, leaves a node with nothing unowned and nothing stale."""
 
     @pytest.mark.parametrize("point", DELETE_POINTS)

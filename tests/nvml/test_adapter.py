@@ -106,7 +106,7 @@ class TestProfilesBeyondTheModelledGpus:
                 ci_profiles=cis,
             )
 
-        board = profiles.GpuModel(
+        board = profiles.GpuProduct(
             key="test-8-slice",
             name="Test 8-slice board",
             memory_mb=8192,

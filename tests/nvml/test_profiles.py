@@ -41,7 +41,7 @@ NAMES = {
 }
 
 
-def _shape(model: profiles.GpuModel) -> list[tuple[object, ...]]:
+def _shape(model: profiles.GpuProduct) -> list[tuple[object, ...]]:
     return [
         (p.name, p.index, p.id, p.slice_count, p.size, p.instance_count, p.starts) for p in model.profiles
     ]

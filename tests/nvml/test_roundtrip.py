@@ -19,7 +19,7 @@ from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 Layout = list[tuple[profiles.GiProfile, int]]
 
 
-def full_layouts(model: profiles.GpuModel) -> list[Layout]:
+def full_layouts(model: profiles.GpuProduct) -> list[Layout]:
     candidates = [(p, s) for p in model.profiles for s in p.starts]
 
     def fits(chosen: Layout, candidate: tuple[profiles.GiProfile, int]) -> bool:

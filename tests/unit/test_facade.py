@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 import sidecar
-from sidecar.lifecycle.context import Context
+from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
 
 ROOT = Path(sidecar.__file__).parent
@@ -87,5 +87,5 @@ def test_the_facade_keeps_no_part_of_its_own(tmp_path: Path) -> None:
     from sidecar.store.records import RecordStore  # noqa: PLC0415
 
     records = RecordStore(tmp_path / "state")
-    ctx = Context(port=None, records=records, cdi=CdiSpecs(None), boot_id="b")  # type: ignore[arg-type]
+    ctx = LifecycleContext(port=None, records=records, cdi=CdiSpecs(None), boot_id="b")  # type: ignore[arg-type]
     assert set(vars(Lifecycle(ctx))) == {"_ctx", "_allocator"}

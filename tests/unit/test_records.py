@@ -462,7 +462,7 @@ class TestVerify:
     def test_verify_lists_a_record_without_a_boot_id_apart_never_as_stale(
         self, store: RecordStore, state_dir: Path, boot_id: str | None
     ) -> None:
-        """Recovery keeps such a record aside (nothing tells its boot); verify agrees and says so."""
+        """Recoverer keeps such a record aside (nothing tells its boot); verify agrees and says so."""
         current = make_record(start=0)
         unstamped = make_record(start=1, boot_id="")
         store.put(current)

@@ -19,9 +19,7 @@ from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Rese
 from sidecar.model.hami_files import HamiSpec, recognize_spec
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, HamiRecordFile, read_record_file
 from sidecar.model.ownership import OwnershipRecord, record_name
-from sidecar.model.recovery.inputs import Inputs, LiveGpu, LiveGpuInstance
-from sidecar.model.recovery.plan import plan
-from sidecar.model.recovery.steps import (
+from sidecar.model.recovery_plan.actions import (
     DestroyOwned,
     EnsureCdi,
     Plan,
@@ -30,6 +28,8 @@ from sidecar.model.recovery.steps import (
     RemoveHamiRecord,
     RemoveHamiSpec,
 )
+from sidecar.model.recovery_plan.inputs import Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"

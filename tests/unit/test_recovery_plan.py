@@ -18,9 +18,7 @@ from plain_board import TABLE, profiles
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, Owner, PodRef, Reservation, State
 from sidecar.model.ownership import OwnershipRecord, parse_record_name, record_name
-from sidecar.model.recovery.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
-from sidecar.model.recovery.plan import plan
-from sidecar.model.recovery.steps import (
+from sidecar.model.recovery_plan.actions import (
     DeleteRecord,
     DestroyOwned,
     EnsureCdi,
@@ -29,6 +27,8 @@ from sidecar.model.recovery.steps import (
     RemoveCdi,
     settle_report,
 )
+from sidecar.model.recovery_plan.inputs import CorruptFile, Inputs, LiveGpu, LiveGpuInstance
+from sidecar.model.recovery_plan.plan import plan
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInfo, GpuInstanceInfo, Placement
 
 GPU0 = "GPU-00000000-aaaa-4aaa-8aaa-000000000000"
@@ -305,7 +305,7 @@ class TestActiveAllocationsAreAdoptedOnlyWhenTheyMatchTheHardwareExactly:
         assert mig(2) in line
 
     def test_in_a_repeated_recover_an_error_record_of_the_listed_owner_is_adopted(self) -> None:
-        """Recovery's own adoption of that pod whose record could not be written: the pod holds it."""
+        """Recoverer's own adoption of that pod whose record could not be written: the pod holds it."""
         listed = alloc("pod-b", GPU0, "3g.40gb", 4, 4, 2, 0, mig(2))
         failed = rec(GPU0, "3g.40gb", 4, 4, State.ERROR, 2, 0, mig(2), holder=listed.owner)
         p = plan(

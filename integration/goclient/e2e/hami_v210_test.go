@@ -1,4 +1,4 @@
-// The hami adapter's method sets (V210, LazyLifecycle) against a real sidecar, method by method,
+// The hami adapter's method sets (PluginManager, LazyPluginManager) against a real sidecar, method by method,
 // the way HAMi's plugin calls them: one EnsureAllocation per device, Release for what a failed
 // container took, the runtime identity read back for the pod annotation, the reconciler's key
 // set, the startup ResetIdleGPUs and AdoptAllocation, a new adapter over the same sidecar, and a

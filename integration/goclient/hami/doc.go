@@ -1,7 +1,7 @@
 // Package hami lets HAMi's NVIDIA device plugin hand its dynamic MIG lifecycle to the sidecar
 // with no glue code: Manager has the method set the plugin calls on its in-process
-// MigInstanceManager at HAMi v2.10 (V210), and Lazy the set after the lazy-lifecycle rewrite,
-// PR #3128 (LazyLifecycle). HAMi declares a small interface over that method set, keeps its
+// MigInstanceManager at HAMi v2.10 (PluginManager), and Lazy the set after the lazy-lifecycle rewrite,
+// PR #3128 (LazyPluginManager). HAMi declares a small interface over that method set, keeps its
 // in-process manager behind it and picks one of the two at startup; docs/porting-hami.md shows
 // each changed line.
 //

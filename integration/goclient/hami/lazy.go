@@ -10,7 +10,7 @@ import (
 )
 
 // Lazy stands in for HAMi's manager after the lazy-lifecycle rewrite (PR #3128, see
-// LazyLifecycle). It is a separate type because EnsureAllocation's result differs from v2.10's
+// LazyPluginManager). It is a separate type because EnsureAllocation's result differs from v2.10's
 // and ResetIdleGPUs is gone; it shares Manager's connection and behaviour otherwise.
 type Lazy struct {
 	m *Manager

@@ -15,7 +15,7 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/register"
 )
 
-// Manager stands in for HAMi v2.10's MigInstanceManager (see V210). It keeps no allocation
+// Manager stands in for HAMi v2.10's MigInstanceManager (see PluginManager). It keeps no allocation
 // state of its own: the sidecar holds it, so a new Manager over the same sidecar (a restarted
 // plugin) answers exactly as the old one would, and a restarted sidecar recovers from the pod
 // list given at construction. GPU indexes (HAMi's) are mapped to UUIDs (the sidecar's) through

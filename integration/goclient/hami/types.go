@@ -74,13 +74,13 @@ type OwnershipRecord struct {
 	ComputeInstanceID uint32             `json:"computeInstanceID"`
 }
 
-// V210 is the method set HAMi v2.10's device plugin calls on its MIG manager
+// PluginManager is the method set HAMi v2.10's device plugin calls on its MIG manager
 // (MigInstanceManager in pkg/device-plugin/nvidiadevice/nvinternal/plugin, release-v2.10), with
 // two additions: EnsureAllocation's first argument, the owner, and CDIDevice, which the
 // in-process manager answers with ("", false). HAMi declares the same interface over its own
 // names (which are aliases of the types above), so Manager and MigInstanceManager both satisfy
 // it; docs/porting-hami.md shows it.
-type V210 interface {
+type PluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (string, bool, error)
 	Release(migUUID string) error
 	AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool)
@@ -91,12 +91,12 @@ type V210 interface {
 	Shutdown()
 }
 
-// LazyLifecycle is the method set of HAMi's manager after the lazy-lifecycle rewrite (PR #3128):
+// LazyPluginManager is the method set of HAMi's manager after the lazy-lifecycle rewrite (PR #3128):
 // EnsureAllocation answers an AllocationResult, a failed allocation gives reused instances back
 // with MarkIdle, the reconciler also calls RetryErrorAllocations, startup calls
 // RestoreAllocations (and DisableIdleGPUs in hami-core mode) instead of ResetIdleGPUs. The
-// owner and CDIDevice are added as in V210. Lazy satisfies it.
-type LazyLifecycle interface {
+// owner and CDIDevice are added as in PluginManager. Lazy satisfies it.
+type LazyPluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (AllocationResult, error)
 	MarkIdle(migUUID string)
 	Release(migUUID string) error
@@ -112,8 +112,8 @@ type LazyLifecycle interface {
 
 // The adapters are held to the method sets they claim.
 var (
-	_ V210          = (*Manager)(nil)
-	_ LazyLifecycle = (*Lazy)(nil)
+	_ PluginManager     = (*Manager)(nil)
+	_ LazyPluginManager = (*Lazy)(nil)
 )
 
 // ErrNeedsReset marks a MIG mode change that waits for a GPU reset (HAMi's errMigModeNeedsReset).

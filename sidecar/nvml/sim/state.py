@@ -218,7 +218,7 @@ def take_serial(state: SimState) -> int:
     return serial
 
 
-def model_of(gpu: AnyGpu) -> profiles.GpuModel:
+def model_of(gpu: AnyGpu) -> profiles.GpuProduct:
     return profiles.model(gpu.model)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.nvml.profile_model import (
+from sidecar.nvml.profile_types import (
     GI_PROFILE_1_SLICE,
     GI_PROFILE_1_SLICE_REV1,
     GI_PROFILE_1_SLICE_REV2,
@@ -11,14 +11,14 @@ from sidecar.nvml.profile_model import (
     GI_PROFILE_3_SLICE,
     GI_PROFILE_4_SLICE,
     GI_PROFILE_7_SLICE,
-    GpuModel,
+    GpuProduct,
     gi,
 )
 
 _ALL_1G = (0, 1, 2, 3, 4, 5, 6)
 
 
-def _ga100(key: str, name: str, memory_mb: int, names: tuple[str, ...], mems: tuple[int, ...]) -> GpuModel:
+def _ga100(key: str, name: str, memory_mb: int, names: tuple[str, ...], mems: tuple[int, ...]) -> GpuProduct:
     """A100 boards share indices, IDs, placements, SMs and engines; only names and memory differ.
 
     IDs, SMs, engines: lgip on A100-SXM4-40GB (facts TX 42708883739, 4867217048); placements: UG
@@ -46,7 +46,7 @@ def _ga100(key: str, name: str, memory_mb: int, names: tuple[str, ...], mems: tu
            memory_mb=m8, sms=98, ce=7, dec=5, enc=0, jpg=1, ofa=1, slice_sms=s),
     )
     # fmt: on
-    return GpuModel(
+    return GpuProduct(
         key=key,
         name=name,
         memory_mb=memory_mb,
@@ -94,7 +94,7 @@ _A30_PROFILES = (
        memory_mb=24000, sms=56, ce=4, dec=4, enc=0, jpg=1, ofa=1, slice_sms=14),
 )
 # fmt: on
-A30 = GpuModel(
+A30 = GpuProduct(
     key="a30",
     name="NVIDIA A30",
     memory_mb=24576,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.nvml.profile_model import (
+from sidecar.nvml.profile_types import (
     GI_PROFILE_1_SLICE,
     GI_PROFILE_1_SLICE_ALL_ME,
     GI_PROFILE_1_SLICE_GFX,
@@ -17,7 +17,7 @@ from sidecar.nvml.profile_model import (
     GI_PROFILE_4_SLICE,
     GI_PROFILE_4_SLICE_GFX,
     GI_PROFILE_7_SLICE,
-    GpuModel,
+    GpuProduct,
     gi,
 )
 
@@ -30,7 +30,7 @@ _ALL_1G = (0, 1, 2, 3, 4, 5, 6)
 # was quoted: their memory, SMs and engines, the total and every placement are unverified (GH100's
 # placements assumed; DRA's partitions.go confirms 3g.90gb spans 4 of 8 memory slices). 1g.45gb's
 # full CI is CI 7 as on B300 (dra-driver-nvidia-gpu#1454).
-B200 = GpuModel(
+B200 = GpuProduct(
     key="b200",
     name="NVIDIA B200",
     memory_mb=183359,
@@ -169,7 +169,7 @@ B200 = GpuModel(
 # and 4g memory, SMs and engines, and every placement (a 4-slice axis like A30's) are unverified.
 _RTX = 46  # SMs of one slice
 _R4 = (0, 1, 2, 3)
-RTX_PRO_6000 = GpuModel(
+RTX_PRO_6000 = GpuProduct(
     key="rtx-pro-6000",
     name="NVIDIA RTX PRO 6000 Blackwell Server Edition",
     memory_mb=97887,

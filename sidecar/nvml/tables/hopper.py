@@ -8,7 +8,7 @@ The double-memory 1g GI has more SMs than a plain slice, so its full CI is CI 7 
 
 from __future__ import annotations
 
-from sidecar.nvml.profile_model import (
+from sidecar.nvml.profile_types import (
     GI_PROFILE_1_SLICE,
     GI_PROFILE_1_SLICE_REV1,
     GI_PROFILE_1_SLICE_REV2,
@@ -16,7 +16,7 @@ from sidecar.nvml.profile_model import (
     GI_PROFILE_3_SLICE,
     GI_PROFILE_4_SLICE,
     GI_PROFILE_7_SLICE,
-    GpuModel,
+    GpuProduct,
     gi,
 )
 
@@ -32,7 +32,7 @@ def gh100(
     *,
     sms: tuple[int, ...] = (16, 26, 32, 60, 64, 132),
     ce7: int = 8,
-) -> GpuModel:
+) -> GpuProduct:
     """One GH100 board: ``names`` of the 7 profiles, ``mems`` of 1g / 1g double / 3g / 7g, ``sms`` of
     1g / 1g double / 2g / 3g / 4g / 7g. Engines (CE/DEC/JPG/OFA per g: 1/1/1/0 … 7g 8/7/7/1) are the
     H100 80GB listing's; the other boards' listings agree where they were found."""
@@ -57,7 +57,7 @@ def gh100(
            memory_mb=m8, sms=s7, ce=ce7, dec=7, enc=0, jpg=7, ofa=1, slice_sms=s1),
     )
     # fmt: on
-    return GpuModel(
+    return GpuProduct(
         key=key,
         name=name,
         memory_mb=memory_mb,

@@ -1,15 +1,15 @@
 """Rule 4: live GIs nobody claims are foreign; with adopt_existing, adopted or removed (pure).
 
-See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in order.
+See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rules in order.
 """
 
 from __future__ import annotations
 
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.ownership import live_record
-from sidecar.model.recovery.draft import PlanDraft, live_ref
-from sidecar.model.recovery.inputs import LiveGpu, LiveGpuInstance
-from sidecar.model.recovery.steps import DestroyOwned, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.actions import DestroyOwned, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.draft import PlanDraft, live_ref
+from sidecar.model.recovery_plan.inputs import LiveGpu, LiveGpuInstance
 from sidecar.model.states import enter
 from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceProfile
 

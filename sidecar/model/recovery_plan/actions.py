@@ -14,7 +14,7 @@ from sidecar.model.ownership import OwnershipRecord
 class RecoveryReport(msgspec.Struct, frozen=True):
     """Mirrors RecoverResponse.
 
-    ``Plan.report`` says what the plan would do if every step succeeded; the report ``Recovery``
+    ``Plan.report`` says what the plan would do if every step succeeded; the report ``Recoverer``
     returns says what happened (``settle_report``): an instance is listed as adopted, restored,
     removed or dropped only when that step succeeded. A step that failed is named in ``errors`` (its
     instance is ERROR, or foreign), and an instance a step left foreign is in ``preserved_foreign``."""

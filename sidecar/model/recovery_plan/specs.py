@@ -1,14 +1,14 @@
 """Rule 5: CDI specs of live owned instances are ensured, every other spec of ours removed (pure).
 
-See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in order.
+See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rules in order.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from sidecar.model.recovery.draft import LIVE_STATES, PlanDraft
-from sidecar.model.recovery.steps import EnsureCdi, Step
+from sidecar.model.recovery_plan.actions import EnsureCdi, Step
+from sidecar.model.recovery_plan.draft import LIVE_STATES, PlanDraft
 
 
 def reconcile_cdi(b: PlanDraft) -> PlanDraft:

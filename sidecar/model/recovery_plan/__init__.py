@@ -1,6 +1,6 @@
-"""Startup recovery (``docs/architecture.md``, "Recovery"): gather -> plan (pure) -> apply.
+"""Startup recovery (``docs/architecture.md``, "Recoverer"): gather -> plan (pure) -> apply.
 
-Recovery decides about hardware it did not just create, after a crash, with nothing but durable
+Recoverer decides about hardware it did not just create, after a crash, with nothing but durable
 records, pod annotations and what NVML shows. The decision is one pure function over plain values
 (``plan.plan``), so every rule is testable on plain data and *nothing* is modified unless the whole
 picture was read and verified. The modules, and the shell that runs them:
@@ -9,13 +9,13 @@ picture was read and verified. The modules, and the shell that runs them:
   the ``Action``s, ``RecoveryReport``, ``settle_report``); ``draft``: the plan being drafted, which the rules
   pass along; ``active``, ``recorded``, ``corrupt``, ``unowned``, ``specs``: rules 1-5;
   ``plan``: runs them in order. All of these are pure (a test imports them in a fresh interpreter).
-- ``sidecar.lifecycle.recover``: the imperative shell, ``Recovery``: gather (reads everything, modifies
+- ``sidecar.lifecycle.recover``: the imperative shell, ``Recoverer``: gather (reads everything, modifies
   nothing), apply (records first; a failing step puts its instance in ERROR, or leaves it foreign when it
-  turns out not to be ours), then ``Context.install``.
+  turns out not to be ours), then ``LifecycleContext.install``.
 
-This package imports nothing on its own: ``from sidecar.lifecycle.recover import Recovery``.
+This package imports nothing on its own: ``from sidecar.lifecycle.recover import Recoverer``.
 
-The rules in full (the overview: ``docs/architecture.md``, "Recovery"):
+The rules in full (the overview: ``docs/architecture.md``, "Recoverer"):
 
 1. Each active allocation must match a live GI/CI exactly: GPU, profile (name -> the GI's profile ID),
    placement, GI ID, CI ID, MIG UUID, and a single full-size CI. The record becomes ``ACTIVE`` with the

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from sidecar.model.domain import Identity, InstanceRef, Reservation, State
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.inputs import Inputs, LiveGpuInstance
-from sidecar.model.recovery.steps import Action, RemoveCdi, Step
+from sidecar.model.recovery_plan.actions import Action, RemoveCdi, Step
+from sidecar.model.recovery_plan.inputs import Inputs, LiveGpuInstance
 from sidecar.nvml.port import GpuInstanceProfile, Placement
 
 LIVE_STATES = (State.ACTIVE, State.IDLE)

@@ -1,4 +1,4 @@
-"""Recovery's planner: the rules, in the order they run, over one ``PlanDraft`` (pure).
+"""Recoverer's planner: the rules, in the order they run, over one ``PlanDraft`` (pure).
 
 An active allocation that does not match the live hardware exactly raises
 ``errors.UnverifiableState`` before a single action exists. Re-exports the plan's value types so
@@ -7,19 +7,19 @@ callers and tests import one module.
 
 from __future__ import annotations
 
-from sidecar.model.recovery.active import adopt_active
-from sidecar.model.recovery.corrupt import preserve_corrupt
-from sidecar.model.recovery.draft import PlanDraft
-from sidecar.model.recovery.hami import take_over_hami
-from sidecar.model.recovery.inputs import Inputs
-from sidecar.model.recovery.recorded import reconcile_records
-from sidecar.model.recovery.specs import reconcile_cdi
-from sidecar.model.recovery.steps import (
+from sidecar.model.recovery_plan.actions import (
     Plan,
     RecoveryReport,
     settle_report,
 )
-from sidecar.model.recovery.unowned import handle_unowned
+from sidecar.model.recovery_plan.active import adopt_active
+from sidecar.model.recovery_plan.corrupt import preserve_corrupt
+from sidecar.model.recovery_plan.draft import PlanDraft
+from sidecar.model.recovery_plan.hami import take_over_hami
+from sidecar.model.recovery_plan.inputs import Inputs
+from sidecar.model.recovery_plan.recorded import reconcile_records
+from sidecar.model.recovery_plan.specs import reconcile_cdi
+from sidecar.model.recovery_plan.unowned import handle_unowned
 
 
 def plan(inputs: Inputs) -> Plan:

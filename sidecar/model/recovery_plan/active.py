@@ -1,6 +1,6 @@
 """Rule 1: active allocations are adopted ACTIVE when they match the live hardware exactly (pure).
 
-See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in order.
+See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rules in order.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import msgspec
 from sidecar.model import errors
 from sidecar.model.domain import ActiveAllocation, Identity, State
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, live_record, record_name
-from sidecar.model.recovery.draft import PlanDraft, live_ref
-from sidecar.model.recovery.steps import Action, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.actions import Action, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.draft import PlanDraft, live_ref
 from sidecar.model.states import enter
 
 

@@ -1,15 +1,15 @@
 """Rule 2: each valid record against the live GI at exactly its placement (pure).
 
-See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in order.
+See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rules in order.
 """
 
 from __future__ import annotations
 
 from sidecar.model.domain import State
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.draft import LIVE_STATES, PlanDraft, live_ref
-from sidecar.model.recovery.inputs import LiveGpuInstance
-from sidecar.model.recovery.steps import Action, DeleteRecord, DestroyOwned, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.actions import Action, DeleteRecord, DestroyOwned, PutRecord, Reported, Step
+from sidecar.model.recovery_plan.draft import LIVE_STATES, PlanDraft, live_ref
+from sidecar.model.recovery_plan.inputs import LiveGpuInstance
 from sidecar.model.states import transition
 
 

@@ -22,8 +22,7 @@ import msgspec
 from sidecar.model.domain import State
 from sidecar.model.hami_takeover import TAKEN_OVER_FROM, Keep, TakeoverInputs, plan_takeover, pointed_at
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.model.recovery.draft import PlanDraft, live_ref
-from sidecar.model.recovery.steps import (
+from sidecar.model.recovery_plan.actions import (
     PutRecord,
     RemoveHamiRecord,
     RemoveHamiSpec,
@@ -31,6 +30,7 @@ from sidecar.model.recovery.steps import (
     ReportList,
     Step,
 )
+from sidecar.model.recovery_plan.draft import PlanDraft, live_ref
 
 
 def take_over_hami(b: PlanDraft) -> PlanDraft:

@@ -1,12 +1,12 @@
 """Rule 3: a corrupt record file is never touched; the GIs its name points at stay foreign (pure).
 
-See ``sidecar.model.recovery`` for the rule in full; ``plan`` runs the rules in order.
+See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rules in order.
 """
 
 from __future__ import annotations
 
 from sidecar.model.ownership import parse_record_name
-from sidecar.model.recovery.draft import PlanDraft, live_ref
+from sidecar.model.recovery_plan.draft import PlanDraft, live_ref
 
 
 def preserve_corrupt(b: PlanDraft) -> PlanDraft:

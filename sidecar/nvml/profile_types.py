@@ -119,7 +119,7 @@ class GiProfile(msgspec.Struct, frozen=True, kw_only=True):
         return picked
 
 
-class GpuModel(msgspec.Struct, frozen=True, kw_only=True):
+class GpuProduct(msgspec.Struct, frozen=True, kw_only=True):
     key: str  # what --sim-gpus and ``sim init`` take, e.g. "h100-80gb"
     name: str  # nvmlDeviceGetName
     memory_mb: int  # total memory, MiB
