@@ -25,7 +25,7 @@ What each function follows:
   is scored by the regions left wholly empty (more first), whether its size matches its region's
   role (matching first), its distance from the card's middle (farther first), then its start.
 * the profile: HAMi picks the smallest allow-listed profile whose memory covers the request and
-  that has a free placement, which in the trace is the one requested (why: ``bench/README.md``).
+  that has a free placement, which in the trace is the one requested (why: ``bench/HISTORY.md``, "trace.py").
 
 The helper (``rerank``) is this project's scheduler change (Go package ``schedule``): among the GPUs
 and placements HAMi found fit, on a GPU the exact IDLE placement of the requested profile first, then

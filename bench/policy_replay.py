@@ -9,7 +9,8 @@ profile's next event is an arrival, two clairvoyant ones that read the trace's f
 not policies), and a warm pool that creates idle instances in the background. Latency is the
 model's at real scale; the mean ratio is against eager, where every Allocate is one create.
 
-The rest: ``bench/README.md``, "policy_replay.py".
+The results: ``bench/README.md``; what each row is, the runs and what they showed: ``bench/HISTORY.md``,
+"policy_replay.py".
 """
 
 from __future__ import annotations

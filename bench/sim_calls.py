@@ -8,7 +8,7 @@ queries of a reuse decision (MIG mode, handle by MIG UUID, GI ID, processes), an
 (its six calls together). Prints the best of ``--repeat`` runs in microseconds.
 
 A loop on one process keeps every cache warm: inside a request each step costs about three times as
-much (``bench/README.md``, "Where the reuse time goes"), so compare two commits with this script on the
+much (``bench/HISTORY.md``, "Where the reuse time goes"), so compare two commits with this script on the
 same machine in one sitting, and read ``decision_latency.py``'s ``driver ms`` for the in-request share.
 
 Usage: ``bench/sim_calls.py [--gpus 1] [--instances 1] [--number 5000] [--repeat 5]``.

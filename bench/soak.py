@@ -11,7 +11,7 @@ hold. At the end (faults cleared, one last kill and Recover, ERROR instances giv
 time): every GI owned, every owned instance on its live GI and CI, the ACTIVE instances exactly the
 clients', no CDI file without an owner; exit 1 otherwise.
 
-The rest: ``bench/README.md``, "soak.py".
+The results: ``bench/README.md``; the runs and what they found: ``bench/HISTORY.md``, "soak.py".
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the memory slices are held on average. Events run in trace order, one RPC at a t
 Unix socket, like a plugin that allocates and releases pods one by one.
 
 The latency model, the variants (a release policy and a scheduler each), the flags and the results:
-``bench/README.md``.
+``bench/README.md``; each in detail, and the runs before: ``bench/HISTORY.md``.
 """
 
 from __future__ import annotations

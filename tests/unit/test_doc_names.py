@@ -2,8 +2,9 @@
 
 Documentation rots by naming things that were renamed or removed (the README once mapped
 ``lifecycle.py`` and ``books`` long after both were gone). This test reads the inline code spans of
-``README.md``, ``docs/*.md``, ``bench/README.md`` and ``integration/goclient/README.md`` (fenced blocks
-are examples, not references, and are skipped) and sorts each span by its shape, with one rule per shape:
+``README.md``, ``docs/*.md``, ``bench/README.md``, ``bench/HISTORY.md`` and
+``integration/goclient/README.md`` (fenced blocks are examples, not references, and are skipped) and
+sorts each span by its shape, with one rule per shape:
 
 - ``make X``: ``X`` is a target in the ``Makefile``.
 - ``--flag`` (a first word starting with two dashes): the flag appears as a quoted string in a Python
@@ -51,7 +52,13 @@ import pynvml
 import sidecar
 
 REPO = Path(sidecar.__file__).parent.parent
-DOC_GLOBS = ("README.md", "docs/*.md", "bench/README.md", "integration/goclient/README.md")
+DOC_GLOBS = (
+    "README.md",
+    "docs/*.md",
+    "bench/README.md",
+    "bench/HISTORY.md",
+    "integration/goclient/README.md",
+)
 
 # Names the documents mention that are defined outside this repository, by owner.
 FOREIGN: dict[str, frozenset[str]] = {
