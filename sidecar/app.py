@@ -254,6 +254,8 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
         xid_watcher=watcher,
     )
     servicer.on_recovered = app.on_recovered
+    if watcher is not None:
+        servicer.on_mig_enabled = watcher.include
     if idle is not None:
         servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
     return app

@@ -123,6 +123,8 @@ class MigSidecarServicer:
         self.on_recovered = on_recovered
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
+        # Called with a GPU whose MIG mode a SetMigMode left enabled (the Xid watcher watches it too).
+        self.on_mig_enabled: Callable[[str], object] = lambda _gpu_uuid: None
         self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition(threading.Lock())
@@ -368,6 +370,8 @@ class MigSidecarServicer:
                 reclaim_idle=bool(request.reclaim_idle),
                 force=bool(request.force),
             )
+            if current:
+                self.on_mig_enabled(gpu_uuid)
             return pb.SetMigModeResponse(
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
             )

@@ -7,8 +7,10 @@ goes to ``faults.apply_xid``; what it did goes to ``on_report`` (metrics, the lo
 wake-up, the health stream). A wait that fails (the driver answering an error) is logged and tried
 again after a pause: watching is best effort, never a reason to stop serving.
 
-GPUs whose MIG mode is enabled after the start are not registered (a MIG mode change needs a GPU
-reset, after which a restart of the sidecar is the usual course).
+A GPU whose MIG mode the sidecar enables later (SetMigMode; Hopper and later switch at once) is
+added by ``include``: the event set is made again over every MIG-enabled GPU, so an Xid raised in
+the few milliseconds between the old set's end and the new one's registration is missed. A mode
+changed behind the sidecar's back (``nvidia-smi``) is not seen until a restart.
 """
 
 from __future__ import annotations
@@ -42,10 +44,28 @@ class XidWatcher:
         self.watched: tuple[str, ...] = ()  # the GPUs registered
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._started = False  # ``start`` was asked for (and ``stop`` not since), watching or not
+        self._lock = threading.Lock()  # ``start``, ``include`` and ``stop`` one at a time
 
     def start(self) -> bool:
         """Register the MIG-enabled GPUs and start the thread; False (logged) when nothing can be
         watched: no MIG-enabled GPU, or the driver refused the registration."""
+        with self._lock:
+            self._started = True
+            return self._start()
+
+    def include(self, gpu_uuid: str) -> bool:
+        """Watch ``gpu_uuid`` too, now that its MIG mode is enabled: the thread is started again over
+        every MIG-enabled GPU. Nothing happens before ``start`` or for a GPU already watched; True
+        when the GPU is watched afterwards."""
+        with self._lock:
+            if not self._started or gpu_uuid in self.watched:
+                return gpu_uuid in self.watched
+            self._end_thread()
+            self._start()
+            return gpu_uuid in self.watched
+
+    def _start(self) -> bool:
         if self._thread is not None:
             return True
         try:
@@ -67,10 +87,16 @@ class XidWatcher:
 
     def stop(self) -> None:
         """End the thread (within one wait) and free the event set."""
+        with self._lock:
+            self._started = False
+            self._end_thread()
+
+    def _end_thread(self) -> None:
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self.watched = ()
 
     def _loop(self, watch: object) -> None:
         try:

@@ -210,3 +210,29 @@ def test_health_reaches_get_state_and_a_following_watch(sidecar_factory: Sidecar
     proc.send_signal(signal.SIGTERM)  # a following stream does not hold up shutdown: it ends
     assert list(follower) == []
     assert proc.wait(timeout=WAIT_S) == 0
+
+
+def test_a_gpu_whose_mig_mode_the_sidecar_enables_is_watched_too(sidecar_factory: SidecarFactory) -> None:
+    """Hopper switches MIG mode at once: an instance made right after SetMigMode is as protected as
+    one on a GPU that started with MIG enabled."""
+    car = sidecar_factory(sim_gpus="h100-80gb:2", start=False)
+    car.sim("init", "--gpus", "h100-80gb:2", "--mig-disabled")
+    car.start()
+    car.recover()
+    car.log_event("no MIG-enabled GPU: Xid events are not watched")
+    gpu = next(g for g in car.gpus() if g.index == 0)
+    answer = car.stub.SetMigMode(
+        pb.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=True), timeout=CALL_TIMEOUT_S
+    )
+    assert answer.mig_mode.current
+    assert not answer.needs_reset
+    car.log_event("watching critical Xid events on 1 GPU(s)")
+
+    idle = allocate_one(car, "pod-1", 0, "1g.10gb", 0, 1)
+    release(car, "pod-1")
+    xid(car, 0, 48, idle)
+    wait_for(car, "the faulted IDLE instance gone", lambda: record_of(car, idle) is None)
+    assert idle.gpu_instance_id not in gis(car, 0)
+    again = car.stub.SetMigMode(pb.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=True), timeout=CALL_TIMEOUT_S)
+    assert again.mig_mode.current
+    assert car.log_text().count("watching critical Xid events") == 1  # a GPU already watched: no restart
