@@ -124,7 +124,7 @@ class MigSidecarServicer:
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
         # Called with a GPU whose MIG mode a SetMigMode left enabled (the Xid watcher watches it too).
-        self.on_mig_enabled: Callable[[str], object] = lambda _gpu_uuid: None
+        self.on_mig_enabled: Callable[[str], None] = lambda _gpu_uuid: None
         self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
         # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
         self._calls = threading.Condition(threading.Lock())

@@ -54,16 +54,13 @@ class XidWatcher:
             self._started = True
             return self._start()
 
-    def include(self, gpu_uuid: str) -> bool:
+    def include(self, gpu_uuid: str) -> None:
         """Watch ``gpu_uuid`` too, now that its MIG mode is enabled: the thread is started again over
-        every MIG-enabled GPU. Nothing happens before ``start`` or for a GPU already watched; True
-        when the GPU is watched afterwards."""
+        every MIG-enabled GPU. Nothing happens before ``start`` or for a GPU already watched."""
         with self._lock:
-            if not self._started or gpu_uuid in self.watched:
-                return gpu_uuid in self.watched
-            self._end_thread()
-            self._start()
-            return gpu_uuid in self.watched
+            if self._started and gpu_uuid not in self.watched:
+                self._end_thread()
+                self._start()
 
     def _start(self) -> bool:
         if self._thread is not None:

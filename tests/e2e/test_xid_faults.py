@@ -42,6 +42,13 @@ def gis(car: Sidecar, gpu: int) -> set[int]:
     return {gi["id"] for gi in car.hardware()[gpu]["gis"]}
 
 
+def assert_destroyed(car: Sidecar, gpu: int, device: Any) -> None:
+    """Gone everywhere: the hardware, the record and its CDI spec."""
+    assert record_of(car, device) is None
+    assert device.gpu_instance_id not in gis(car, gpu)
+    assert not any(device.mig_uuid in name for name in car.cdi_files())
+
+
 def xid(car: Sidecar, gpu: int, code: int, device: Any | None = None) -> None:
     where = (
         ()
@@ -67,10 +74,7 @@ def test_an_active_instance_hit_by_an_xid_is_destroyed_at_its_release_never_idle
     assert record_of(car, other)["xid"] == 0  # type: ignore[index]  # another GI of that GPU
 
     assert [r.mig_uuid for r in release(car, "pod-hit")] == [hit.mig_uuid]
-    # Gone by the time Release answered: the hardware, the record and its CDI spec.
-    assert record_of(car, hit) is None
-    assert hit.gpu_instance_id not in gis(car, 0)
-    assert not any(hit.mig_uuid in name for name in car.cdi_files())
+    assert_destroyed(car, 0, hit)  # by the time Release answered
     # The next pod asking for that placement gets a fresh instance, never the faulted one.
     again = allocate_one(car, "pod-next", 0, "1g.10gb", 0, 1)
     assert again.mig_uuid != hit.mig_uuid
@@ -98,8 +102,7 @@ def test_an_idle_instance_hit_by_an_xid_is_never_reused_and_the_reconciler_destr
 
     car.sim("faults", "--clear")
     wait_for(car, "the reconciler destroyed it", lambda: record_of(car, idle) is None)
-    assert idle.gpu_instance_id not in gis(car, 0)
-    assert not any(idle.mig_uuid in name for name in car.cdi_files())
+    assert_destroyed(car, 0, idle)
     assert record_of(car, fresh)["state"] == "ACTIVE"  # type: ignore[index]
 
 
@@ -232,7 +235,7 @@ def test_a_gpu_whose_mig_mode_the_sidecar_enables_is_watched_too(sidecar_factory
     release(car, "pod-1")
     xid(car, 0, 48, idle)
     wait_for(car, "the faulted IDLE instance gone", lambda: record_of(car, idle) is None)
-    assert idle.gpu_instance_id not in gis(car, 0)
+    assert_destroyed(car, 0, idle)
     again = car.stub.SetMigMode(pb.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=True), timeout=CALL_TIMEOUT_S)
     assert again.mig_mode.current
     assert car.log_text().count("watching critical Xid events") == 1  # a GPU already watched: no restart
