@@ -4,12 +4,12 @@
 One ``python -m sidecar serve`` on ``--gpus`` simulated H100-80GB, files on /dev/shm (``--disk``
 runs everything a second time on disk and prints that table beside), recovered, then:
 
-1. idle: ``--checks`` health Checks one after the other (their p99 is the baseline), and
+1. idle: ``--checks`` health Checks, paced as under load (their p99 is the baseline), and
    ``--rounds`` rounds of ALREADY_ALLOCATED and a reuse Allocate on one placement (their p50s);
 2. load without streams: GI create and destroy made to take ``--op-seconds`` (the simulator's
    latency knob), ``--clients`` clients each on a placement of its own, in a loop: Allocate (a GI
    created), Release, ReclaimIdle (the GI destroyed), for ``--seconds``; a prober sends a health
-   Check every ``PROBE_EVERY_S`` with the probe's 5 s deadline;
+   Check every ``PROBE_EVERY_S`` with the probe's 5 s deadline, from a process of its own;
 3. the same load with ``--followers`` following ``WatchHealth`` streams on one channel and
    ``--lone-followers`` more, each on a channel of its own, open throughout.
 
@@ -124,13 +124,7 @@ class Sidecar:
 
 def idle_figures(car: Sidecar, checks: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
     """Health Check latencies, then ALREADY_ALLOCATED's and the reuse Allocate's, on an idle sidecar."""
-    health = health_pb2_grpc.HealthStub(car.channel)
-    check = health_pb2.HealthCheckRequest(service="")
-    timed: list[float] = []
-    for _ in range(checks):
-        started = time.perf_counter()
-        health.Check(check, timeout=PROBE_DEADLINE_S)
-        timed.append(time.perf_counter() - started)
+    timed = Prober(car.socket, checks, PROBE_EVERY_S).results()  # paced as under load: each wakes the sidecar
     held: list[float] = []
     reused: list[float] = []
     gpu = car.gpus[0]
@@ -186,20 +180,44 @@ def client(car: Sidecar, index: int, stop: threading.Event, phase: Phase, tag: s
                     time.sleep(0.05)
 
 
-def prober(car: Sidecar, stop: threading.Event, phase: Phase) -> None:
-    channel = car.connect()
+class Prober:
+    """Health Checks from a process of its own (``--probe``): in this one they would wait for the
+    interpreter lock behind the clients' threads, and time the harness, not the sidecar. A Check past
+    the probe's deadline is timed at the deadline."""
+
+    def __init__(self, socket: Path, count: int, every: float) -> None:
+        command = [sys.executable, __file__, "--probe", str(socket), str(count), str(every)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the prober did not start")
+
+    def results(self) -> list[float]:
+        """Stop probing (stdin closed) and the latencies, in seconds."""
+        out, _ = self.proc.communicate(timeout=120)
+        return [float(x) for x in out.split()]
+
+
+def probe_main(socket: str, count: int, every: float) -> int:
+    """The prober process: ``count`` Checks (0: until stdin closes), ``every`` seconds apart."""
+    channel = grpc.insecure_channel(f"unix://{socket}")
+    grpc.channel_ready_future(channel).result(timeout=60)
     health = health_pb2_grpc.HealthStub(channel)
     check = health_pb2.HealthCheckRequest(service="")
-    while not stop.wait(PROBE_EVERY_S):
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    print("ready", flush=True)
+    timed: list[float] = []
+    while len(timed) < count if count else not stop.wait(every):
         started = time.perf_counter()
         try:
             health.Check(check, timeout=PROBE_DEADLINE_S)
         except grpc.RpcError:
-            phase.missed_checks += 1
-            phase.checks.append(PROBE_DEADLINE_S)
+            timed.append(PROBE_DEADLINE_S)
             continue
-        phase.checks.append(time.perf_counter() - started)
-    channel.close()
+        timed.append(time.perf_counter() - started)
+    print("\n".join(f"{t:.6f}" for t in timed))
+    return 0
 
 
 @dataclass
@@ -229,14 +247,16 @@ def load(car: Sidecar, clients: int, seconds: float, tag: str) -> Phase:
     phase = Phase()
     stop = threading.Event()
     threads = [threading.Thread(target=client, args=(car, i, stop, phase, tag)) for i in range(clients)]
-    probe = threading.Thread(target=prober, args=(car, stop, phase))
+    prober = Prober(car.socket, 0, PROBE_EVERY_S)
     started = time.perf_counter()
-    for t in [*threads, probe]:
+    for t in threads:
         t.start()
     time.sleep(seconds)
     stop.set()
     phase.seconds = time.perf_counter() - started
-    for t in [*threads, probe]:
+    phase.checks = prober.results()
+    phase.missed_checks = sum(1 for t in phase.checks if t >= PROBE_DEADLINE_S)
+    for t in threads:
         t.join()
     return phase
 
@@ -276,6 +296,13 @@ def rows(run: Run) -> Iterator[tuple[str, str]]:
     load99 = percentile(run.streams.checks, 0.99)
     plain99 = percentile(run.plain.checks, 0.99)
     yield "health Check p99 idle", f"{idle99 * 1e3:.2f} ms"
+    yield (
+        "health Check p50 idle / without / with streams",
+        " / ".join(
+            f"{percentile(c, 0.5) * 1e3:.2f}" for c in (run.idle_checks, run.plain.checks, run.streams.checks)
+        )
+        + " ms",
+    )
     yield "health Check p99, load without streams", f"{plain99 * 1e3:.2f} ms ({plain99 / idle99:.1f}x idle)"
     yield (
         "health Check p99, load with streams",
@@ -305,6 +332,8 @@ def rows(run: Run) -> Iterator[tuple[str, str]]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--probe"]:
+        return probe_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--gpus", type=int, default=10, help="simulated H100s (default 10: a placement per client)"
@@ -316,7 +345,7 @@ def main() -> int:
     )
     parser.add_argument("--followers", type=int, default=50, help="following streams on one channel")
     parser.add_argument("--lone-followers", type=int, default=20, help="following streams, a channel each")
-    parser.add_argument("--checks", type=int, default=300, help="health Checks on the idle sidecar")
+    parser.add_argument("--checks", type=int, default=100, help="health Checks on the idle sidecar")
     parser.add_argument("--rounds", type=int, default=100, help="reuse / ALREADY_ALLOCATED rounds")
     parser.add_argument("--disk", action="store_true", help="run again with the files on disk, side by side")
     args = parser.parse_args()
