@@ -202,10 +202,15 @@ def probe_main(socket: str, count: int, every: float) -> int:
     """The prober process: ``count`` Checks (0: until stdin closes), ``every`` seconds apart."""
     channel = grpc.insecure_channel(f"unix://{socket}")
     grpc.channel_ready_future(channel).result(timeout=60)
-    health = health_pb2_grpc.HealthStub(channel)
+    health: Any = health_pb2_grpc.HealthStub(channel)  # typed without its methods
     check = health_pb2.HealthCheckRequest(service="")
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def until_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=until_stdin_closes, daemon=True).start()
     print("ready", flush=True)
     timed: list[float] = []
     while len(timed) < count if count else not stop.wait(every):

@@ -79,7 +79,7 @@ def client(stub: Any, gpu: str, start: int, name: str, stop: threading.Event, se
 
 
 def prober(channel: grpc.Channel, stop: threading.Event, seen: Outcomes) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
+    health: Any = health_pb2_grpc.HealthStub(channel)  # typed without its methods
     while not stop.wait(0.2):
         try:
             status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=PROBE_DEADLINE_S).status
