@@ -160,9 +160,11 @@ def test_a_call_past_the_admitted_ones_is_refused_overloaded_and_changes_nothing
         held = [threading.Thread(target=allocate, args=(f"held{i}", i)) for i in range(2)]
         for t in held:
             t.start()
-        while servicer.admission.held < 2:
+        # The simulator makes the GI, then sleeps out the latency: once the GI is there, the one worker
+        # sleeps inside create-gi and the other held call waits for it; nothing moves until lifted.
+        while servicer.admission.held < 2 or not any(g.gis for g in hardware.layouts()):
             threading.Event().wait(0.01)
-        before = files_and_hardware()  # the held calls stand still now, inside or before create-gi
+        before = files_and_hardware()
         for start in (2, 3):
             try:
                 car.stub.Allocate(allocate_request(gpu, f"late{start}", start), timeout=CALL_TIMEOUT_S)
