@@ -1,84 +1,97 @@
 """``WatchHealth``: each owned instance's health as it stands, then every change, to each watcher.
 
-The Xid watcher publishes the records a fault changed (``publish``); every following stream has its
-own bounded queue, so a slow client never holds up the watcher: when its queue is full the stream
-ends with RESOURCE_EXHAUSTED and the client watches again (it gets the current state first, so it
-misses nothing). A stream without ``follow`` ends after the current state, like a GetState. A stream
-does not go through the servicer's in-flight count: shutdown ends every stream (``close``) before
-the server drains instead of waiting for it, as a stream would otherwise outlive its grace.
-A stream holds one worker thread of the server while it follows.
+A stream is an async generator on the edge's event loop (``sidecar.edge.server``): while it waits
+for a change it holds no thread, so any number of followers leave the calls and the health Check
+their turn. The Xid watcher publishes the records a fault changed (``publish``, from its own
+thread) onto the loop; every following stream has its own bounded backlog, so a slow client never
+holds up the watcher: when its backlog is full the stream ends with RESOURCE_EXHAUSTED and the
+client watches again (it gets the current state first, so it misses nothing). A stream without
+``follow`` ends after the current state, like a GetState. A client that goes away cancels its
+stream's task, which ends it at once. Shutdown ends every stream (``close``) before the server
+stops, as a stream would otherwise last out the grace period.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
-import queue
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import encode
+from sidecar.edge.wire import Context
 from sidecar.model.ownership import OwnershipRecord
 
 QUEUE_SIZE = 1024  # updates a following stream may lag behind before it is ended
-POLL_S = 0.5  # how often a waiting stream looks whether its client has gone
-_CLOSED = object()
+
+
+class _Follower:
+    """One following stream's backlog; touched on the loop only."""
+
+    def __init__(self) -> None:
+        self.backlog: collections.deque[OwnershipRecord] = collections.deque()
+        self.wake = asyncio.Event()
+        self.lagged = False
+        self.closed = False
 
 
 class HealthFeed:
     def __init__(self, instances: Callable[[], Sequence[OwnershipRecord]]) -> None:
         self._instances = instances
-        self._lock = threading.Lock()
-        self._queues: set[queue.Queue[object]] = set()
+        self._followers: set[_Follower] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The loop the streams are served on (the server's, once it starts)."""
+        self._loop = loop
+
     def publish(self, changed: Sequence[OwnershipRecord]) -> None:
-        """Hand the changed records to every following stream (never blocks)."""
-        with self._lock:
-            queues = list(self._queues)
-        for q in queues:
-            for record in changed:
-                try:
-                    q.put_nowait(record)
-                except queue.Full:
-                    break  # that stream ends at its next look (``serve``)
+        """Hand the changed records to every following stream (any thread; never blocks)."""
+        if self._loop is None:
+            return  # not serving yet: nobody follows
+        with contextlib.suppress(RuntimeError):  # the loop closed: the sidecar has stopped
+            self._loop.call_soon_threadsafe(self._deliver, tuple(changed))
+
+    def _deliver(self, changed: tuple[OwnershipRecord, ...]) -> None:
+        for follower in self._followers:
+            if len(follower.backlog) + len(changed) > QUEUE_SIZE:
+                follower.lagged = True  # that stream ends at its next look (``serve``)
+            else:
+                follower.backlog.extend(changed)
+            follower.wake.set()
 
     def close(self) -> None:
-        """End every stream (shutdown)."""
-        with self._lock:
-            self._closed = True
-            queues = list(self._queues)
-        for q in queues:
-            with contextlib.suppress(queue.Full):  # a full one is ended for lagging anyway
-                q.put_nowait(_CLOSED)
+        """End every stream (shutdown; on the loop)."""
+        self._closed = True
+        for follower in self._followers:
+            follower.closed = True
+            follower.wake.set()
 
-    def serve(self, follow: bool, context: grpc.ServicerContext) -> Iterator[pb.InstanceHealthUpdate]:
+    async def serve(self, follow: bool, context: Context) -> AsyncIterator[pb.InstanceHealthUpdate]:
         """The updates of one ``WatchHealth`` call."""
-        q: queue.Queue[object] = queue.Queue(QUEUE_SIZE)
+        follower = _Follower()
         if follow:
-            with self._lock:
-                if self._closed:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "WatchHealth: the sidecar is shutting down")
-                self._queues.add(q)
+            if self._closed:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "WatchHealth: the sidecar is shutting down")
+            self._followers.add(follower)
         try:
             for record in sorted(self._instances(), key=lambda r: r.name):
                 yield encode.encode_health(record, current=True)
-            while follow and context.is_active():
-                if q.full():
-                    context.abort(
+            while follow:
+                await follower.wake.wait()
+                follower.wake.clear()
+                if follower.lagged:
+                    await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
                         "WatchHealth: the stream fell too far behind; watch again for the current state",
                     )
-                try:
-                    item = q.get(timeout=POLL_S)
-                except queue.Empty:
-                    continue
-                if item is _CLOSED:
+                while follower.backlog:
+                    yield encode.encode_health(follower.backlog.popleft(), current=False)
+                if follower.closed:
                     return
-                assert isinstance(item, OwnershipRecord)
-                yield encode.encode_health(item, current=False)
         finally:
-            with self._lock:
-                self._queues.discard(q)
+            self._followers.discard(follower)

@@ -1,5 +1,15 @@
 """The gRPC edge: decode request protos into domain values, call the lifecycle, encode the answers.
 
+How it serves, so that the work of one caller cannot take another's turn: grpcio's asyncio server,
+its handlers on one event loop in a thread of its own (``SidecarServer``). What answers from memory
+runs on the loop itself and never waits for a thread: the health Check (the liveness probe's),
+``GetInfo`` and the ``WatchHealth`` streams, which hold no thread while they follow
+(``health_feed``). Every other call does blocking work (NVML, fsynced writes, per-GPU locks) and
+goes through ``admission``: a fixed pool of worker threads that holds a bounded number of calls and
+refuses the next one RESOURCE_EXHAUSTED (reason OVERLOADED) at once, which the Go client retries
+with backoff. One pool of threads for everything, as before, let 16 following streams take every
+thread, and let a busy node's Allocates queue the probe's Check past its deadline.
+
 This is the only module that speaks gRPC; ``decode`` and ``encode`` hold the pure
 proto <-> domain translations it uses. It validates requests before anything else
 sees them (a malformed request never reaches the lifecycle, so INVALID_REQUEST wins over the
@@ -20,20 +30,20 @@ server reflection, so ``grpcurl`` works without the .proto file.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import NoReturn, TypeVar
 
 import grpc
 import msgspec
 from google.protobuf import any_pb2
-from google.protobuf.message import Message
 from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
@@ -41,10 +51,11 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 import sidecar
 from sidecar.edge import decode, encode
+from sidecar.edge.admission import DEFAULT_WORKERS, Admission, ShuttingDown
 from sidecar.edge.health_feed import HealthFeed
 from sidecar.edge.limits import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, bounded_metadata, truncate_utf8
 from sidecar.edge.metrics import Metrics
-from sidecar.edge.wire import Undecodable, register
+from sidecar.edge.wire import Context, register
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.liveness import Liveness
 from sidecar.lifecycle.logs import event
@@ -57,12 +68,9 @@ log = logging.getLogger(__name__)
 ERROR_DOMAIN = "migsidecar.hami.io"
 API_VERSION = "v1"
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MigSidecar"].full_name
-DEFAULT_WORKERS = 16
 UNKNOWN_SHOWN = 8  # unknown profile names quoted in an UNKNOWN_PROFILE error; the rest are counted
 
 _T = TypeVar("_T")
-_Request = TypeVar("_Request", bound=Message)
-_Response = TypeVar("_Response")  # a response message, or an iterator of them for a stream
 
 
 class ServerInfo(msgspec.Struct, frozen=True):
@@ -115,6 +123,8 @@ class MigSidecarServicer:
         info: ServerInfo,
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,
+        *,
+        workers: int = DEFAULT_WORKERS,
     ) -> None:
         self.lifecycle = lifecycle
         self.recovery = recovery
@@ -126,70 +136,35 @@ class MigSidecarServicer:
         # Called with a GPU whose MIG mode a SetMigMode left enabled (the Xid watcher watches it too).
         self.on_mig_enabled: Callable[[str], None] = lambda _gpu_uuid: None
         self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
-        # The calls inside ``_handle`` right now, so shutdown can wait for them (see ``drain``).
-        self._calls = threading.Condition(threading.Lock())
-        self._in_flight = 0
-        self._draining = False
+        self.admission = Admission(workers)  # the threads the blocking calls run on, and their bound
 
-    def drain(self) -> None:
-        """Refuse calls from now on and return once no call is inside a handler any more.
+    async def refuse_undecodable(self, method: str, why: str, context: Context) -> NoReturn:
+        """Answer INVALID_REQUEST for a body that did not decode (``wire.Undecodable``)."""
 
-        gRPC's ``stop(grace)`` stops answering after the grace period but does not stop handler
-        threads: a call past it still creates GI/CI and writes records. Shutdown waits here before it
-        closes NVML and releases the state directory lock, so no handler outlives either. No bound of
-        our own: the pod's termination grace period kills the process, and every step is crash-safe."""
-        with self._calls:
-            self._draining = True
-            running = self._in_flight
-        if running:
-            event(log, logging.INFO, "waiting for in-flight calls", calls=running)
-        with self._calls:
-            self._calls.wait_for(lambda: self._in_flight == 0)
+        def refuse() -> NoReturn:
+            raise InvalidRequest(
+                f"{method}: the request body does not decode: {decode.quote_clipped(why, 200)}",
+                {"field": ""},
+            )
 
-    def refusing_undecodable(
-        self, method: str, behaviour: Callable[[_Request, grpc.ServicerContext], _Response]
-    ) -> Callable[[_Request | Undecodable, grpc.ServicerContext], _Response]:
-        """``behaviour``, answering INVALID_REQUEST for a body that did not decode (``Undecodable``)."""
+        await self._handle(method, context, refuse, blocking=False)
+        raise AssertionError("unreachable: _handle aborts the call")  # pragma: no cover
 
-        def call(request: _Request | Undecodable, context: grpc.ServicerContext) -> _Response:
-            if not isinstance(request, Undecodable):
-                return behaviour(request, context)
-            why = request.why
-
-            def refuse() -> NoReturn:
-                raise InvalidRequest(
-                    f"{method}: the request body does not decode: {decode.quote_clipped(why, 200)}",
-                    {"field": ""},
-                )
-
-            return self._handle(method, context, refuse)
-
-        return call
-
-    # Every RPC goes through here: one place for error mapping, the INTERNAL fallback and latency.
-    def _handle(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
-        with self._calls:
-            refused = self._draining
-            if not refused:
-                self._in_flight += 1
-        if refused:
-            # Only a call that reached its thread as the server stopped gets here; gRPC answers the
-            # others itself, with this same status, which the client takes as "sidecar restarting".
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: the sidecar is shutting down")
-        try:
-            return self._answer(method, context, call)
-        finally:
-            with self._calls:
-                self._in_flight -= 1
-                if self._draining:  # only ``drain`` waits, and only once it has set ``_draining``
-                    self._calls.notify_all()
-
-    def _answer(self, method: str, context: grpc.ServicerContext, call: Callable[[], _T]) -> _T:
+    # Every RPC goes through here: one place for admission, error mapping, the INTERNAL fallback
+    # and latency. ``blocking=False`` runs ``call`` on the loop: only for what answers from memory.
+    async def _handle(
+        self, method: str, context: Context, call: Callable[[], _T], *, blocking: bool = True
+    ) -> _T:
         started = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
             try:
-                return call()
+                return await self.admission.run(method, call) if blocking else call()
+            except ShuttingDown:
+                # Only a call that reached its handler as the server stopped gets here; gRPC answers
+                # the others itself, with this same status, which the client takes as "sidecar restarting".
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, f"{method}: the sidecar is shutting down")
             except SidecarError as err:
                 code = grpc.StatusCode[err.code.name]
                 event(log, logging.INFO, "rpc failed", method=method, reason=err.reason, error=err.message)
@@ -198,12 +173,12 @@ class MigSidecarServicer:
                 code = grpc.StatusCode.INTERNAL
                 event(log, logging.ERROR, "rpc crashed", method=method, exc_info=True)
                 status = internal_status(method)
-            context.abort_with_status(rpc_status.to_status(status))
+            await context.abort_with_status(rpc_status.to_status(status))
         finally:
             self.metrics.observe_rpc(method, code.name, time.perf_counter() - started)
 
-    def GetInfo(  # noqa: N802 - gRPC method name
-        self, request: pb.GetInfoRequest, context: grpc.ServicerContext
+    async def GetInfo(  # noqa: N802 - gRPC method name
+        self, request: pb.GetInfoRequest, context: Context
     ) -> pb.GetInfoResponse:
         def answer() -> pb.GetInfoResponse:
             message = pb.GetInfoResponse(
@@ -219,10 +194,10 @@ class MigSidecarServicer:
             message.started_at.FromDatetime(self.info.started_at)
             return message
 
-        return self._handle("GetInfo", context, answer)
+        return await self._handle("GetInfo", context, answer, blocking=False)
 
-    def ListGpus(  # noqa: N802
-        self, request: pb.ListGpusRequest, context: grpc.ServicerContext
+    async def ListGpus(  # noqa: N802
+        self, request: pb.ListGpusRequest, context: Context
     ) -> pb.ListGpusResponse:
         def answer() -> pb.ListGpusResponse:
             with nvml_errors("listing GPUs failed"):
@@ -231,10 +206,10 @@ class MigSidecarServicer:
                 gpus=[encode.encode_gpu(gpu, self.lifecycle.gpu_busy(gpu.uuid)) for gpu in gpus]
             )
 
-        return self._handle("ListGpus", context, answer)
+        return await self._handle("ListGpus", context, answer)
 
-    def DiscoverProfiles(  # noqa: N802
-        self, request: pb.DiscoverProfilesRequest, context: grpc.ServicerContext
+    async def DiscoverProfiles(  # noqa: N802
+        self, request: pb.DiscoverProfilesRequest, context: Context
     ) -> pb.DiscoverProfilesResponse:
         def answer() -> pb.DiscoverProfilesResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
@@ -271,10 +246,10 @@ class MigSidecarServicer:
                 ]
             )
 
-        return self._handle("DiscoverProfiles", context, answer)
+        return await self._handle("DiscoverProfiles", context, answer)
 
-    def Allocate(  # noqa: N802
-        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    async def Allocate(  # noqa: N802
+        self, request: pb.AllocateRequest, context: Context
     ) -> pb.AllocateResponse:
         def answer() -> pb.AllocateResponse:
             started = time.perf_counter()
@@ -297,10 +272,10 @@ class MigSidecarServicer:
             message.generation = self.lifecycle.generation
             return message
 
-        return self._handle("Allocate", context, answer)
+        return await self._handle("Allocate", context, answer)
 
-    def Release(  # noqa: N802
-        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    async def Release(  # noqa: N802
+        self, request: pb.ReleaseRequest, context: Context
     ) -> pb.ReleaseResponse:
         def answer() -> pb.ReleaseResponse:
             decode.pod_uid(request.pod_uid, "request", "pod_uid")
@@ -308,10 +283,10 @@ class MigSidecarServicer:
             self.on_change()
             return pb.ReleaseResponse(released=[encode.encode_ref(ref) for ref in released])
 
-        return self._handle("Release", context, answer)
+        return await self._handle("Release", context, answer)
 
-    def SyncActive(  # noqa: N802
-        self, request: pb.SyncActiveRequest, context: grpc.ServicerContext
+    async def SyncActive(  # noqa: N802
+        self, request: pb.SyncActiveRequest, context: Context
     ) -> pb.SyncActiveResponse:
         def answer() -> pb.SyncActiveResponse:
             active = decode.active(request.active)
@@ -323,10 +298,10 @@ class MigSidecarServicer:
                 generation=self.lifecycle.generation,
             )
 
-        return self._handle("SyncActive", context, answer)
+        return await self._handle("SyncActive", context, answer)
 
-    def Recover(  # noqa: N802
-        self, request: pb.RecoverRequest, context: grpc.ServicerContext
+    async def Recover(  # noqa: N802
+        self, request: pb.RecoverRequest, context: Context
     ) -> pb.RecoverResponse:
         def answer() -> pb.RecoverResponse:
             active = decode.active(request.active)
@@ -334,22 +309,23 @@ class MigSidecarServicer:
             self.on_recovered()
             return encode.encode_report(report)
 
-        return self._handle("Recover", context, answer)
+        return await self._handle("Recover", context, answer)
 
-    def WatchHealth(  # noqa: N802
-        self, request: pb.WatchHealthRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.InstanceHealthUpdate]:
-        """Not through ``_handle``: a following stream lives as long as its client, and shutdown
-        ends it (``HealthFeed.close``) instead of waiting for it."""
-        return self.health_feed.serve(bool(request.follow), context)
+    async def WatchHealth(  # noqa: N802
+        self, request: pb.WatchHealthRequest, context: Context
+    ) -> AsyncIterator[pb.InstanceHealthUpdate]:
+        """Not through ``_handle``: a following stream lives as long as its client, holds no worker
+        thread, and shutdown ends it (``HealthFeed.close``) instead of waiting for it."""
+        async for update in self.health_feed.serve(bool(request.follow), context):
+            yield update
 
-    def GetState(  # noqa: N802
-        self, request: pb.GetStateRequest, context: grpc.ServicerContext
+    async def GetState(  # noqa: N802
+        self, request: pb.GetStateRequest, context: Context
     ) -> pb.GetStateResponse:
-        return self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
+        return await self._handle("GetState", context, lambda: encode.encode_state(self.lifecycle.snapshot()))
 
-    def RankPlacements(  # noqa: N802
-        self, request: pb.RankPlacementsRequest, context: grpc.ServicerContext
+    async def RankPlacements(  # noqa: N802
+        self, request: pb.RankPlacementsRequest, context: Context
     ) -> pb.RankPlacementsResponse:
         def answer() -> pb.RankPlacementsResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
@@ -357,10 +333,10 @@ class MigSidecarServicer:
             ranked = self.lifecycle.rank_placements(gpu_uuid, profile)
             return pb.RankPlacementsResponse(placements=[encode.encode_ranked(gpu_uuid, r) for r in ranked])
 
-        return self._handle("RankPlacements", context, answer)
+        return await self._handle("RankPlacements", context, answer)
 
-    def SetMigMode(  # noqa: N802
-        self, request: pb.SetMigModeRequest, context: grpc.ServicerContext
+    async def SetMigMode(  # noqa: N802
+        self, request: pb.SetMigModeRequest, context: Context
     ) -> pb.SetMigModeResponse:
         def answer() -> pb.SetMigModeResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
@@ -376,10 +352,10 @@ class MigSidecarServicer:
                 mig_mode=pb.MigMode(current=current, pending=pending), needs_reset=needs_reset
             )
 
-        return self._handle("SetMigMode", context, answer)
+        return await self._handle("SetMigMode", context, answer)
 
-    def UndoAllocate(  # noqa: N802
-        self, request: pb.UndoAllocateRequest, context: grpc.ServicerContext
+    async def UndoAllocate(  # noqa: N802
+        self, request: pb.UndoAllocateRequest, context: Context
     ) -> pb.UndoAllocateResponse:
         def answer() -> pb.UndoAllocateResponse:
             pod_uid = decode.pod_uid(request.pod_uid, "request", "pod_uid")
@@ -389,10 +365,10 @@ class MigSidecarServicer:
                 idled=[encode.encode_ref(ref) for ref in idled],
             )
 
-        return self._handle("UndoAllocate", context, answer)
+        return await self._handle("UndoAllocate", context, answer)
 
-    def UndoDevice(  # noqa: N802
-        self, request: pb.UndoDeviceRequest, context: grpc.ServicerContext
+    async def UndoDevice(  # noqa: N802
+        self, request: pb.UndoDeviceRequest, context: Context
     ) -> pb.UndoDeviceResponse:
         def answer() -> pb.UndoDeviceResponse:
             mig_uuid = decode.mig_uuid(request.mig_uuid, "request.mig_uuid")
@@ -406,10 +382,10 @@ class MigSidecarServicer:
                 self.on_change()
             return encode.encode_device_undo(done, self.lifecycle.generation)
 
-        return self._handle("UndoDevice", context, answer)
+        return await self._handle("UndoDevice", context, answer)
 
-    def ReclaimIdle(  # noqa: N802
-        self, request: pb.ReclaimIdleRequest, context: grpc.ServicerContext
+    async def ReclaimIdle(  # noqa: N802
+        self, request: pb.ReclaimIdleRequest, context: Context
     ) -> pb.ReclaimIdleResponse:
         def answer() -> pb.ReclaimIdleResponse:
             gpu_uuid = decode.gpu_uuid(request.gpu_uuid, "request")
@@ -420,88 +396,117 @@ class MigSidecarServicer:
                 kept=[encode.encode_ref(ref) for ref in done.kept],
             )
 
-        return self._handle("ReclaimIdle", context, answer)
+        return await self._handle("ReclaimIdle", context, answer)
 
 
-class _CheckedHealth(health.HealthServicer):
-    """grpc's health servicer, with the statuses brought up to date before each Check answers."""
+class _CheckedHealth(health_aio.HealthServicer):
+    """grpc's asyncio health servicer, with the statuses brought up to date before each Check answers."""
 
-    def __init__(self, refresh: Callable[[], None]) -> None:
-        super().__init__(experimental_non_blocking=True)
+    def __init__(self, refresh: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
         self._refresh = refresh
 
-    def Check(  # noqa: N802 - gRPC method name
-        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    async def Check(  # noqa: N802 - gRPC method name
+        self, request: health_pb2.HealthCheckRequest, context: Context
     ) -> health_pb2.HealthCheckResponse:
-        self._refresh()
-        return super().Check(request, context)
+        await self._refresh()
+        answer: health_pb2.HealthCheckResponse = await super().Check(request, context)
+        return answer
 
 
 class SidecarServer:
-    """The gRPC server on one Unix socket: MigSidecar, health and reflection, on a thread pool.
+    """The gRPC server on one Unix socket: MigSidecar, health and reflection, on an event loop.
 
-    The thread pool lets GPUs proceed in parallel; the lifecycle serializes per GPU. Socket-file
-    housekeeping (directory, stale file, mode) belongs to the composition root, which holds the state
-    directory lock while doing it.
+    The loop runs on a thread of its own (the main thread waits for signals, ``sidecar.app``); the
+    servicer's admission lets GPUs proceed in parallel, and the lifecycle serializes per GPU.
+    Socket-file housekeeping (directory, stale file, mode) belongs to the composition root, which
+    holds the state directory lock while doing it.
     """
 
-    def __init__(
-        self,
-        servicer: MigSidecarServicer,
-        max_workers: int = DEFAULT_WORKERS,
-        liveness: Liveness | None = None,
-    ) -> None:
+    def __init__(self, servicer: MigSidecarServicer, liveness: Liveness | None = None) -> None:
         self.servicer = servicer
         self.liveness = liveness
         self._recovered = False
         self._stuck: tuple[str, float] | None = None
-        self._health_lock = threading.Lock()
-        self.health = _CheckedHealth(self.refresh_health)
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        self.health = _CheckedHealth(self._refresh_health)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+
+    def mark_recovered(self) -> None:
+        """Health follows recovery from now on (called from a worker thread, by ``Recover``)."""
+        self._recovered = True
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._refresh_health(), self._loop).result()
+
+    async def _refresh_health(self) -> None:
+        """Set both health services from recovery and liveness (logged when liveness changes)."""
+        stuck = self.liveness.stuck() if self.liveness is not None else None
+        was, self._stuck = self._stuck, stuck
+        if (was is None) != (stuck is None):
+            if stuck is not None:
+                part, age = stuck
+                event(log, logging.ERROR, "stuck: health NOT_SERVING", part=part, seconds=round(age, 1))
+            else:
+                event(log, logging.INFO, "no longer stuck: health SERVING")
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await self.health.set("", not_serving if stuck else serving)
+        await self.health.set(SERVICE_NAME, serving if self._recovered and not stuck else not_serving)
+
+    def _on_loop(self, work: Coroutine[object, None, _T]) -> _T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+
+    def start(self, socket_path: str) -> None:
+        """Bind ``unix://socket_path`` and start answering. Raises RuntimeError if the bind fails."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="edge", daemon=True)
+        self._thread.start()
+        try:
+            self._on_loop(self._start(socket_path))
+        except BaseException:
+            self._end_loop()
+            raise
+
+    async def _start(self, socket_path: str) -> None:
+        loop = asyncio.get_running_loop()
+        self.servicer.health_feed.bind(loop)
+        self._server = grpc.aio.server(
             # Exactly what the largest valid request needs (``limits``); above it the transport
             # answers RESOURCE_EXHAUSTED before any handler runs.
             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
         )
-        register(servicer, self._server)
+        register(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    def mark_recovered(self) -> None:
-        self._recovered = True
-        self.refresh_health()
-
-    def refresh_health(self) -> None:
-        """Set both health services from recovery and liveness (logged when liveness changes)."""
-        stuck = self.liveness.stuck() if self.liveness is not None else None
-        with self._health_lock:
-            was, self._stuck = self._stuck, stuck
-            if (was is None) != (stuck is None):
-                if stuck is not None:
-                    part, age = stuck
-                    event(log, logging.ERROR, "stuck: health NOT_SERVING", part=part, seconds=round(age, 1))
-                else:
-                    event(log, logging.INFO, "no longer stuck: health SERVING")
-            serving, not_serving = (
-                health_pb2.HealthCheckResponse.SERVING,
-                health_pb2.HealthCheckResponse.NOT_SERVING,
-            )
-            self.health.set("", not_serving if stuck else serving)
-            self.health.set(SERVICE_NAME, serving if self._recovered and not stuck else not_serving)
-
-    def start(self, socket_path: str) -> None:
-        """Bind ``unix://socket_path`` and start answering. Raises RuntimeError if the bind fails."""
+        await self._refresh_health()
         self._server.add_insecure_port(f"unix://{socket_path}")
-        self._server.start()
+        await self._server.start()
 
     def stop(self, grace_s: float) -> None:
         """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
-        towards their clients; return only once every handler has returned (``drain``)."""
-        self.health.enter_graceful_shutdown()
+        towards their clients; return only once no admitted call runs any more (``Admission.close``)."""
+        if self._loop is None:
+            return
+        self._on_loop(self._stop(grace_s))
+        self.servicer.admission.close()
+        self._end_loop()
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
         self.servicer.health_feed.close()  # following WatchHealth streams end now, not at the grace
-        self._server.stop(grace_s).wait()
-        self.servicer.drain()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    def _end_loop(self) -> None:
+        assert self._loop is not None
+        assert self._thread is not None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._loop = None

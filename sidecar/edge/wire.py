@@ -1,19 +1,21 @@
-"""How the servicer goes on the wire: every RPC of the contract it implements, with a request
+"""How a servicer goes on the wire: every RPC of the contract it implements, with a request
 deserializer that never raises (an unparsable body becomes ``Undecodable``, which the servicer refuses
-INVALID_REQUEST, where grpcio would answer a raising deserializer with a bare INTERNAL)."""
+INVALID_REQUEST, where grpcio would answer a raising deserializer with a bare INTERNAL).
+
+It knows the servicer only as ``Servicer`` (its methods found by the RPCs' names, and how it
+refuses an undecodable body), so it imports nothing of ``sidecar.edge.server``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError, Message
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
-if TYPE_CHECKING:
-    from sidecar.edge.server import MigSidecarServicer
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class Undecodable:
@@ -21,6 +23,12 @@ class Undecodable:
 
     def __init__(self, why: str) -> None:
         self.why = why
+
+
+class Servicer(Protocol):
+    """What ``register`` needs besides the RPC methods themselves."""
+
+    async def refuse_undecodable(self, method: str, why: str, context: Context) -> NoReturn: ...
 
 
 def _tolerant(message_class: type[Message]) -> Callable[[bytes], Message | Undecodable]:
@@ -36,7 +44,30 @@ def _tolerant(message_class: type[Message]) -> Callable[[bytes], Message | Undec
     return parse
 
 
-def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
+def _unary(
+    servicer: Servicer, method: str, behaviour: Callable[[Message, Context], Awaitable[Message]]
+) -> Callable[[Message | Undecodable, Context], Awaitable[Message]]:
+    async def call(request: Message | Undecodable, context: Context) -> Message:
+        if isinstance(request, Undecodable):
+            await servicer.refuse_undecodable(method, request.why, context)
+        return await behaviour(request, context)
+
+    return call
+
+
+def _streaming(
+    servicer: Servicer, method: str, behaviour: Callable[[Message, Context], AsyncIterator[Message]]
+) -> Callable[[Message | Undecodable, Context], AsyncIterator[Message]]:
+    async def call(request: Message | Undecodable, context: Context) -> AsyncIterator[Message]:
+        if isinstance(request, Undecodable):
+            await servicer.refuse_undecodable(method, request.why, context)
+        async for message in behaviour(request, context):
+            yield message
+
+    return call
+
+
+def register(servicer: Servicer, server: grpc.aio.Server) -> None:
     """Serve every RPC of the contract that ``servicer`` implements, with tolerant deserializers.
 
     Built from the service descriptor instead of the generated ``add_..._to_server``, which demands a
@@ -49,18 +80,21 @@ def register(servicer: MigSidecarServicer, server: grpc.Server) -> None:
             continue
         # Found by the RPC's name, so mypy cannot tell which message it takes: typed as taking any
         # Message, which holds as its deserializer below comes from the same method descriptor.
-        behaviour: Callable[[Message, grpc.ServicerContext], object] = getattr(servicer, method.name)
+        behaviour = getattr(servicer, method.name)
         response_class = message_factory.GetMessageClass(method.output_type)
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            servicer.refusing_undecodable(method.name, behaviour),
-            request_deserializer=_tolerant(message_factory.GetMessageClass(method.input_type)),
-            response_serializer=response_class.SerializeToString,
-        )
+        deserializer = _tolerant(message_factory.GetMessageClass(method.input_type))
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(servicer, method.name, behaviour),
+                request_deserializer=deserializer,
+                response_serializer=response_class.SerializeToString,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(servicer, method.name, behaviour),
+                request_deserializer=deserializer,
+                response_serializer=response_class.SerializeToString,
+            )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     # grpcio's own registered-method fast path (what the generated code calls).
     server.add_registered_method_handlers(service.full_name, handlers)

@@ -42,6 +42,7 @@ class Code(enum.Enum):
     NOT_FOUND = "NOT_FOUND"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     UNAVAILABLE = "UNAVAILABLE"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 
 
 class SidecarError(Exception):
@@ -122,6 +123,14 @@ class UnverifiableState(SidecarError):
 class InstanceInUse(SidecarError):
     reason = "INSTANCE_IN_USE"
     code = Code.UNAVAILABLE
+
+
+class Overloaded(SidecarError):
+    """The edge already holds as many calls as it admits (``sidecar.edge.admission``); nothing was
+    done, and the same request may succeed a moment later."""
+
+    reason = "OVERLOADED"
+    code = Code.RESOURCE_EXHAUSTED
 
 
 class NvmlFailure(SidecarError):

@@ -88,6 +88,25 @@ func TestARepeatedEnsureAllocationIsNotTakenAgain(t *testing.T) {
 	}
 }
 
+func TestTheAdapterRetriesAnOverloadedSidecarAndFailsClosedWhenItStaysFull(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	at := nvml.GpuInstancePlacement{Start: 3, Size: 1}
+	s.OverloadNext(2) // within the adapter's 3 attempts
+	first, took, err := m.EnsureAllocation(own("p", 0), 0, "1g.10gb", at)
+	if err != nil || !took || first == "" {
+		t.Fatalf("after two OVERLOADED answers: %s %t %v", first, took, err)
+	}
+	s.OverloadNext(3) // every attempt refused
+	_, took, err = m.EnsureAllocation(own("q", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 4, Size: 1})
+	if err == nil || took || !migclient.IsReason(err, migclient.ReasonOverloaded) {
+		t.Fatalf("a sidecar full for every attempt: %t %v, want the OVERLOADED error", took, err)
+	}
+	if got := s.Instances(); len(got) != 1 || got[0].MigUUID != first {
+		t.Fatalf("the refused allocation left something behind: %+v", got)
+	}
+}
+
 func TestAdoptAllocationAcceptsOnlyTheIdentityTheSidecarHoldsActive(t *testing.T) {
 	s, l := lazy(t)
 	m := l.Manager()

@@ -34,7 +34,7 @@ const (
 // sidecar restarted, or its generation moved, while the plugin's pod list was being taken.
 const recoverTries = 3
 
-// Backoff spaces the retries of a call that failed with UNAVAILABLE: the n-th retry waits a
+// Backoff spaces the retries of a call that failed with UNAVAILABLE or OVERLOADED: the n-th retry waits a
 // random time in [d/2, d] where d = min(Max, Initial*2^(n-1)), so that a restarting sidecar is
 // not hit by every caller at once.
 type Backoff struct {
@@ -55,7 +55,8 @@ type Options struct {
 	// AllocateTimeout bounds Allocate, retries included. kubelet gives Allocate no deadline,
 	// so without this a wedged sidecar would hang container creation forever.
 	AllocateTimeout time.Duration
-	// MaxAttempts caps the calls per RPC (first call included); only UNAVAILABLE is retried.
+	// MaxAttempts caps the calls per RPC (first call included); only UNAVAILABLE and OVERLOADED
+	// (RESOURCE_EXHAUSTED: the sidecar was full) are retried.
 	// Zero means no cap: the call's deadline alone bounds the retries, which is what lets
 	// Allocate wait out an INSTANCE_IN_USE that lasts a pod's termination grace period.
 	MaxAttempts int

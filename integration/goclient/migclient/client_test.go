@@ -245,6 +245,53 @@ func TestAllocateRetriesUnavailableWithTheSameAllocationKey(t *testing.T) {
 	}
 }
 
+func TestAllocateRetriesOverloadedWithBackoffAndTheSameRequest(t *testing.T) {
+	r, c := started(t, fastOptions())
+	r.allocateErrs = []error{
+		sidecarError(codes.ResourceExhausted, ReasonOverloaded, nil),
+		sidecarError(codes.ResourceExhausted, ReasonOverloaded, nil),
+	}
+	res, err := c.Allocate(context.Background(), oneDevice)
+	if err != nil || len(res.Devices) != 2 {
+		t.Fatalf("an OVERLOADED refusal was not retried to success: %+v %v", res, err)
+	}
+	if len(r.allocates) != 3 || !proto.Equal(r.allocates[2], r.allocates[0]) {
+		t.Fatalf("sidecar saw %d Allocate calls, want 3 with the same request", len(r.allocates))
+	}
+}
+
+func TestAnOverloadedThatOutlastsTheAttemptsFailsClosedWithItsReason(t *testing.T) {
+	r, c := started(t, fastOptions())
+	for range 10 {
+		r.allocateErrs = append(r.allocateErrs, sidecarError(codes.ResourceExhausted, ReasonOverloaded, nil))
+	}
+	res, err := c.Allocate(context.Background(), oneDevice)
+	var e *Error
+	if len(res.Devices) != 0 || !errors.As(err, &e) || e.Reason != ReasonOverloaded || e.Code != codes.ResourceExhausted ||
+		e.Attempts != 4 || !e.Retryable() || errors.Is(err, ErrRequestTooLarge) {
+		t.Fatalf("want RESOURCE_EXHAUSTED OVERLOADED after 4 attempts and no result, got %+v %v", res, err)
+	}
+	if len(r.allocates) != 4 {
+		t.Fatalf("sidecar saw %d calls, want 4", len(r.allocates))
+	}
+}
+
+func TestAnOverloadedThatOutlastsTheDeadlineKeepsItsReason(t *testing.T) {
+	opts := fastOptions()
+	opts.MaxAttempts, opts.AllocateTimeout = 0, 200*time.Millisecond
+	r, c := started(t, opts)
+	for range 10000 {
+		r.allocateErrs = append(r.allocateErrs, sidecarError(codes.ResourceExhausted, ReasonOverloaded, nil))
+	}
+	_, err := c.Allocate(context.Background(), oneDevice)
+	if !IsReason(err, ReasonOverloaded) || CodeOf(err) != codes.ResourceExhausted || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("want OVERLOADED with the deadline in its chain, got %v", err)
+	}
+	if len(r.allocates) < 2 {
+		t.Fatalf("OVERLOADED was not retried before the deadline: %d calls", len(r.allocates))
+	}
+}
+
 func TestAllocateDoesNotRetryARefusalAndExposesItsReason(t *testing.T) {
 	r, c := started(t, fastOptions())
 	r.allocateErrs = []error{sidecarError(codes.FailedPrecondition, ReasonPlacementBusy, map[string]string{"blocker": "MIG-x"})}

@@ -6,8 +6,9 @@
 //
 //   - every RPC carries a deadline (kubelet gives Allocate none) and waits for the socket
 //     within it, so a restarting sidecar delays a call instead of failing it;
-//   - only UNAVAILABLE is retried, with backoff and the identical request, so a retried
-//     Allocate keeps its allocation key and converges on the same instance;
+//   - only UNAVAILABLE and RESOURCE_EXHAUSTED OVERLOADED (the sidecar held as many calls as it
+//     admits, and did nothing) are retried, with backoff and the identical request, so a
+//     retried Allocate keeps its allocation key and converges on the same instance;
 //   - errors are *Error values exposing the sidecar's google.rpc.ErrorInfo reason
 //     (PLACEMENT_BUSY, NOT_RECOVERED, ...), see IsReason;
 //   - a sidecar that restarted answers NOT_RECOVERED; given Options.ListActive the client then
@@ -45,7 +46,7 @@
 //     It also bounds, as a whole, a recovery that GetInfo, EnsureRecovered or ReleaseByPodList
 //     start, pod list included, as it bounds Release's: their context may carry no deadline.
 //
-// When the deadline runs out after UNAVAILABLE answers, the error keeps the sidecar's last code,
+// When the deadline runs out after UNAVAILABLE or OVERLOADED answers, the error keeps the sidecar's last code,
 // reason and metadata (e.g. INSTANCE_IN_USE naming the instance), says that the deadline ran out,
 // and satisfies errors.Is(err, context.DeadlineExceeded); the plugin can log "instance in use"
 // rather than a bare deadline. Without any such answer it is SIDECAR_UNREACHABLE (the socket did

@@ -42,6 +42,10 @@ const (
 	// valid request), so gRPC refused it with RESOURCE_EXHAUSTED before the sidecar saw it, without
 	// an ErrorInfo. Not retried: the same request is refused again. See ErrRequestTooLarge.
 	ReasonRequestTooLarge = "REQUEST_TOO_LARGE"
+	// ReasonOverloaded: the sidecar already held as many calls as it admits, and refused this one
+	// with RESOURCE_EXHAUSTED before doing anything. Retried with backoff like UNAVAILABLE, within
+	// the call's deadline and MaxAttempts; once they end, the call fails with this reason.
+	ReasonOverloaded = "OVERLOADED"
 	// ReasonInternal: a bug in the sidecar (code INTERNAL; the sidecar logs its traceback).
 	// Not retried: the same request would meet the same bug.
 	ReasonInternal = "INTERNAL"
@@ -156,8 +160,13 @@ func (e *Error) GRPCStatus() *status.Status {
 	return status.New(e.Code, e.Error())
 }
 
-// Retryable reports whether the contract allows repeating the same call: UNAVAILABLE only.
-func (e *Error) Retryable() bool { return e.Code == codes.Unavailable }
+// Retryable reports whether the contract allows repeating the same call: UNAVAILABLE, and
+// RESOURCE_EXHAUSTED with reason OVERLOADED (the sidecar was full and did nothing).
+func (e *Error) Retryable() bool { return retryable(e.Code, e.Reason) }
+
+func retryable(code codes.Code, reason string) bool {
+	return code == codes.Unavailable || code == codes.ResourceExhausted && reason == ReasonOverloaded
+}
 
 // IsReason reports whether err is (or wraps) an *Error with the given reason.
 func IsReason(err error, reason string) bool {

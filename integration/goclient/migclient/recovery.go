@@ -107,7 +107,7 @@ func (c *Client) recoverFor(ctx context.Context, op string, timeout time.Duratio
 		attempts++
 		err = c.call(ctx, rop, c.opts.CallTimeout, func(ctx context.Context) error {
 			_, err := c.rpc.Recover(ctx, req)
-			if CodeOf(err) == codes.Unavailable {
+			if retryable(CodeOf(err), ReasonOf(err)) {
 				// Do not repeat this list on whatever answers next: start over instead.
 				return &stopRetry{err}
 			}

@@ -12,7 +12,7 @@ import (
 	"google.golang.org/grpc/connectivity"
 )
 
-// call runs fn under one deadline of its own, retrying UNAVAILABLE with backoff. fn must send
+// call runs fn under one deadline of its own, retrying UNAVAILABLE and OVERLOADED with backoff. fn must send
 // the same request every time: that is what makes a retried Allocate converge on the same
 // instance.
 func (c *Client) call(ctx context.Context, op string, timeout time.Duration, fn func(context.Context) error) error {
@@ -21,11 +21,12 @@ func (c *Client) call(ctx context.Context, op string, timeout time.Duration, fn 
 	return c.retry(ctx, op, timeout, c.opts.MaxAttempts, fn)
 }
 
-// retry runs fn within ctx until it succeeds, fails with anything but UNAVAILABLE, reaches
+// retry runs fn within ctx until it succeeds, fails with anything but a retryable answer
+// (UNAVAILABLE, or RESOURCE_EXHAUSTED OVERLOADED: see Error.Retryable), reaches
 // maxAttempts (0: no cap) or runs out of time. Before each attempt it makes sure the backend
 // of the sidecar behind the socket has been checked (GetInfo itself excepted).
 func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, maxAttempts int, fn func(context.Context) error) error {
-	var last *Error // the last UNAVAILABLE answer that carried a reason (INSTANCE_IN_USE, ...)
+	var last *Error // the last retryable answer that carried a reason (INSTANCE_IN_USE, OVERLOADED, ...)
 	attempt := 0
 	for {
 		attempt++
@@ -48,10 +49,10 @@ func (c *Client) retry(ctx context.Context, op string, timeout time.Duration, ma
 		case e.Reason == ReasonNotRecovered || e.Code == codes.Unavailable && e.Reason == "":
 			// A restarted sidecar, or a lost connection: maybe another process from now on.
 			c.forgetBackend()
-		case e.Code == codes.Unavailable && e.Reason != ReasonSidecarUnreachable:
+		case e.Retryable() && e.Reason != ReasonSidecarUnreachable:
 			last = e
 		}
-		if e.Code != codes.Unavailable || maxAttempts > 0 && attempt >= maxAttempts {
+		if !e.Retryable() || maxAttempts > 0 && attempt >= maxAttempts {
 			return c.finalError(ctx, op, timeout, e, attempt, last)
 		}
 		if !c.pause(ctx, attempt) {

@@ -68,6 +68,7 @@ type Server struct {
 	recovers    []*pb.RecoverRequest
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
+	overloaded  int
 	generation  uint64                          // the fence: one more at every activation and every idle
 	calls       map[string]int                  // RPCs received, by method name
 	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
@@ -256,10 +257,22 @@ func (s *Server) FailNext(n int) {
 	s.unavailable = n
 }
 
+// OverloadNext makes the next n mutating calls answer RESOURCE_EXHAUSTED OVERLOADED, as the
+// sidecar refuses a call past the ones it admits (nothing done).
+func (s *Server) OverloadNext(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.overloaded = n
+}
+
 // gate is the check every mutating call passes first; the caller holds mu.
 func (s *Server) gate() error {
 	if !s.recovered {
 		return fail(codes.FailedPrecondition, "NOT_RECOVERED", "not recovered", nil)
+	}
+	if s.overloaded > 0 {
+		s.overloaded--
+		return fail(codes.ResourceExhausted, "OVERLOADED", "the sidecar holds 64 calls already", nil)
 	}
 	if s.unavailable > 0 {
 		s.unavailable--
