@@ -18,6 +18,7 @@ import msgspec
 
 from sidecar.nvml.port import Placement
 
+# Unanchored: every check is ``fullmatch``, as ``$`` also matches before a final newline.
 GPU_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 MIG_UUID_RE = re.compile(r"MIG-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # Profile names as NVML reports them without the "MIG " prefix: 1g.10gb, 1g.10gb+me, 1g.20gb, 7g.80gb,
