@@ -17,6 +17,13 @@ differs between rounds is flagged):
 6. SyncActive — the plugin's periodic level-triggered sync, with both live allocations listed;
 7. GetState — what ``status`` shows an operator;
 8. (not measured) release everything, allocate and release a 7g.80gb to leave the idle blocker of (1).
+
+Then, in the same run and on the same socket, the sequence HAMi drives when a pod follows another on
+the same instance (``--sequence-rounds``): the previous pod's Release, the kubelet's health Check, the
+next pod's Allocate (REUSED), and that Allocate again (ALREADY_ALLOCATED, the floor of any Allocate:
+no NVML call, no write). Back to back, as the plugin sends them, so whatever a Release leaves
+running in the sidecar (the reconciler's wake-up, the health feed, the Xid watcher) runs beside the
+reuse. Printed: the reuse p50 over ALREADY_ALLOCATED's, overall and per block of 50 rounds.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +46,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 
 from sidecar.nvml.sim import SimulatedHardware
+from sidecar.nvml.sim.events import WAIT_SYMBOL as XID_WAIT
 
 HEALTH = "health Check"
 
@@ -106,7 +114,10 @@ class Meter:
         result = call()
         self.seconds[name].append(time.perf_counter() - started)
         self.driver[name].append(self.hardware.store.driver_ns() / 1e9)
-        self.calls[name].append(self.hardware.call_counts())
+        # The Xid watcher's wait (one counted call every 500 ms) is no decision's.
+        counts = self.hardware.call_counts()
+        counts.pop(XID_WAIT, None)
+        self.calls[name].append(counts)
         return result
 
 
@@ -144,6 +155,58 @@ def one_round(stub: pb_grpc.MigSidecarStub, health: HealthCheck, gpu: str, i: in
     state = pb.GetStateRequest()
     measure("GetState", lambda: stub.GetState(state))
     leave_idle_blocker(stub, gpu, [w, r], f"z{i}")
+
+
+SEQUENCE = ("Release", HEALTH, "Allocate REUSED", "ALREADY_ALLOCATED")
+SEQUENCE_BLOCK = 50
+
+
+def hami_sequence(stub: pb_grpc.MigSidecarStub, health: HealthCheck, gpu: str, rounds: int) -> None:
+    """The release -> reuse sequence of the module docstring, ``rounds`` times, then its ratios."""
+    seconds: dict[str, list[float]] = {name: [] for name in SEQUENCE}
+    check = health_pb2.HealthCheckRequest(service="")
+    held = "s-1"
+    stub.Allocate(request(gpu, held, "1g.10gb", 0, 1))
+    for i in range(rounds + 1):  # round 0 warms up and is not kept
+        nxt = f"s{i}"
+        release, allocate = pb.ReleaseRequest(pod_uid=held), request(gpu, nxt, "1g.10gb", 0, 1)
+        calls: tuple[tuple[str, Callable[[Any], object], object], ...] = (
+            ("Release", stub.Release, release),
+            (HEALTH, health.Check, check),
+            ("Allocate REUSED", stub.Allocate, allocate),
+            ("ALREADY_ALLOCATED", stub.Allocate, allocate),
+        )
+        for name, method, message in calls:
+            started = time.perf_counter()
+            answer = method(message)
+            took = time.perf_counter() - started
+            want = {"Allocate REUSED": pb.REUSED, "ALREADY_ALLOCATED": pb.ALREADY_ALLOCATED}.get(name)
+            if want is not None:
+                assert isinstance(answer, pb.AllocateResponse)
+                if answer.devices[0].outcome != want:
+                    raise SystemExit(f"sequence round {i}: {name} answered {answer}")
+            if i:
+                seconds[name].append(took)
+        held = nxt
+    stub.Release(pb.ReleaseRequest(pod_uid=held))
+    print(
+        f"\nrelease -> reuse sequence, {rounds} rounds"
+        " (Release, health Check, Allocate REUSED, the same Allocate again): p50 and p99 ms"
+    )
+    for name in SEQUENCE:
+        samples = seconds[name]
+        print(f"{name:<26}{percentile(samples, 0.5) * 1e3:>9.2f}{percentile(samples, 0.99) * 1e3:>9.2f}")
+    reuse, floor = seconds["Allocate REUSED"], seconds["ALREADY_ALLOCATED"]
+    blocks = [
+        statistics.median(reuse[at : at + SEQUENCE_BLOCK])
+        / statistics.median(floor[at : at + SEQUENCE_BLOCK])
+        for at in range(0, len(reuse) - SEQUENCE_BLOCK + 1, SEQUENCE_BLOCK)
+    ]
+    print(
+        f"Allocate REUSED p50 / ALREADY_ALLOCATED p50 in the sequence: "
+        f"{statistics.median(reuse) / statistics.median(floor):.2f}x"
+        + (f" (blocks of {SEQUENCE_BLOCK}: " + ", ".join(f"{b:.2f}" for b in blocks) + ")" if blocks else "")
+    )
 
 
 def leave_idle_blocker(stub: pb_grpc.MigSidecarStub, gpu: str, pods: list[str], whole: str) -> None:
@@ -197,8 +260,25 @@ def report(measure: Meter, show_calls: bool) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=100, help="rounds of the cycle (default 100)")
+    parser.add_argument(
+        "--sequence-rounds",
+        type=int,
+        default=300,
+        help="rounds of the release -> reuse sequence after the cycle (default 300; 0: none)",
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="simulated H100-80GBs (default 1); every round uses the first"
+    )
+    parser.add_argument(
+        "--log-level", default="INFO", help="the sidecar's --log-level (default INFO, as a node runs it)"
+    )
     parser.add_argument("--calls", action="store_true", help="print each decision's calls per C function")
-    parser.add_argument("--profile", type=Path, metavar="FILE", help="cProfile the sidecar into FILE")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="cProfile every thread of the sidecar into FILE, the top calls per thread on stderr",
+    )
     parser.add_argument(
         "--disk", action="store_true", help="also run with the state on disk (default: tmpfs only)"
     )
@@ -215,16 +295,17 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
     """One sidecar, its state under ``parent`` (None: the default temp directory), the whole cycle."""
     root = Path(tempfile.mkdtemp(prefix="hmsb", dir=parent))
     socket, state = root / "s.sock", root / "hw.json"
+    profiler = Path(__file__).with_name("profile_threads.py")
     python = (
-        [sys.executable, "-m", "cProfile", "-o", str(args.profile.resolve())]
+        [sys.executable, str(profiler), str(args.profile.resolve()), "--"]
         if args.profile
-        else [sys.executable]
+        else [sys.executable, "-m", "sidecar"]
     )
     command = [
-        *python, "-m", "sidecar", "serve", "--backend", "simulated",
-        "--sim-state", str(state), "--sim-gpus", "h100-80gb:1",
+        *python, "serve", "--backend", "simulated",
+        "--sim-state", str(state), "--sim-gpus", f"h100-80gb:{args.gpus}",
         "--state-dir", str(root / "state"), "--cdi-dir", str(root / "cdi"), "--socket", str(socket),
-        "--log-level", "WARNING",
+        "--log-level", args.log_level,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
     proc = subprocess.Popen(command, env=env)
@@ -241,8 +322,14 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
         one_round(stub, health, gpu, -1, Meter(measure.hardware))  # warm-up: imports, first-use caches
         for i in range(args.rounds):
             one_round(stub, health, gpu, i, measure)
-        print(f"{args.rounds} rounds, one simulated H100-80GB, sidecar pid {proc.pid}")
-        report(measure, args.calls)
+        print(
+            f"{args.rounds} rounds, {args.gpus} simulated H100-80GB (the first used), sidecar pid {proc.pid}"
+        )
+        if args.rounds:
+            report(measure, args.calls)
+        if args.sequence_rounds:
+            leave_idle_blocker(stub, gpu, [], "y")  # the blocker goes: the sequence's reuse is on 0:1
+            hami_sequence(stub, health, gpu, args.sequence_rounds)
         channel.close()
     finally:
         proc.terminate()

@@ -210,10 +210,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             info = stub.GetInfo(pb.GetInfoRequest(), timeout=args.timeout)
             state = stub.GetState(pb.GetStateRequest(), timeout=args.timeout)
         except grpc.RpcError as exc:
-            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-            details = exc.details() if hasattr(exc, "details") else str(exc)
-            print(f"hami-mig-sidecar status: {socket}: {code}: {details}", file=sys.stderr)
-            return EXIT_FAILED
+            return call.print_failure(f"status: {socket}", exc)
     if args.json:
         document = {
             "info": json_format.MessageToDict(

@@ -48,7 +48,7 @@ MAX_SOCKET_PATH_BYTES = 107
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 BACKENDS = ("nvml", "simulated")
 
-_SIM_GPU_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?::([0-9]+))?$")
+_SIM_GPU_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?::([0-9]+))?")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -347,7 +347,7 @@ def parse_xids(text: str, where: str) -> tuple[int, ...]:
 def parse_profiles(text: str, where: str) -> tuple[str, ...]:
     """``1g.10gb,3g.40gb`` -> ("1g.10gb", "3g.40gb"): full GI profile names, each once."""
     names = [part.strip() for part in text.split(",") if part.strip()]
-    bad = [n for n in names if not PROFILE_NAME_RE.match(n)]
+    bad = [n for n in names if not PROFILE_NAME_RE.fullmatch(n)]
     if bad or not names:
         raise ConfigError(
             f"{where}: {', '.join(bad) or repr(text)} is not a MIG profile name list (e.g. 1g.10gb,3g.40gb)"
@@ -384,7 +384,7 @@ def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
     startup once the backend opens."""
     gpus: list[SimGpu] = []
     for part in text.split(","):
-        match = _SIM_GPU_RE.match(part.strip())
+        match = _SIM_GPU_RE.fullmatch(part.strip())
         if match is None:
             raise ConfigError(f"{where}: {part.strip()!r} is not MODEL[:COUNT] (e.g. h100-80gb:2)")
         count = int(match.group(2) or "1")

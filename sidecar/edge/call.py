@@ -5,8 +5,12 @@
 JSON with the proto field names, every field included. METHOD is a MigSidecar method (``Allocate``) or
 ``SERVICE/METHOD`` (``grpc.health.v1.Health/Check``). ``--field PATH`` prints one value of the
 response instead (``gpus.0.uuid``: keys and list indexes separated by dots; a string unquoted), for a
-shell variable. A refusal prints ``CODE REASON: message`` and the ErrorInfo metadata, one
-``key=value`` a line, on stderr and exits 1.
+shell variable. A refusal prints ``CODE REASON: message (key=value, ...)``, the ErrorInfo reason and
+metadata, on stderr and exits 1. Every error is one line on stderr (line breaks in a message become
+spaces), so a script or a log collector reads one record per failure. ``--timeout`` is the deadline
+of the call, a stream's (``WatchHealth``) too: a following stream ends there, with
+``DEADLINE_EXCEEDED``; without it a unary call has 60 s and a stream none (``follow`` runs until
+Ctrl-C).
 
 ``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
 for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +42,15 @@ EXIT_USAGE = 2
 MAX_REQUEST_TEXT = 8 * 1024 * 1024
 
 HEALTH_CHECK = "grpc.health.v1.Health/Check"
+UNARY_TIMEOUT_S = 60.0  # ``call``'s deadline of a unary call without --timeout
+
+
+def _seconds(text: str) -> float:
+    """A ``--timeout``: a finite number of seconds > 0 (a deadline of 0 or NaN ends every call)."""
+    value = float(text)  # ValueError: argparse's "invalid _seconds value"
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds > 0")
+    return value
 
 
 def _methods() -> dict[str, tuple[str, type[Message], type[Message], bool]]:
@@ -81,8 +95,13 @@ def _field(document: object, path: str) -> object:
     return value
 
 
+def one_line(text: str) -> str:
+    """``text`` with every line break and run of white space as one space."""
+    return " ".join(text.split())
+
+
 def print_failure(command: str, exc: Any) -> int:
-    """``CODE REASON: message`` and the ErrorInfo metadata as ``key=value`` lines, on stderr."""
+    """``CODE REASON: message (key=value, ...)`` with the ErrorInfo metadata, one line on stderr."""
     from google.rpc import error_details_pb2  # noqa: PLC0415
     from grpc_status import rpc_status  # noqa: PLC0415
 
@@ -94,9 +113,10 @@ def print_failure(command: str, exc: Any) -> int:
         info = error_details_pb2.ErrorInfo()
         if detail.Unpack(info):
             reason, metadata = f" {info.reason}", dict(info.metadata)
-    lines = [f"hami-mig-sidecar {command}: {code}{reason}: {details}"]
-    lines += [f"  {key}={value}" for key, value in sorted(metadata.items())]
-    sys.stderr.write("\n".join(lines) + "\n")
+    line = f"hami-mig-sidecar {command}: {code}{reason}: {details}"
+    if metadata:
+        line += " (" + ", ".join(f"{key}={value}" for key, value in sorted(metadata.items())) + ")"
+    sys.stderr.write(one_line(line) + "\n")
     return EXIT_FAILED
 
 
@@ -155,7 +175,10 @@ def cmd_call(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     except (ValueError, json_format.ParseError) as exc:  # json.JSONDecodeError is a ValueError
-        print(f"hami-mig-sidecar call {args.method}: the request does not parse: {exc}", file=sys.stderr)
+        print(
+            f"hami-mig-sidecar call {args.method}: the request does not parse: {one_line(str(exc))}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     target = _connect("call", args)
     if target is None:
@@ -168,7 +191,7 @@ def cmd_call(args: argparse.Namespace) -> int:
                 response_deserializer=response_class.FromString,
             )
             try:
-                for response in stream(request):
+                for response in stream(request, timeout=args.timeout):
                     code = _print(args, response, indent=None)
                     if code != EXIT_OK:
                         return code
@@ -182,7 +205,7 @@ def cmd_call(args: argparse.Namespace) -> int:
             response_deserializer=response_class.FromString,
         )
         try:
-            response = stub(request, timeout=args.timeout)
+            response = stub(request, timeout=UNARY_TIMEOUT_S if args.timeout is None else args.timeout)
         except grpc.RpcError as exc:
             return print_failure(f"call {args.method}", exc)
     return _print(args, response, indent=2)
@@ -252,10 +275,11 @@ def register(commands: Any, socket_flag: dict[str, Any], socket_trouble: Callabl
     )
     call.add_argument(
         "--timeout",
-        type=float,
-        default=60.0,
+        type=_seconds,
+        default=None,
         metavar="SECONDS",
-        help="deadline (a create takes seconds on a node)",
+        help=f"deadline of the call, a stream's too (default: {UNARY_TIMEOUT_S:g} s for a unary call, "
+        "as a create takes seconds on a node; none for a stream)",
     )
     call.set_defaults(func=cmd_call, socket_trouble=socket_trouble)
 
@@ -270,5 +294,5 @@ def register(commands: Any, socket_flag: dict[str, Any], socket_trouble: Callabl
     health.add_argument(
         "--service", default="", metavar="NAME", help="the service to ask about (default: '')"
     )
-    health.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline")
+    health.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS", help="deadline")
     health.set_defaults(func=cmd_health, socket_trouble=socket_trouble)

@@ -44,7 +44,7 @@ MAX_DEVICES = 64
 MAX_ACTIVE = 1024
 MAX_ALLOWED_PROFILES = 256
 QUOTE_CHARS = 64
-DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 def quote_clipped(value: str, limit: int = QUOTE_CHARS) -> str:
@@ -91,7 +91,7 @@ def placement(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Pl
 def gpu_uuid(value: str, where: str) -> str:
     if not value:
         raise _invalid(f"{where}: gpu_uuid is missing", f"{where}.gpu_uuid")
-    if not GPU_UUID_RE.match(value):
+    if not GPU_UUID_RE.fullmatch(value):
         raise _invalid(f"{where}: {quote_clipped(value)} is not a GPU UUID", f"{where}.gpu_uuid")
     return value
 
@@ -115,7 +115,7 @@ def pod_uid(value: str, where: str, field: str) -> str:
         raise _invalid(f"{where}: pod uid is missing", field)
     if not _fits(value, MAX_POD_UID_BYTES):
         raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
-    if not POD_UID_RE.match(value):
+    if not POD_UID_RE.fullmatch(value):
         raise _invalid(f"{where}: {quote_clipped(value)} is not a pod UID", field)
     return value
 
@@ -126,7 +126,7 @@ def pod(message: pb.PodRef, has_pod: bool, where: str) -> PodRef:
     namespace, name = message.namespace, message.name
     if not _fits(namespace, MAX_NAMESPACE_BYTES):
         raise _too_long(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
-    if namespace and not DNS_LABEL_RE.match(namespace):
+    if namespace and not DNS_LABEL_RE.fullmatch(namespace):
         raise _invalid(
             f"{where}: pod namespace {quote_clipped(namespace)} is not a DNS label", f"{where}.pod.namespace"
         )
@@ -176,7 +176,7 @@ def active(messages: Sequence[pb.ActiveAllocation]) -> list[ActiveAllocation]:
         owner = Owner(ref, container, int(message.container_index), int(message.device_index))
         identity = None
         if message.mig_uuid:
-            if not MIG_UUID_RE.match(message.mig_uuid):
+            if not MIG_UUID_RE.fullmatch(message.mig_uuid):
                 raise _invalid(
                     f"{where}: {quote_clipped(message.mig_uuid)} is not a MIG UUID", f"{where}.mig_uuid"
                 )
@@ -194,7 +194,7 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
     """MIG UUIDs named by a request, each checked for shape (whether it exists is the lifecycle's)."""
     require(len(values) <= MAX_MIG_UUIDS, f"{where}: {len(values)} MIG UUIDs, more than {MAX_MIG_UUIDS}")
     for position, value in enumerate(values):
-        if not MIG_UUID_RE.match(value):
+        if not MIG_UUID_RE.fullmatch(value):
             field = f"{where}[{position}]"
             raise _invalid(f"{field}: {quote_clipped(value)} is not a MIG UUID", field)
     return list(values)
@@ -202,7 +202,7 @@ def mig_uuids(values: Sequence[str], where: str) -> list[str]:
 
 def mig_uuid(value: str, where: str) -> str:
     """One MIG UUID a request names, checked for shape (whether it exists is the lifecycle's)."""
-    if not MIG_UUID_RE.match(value):
+    if not MIG_UUID_RE.fullmatch(value):
         raise _invalid(f"{where}: {quote_clipped(value) or 'empty'} is not a MIG UUID", where)
     return value
 

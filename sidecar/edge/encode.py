@@ -1,7 +1,9 @@
 """Domain values -> response protos: how the gRPC edge writes what the lifecycle answered.
 
 Pure functions with no gRPC state; ``server`` calls them. A value that cannot be shown faithfully (an
-unparsable time) is left unset rather than failing the whole answer.
+unparsable time) is left unset rather than failing the whole answer. An Xid is 64 bits in NVML's
+event and in the record, 32 in the contract's first ``xid`` field: that one is clamped to the
+largest uint32 (never 0, which reads as HEALTHY) and ``xid64`` carries the value whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from sidecar.model.domain import InstanceRef
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.recovery_plan.actions import RecoveryReport
 from sidecar.nvml.port import GpuInfo, Placement
+
+XID32_MAX = 2**32 - 1
+
+
+def xid32(xid: int) -> int:
+    """The contract's ``xid`` (uint32) for a recorded Xid: itself, or ``XID32_MAX`` above it."""
+    return min(xid, XID32_MAX)
 
 
 def pb_placement(placement: Placement) -> pb.Placement:
@@ -112,7 +121,8 @@ def encode_health(record: OwnershipRecord, *, current: bool) -> pb.InstanceHealt
         gpu_instance_id=record.gpu_instance_id or 0,
         compute_instance_id=record.compute_instance_id or 0,
         health=pb.FAULTED if record.xid else pb.HEALTHY,
-        xid=record.xid,
+        xid=xid32(record.xid),
+        xid64=record.xid,
         current=current,
     )
 
@@ -130,7 +140,8 @@ def encode_instance(record: OwnershipRecord) -> pb.Instance:
         last_error=record.last_error,
         taken_over_from=record.taken_over_from,
         health=pb.FAULTED if record.xid else pb.HEALTHY,
-        xid=record.xid,
+        xid=xid32(record.xid),
+        xid64=record.xid,
     )
     if record.owner is not None:
         owner = record.owner

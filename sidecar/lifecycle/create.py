@@ -74,7 +74,7 @@ def create_instance(ctx: LifecycleContext, v: Validated, *, listed: bool = True)
         known = live_record(
             res.profile, gi, ci, state=State.CREATING, owner=v.owner, boot_id=ctx.boot_id, since=rec.since
         )
-        if not MIG_UUID_RE.match(ci.mig_uuid):
+        if not MIG_UUID_RE.fullmatch(ci.mig_uuid):
             # R450/R460 drivers answer MIG-GPU-<uuid>/<gi>/<ci>: built from reused IDs, it cannot
             # prove "same instance" later, and it is no valid CDI name. Fail closed; undo below.
             raise UnverifiableState(
@@ -142,6 +142,6 @@ def drop_records_left_aside(ctx: LifecycleContext, gpu_uuid: str, wanted: Placem
         _log.warning(
             "dropping record %s, left aside while its GPU was not visible: its placement is free now", r.name
         )
-        if ctx.cdi.enabled and r.mig_uuid is not None and MIG_UUID_RE.match(r.mig_uuid):
+        if ctx.cdi.enabled and r.mig_uuid is not None and MIG_UUID_RE.fullmatch(r.mig_uuid):
             remove_spec(ctx, r.mig_uuid)
         ctx.table.delete(r.name)

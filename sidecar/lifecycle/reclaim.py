@@ -44,7 +44,7 @@ def reclaim_idle(
     raised at the end."""
     ctx.require_recovered()
     for mig in mig_uuids:
-        if not MIG_UUID_RE.match(mig):
+        if not MIG_UUID_RE.fullmatch(mig):
             raise InvalidRequest(f"{mig!r} is not a MIG UUID", {"mig_uuid": mig, "field": "mig_uuids"})
     ctx.inventory.gpu_info(gpu_uuid)
     with ctx.locks.gpu(gpu_uuid):

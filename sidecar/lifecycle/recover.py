@@ -61,7 +61,7 @@ def _refuse_legacy_mig_uuids(gpus: Sequence[LiveGpu]) -> None:
     for gpu in gpus:
         for gi in gpu.gpu_instances:
             for ci in gi.compute_instances:
-                if not MIG_UUID_RE.match(ci.mig_uuid):
+                if not MIG_UUID_RE.fullmatch(ci.mig_uuid):
                     raise errors.UnverifiableState(
                         f"compute instance {ci.id} of GPU instance {gi.info.id} at {gi.info.placement} "
                         f"on {gpu.info.uuid} has the MIG UUID {ci.mig_uuid!r}, not of the form MIG-<uuid> "

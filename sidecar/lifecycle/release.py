@@ -38,7 +38,7 @@ def release(ctx: LifecycleContext, pod_uid: str) -> list[InstanceRef]:
     """A confirmed pod release: its ACTIVE instances become IDLE (a faulted one is destroyed
     instead); unknown pod = []."""
     ctx.require_recovered()
-    if not POD_UID_RE.match(pod_uid):
+    if not POD_UID_RE.fullmatch(pod_uid):
         raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
     targets = [
         r

@@ -260,7 +260,7 @@ def undo_create(ctx: LifecycleContext, known: OwnershipRecord, cause: Exception)
     if (
         ctx.cdi.enabled
         and mig_uuid is not None
-        and MIG_UUID_RE.match(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
+        and MIG_UUID_RE.fullmatch(mig_uuid)  # a legacy MIG-GPU-... name never had a spec file
     ):
         remove_spec(ctx, mig_uuid)
     hardware_change("destroyed", known, was=str(known.state), cause=f"create undone: {cause}")

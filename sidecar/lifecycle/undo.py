@@ -40,7 +40,7 @@ def undo_allocate(
     destroy. A destroy that fails leaves that instance ERROR (the reconciler retries it); the rest
     of the undo still happens and the first failure is raised at the end (NVML_ERROR: UNAVAILABLE)."""
     ctx.require_recovered()
-    if not POD_UID_RE.match(pod_uid):
+    if not POD_UID_RE.fullmatch(pod_uid):
         raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
     seen = held(ctx, pod_uid, container_index)
     if not seen:
@@ -106,9 +106,9 @@ def undo_device(ctx: LifecycleContext, mig_uuid: str, owner: AllocationKey) -> D
     The refusals and the failure are undo_allocate's for one instance: InstanceInUse (nothing changed)
     when a process runs on a created instance; a destroy that fails leaves it ERROR and raises."""
     ctx.require_recovered()
-    if not MIG_UUID_RE.match(mig_uuid):
+    if not MIG_UUID_RE.fullmatch(mig_uuid):
         raise InvalidRequest(f"{mig_uuid!r} is not a MIG UUID", {"mig_uuid": mig_uuid[:64]})
-    if not POD_UID_RE.match(owner.pod_uid):
+    if not POD_UID_RE.fullmatch(owner.pod_uid):
         raise InvalidRequest(f"pod uid {owner.pod_uid!r} is not a valid UID", {"pod_uid": owner.pod_uid[:64]})
     found = _held(ctx, mig_uuid, owner)
     if isinstance(found, DeviceUndo):

@@ -24,7 +24,7 @@ class Validated(msgspec.Struct, frozen=True):
 def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
     """Every device of the request, checked before anything changes (InvalidRequest and friends)."""
     pod = request.pod
-    if not POD_UID_RE.match(pod.uid):
+    if not POD_UID_RE.fullmatch(pod.uid):
         raise InvalidRequest(f"pod uid {pod.uid!r} is not a valid UID", {"pod_uid": pod.uid})
     if request.container_index < 0:
         raise InvalidRequest(f"container index {request.container_index} is negative")

@@ -18,13 +18,14 @@ import msgspec
 
 from sidecar.nvml.port import Placement
 
-GPU_UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
-MIG_UUID_RE = re.compile(r"^MIG-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+# Unanchored: every check is ``fullmatch``, as ``$`` also matches before a final newline.
+GPU_UUID_RE = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+MIG_UUID_RE = re.compile(r"MIG-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 # Profile names as NVML reports them without the "MIG " prefix: 1g.10gb, 1g.10gb+me, 1g.20gb, 7g.80gb,
 # 1c.3g.40gb is a CI name and never a GI profile.
-PROFILE_NAME_RE = re.compile(r"^[1-8]g\.[0-9]+gb(\+me(\.all)?|-me|\+gfx)?$")
+PROFILE_NAME_RE = re.compile(r"[1-8]g\.[0-9]+gb(\+me(\.all)?|-me|\+gfx)?")
 # Kubernetes UIDs are RFC 4122 UUIDs, but tests and other clients may use any DNS-label-like string.
-POD_UID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+POD_UID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class State(enum.StrEnum):

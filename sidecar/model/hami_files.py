@@ -52,7 +52,7 @@ PARENT_ANNOTATION = "hami.io/parent-gpu-uuid"
 GEOMETRY_ANNOTATION = "hami.io/mig-geometry"
 
 _UINT32_MAX = 2**32 - 1
-_DEVICE_NAME_RE = re.compile(r"^mig-[0-9a-f]{64}$")
+_DEVICE_NAME_RE = re.compile(r"mig-[0-9a-f]{64}")
 
 
 def device_name(mig_uuid: str) -> str:
@@ -179,7 +179,7 @@ def decode_record(filename: str, data: bytes) -> HamiRecord:
 def _invalid(record: HamiRecord) -> str | None:
     if not record.mig_uuid.startswith("MIG-"):
         return f"migUUID {record.mig_uuid!r} is not a MIG UUID"
-    if not GPU_UUID_RE.match(record.parent_gpu_uuid):
+    if not GPU_UUID_RE.fullmatch(record.parent_gpu_uuid):
         return f"parentGPUUUID {record.parent_gpu_uuid!r} is not a GPU UUID"
     if not record.profile.strip():
         return "the profile is empty"
@@ -245,7 +245,7 @@ def recognize_spec(filename: str, data: bytes) -> HamiSpec | None:
         return None
     device = spec.devices[0]
     mig_uuid = device.annotations.get(MIG_UUID_ANNOTATION, "")
-    if not mig_uuid.startswith("MIG-") or not _DEVICE_NAME_RE.match(device.name):
+    if not mig_uuid.startswith("MIG-") or not _DEVICE_NAME_RE.fullmatch(device.name):
         return None
     if device.name != device_name(mig_uuid) or filename != spec_filename(mig_uuid):
         return None

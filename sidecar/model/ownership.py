@@ -23,7 +23,7 @@ from sidecar.nvml.port import ComputeInstanceInfo, GpuInstanceInfo, Placement
 # Digits are matched leniently (leading zeros accepted) so that a file whose name was hand-edited
 # still says which placement it points at; ``is_record_name`` demands the canonical form.
 _NAME_RE = re.compile(
-    r"^mig-(GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})-([0-9]+)-([0-9]+)$"
+    r"mig-(GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})-([0-9]+)-([0-9]+)"
 )
 
 
@@ -179,7 +179,7 @@ def record_name(gpu_uuid: str, placement: Placement) -> str:
         known = _NAMES.get((gpu_uuid, start, size))
         if known is not None:
             return known
-    if not isinstance(gpu_uuid, str) or not GPU_UUID_RE.match(gpu_uuid):
+    if not isinstance(gpu_uuid, str) or not GPU_UUID_RE.fullmatch(gpu_uuid):
         raise ValueError(f"not a GPU UUID: {gpu_uuid!r}")
     # bool is an int subclass; True/False as a slice number is a bug upstream, not a placement.
     if type(start) is not int or type(size) is not int or start < 0 or size <= 0:
@@ -195,7 +195,7 @@ def parse_record_name(name: str) -> tuple[str, Placement] | None:
 
     Used for files whose content cannot be trusted (corrupt, or left for the operator): their name
     was derived from validated values when written, so it still says which placement they had."""
-    match = _NAME_RE.match(name)
+    match = _NAME_RE.fullmatch(name)
     if match is None:
         return None
     start, size = int(match.group(2)), int(match.group(3))

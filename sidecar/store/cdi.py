@@ -127,11 +127,11 @@ class CdiSpecs:
         self.cdi_version = minimum_cdi_version(kind)
         # ``atomic_write``'s temp name for a ``spec_path``: ``.<stem><TEMP_MARKER><random hex>``.
         self._temp_name = re.compile(
-            r"^\."
+            r"\."
             + re.escape(f"{self.vendor}-{self.cls}_")
-            + MIG_UUID_RE.pattern.strip("^$")
+            + MIG_UUID_RE.pattern
             + re.escape(TEMP_MARKER)
-            + r"[0-9a-f]+$"
+            + r"[0-9a-f]+"
         )
         self._lock = threading.Lock()
         # path -> the MIG UUID it is the spec of, retried in the order they failed
@@ -358,7 +358,7 @@ class CdiSpecs:
             except OSError as exc:
                 raise StateWriteFailed(f"listing CDI directory {self.directory} failed: {exc}") from exc
             for entry in entries:
-                if not self._temp_name.match(entry.name):
+                if not self._temp_name.fullmatch(entry.name):
                     continue
                 try:
                     if not entry.is_file(follow_symlinks=False):
@@ -399,7 +399,7 @@ class CdiSpecs:
             if header.kind != self.kind:
                 continue
             for device in header.devices:
-                if MIG_UUID_RE.match(device.name):
+                if MIG_UUID_RE.fullmatch(device.name):
                     found[device.name] = Path(entry.path)
         return found
 
@@ -445,7 +445,7 @@ class CdiSpecs:
 def _check_mig_uuid(mig_uuid: str) -> None:
     # A MIG UUID becomes a file name and a CDI device name; the legacy "MIG-GPU-<uuid>/<gi>/<ci>" form
     # of R450/R460 drivers contains "/" and is valid as neither.
-    if not MIG_UUID_RE.match(mig_uuid):
+    if not MIG_UUID_RE.fullmatch(mig_uuid):
         raise ValueError(f"not a MIG UUID: {mig_uuid!r}")
 
 

@@ -9,7 +9,7 @@ import msgspec
 # pkg/parser ValidateVendorName / ValidateClassName: a letter first, a letter or digit last,
 # [A-Za-z0-9_.-] between. The spec limits the class to 63 characters and the vendor (a DNS
 # subdomain) to 253.
-_KIND_PART_RE = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
+_KIND_PART_RE = re.compile(r"[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?")
 
 
 class DeviceNode(msgspec.Struct, frozen=True, rename="camel", omit_defaults=True):
@@ -55,8 +55,8 @@ def parse_kind(kind: str) -> tuple[str, str]:
     vendor, sep, cls = kind.partition("/")
     if (
         not sep
-        or not _KIND_PART_RE.match(vendor)
-        or not _KIND_PART_RE.match(cls)
+        or not _KIND_PART_RE.fullmatch(vendor)
+        or not _KIND_PART_RE.fullmatch(cls)
         or len(vendor) > 253
         or len(cls) > 63
     ):

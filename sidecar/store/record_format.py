@@ -21,6 +21,8 @@ MAX_GENERATION = 2**63 - 1
 """The largest generation a file may hold: a stored value above it is corrupt. Half of uint64 (and
 int64's maximum, for a Go reader), so the lifecycle's increments and ceiling blocks past any stored
 value still fit the contract's uint64 and never overflow it."""
+MAX_XID = 2**64 - 1
+"""The largest Xid a record may hold: NVML's event data (``eventData``) is an unsigned 64-bit value."""
 
 
 class RecordError(Exception):
@@ -83,7 +85,7 @@ def encode_record(record: OwnershipRecord) -> bytes:
     except msgspec.ValidationError as exc:
         raise ValueError(f"ownership record would not read back: {exc}") from exc
     record_name(record.gpu_uuid, record.placement)
-    why = _generation_out_of_range(record)
+    why = _out_of_range(record)
     if why:
         raise ValueError(f"ownership record would not read back: {why}")
     return _envelope(raw)
@@ -152,17 +154,20 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
         raise CorruptRecord(name, path, f"record names no valid instance: {exc}") from exc
     if own_name != name:
         raise CorruptRecord(name, path, f"file name does not match the record (it names {own_name})")
-    why = _generation_out_of_range(record)
+    why = _out_of_range(record)
     if why:
         raise CorruptRecord(name, path, why)
     return record
 
 
-def _generation_out_of_range(record: OwnershipRecord) -> str:
-    """Why a generation of ``record`` is outside ``0..MAX_GENERATION`` ("" when none is): such a
-    value would overflow the contract's uint64 once the lifecycle counts past it."""
+def _out_of_range(record: OwnershipRecord) -> str:
+    """Why a number of ``record`` is out of its range ("" when none is): a generation outside
+    ``0..MAX_GENERATION`` would overflow the contract's uint64 once the lifecycle counts past it;
+    an Xid outside ``0..MAX_XID`` is none NVML's 64-bit event data can carry."""
     for field in ("activated_generation", "idled_generation"):
         value = getattr(record, field)
         if not 0 <= value <= MAX_GENERATION:
             return f"{field} {value} is out of range 0..{MAX_GENERATION}"
+    if not 0 <= record.xid <= MAX_XID:
+        return f"xid {record.xid} is out of range 0..{MAX_XID}"
     return ""

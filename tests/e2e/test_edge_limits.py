@@ -259,3 +259,118 @@ class TestTheWireItself:
             raw(b"", timeout=CALL_TIMEOUT_S)
         assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
         assert car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S).api_version == "v1"
+
+
+def _devices(gpu: str) -> list[pb.DeviceRequest]:
+    return [pb.DeviceRequest(gpu_uuid=gpu, profile="1g.10gb", placement=pb.Placement(start=0, size=1))]
+
+
+NL_MIG = "MIG-00000000-0000-0000-0000-000000000000\n"
+# (name, the call with one value ending in a newline, the ErrorInfo field it names): every value
+# the edge checks against a pattern. A pattern ending in ``$`` let each of these through.
+NEWLINE_CASES: list[tuple[str, object, str]] = [
+    (
+        "Allocate pod uid",
+        lambda car, gpu: car.stub.Allocate(
+            pb.AllocateRequest(pod=pb.PodRef(uid="nl\n"), container_name="main", devices=_devices(gpu)),
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "request.pod.uid",
+    ),
+    (
+        "Allocate namespace",
+        lambda car, gpu: car.stub.Allocate(
+            pb.AllocateRequest(
+                pod=pb.PodRef(uid="pod-a", namespace="default\n"),
+                container_name="main",
+                devices=_devices(gpu),
+            ),
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "request.pod.namespace",
+    ),
+    (
+        "Allocate GPU UUID",
+        lambda car, gpu: car.stub.Allocate(
+            pb.AllocateRequest(
+                pod=pb.PodRef(uid="pod-a"), container_name="main", devices=_devices(gpu + "\n")
+            ),
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "devices[0].gpu_uuid",
+    ),
+    (
+        "Release pod uid",
+        lambda car, gpu: car.stub.Release(pb.ReleaseRequest(pod_uid="nl\n"), timeout=CALL_TIMEOUT_S),
+        "pod_uid",
+    ),
+    (
+        "UndoAllocate pod uid",
+        lambda car, gpu: car.stub.UndoAllocate(
+            pb.UndoAllocateRequest(pod_uid="nl\n"), timeout=CALL_TIMEOUT_S
+        ),
+        "pod_uid",
+    ),
+    (
+        "UndoDevice MIG UUID",
+        lambda car, gpu: car.stub.UndoDevice(
+            pb.UndoDeviceRequest(mig_uuid=NL_MIG, pod_uid="pod-a"), timeout=CALL_TIMEOUT_S
+        ),
+        "request.mig_uuid",
+    ),
+    (
+        "SyncActive MIG UUID",
+        lambda car, gpu: car.stub.SyncActive(
+            pb.SyncActiveRequest(
+                active=[
+                    pb.ActiveAllocation(
+                        pod=pb.PodRef(uid="pod-a"),
+                        gpu_uuid=gpu,
+                        profile="1g.10gb",
+                        placement=pb.Placement(start=0, size=1),
+                        mig_uuid=NL_MIG,
+                    )
+                ]
+            ),
+            timeout=CALL_TIMEOUT_S,
+        ),
+        "active[0].mig_uuid",
+    ),
+    (
+        "ReclaimIdle MIG UUID",
+        lambda car, gpu: car.stub.ReclaimIdle(
+            pb.ReclaimIdleRequest(gpu_uuid=gpu, mig_uuids=[NL_MIG]), timeout=CALL_TIMEOUT_S
+        ),
+        "mig_uuids[0]",
+    ),
+    (
+        "DiscoverProfiles GPU UUID",
+        lambda car, gpu: car.stub.DiscoverProfiles(
+            pb.DiscoverProfilesRequest(gpu_uuid=gpu + "\n"), timeout=CALL_TIMEOUT_S
+        ),
+        "request.gpu_uuid",
+    ),
+]
+
+
+class TestAValueIsCheckedWhole:
+    """A pattern's ``$`` also matches before a final newline: every value is matched whole
+    (``fullmatch``), so ``"nl\\n"`` is no pod UID and ``"MIG-...\\n"`` no MIG UUID."""
+
+    @pytest.mark.parametrize(
+        ("call", "field"), [c[1:] for c in NEWLINE_CASES], ids=[c[0] for c in NEWLINE_CASES]
+    )
+    def test_a_trailing_newline_is_invalid_request_and_changes_nothing(
+        self, car: InProcessSidecar, call: object, field: str
+    ) -> None:
+        car.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
+        allocate(car, "pod-a", 1)  # something a wrongly accepted call could change
+        gpu = car.gpu_uuids()[0]
+        before = car.world()
+        code, reason, metadata = refused(lambda: call(car, gpu))  # type: ignore[operator]
+        assert (code, reason, metadata.get("field")) == (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_REQUEST",
+            field,
+        )
+        assert car.world() == before

@@ -171,8 +171,11 @@ class TestWalkThrough:
         assert "hami.migsidecar.v1.MigSidecar: SERVING" in out
         assert '"outcome": "CREATED"' in out
         assert '"released": [' in out
-        assert "hami-mig-sidecar call Allocate: FAILED_PRECONDITION PLACEMENT_BUSY: placement 4:1" in err
-        assert "  blocker=ACTIVE\n" in err
+        [refusal] = [line for line in err.splitlines() if line.startswith("hami-mig-sidecar call Allocate:")]
+        assert refusal.startswith(
+            "hami-mig-sidecar call Allocate: FAILED_PRECONDITION PLACEMENT_BUSY: placement 4:1"
+        )
+        assert "blocker=ACTIVE" in refusal  # the ErrorInfo metadata, on the same line
         assert "1 valid (0 stale), 0 corrupt" in out
         status = run_shell("hami-mig-sidecar status --socket $PWD/.run/sidecar.sock", workdir)
         assert re.search(r"^0\s+IDLE\s+3g\.40gb\s+4:4\s", status.stdout, re.MULTILINE), status.stdout

@@ -129,3 +129,27 @@ class TestStatusBeforeRecover:
         instances, _, foreign = after.partition("FOREIGN (not owned; never touched)")
         assert mine in instances
         assert mine not in foreign
+
+
+class TestCallAnswersInOneLineAndInTime:
+    def test_a_following_stream_ends_at_its_timeout_with_one_line(self, sidecar: Sidecar) -> None:
+        """``--timeout`` bounds a stream too; without it ``follow`` would run until Ctrl-C (and
+        ``cli`` would run out its own bound of CALL_TIMEOUT_S)."""
+        sidecar.recover()
+        result = sidecar.cli(
+            "call", "WatchHealth", '{"follow": true}', "--timeout", "1", "--socket", str(sidecar.socket)
+        )
+        assert result.returncode == 1
+        assert result.stderr.splitlines() == [
+            "hami-mig-sidecar call WatchHealth: DEADLINE_EXCEEDED: Deadline Exceeded"
+        ]
+        assert sidecar.info().api_version == "v1"
+
+    def test_a_refusal_and_its_metadata_are_one_line(self, sidecar: Sidecar) -> None:
+        sidecar.recover()
+        result = sidecar.cli("call", "Release", '{"pod_uid": "a b"}', "--socket", str(sidecar.socket))
+        assert result.returncode == 1
+        assert result.stderr.splitlines() == [
+            "hami-mig-sidecar call Release: INVALID_ARGUMENT INVALID_REQUEST: request: 'a b' is not a pod UID"
+            " (field=pod_uid)"
+        ]

@@ -239,3 +239,46 @@ def test_a_gpu_whose_mig_mode_the_sidecar_enables_is_watched_too(sidecar_factory
     again = car.stub.SetMigMode(pb.SetMigModeRequest(gpu_uuid=gpu.uuid, enabled=True), timeout=CALL_TIMEOUT_S)
     assert again.mig_mode.current
     assert car.log_text().count("watching critical Xid events") == 1  # a GPU already watched: no restart
+
+
+def test_an_xid_past_32_bits_is_kept_whole_and_every_answer_still_comes(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    """NVML's event data is 64 bits, the contract's first ``xid`` field 32: the record keeps the
+    value, ``xid64`` carries it, ``xid`` says 4294967295 (never 0, which reads as HEALTHY), and
+    GetState, WatchHealth and ``status`` answer, before and after a restart reads the record back."""
+    big = 2**32 + 79
+    car = started(sidecar_factory)
+    hit = allocate_one(car, "pod-hit", 0, "1g.10gb", 0, 1)
+    follower = car.stub.WatchHealth(pb.WatchHealthRequest(follow=True), timeout=WAIT_S)
+    assert next(follower).current
+    xid(car, 0, big, hit)
+    change = next(follower)
+    follower.cancel()
+    assert (change.mig_uuid, change.health, change.xid, change.xid64) == (
+        hit.mig_uuid,
+        pb.FAULTED,
+        2**32 - 1,
+        big,
+    )
+    assert record_of(car, hit)["xid"] == big  # type: ignore[index]
+
+    def every_answer() -> None:
+        state = car.stub.GetState(pb.GetStateRequest(), timeout=CALL_TIMEOUT_S)
+        assert [(i.mig_uuid, i.health, i.xid, i.xid64) for g in state.gpus for i in g.instances] == [
+            (hit.mig_uuid, pb.FAULTED, 2**32 - 1, big)
+        ]
+        once = list(car.stub.WatchHealth(pb.WatchHealthRequest(), timeout=CALL_TIMEOUT_S))
+        assert [(u.mig_uuid, u.xid64) for u in once] == [(hit.mig_uuid, big)]
+        for command in (["status"], ["status", "--json"], ["call", "WatchHealth"]):
+            result = car.cli(*command, "--socket", str(car.socket))
+            assert result.returncode == 0, (command, result.stderr)
+
+    every_answer()
+    car.kill9()
+    car.start()
+    car.recover([annotation("pod-hit", hit)])
+    every_answer()
+    # Still faulted: destroyed at its release, never handed to the next pod.
+    assert [r.mig_uuid for r in release(car, "pod-hit")] == [hit.mig_uuid]
+    assert_destroyed(car, 0, hit)

@@ -105,6 +105,22 @@ class TestOperatingTheSimulatedNode:
         assert sim(state, "fault", "make-coffee", "IN_USE") == 1
         assert sim(state, "fault", "create-gi", "NO_SUCH_CODE") == 1
 
+    @pytest.mark.parametrize("seconds", ["nan", "-5", "inf"])
+    def test_a_latency_that_is_not_a_finite_number_at_least_0_is_refused_and_changes_nothing(
+        self, state: Path, capsys: pytest.CaptureFixture[str], seconds: str
+    ) -> None:
+        assert sim(state, "latency", "create-gi", "2") == 0
+        capsys.readouterr()
+        assert sim(state, "latency", "create-gi", seconds) == 1
+        assert capsys.readouterr().err.splitlines() == [
+            f"sim latency: a latency is a finite number of seconds >= 0, not {float(seconds)!r}"
+        ]
+        assert SimulatedHardware.open(state).state().latency == {"create-gi": 2.0}
+
+    def test_an_xid_past_64_bits_is_refused(self, state: Path) -> None:
+        assert sim(state, "xid", "--gpu", "0", str(2**64)) == 1
+        assert sim(state, "xid", "--gpu", "0", str(2**64 - 1)) == 0
+
     def test_the_state_file_can_come_from_the_environment(
         self, state: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

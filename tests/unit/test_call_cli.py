@@ -39,6 +39,23 @@ def test_a_request_that_does_not_parse_exits_2_before_dialling(
     assert "the request does not parse" in capsys.readouterr().err
 
 
+def test_a_request_with_an_unknown_field_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    socket = tmp_path / "missing.sock"
+    assert cli.main(["call", "GetState", '{"zzz":1}', "--socket", str(socket)]) == call.EXIT_USAGE
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("hami-mig-sidecar call GetState: the request does not parse: ")
+    assert "zzz" in line
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1", "inf"])
+def test_a_timeout_that_is_not_a_finite_number_above_0_is_bad_usage(tmp_path: Path, timeout: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["call", "GetInfo", "--timeout", timeout, "--socket", str(tmp_path / "s.sock")])
+    assert exited.value.code == call.EXIT_USAGE
+
+
 @pytest.mark.parametrize(
     "request_text",
     ['{"pod_uid":' * 100_000 + "1" + "}" * 100_000, "[" * 100_000 + "]" * 100_000],

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import msgspec
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import encode
-from sidecar.model.domain import AllocatedDevice, AllocateResult, Identity, InstanceRef, Outcome, Reservation
+from sidecar.model.domain import (
+    AllocatedDevice,
+    AllocateResult,
+    Identity,
+    InstanceRef,
+    Outcome,
+    Reservation,
+    State,
+)
+from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import Placement
 
 GPU = "GPU-12345678-1234-4234-8234-123456789abc"
@@ -60,3 +70,20 @@ def test_an_allocate_result_encodes_each_device_and_each_reclaimed_instance() ->
         reclaimed=[encode.encode_ref(result.reclaimed[0])],
     )
     assert message.reclaimed[0].mig_uuid == MIG_GONE
+
+
+def test_an_xid_past_32_bits_is_whole_in_xid64_and_the_largest_uint32_in_xid() -> None:
+    record = OwnershipRecord(
+        gpu_uuid=GPU,
+        profile="1g.10gb",
+        gi_profile_id=19,
+        ci_profile_id=0,
+        placement=Placement(0, 1),
+        state=State.ACTIVE,
+        mig_uuid=MIG_A,
+        xid=2**64 - 1,
+    )
+    for message in (encode.encode_instance(record), encode.encode_health(record, current=True)):
+        assert (message.health, message.xid, message.xid64) == (pb.FAULTED, 2**32 - 1, 2**64 - 1)
+    small = msgspec.structs.replace(record, xid=79)
+    assert (encode.encode_instance(small).xid, encode.encode_instance(small).xid64) == (79, 79)

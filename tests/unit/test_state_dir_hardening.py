@@ -109,6 +109,18 @@ class TestGenerationsOutOfRange:
                 store.put(record())  # a corrupt file is the operator's: never overwritten
         assert path.read_bytes() == before
 
+    def test_a_record_with_an_xid_past_32_bits_reads_back_and_one_below_zero_is_corrupt(
+        self, state_dir: Path
+    ) -> None:
+        """NVML's event data is 64 bits: any such Xid is a record's to keep; none is negative."""
+        kept, negative = record(xid=UINT64_MAX), record(start=1, xid=-1)
+        plant_record(state_dir, kept)
+        plant_record(state_dir, negative)
+        with RecordStore(state_dir) as store:
+            valid, corrupt = store.load_all()
+            assert valid[kept.name].xid == UINT64_MAX
+            assert "xid -1" in corrupt[negative.name].why
+
     def test_the_store_never_writes_a_ceiling_past_the_largest_generation(self, state_dir: Path) -> None:
         with RecordStore(state_dir) as store:
             store.raise_generation_ceiling(MAX_GENERATION - 1)

@@ -19,7 +19,7 @@ type HealthUpdate struct {
 	GPUInstanceID     uint32
 	ComputeInstanceID uint32
 	Faulted           bool
-	Xid               uint32 // 0 while healthy
+	Xid               uint32 // 0 while healthy; 4294967295 for an Xid above it (xid64 in the contract)
 	// Current is true on the updates that open the stream (the health as it stood), false on a
 	// change that happened while watching.
 	Current bool

@@ -97,8 +97,8 @@ def raise_xid(
 ) -> int:
     """An Xid on a GPU (``gi``/``ci`` None: the whole GPU), for every event set registered for
     critical Xids on it; what ``sim xid`` does. Returns its serial."""
-    if xid < 0 or (ci is not None and gi is None):
-        raise ValueError("an Xid is a non-negative code, and --ci needs --gi")
+    if not 0 <= xid < 2**64 or (ci is not None and gi is None):
+        raise ValueError("an Xid is a code in 0..2^64-1 (NVML's event data), and --ci needs --gi")
     with store.transaction() as state:
         if not 0 <= gpu_index < len(state.gpus):
             raise ValueError(f"no GPU at index {gpu_index}")

@@ -8,6 +8,7 @@ state the library reads, under the same lock, and obey the same rules.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -222,6 +223,8 @@ class SimulatedHardware:
     def set_latency(self, op: str, seconds: float) -> None:
         if not known_op(op):
             raise ValueError(f"unknown operation {op!r}")
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a latency is a finite number of seconds >= 0, not {seconds!r}")
         with self.store.transaction() as state:
             if seconds > 0:
                 state.latency[op] = seconds

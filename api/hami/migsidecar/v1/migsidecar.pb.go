@@ -1924,8 +1924,11 @@ type Instance struct {
 	TakenOverFrom string `protobuf:"bytes,12,opt,name=taken_over_from,json=takenOverFrom,proto3" json:"taken_over_from,omitempty"`
 	// FAULTED once a critical Xid named it or its GPU: it is never reused (destroyed at its release).
 	Health InstanceHealth `protobuf:"varint,13,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
-	// The Xid that faulted it; 0 while HEALTHY.
-	Xid           uint32 `protobuf:"varint,14,opt,name=xid,proto3" json:"xid,omitempty"`
+	// The Xid that faulted it; 0 while HEALTHY. NVML's event data is 64 bits: an Xid above
+	// 4294967295 is 4294967295 here (never 0, which would read as HEALTHY) and whole in xid64.
+	Xid uint32 `protobuf:"varint,14,opt,name=xid,proto3" json:"xid,omitempty"`
+	// The Xid that faulted it, whole (0 while HEALTHY). Read it, not xid, where a 64-bit value fits.
+	Xid64         uint64 `protobuf:"varint,15,opt,name=xid64,proto3" json:"xid64,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2054,6 +2057,13 @@ func (x *Instance) GetHealth() InstanceHealth {
 func (x *Instance) GetXid() uint32 {
 	if x != nil {
 		return x.Xid
+	}
+	return 0
+}
+
+func (x *Instance) GetXid64() uint64 {
+	if x != nil {
+		return x.Xid64
 	}
 	return 0
 }
@@ -3048,9 +3058,10 @@ type InstanceHealthUpdate struct {
 	GpuInstanceId     uint32                 `protobuf:"varint,5,opt,name=gpu_instance_id,json=gpuInstanceId,proto3" json:"gpu_instance_id,omitempty"`
 	ComputeInstanceId uint32                 `protobuf:"varint,6,opt,name=compute_instance_id,json=computeInstanceId,proto3" json:"compute_instance_id,omitempty"`
 	Health            InstanceHealth         `protobuf:"varint,7,opt,name=health,proto3,enum=hami.migsidecar.v1.InstanceHealth" json:"health,omitempty"`
-	Xid               uint32                 `protobuf:"varint,8,opt,name=xid,proto3" json:"xid,omitempty"` // 0 while HEALTHY
+	Xid               uint32                 `protobuf:"varint,8,opt,name=xid,proto3" json:"xid,omitempty"` // 0 while HEALTHY; 4294967295 for an Xid above it, as Instance.xid
 	// true on the updates that open the stream (the health as it stood); false on a change.
-	Current       bool `protobuf:"varint,9,opt,name=current,proto3" json:"current,omitempty"`
+	Current       bool   `protobuf:"varint,9,opt,name=current,proto3" json:"current,omitempty"`
+	Xid64         uint64 `protobuf:"varint,10,opt,name=xid64,proto3" json:"xid64,omitempty"` // the Xid whole, as Instance.xid64
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3146,6 +3157,13 @@ func (x *InstanceHealthUpdate) GetCurrent() bool {
 		return x.Current
 	}
 	return false
+}
+
+func (x *InstanceHealthUpdate) GetXid64() uint64 {
+	if x != nil {
+		return x.Xid64
+	}
+	return 0
 }
 
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
@@ -3282,7 +3300,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
-	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xbf\x04\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xd5\x04\n" +
 	"\bInstance\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -3300,7 +3318,8 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x05since\x18\v \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12&\n" +
 	"\x0ftaken_over_from\x18\f \x01(\tR\rtakenOverFrom\x12:\n" +
 	"\x06health\x18\r \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
-	"\x03xid\x18\x0e \x01(\rR\x03xid\"\xae\x02\n" +
+	"\x03xid\x18\x0e \x01(\rR\x03xid\x12\x14\n" +
+	"\x05xid64\x18\x0f \x01(\x04R\x05xid64\"\xae\x02\n" +
 	"\x0fForeignInstance\x12\x18\n" +
 	"\aprofile\x18\x01 \x01(\tR\aprofile\x12;\n" +
 	"\tplacement\x18\x02 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12&\n" +
@@ -3371,7 +3390,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"generation\x18\x05 \x01(\x04R\n" +
 	"generation\",\n" +
 	"\x12WatchHealthRequest\x12\x16\n" +
-	"\x06follow\x18\x01 \x01(\bR\x06follow\"\xe3\x02\n" +
+	"\x06follow\x18\x01 \x01(\bR\x06follow\"\xf9\x02\n" +
 	"\x14InstanceHealthUpdate\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -3381,7 +3400,9 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\x12:\n" +
 	"\x06health\x18\a \x01(\x0e2\".hami.migsidecar.v1.InstanceHealthR\x06health\x12\x10\n" +
 	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
-	"\acurrent\x18\t \x01(\bR\acurrent*R\n" +
+	"\acurrent\x18\t \x01(\bR\acurrent\x12\x14\n" +
+	"\x05xid64\x18\n" +
+	" \x01(\x04R\x05xid64*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +

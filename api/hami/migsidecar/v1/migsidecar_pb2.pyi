@@ -346,7 +346,7 @@ class Owner(_message.Message):
     def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from", "health", "xid")
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from", "health", "xid", "xid64")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,7 @@ class Instance(_message.Message):
     TAKEN_OVER_FROM_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
+    XID64_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     profile: str
     placement: Placement
@@ -375,7 +376,8 @@ class Instance(_message.Message):
     taken_over_from: str
     health: InstanceHealth
     xid: int
-    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ...) -> None: ...
+    xid64: int
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., state: _Optional[_Union[InstanceState, str]] = ..., owner: _Optional[_Union[Owner, _Mapping]] = ..., cdi_device: _Optional[str] = ..., last_error: _Optional[str] = ..., since: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., taken_over_from: _Optional[str] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., xid64: _Optional[int] = ...) -> None: ...
 
 class ForeignInstance(_message.Message):
     __slots__ = ("profile", "placement", "gpu_instance_id", "has_compute_instance", "compute_instance_id", "mig_uuid", "recorded_as")
@@ -536,7 +538,7 @@ class WatchHealthRequest(_message.Message):
     def __init__(self, follow: _Optional[bool] = ...) -> None: ...
 
 class InstanceHealthUpdate(_message.Message):
-    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "health", "xid", "current")
+    __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "health", "xid", "current", "xid64")
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
@@ -546,6 +548,7 @@ class InstanceHealthUpdate(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
+    XID64_FIELD_NUMBER: _ClassVar[int]
     gpu_uuid: str
     profile: str
     placement: Placement
@@ -555,4 +558,5 @@ class InstanceHealthUpdate(_message.Message):
     health: InstanceHealth
     xid: int
     current: bool
-    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., current: _Optional[bool] = ...) -> None: ...
+    xid64: int
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., current: _Optional[bool] = ..., xid64: _Optional[int] = ...) -> None: ...
