@@ -206,6 +206,7 @@ class TestSidecarDownWhenACallStarts:
 # test below holds it equal to the tests compiled into the binary.
 GO_E2E_TESTS = [
     "TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook",
+    "TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease",
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",

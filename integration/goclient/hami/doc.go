@@ -16,8 +16,8 @@
 // device-list strategies instead of one HAMi builds. Every conversion (GPU index to UUID,
 // HAMi's values to the contract) happens here. The context is given once, at construction.
 //
-// Release undoes exactly the device this adapter handed out, with the owner it handed it to, and
-// only while that owner still holds it (the sidecar's UndoDevice guard). ReconcileNodePods is what
+// Release undoes exactly the device this adapter handed out, with the owner it handed it to, only
+// while that owner still holds it (the sidecar's UndoDevice guard), and once per MIG UUID. ReconcileNodePods is what
 // HAMi's reconcile calls, through a type assertion, instead of listing the pods itself.
 //
 // Subpackage kube turns HAMi's pod list (hami.io/vgpu-mig-allocations) into the sidecar's
