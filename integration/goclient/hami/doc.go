@@ -24,8 +24,7 @@
 // active allocations; this package and migclient do not depend on Kubernetes.
 //
 // Publisher writes the node's idle inventory annotation (register.IdleKey) for HAMi's scheduler
-// (package schedule): at the registration loop's period, and within Publisher.Poll (2 s) of any
-// Allocate or release, which move the sidecar's generation; a change that moves none (a
-// background destroy) shows within Publisher.Refresh (30 s). It is advice: stale, it costs at
-// most a create. publish.go says why and how.
+// (package schedule): at the registration loop's period, and within a second of any change of the
+// sidecar's instances (background destroys and Xid faults included), at most once a second per
+// node. It is advice: stale, it costs at most a create. publish.go says why and how.
 package hami
