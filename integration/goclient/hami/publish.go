@@ -64,7 +64,7 @@ type Publisher struct {
 
 	mu      sync.Mutex
 	written string    // the value the node holds, as this Publisher last wrote it; "" before the first
-	patched time.Time // when the last patch returned
+	patched time.Time // when the last patch was sent
 	read    seen      // what GetInfo answered before the last GetState
 }
 
@@ -107,12 +107,17 @@ func (p *Publisher) Publish(ctx context.Context) (bool, error) {
 	if same {
 		return false, nil
 	}
-	if err := p.patch(ctx, value); err != nil {
+	sent := time.Now()
+	err = p.patch(ctx, value)
+	p.mu.Lock()
+	p.patched = sent // a refused patch counts too: its retry waits as well
+	if err == nil {
+		p.written = value
+	}
+	p.mu.Unlock()
+	if err != nil {
 		return false, fmt.Errorf("patch %s: %w", register.IdleKey, err)
 	}
-	p.mu.Lock()
-	p.written, p.patched = value, time.Now() // the next patch starts MinInterval after this one ended
-	p.mu.Unlock()
 	return true, nil
 }
 
