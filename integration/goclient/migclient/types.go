@@ -44,12 +44,13 @@ type AllocateRequest struct {
 type Outcome int
 
 const (
+	// OutcomeUnspecified is the zero value: the sidecar gave no outcome.
 	OutcomeUnspecified Outcome = iota
-	// OutcomeCreated: a new GI/CI was created.
+	// OutcomeCreated means a new GI/CI was created.
 	OutcomeCreated
-	// OutcomeReused: an IDLE instance with exactly this reservation became ACTIVE again.
+	// OutcomeReused means an IDLE instance with exactly this reservation became ACTIVE again.
 	OutcomeReused
-	// OutcomeAlreadyAllocated: the key was already ACTIVE with this reservation (a retry).
+	// OutcomeAlreadyAllocated means the key was already ACTIVE with this reservation (a retry).
 	OutcomeAlreadyAllocated
 )
 
@@ -126,7 +127,11 @@ type Info struct {
 	CDIEnabled     bool
 	AdoptExisting  bool
 	Generation     uint64
-	StartedAt      time.Time
+	// Revision moves with every change of the owned instances, those that move no Generation
+	// included (a trim, a ReclaimIdle, the reconciler's destroys, an Xid fault); 0 from a sidecar
+	// that predates it. It restarts with the sidecar.
+	Revision  uint64
+	StartedAt time.Time
 }
 
 // incarnation identifies one run of the sidecar process: a new boot or a new start time means
@@ -239,6 +244,7 @@ func infoFromPB(r *pb.GetInfoResponse) Info {
 		CDIEnabled:     r.GetCdiEnabled(),
 		AdoptExisting:  r.GetAdoptExisting(),
 		Generation:     r.GetGeneration(),
+		Revision:       r.GetRevision(),
 		StartedAt:      started,
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -70,6 +71,8 @@ type Server struct {
 	unavailable int
 	overloaded  int
 	generation  uint64                          // the fence: one more at every activation and every idle
+	revision    uint64                          // GetInfo's: one more whenever the table read differently
+	printed     string                          // the table as the last GetInfo read it
 	calls       map[string]int                  // RPCs received, by method name
 	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
 	conns       int                             // client connections open now
@@ -308,13 +311,36 @@ func (s *Server) remove(in *Instance) {
 	}
 }
 
+// GetInfo is the RPC of that name, over the fake's table.
 func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	var table strings.Builder
+	for _, in := range s.instances {
+		fmt.Fprintf(&table, "%+v %+v;", *in, in.Owner)
+	}
+	if table.String() != s.printed {
+		s.printed = table.String()
+		s.revision++
+	}
 	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "fake", Recovered: s.recovered,
-		Generation: s.generation, StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
+		Generation: s.generation, Revision: s.revision, StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
 }
 
+// Destroy removes an instance as the sidecar's background work does (a trim, the reconciler): no
+// generation moves, only GetInfo's revision.
+func (s *Server) Destroy(migUUID string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, in := range s.instances {
+		if in.MigUUID == migUUID {
+			s.remove(in)
+			return
+		}
+	}
+}
+
+// ListGpus is the RPC of that name, over the fake's table.
 func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -326,6 +352,7 @@ func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusRes
 	return out, nil
 }
 
+// DiscoverProfiles is the RPC of that name, over the fake's table.
 func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesRequest) (*pb.DiscoverProfilesResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -350,6 +377,7 @@ func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesReq
 	return out, nil
 }
 
+// Recover is the RPC of that name, over the fake's table.
 func (s *Server) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.RecoverResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -358,6 +386,7 @@ func (s *Server) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.Recover
 	return &pb.RecoverResponse{}, nil
 }
 
+// SyncActive is the RPC of that name, over the fake's table.
 func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.SyncActiveResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -383,6 +412,7 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	return out, nil
 }
 
+// Allocate is the RPC of that name, over the fake's table.
 func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.AllocateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -441,6 +471,7 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 	return out, nil
 }
 
+// UndoAllocate is the RPC of that name, over the fake's table.
 func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*pb.UndoAllocateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -465,6 +496,7 @@ func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*
 	return out, nil
 }
 
+// UndoDevice is the RPC of that name, over the fake's table.
 func (s *Server) UndoDevice(_ context.Context, req *pb.UndoDeviceRequest) (*pb.UndoDeviceResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -534,6 +566,7 @@ func (s *Server) reclaimable(gpu string, named []string) ([]*Instance, error) {
 	return picked, nil
 }
 
+// ReclaimIdle is the RPC of that name, over the fake's table.
 func (s *Server) ReclaimIdle(_ context.Context, req *pb.ReclaimIdleRequest) (*pb.ReclaimIdleResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -555,6 +588,7 @@ func (s *Server) ReclaimIdle(_ context.Context, req *pb.ReclaimIdleRequest) (*pb
 	return out, nil
 }
 
+// SetMigMode is the RPC of that name, over the fake's table.
 func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.SetMigModeResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -592,6 +626,7 @@ func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.S
 	return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: req.GetEnabled(), Pending: req.GetEnabled()}}, nil
 }
 
+// RankPlacements is the RPC of that name, over the fake's table.
 func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest) (*pb.RankPlacementsResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -635,6 +670,7 @@ func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest
 	return out, nil
 }
 
+// GetState is the RPC of that name, over the fake's table.
 func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -693,6 +729,7 @@ func healthOf(in *Instance, current bool) *pb.InstanceHealthUpdate {
 		ComputeInstanceId: in.CI, Health: health, Xid: in.Xid, Current: current}
 }
 
+// WatchHealth is the RPC of that name, over the fake's table.
 func (s *Server) WatchHealth(req *pb.WatchHealthRequest, stream pb.MigSidecar_WatchHealthServer) error {
 	s.mu.Lock()
 	s.calls["WatchHealth"]++
