@@ -306,6 +306,8 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
         "--sim-state", str(state), "--sim-gpus", f"h100-80gb:{args.gpus}",
         "--state-dir", str(root / "state"), "--cdi-dir", str(root / "cdi"), "--socket", str(socket),
         "--log-level", args.log_level,
+        # the cycle sets up its own IDLE blockers; serve's default reserve would trim them between steps
+        "--idle-reserve", "off",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
     proc = subprocess.Popen(command, env=env)
