@@ -87,6 +87,7 @@ kube-binary = version=$(call pinned,$(1),$(2)); \
   fi;
 
 go-test:
+	@[ -x "$(GOBIN)/kube-apiserver" ] && [ -x "$(GOBIN)/etcd" ] || echo "go-test: kube-apiserver and etcd are not built, so the tests against a real API server skip; \`make kube-binaries\` builds them (about 10 minutes, 2.2 GB of memory and 1.5 GB of disk, once)"
 	@for module in $(GO_MODULES); do \
 	  echo "go vet + go test in $$module"; \
 	  (cd $$module && $(GO) vet ./... && $(GO) test ./...) || exit 1; \
