@@ -160,14 +160,19 @@ def go_runner_fixture(go_sidecar: Sidecar, go_binaries: GoBinaries) -> GoRunner:
 def require_kube_binaries() -> None:
     """Skip, or fail under CI, unless ``make kube-binaries`` built etcd and kube-apiserver (the Go
     tests against a real API server skip without them, and a skipped Go test tested nothing)."""
-    gopath = subprocess.run(["go", "env", "GOPATH"], capture_output=True, text=True, check=False).stdout.strip()
+    go = shutil.which("go")
+    gopath = subprocess.run(
+        [go or "go", "env", "GOPATH"], capture_output=True, text=True, check=False
+    ).stdout.strip()
     missing = [
         name
         for name in ("etcd", "kube-apiserver")
         if shutil.which(name) is None and not (Path(gopath) / "bin" / name).exists()
     ]
     if missing:
-        message = f"{' and '.join(missing)} not built: `make kube-binaries` builds them (about 10 minutes once)"
+        message = (
+            f"{' and '.join(missing)} not built: `make kube-binaries` builds them (about 10 minutes once)"
+        )
         if os.environ.get("CI"):
             pytest.fail(f"{message}; .ci/run builds them")
         pytest.skip(message)

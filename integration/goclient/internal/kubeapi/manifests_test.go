@@ -223,7 +223,7 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 		{"a misspelt PodMonitor field", "deploy/podmonitor.yaml", "podMetricsEndpoints:", "podMetricEndpoints:", "field not declared in schema"},
 		{"a misspelt PrometheusRule field", "deploy/prometheus-rules.yaml", "expr:", "expression:", "field not declared in schema"},
 		{"a DaemonSet whose selector misses its pods' labels", "deploy/daemonset.yaml",
-			"app.kubernetes.io/name: hami-mig-sidecar-standalone\n    spec:", "app.kubernetes.io/name: other\n    spec:", "does not match template"},
+			"      labels:\n        app.kubernetes.io/name: hami-mig-sidecar-standalone", "      labels:\n        app.kubernetes.io/name: other", "does not match template"},
 		{"a ConfigMap with a key a file cannot have", "deploy/grafana-dashboard-configmap.yaml", "hami-mig-sidecar.json:", "hami mig sidecar.json:", "a valid config key"},
 	} {
 		var errs []string
