@@ -264,6 +264,7 @@ func (s *Server) start(etcdBin, kubeBin string) error {
 		"--service-account-issuer", "https://kubeapi.test", "--service-account-key-file", key,
 		"--service-account-signing-key-file", key, "--service-cluster-ip-range", "10.0.0.0/24",
 		"--disable-admission-plugins", "ServiceAccount", "--endpoint-reconciler-type", "none",
+		"--allow-privileged", // as a cluster that runs device plugins does
 		"--audit-policy-file", filepath.Join(s.dir, "audit-policy.yaml"), "--audit-log-path", s.auditLog,
 		"--audit-log-format", "json", "--audit-log-mode", "blocking")
 	if err := s.launch(s.kube, "kube-apiserver.log"); err != nil {

@@ -358,7 +358,7 @@ func TestTheServerRefusesAnOversizedAnnotationAndThePodKeepsItsOwn(t *testing.T)
 	before := pod.Annotations[annotation.Key]
 	oversized := strings.Repeat("x", 256*1024+1)
 	err := p.patchPod(ctx, pod, oversized)
-	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "must have at most 262144 bytes") {
+	if !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "262144 bytes") {
 		t.Fatalf("an oversized annotation: %v, want 422 Invalid naming the limit", err)
 	}
 	got, err := admin.CoreV1().Pods(ns).Get(ctx, "a", metav1.GetOptions{})
