@@ -70,7 +70,7 @@ go-plugins:
 # (integration/goclient/kubeapi), built from the module proxy by the wrapper modules in
 # scripts/kube-binaries/ into GOBIN beside the Go plugins, and rebuilt only when the pinned version in
 # a wrapper's go.mod differs from the one `go version -m` reads in the binary. A cold build on 2 cores
-# takes about 10 minutes, 2.2 GB of memory and 1.5 GB of module and build cache; it runs under nice.
+# takes about 10 minutes, 1.9 GB of memory and 1.5 GB of module and build cache; it runs under nice.
 # The wrapper modules stay out of GO_MODULES: vetting them would compile Kubernetes on every make test.
 KUBE_BINARIES := etcd=go.etcd.io/etcd/server/v3 kube-apiserver=k8s.io/kubernetes
 pinned = $(shell awk '{ sub(/^require /, "") } $$1 == "$(2)" && $$2 ~ /^v/ { print $$2; exit }' scripts/kube-binaries/$(1)/go.mod)
@@ -87,7 +87,7 @@ kube-binary = version=$(call pinned,$(1),$(2)); \
   fi;
 
 go-test:
-	@[ -x "$(GOBIN)/kube-apiserver" ] && [ -x "$(GOBIN)/etcd" ] || echo "go-test: kube-apiserver and etcd are not built, so the tests against a real API server skip; \`make kube-binaries\` builds them (about 10 minutes, 2.2 GB of memory and 1.5 GB of disk, once)"
+	@[ -x "$(GOBIN)/kube-apiserver" ] && [ -x "$(GOBIN)/etcd" ] || echo "go-test: kube-apiserver and etcd are not built, so the tests against a real API server skip; \`make kube-binaries\` builds them (about 10 minutes, 1.9 GB of memory and 1.5 GB of disk, once)"
 	@for module in $(GO_MODULES); do \
 	  echo "go vet + go test in $$module"; \
 	  (cd $$module && $(GO) vet ./... && $(GO) test ./...) || exit 1; \
