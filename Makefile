@@ -67,7 +67,7 @@ go-plugins:
 	done < scripts/go-plugins.txt
 
 # The pinned kube-apiserver and etcd the Go tests against a real API server start
-# (integration/goclient/kubeapi), built from the module proxy by the wrapper modules in
+# (integration/goclient/internal/kubeapi), built from the module proxy by the wrapper modules in
 # scripts/kube-binaries/ into GOBIN beside the Go plugins, and rebuilt only when the pinned version in
 # a wrapper's go.mod differs from the one `go version -m` reads in the binary. A cold build on 2 cores
 # takes about 10 minutes, 1.9 GB of memory and 1.5 GB of module and build cache; it runs under nice.

@@ -1,4 +1,4 @@
-// The pinned etcd the integration tests start beside kube-apiserver (integration/goclient/kubeapi),
+// The pinned etcd the integration tests start beside kube-apiserver (integration/goclient/internal/kubeapi),
 // built by the Makefile's kube-binaries target from the module proxy.
 module github.com/Project-HAMi/hami-mig-sidecar/scripts/kube-binaries/etcd
 

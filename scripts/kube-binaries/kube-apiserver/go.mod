@@ -1,4 +1,4 @@
-// The pinned kube-apiserver the integration tests start (integration/goclient/kubeapi): a wrapper
+// The pinned kube-apiserver the integration tests start (integration/goclient/internal/kubeapi): a wrapper
 // module that requires k8s.io/kubernetes and points each staging module of its replace block at the
 // matching published release, so `go build` fetches everything from the module proxy. The Makefile's
 // kube-binaries target builds it with the version ldflags kubectl needs to parse the server version.
