@@ -50,15 +50,16 @@ import (
 )
 
 // The users of the token file. PluginUser is what the device plugin's ServiceAccount
-// kube-system/hami-device-plugin authenticates as, so a ClusterRoleBinding to that ServiceAccount
-// applies to it.
+// kube-system/hami-device-plugin (the chart's) authenticates as, StandaloneUser that of
+// deploy/rbac.yaml's kube-system/hami-mig-sidecar-standalone, so a ClusterRoleBinding to either
+// ServiceAccount applies to its user. Neither may do anything until a test binds a role.
 const (
 	AdminUser           = "admin"
 	PluginNamespace     = "kube-system"
 	PluginAccount       = "hami-device-plugin"
 	PluginUser          = "system:serviceaccount:" + PluginNamespace + ":" + PluginAccount
-	adminToken          = "admin-token"
-	pluginToken         = "plugin-token"
+	StandaloneAccount   = "hami-mig-sidecar-standalone"
+	StandaloneUser      = "system:serviceaccount:" + PluginNamespace + ":" + StandaloneAccount
 	readyTimeout        = 90 * time.Second // a loaded 2-core machine; /readyz is ok after ~4 s when idle
 	stopTimeout         = 10 * time.Second
 	buildTarget         = "make kube-binaries"
@@ -69,6 +70,9 @@ rules:
   - level: Metadata
 `
 )
+
+// tokens are the bearer tokens of the token file's users.
+var tokens = map[string]string{AdminUser: "admin-token", PluginUser: "plugin-token", StandaloneUser: "standalone-token"}
 
 // Server is a running etcd and kube-apiserver.
 type Server struct {
@@ -238,9 +242,14 @@ func (s *Server) start(etcdBin, kubeBin string) error {
 		return err
 	}
 	// The service account flags are required even with its admission off; the key signs nothing here.
-	tokens := fmt.Sprintf("%s,%s,%s,\"system:masters\"\n%s,%s,%s,\"system:serviceaccounts,system:serviceaccounts:%s\"\n",
-		adminToken, AdminUser, AdminUser, pluginToken, PluginUser, PluginAccount, PluginNamespace)
-	files := map[string]string{"tokens.csv": tokens, "audit-policy.yaml": auditPolicyDocument}
+	lines := []string{fmt.Sprintf("%s,%s,%s,\"system:masters\"", tokens[AdminUser], AdminUser, AdminUser)}
+	for _, account := range []string{PluginAccount, StandaloneAccount} {
+		user := "system:serviceaccount:" + PluginNamespace + ":" + account
+		lines = append(lines, fmt.Sprintf("%s,%s,%s,\"system:serviceaccounts,system:serviceaccounts:%s\"",
+			tokens[user], user, account, PluginNamespace))
+	}
+	tokenFile := strings.Join(lines, "\n") + "\n"
+	files := map[string]string{"tokens.csv": tokenFile, "audit-policy.yaml": auditPolicyDocument}
 	for name, text := range files {
 		if err := os.WriteFile(filepath.Join(s.dir, name), []byte(text), 0o600); err != nil {
 			return err
@@ -297,7 +306,7 @@ func (s *Server) waitReady() error {
 		default:
 		}
 		req, _ := http.NewRequest(http.MethodGet, s.url+"/readyz", nil)
-		req.Header.Set("Authorization", "Bearer "+adminToken)
+		req.Header.Set("Authorization", "Bearer "+tokens[AdminUser])
 		if resp, err := client.Do(req); err == nil {
 			body := new(bytes.Buffer)
 			_, _ = body.ReadFrom(resp.Body)
@@ -349,17 +358,13 @@ func (s *Server) Stop() {
 	_ = os.RemoveAll(s.dir)
 }
 
-// Config is a client configuration of user (AdminUser or PluginUser).
+// Config is a client configuration of user (AdminUser, PluginUser or StandaloneUser).
 func (s *Server) Config(user string) *rest.Config {
-	token := adminToken
-	if user == PluginUser {
-		token = pluginToken
-	}
-	return &rest.Config{Host: s.url, BearerToken: token, TLSClientConfig: rest.TLSClientConfig{CAData: s.caPEM},
+	return &rest.Config{Host: s.url, BearerToken: tokens[user], TLSClientConfig: rest.TLSClientConfig{CAData: s.caPEM},
 		QPS: 1000, Burst: 1000}
 }
 
-// Client is a clientset of user (AdminUser or PluginUser).
+// Client is a clientset of user (see Config).
 func (s *Server) Client(t testing.TB, user string) *kubernetes.Clientset {
 	t.Helper()
 	cs, err := kubernetes.NewForConfig(s.Config(user))

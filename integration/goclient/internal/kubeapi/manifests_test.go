@@ -209,7 +209,8 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 	a := newApplier(t, s)
 	crds(t, a)
 	manifests := map[string][]byte{}
-	for _, name := range []string{"deploy/daemonset.yaml", "deploy/grafana-dashboard-configmap.yaml", "deploy/podmonitor.yaml", "deploy/prometheus-rules.yaml"} {
+	for _, name := range []string{"deploy/rbac.yaml", "deploy/daemonset.yaml", "deploy/grafana-dashboard-configmap.yaml",
+		"deploy/podmonitor.yaml", "deploy/prometheus-rules.yaml"} {
 		manifests[name] = file(t, name)
 	}
 	t.Run("deploy", func(t *testing.T) {
@@ -257,11 +258,11 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 	}
 }
 
-// allowed asks the server whether the plugin's ServiceAccount may make one request.
-func allowed(t *testing.T, admin kubernetes.Interface, verb, resource string) bool {
+// allowed asks the server whether a ServiceAccount's user may make one request.
+func allowed(t *testing.T, admin kubernetes.Interface, user, verb, resource string) bool {
 	t.Helper()
 	review := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
-		User: kubeapi.PluginUser, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + kubeapi.PluginNamespace, "system:authenticated"},
+		User: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + kubeapi.PluginNamespace, "system:authenticated"},
 		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: verb, Resource: resource}}}
 	got, err := admin.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), review, metav1.CreateOptions{})
 	if err != nil {
@@ -270,18 +271,24 @@ func allowed(t *testing.T, admin kubernetes.Interface, verb, resource string) bo
 	return got.Status.Allowed
 }
 
-// TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo: with the chart fixture's ServiceAccount,
-// ClusterRole and binding applied, a pod's start and stop succeed as the plugin's ServiceAccount;
-// the requests they make (from the audit log) are exactly list and patch of pods and patch of nodes,
-// each granted; and with each of those verbs taken out of the ClusterRole the step that needs it
-// fails with the Forbidden an operator reads in the plugin's log.
-func TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
+// TestThePluginsRBACPermitsWhatTheAdapterAndThePublisherDo, for the chart fixture's ServiceAccount,
+// ClusterRole and binding (HAMi 2.10's rules) and for deploy/rbac.yaml's: with them applied, a pod's
+// start and stop succeed as the ServiceAccount; the requests they make (from the audit log) are
+// exactly list and patch of pods and patch of nodes, each granted; and with each of those verbs taken
+// out of the ClusterRole the step that needs it fails with the Forbidden an operator reads in the
+// plugin's log.
+func TestThePluginsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
+	t.Run("chart", func(t *testing.T) { checkRBAC(t, render(t), kubeapi.PluginUser) })
+	t.Run("deploy", func(t *testing.T) { checkRBAC(t, file(t, "deploy/rbac.yaml"), kubeapi.StandaloneUser) })
+}
+
+func checkRBAC(t *testing.T, manifests []byte, user string) {
 	s := kubeapi.Get(t)
 	admin := s.Client(t, kubeapi.AdminUser)
 	ns := namespace(t, admin)
 	a := newApplier(t, s)
 	var role *rbacv1.ClusterRole
-	for _, obj := range objects(t, "the rendered chart", render(t)) {
+	for _, obj := range objects(t, "the RBAC", manifests) {
 		switch obj.GetKind() {
 		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding":
 			if err := a.apply(obj, false); err != nil {
@@ -302,23 +309,23 @@ func TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
 		}
 	}
 	if role == nil {
-		t.Fatal("the chart renders no ClusterRole")
+		t.Fatal("no ClusterRole")
 	}
 	ctx := context.Background()
-	p := dial(t, s.Client(t, kubeapi.PluginUser), ns)
+	p := dial(t, s.Client(t, user), ns)
 	mark := s.Mark(t)
 	pod := scheduled(t, admin, ns, ns, "a", annotation.Placement{Start: 0, Size: 1})
 	if err := p.start(ctx, pod); err != nil {
-		t.Fatalf("a pod's start as the plugin's ServiceAccount: %v", err)
+		t.Fatalf("a pod's start as %s: %v", user, err)
 	}
 	if err := admin.CoreV1().Pods(ns).Delete(ctx, "a", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.stop(ctx); err != nil {
-		t.Fatalf("a pod's stop as the plugin's ServiceAccount: %v", err)
+		t.Fatalf("a pod's stop as %s: %v", user, err)
 	}
 	var made []string
-	for _, e := range mark.Events(t, kubeapi.PluginUser) {
+	for _, e := range mark.Events(t, user) {
 		if !slices.Contains(made, e.Key()) {
 			made = append(made, e.Key())
 		}
@@ -341,8 +348,8 @@ func TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
 			return err
 		}},
 	} {
-		if !allowed(t, admin, c.verb, c.resource) {
-			t.Fatalf("the chart's ClusterRole does not grant %s %s", c.verb, c.resource)
+		if !allowed(t, admin, user, c.verb, c.resource) {
+			t.Fatalf("the ClusterRole does not grant %s %s", c.verb, c.resource)
 		}
 		without := role.DeepCopy()
 		for i := range without.Rules {
@@ -351,7 +358,7 @@ func TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
 			}
 		}
 		update(t, admin, without)
-		for deadline := time.Now().Add(30 * time.Second); allowed(t, admin, c.verb, c.resource); time.Sleep(50 * time.Millisecond) {
+		for deadline := time.Now().Add(30 * time.Second); allowed(t, admin, user, c.verb, c.resource); time.Sleep(50 * time.Millisecond) {
 			if time.Now().After(deadline) {
 				t.Fatalf("%s %s is still allowed after the ClusterRole lost it", c.verb, c.resource)
 			}
@@ -359,13 +366,13 @@ func TestTheChartsRBACPermitsWhatTheAdapterAndThePublisherDo(t *testing.T) {
 		// What the plugin logs: `... is forbidden: User "system:serviceaccount:kube-system:hami-device-plugin"
 		// cannot patch resource "nodes" in API group "" at the cluster scope`.
 		err := c.step()
-		want := `is forbidden: User "` + kubeapi.PluginUser + `" cannot ` + c.verb + ` resource "` + c.resource + `"`
+		want := `is forbidden: User "` + user + `" cannot ` + c.verb + ` resource "` + c.resource + `"`
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("without %s %s: %v, want %q", c.verb, c.resource, err, want)
 		}
 		t.Logf("without %s %s the plugin logs: %v", c.verb, c.resource, err)
 		update(t, admin, role)
-		for deadline := time.Now().Add(30 * time.Second); !allowed(t, admin, c.verb, c.resource); time.Sleep(50 * time.Millisecond) {
+		for deadline := time.Now().Add(30 * time.Second); !allowed(t, admin, user, c.verb, c.resource); time.Sleep(50 * time.Millisecond) {
 			if time.Now().After(deadline) {
 				t.Fatalf("%s %s is not allowed again", c.verb, c.resource)
 			}

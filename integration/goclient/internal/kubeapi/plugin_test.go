@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"hash/crc32"
 	"maps"
 	"os"
 	"strings"
@@ -34,10 +36,9 @@ func TestMain(m *testing.M) { os.Exit(kubeapi.Main(m)) }
 func namespace(t *testing.T, admin kubernetes.Interface) string {
 	t.Helper()
 	name := strings.ToLower(strings.NewReplacer("_", "-", "/", "-").Replace(t.Name()))
-	if len(name) > 50 {
-		name = name[:50]
+	if len(name) > 50 { // a name is at most 63 characters: a prefix, and a hash of the whole
+		name = fmt.Sprintf("%s-%08x", strings.Trim(name[:40], "-"), crc32.ChecksumIEEE([]byte(name)))
 	}
-	name = strings.Trim(name, "-")
 	ctx := context.Background()
 	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
