@@ -442,7 +442,7 @@ func (s *Server) Mark(t testing.TB) Audit {
 
 // sync makes a uniquely named admin GET and waits until the audit log holds its completion: the log
 // backend writes each request's line as it completes, in the order the requests completed.
-func (s *Server) sync(t testing.TB) string {
+func (s *Server) sync(t testing.TB) {
 	t.Helper()
 	s.mu.Lock()
 	s.marks++
@@ -458,11 +458,10 @@ func (s *Server) sync(t testing.TB) string {
 			t.Fatal(err)
 		}
 		if bytes.Contains(data, []byte(`"name":"`+name+`"`)) {
-			return name
+			return
 		}
 	}
 	t.Fatalf("the audit log never showed %s", name)
-	return ""
 }
 
 // Events are the completed requests of user since the mark, the mark's own sync requests left out.
@@ -473,7 +472,7 @@ func (a Audit) Events(t testing.TB, user string) []Event {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }() // read only
 	if _, err := f.Seek(a.offset, 0); err != nil {
 		t.Fatal(err)
 	}

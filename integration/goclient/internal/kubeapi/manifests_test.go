@@ -192,13 +192,13 @@ func render(t *testing.T) []byte {
 	return out
 }
 
-// broken is text with old replaced by new, which must be there.
-func broken(t *testing.T, text []byte, old, new string) []byte {
+// broken is text with from, which must be there, replaced by to.
+func broken(t *testing.T, text []byte, from, to string) []byte {
 	t.Helper()
-	if !bytes.Contains(text, []byte(old)) {
-		t.Fatalf("%q is not in the manifest any more: the broken copy would test nothing", old)
+	if !bytes.Contains(text, []byte(from)) {
+		t.Fatalf("%q is not in the manifest any more: the broken copy would test nothing", from)
 	}
-	return bytes.Replace(text, []byte(old), []byte(new), 1)
+	return bytes.Replace(text, []byte(from), []byte(to), 1)
 }
 
 // TestEveryManifestPassesAServerSideDryRun applies every manifest a user installs with server-side
