@@ -61,8 +61,9 @@ class GoBinaries:
 class GoRunner:
     """Runs Go programs against one sidecar and restarts the sidecar when they ask for it."""
 
-    def __init__(self, car: Sidecar) -> None:
+    def __init__(self, car: Sidecar, mockplugin: Path) -> None:
         self.car = car
+        self.mockplugin = mockplugin
         self.request = car.root / "restart.req"
         self.done = car.root / "restart.done"
         self.restarts = 0
@@ -83,6 +84,7 @@ class GoRunner:
             "MIGSIDECAR_CDI_DIR": str(self.car.cdi_dir),
             "MIGSIDECAR_RESTART_CMD": self.restart_command,
             "MIGSIDECAR_SIM_CMD": self.sim_command,
+            "MIGSIDECAR_MOCKPLUGIN": str(self.mockplugin),
         }
 
     def run(
@@ -151,5 +153,26 @@ def go_sidecar_fixture() -> Iterator[Sidecar]:
 
 
 @pytest.fixture(name="go_runner")
-def go_runner_fixture(go_sidecar: Sidecar) -> GoRunner:
-    return GoRunner(go_sidecar)
+def go_runner_fixture(go_sidecar: Sidecar, go_binaries: GoBinaries) -> GoRunner:
+    return GoRunner(go_sidecar, go_binaries.mockplugin)
+
+
+def require_kube_binaries() -> None:
+    """Skip, or fail under CI, unless ``make kube-binaries`` built etcd and kube-apiserver (the Go
+    tests against a real API server skip without them, and a skipped Go test tested nothing)."""
+    go = shutil.which("go")
+    gopath = subprocess.run(
+        [go or "go", "env", "GOPATH"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    missing = [
+        name
+        for name in ("etcd", "kube-apiserver")
+        if shutil.which(name) is None and not (Path(gopath) / "bin" / name).exists()
+    ]
+    if missing:
+        message = (
+            f"{' and '.join(missing)} not built: `make kube-binaries` builds them (about 10 minutes once)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; .ci/run builds them")
+        pytest.skip(message)

@@ -223,7 +223,10 @@ GO_E2E_TESTS = [
     "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
     "TestTheLazyAdapterAnswersThePR3128MethodSet",
     "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
+    "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
 ]
+# These also start a real API server (integration/goclient/internal/kubeapi).
+GO_E2E_KUBEAPI = {"TestTheMockPluginRunsItsPodsThroughARealAPIServer"}
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.
 GO_E2E_QUIET_RECONCILER = {
@@ -244,6 +247,8 @@ class TestGoEndToEndSuite:
     def test_the_go_e2e_test_passes_against_a_real_sidecar(
         self, go_binaries: GoBinaries, go_runner: GoRunner, name: str
     ) -> None:
+        if name in GO_E2E_KUBEAPI:
+            go_harness.require_kube_binaries()
         if name in GO_E2E_QUIET_RECONCILER:
             go_runner.car.restart(extra_args=["--reconcile-interval", "3600"])
         if name in GO_E2E_IDLE_TTL:

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/prometheus/promql/parser"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -70,8 +71,12 @@ type Manifest struct {
 	PromRule   *monitoringv1.PrometheusRule
 	PodMonitor *monitoringv1.PodMonitor
 	ConfigMap  *corev1.ConfigMap
-	Kind       string
-	APIVersion string
+	// The device plugin's identity and rights, in the chart fixture.
+	ServiceAccount     *corev1.ServiceAccount
+	ClusterRole        *rbacv1.ClusterRole
+	ClusterRoleBinding *rbacv1.ClusterRoleBinding
+	Kind               string
+	APIVersion         string
 }
 
 // DecodeFile decodes every document of a deploy/*.yaml file strictly, by its kind.
@@ -107,6 +112,15 @@ func Decode(name string, data []byte) ([]Manifest, error) {
 		case "v1/ConfigMap":
 			m.ConfigMap = &corev1.ConfigMap{}
 			err = yaml.UnmarshalStrict(doc, m.ConfigMap)
+		case "v1/ServiceAccount":
+			m.ServiceAccount = &corev1.ServiceAccount{}
+			err = yaml.UnmarshalStrict(doc, m.ServiceAccount)
+		case "rbac.authorization.k8s.io/v1/ClusterRole":
+			m.ClusterRole = &rbacv1.ClusterRole{}
+			err = yaml.UnmarshalStrict(doc, m.ClusterRole)
+		case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
+			m.ClusterRoleBinding = &rbacv1.ClusterRoleBinding{}
+			err = yaml.UnmarshalStrict(doc, m.ClusterRoleBinding)
 		default:
 			err = fmt.Errorf("no type known for %q", gvk)
 		}

@@ -6,6 +6,7 @@
 //	MIGSIDECAR_CDI_DIR      its --cdi-dir (CDI checks)
 //	MIGSIDECAR_RESTART_CMD  a shell command that kill -9s the sidecar and starts it again
 //	MIGSIDECAR_SIM_CMD      the simulator's `sim` command on its hardware, arguments appended
+//	MIGSIDECAR_MOCKPLUGIN   the mock plugin binary (cmd/mockplugin)
 package e2e
 
 import (

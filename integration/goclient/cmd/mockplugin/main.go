@@ -6,11 +6,13 @@
 // (reservations from the annotation, runtime identity written back into it), "delete" removes
 // the pod and releases by pod list (generation, list, SyncActive), "restart" restarts the
 // sidecar through a command, "sync" is a periodic release pass and "state" prints the sidecar's
-// instance table. With --pods the pod store is a file, so runs can be chained.
+// instance table. With --pods the pod store is a file, so runs can be chained; with --kubeconfig and
+// --node the pods live in an API server and the node's idle annotation is published after every
+// step (kube.go).
 //
 // Usage:
 //
-//	mockplugin --socket PATH --scenario FILE [--pods FILE] [--restart-cmd CMD] [--json] [--allow-simulated-backend]
+//	mockplugin --socket PATH --scenario FILE [--pods FILE | --kubeconfig FILE --node NAME] [--restart-cmd CMD] [--json] [--allow-simulated-backend]
 //	           [--call-timeout D] [--allocate-timeout D] [--max-attempts N]
 //
 // Like the real plugin, it refuses a sidecar on the simulated backend unless told otherwise.
@@ -44,6 +46,8 @@ type config struct {
 	socket          string
 	scenario        string
 	pods            string
+	kubeconfig      string
+	node            string
 	restartCmd      string
 	json            bool
 	callTimeout     time.Duration
@@ -59,6 +63,8 @@ func run(args []string, out io.Writer) error {
 	fs.StringVar(&cfg.socket, "socket", "/var/lib/hami/mig-sidecar/sidecar.sock", "the sidecar's Unix socket")
 	fs.StringVar(&cfg.scenario, "scenario", "", "scenario file (YAML or JSON)")
 	fs.StringVar(&cfg.pods, "pods", "", "pod store file kept between runs (default: in memory)")
+	fs.StringVar(&cfg.kubeconfig, "kubeconfig", "", "keep the pods in this kubeconfig's API server instead, and publish the node's idle annotation")
+	fs.StringVar(&cfg.node, "node", "", "with --kubeconfig: the node the pods are bound to and whose annotation is published")
 	fs.StringVar(&cfg.restartCmd, "restart-cmd", "", "shell command that restarts the sidecar, for restart steps")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON object per step instead of text")
 	fs.DurationVar(&cfg.callTimeout, "call-timeout", migclient.DefaultCallTimeout, "deadline of every RPC but Allocate")
@@ -86,19 +92,27 @@ func run(args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
+	list := store.listActive(cfg.recoverPending)
+	var pods *kubePods
+	if cfg.kubeconfig != "" {
+		if pods, err = openKube(cfg.kubeconfig, cfg.node); err != nil {
+			return err
+		}
+		list = pods.listActive()
+	}
 	ctx := context.Background()
 	client, err := migclient.New(ctx, cfg.socket, migclient.Options{
 		CallTimeout:           cfg.callTimeout,
 		AllocateTimeout:       cfg.allocateTimeout,
 		MaxAttempts:           cfg.maxAttempts,
-		ListActive:            store.listActive(cfg.recoverPending),
+		ListActive:            list,
 		AllowSimulatedBackend: cfg.allowSimulated,
 	})
 	if err != nil {
 		return err
 	}
 	defer func() { _ = client.Close() }() // the run's result is what it reported; a close error adds nothing
-	p := &player{cfg: cfg, client: client, store: store, out: out, migs: map[int][]string{}}
+	p := &player{cfg: cfg, client: client, store: store, kube: pods, out: out, migs: map[int][]string{}}
 	return p.play(ctx, sc)
 }
 
@@ -106,6 +120,7 @@ type player struct {
 	cfg    config
 	client *migclient.Client
 	store  *podStore
+	kube   *kubePods // nil: the pods are in store
 	out    io.Writer
 	gpus   []migclient.GPU
 	// migs remembers the MIG UUIDs each allocate step returned, for sameMigAsStep.
@@ -154,6 +169,11 @@ func (p *player) play(ctx context.Context, sc Scenario) error {
 	}
 	for i, st := range sc.Steps {
 		r := p.step(ctx, i+1, st)
+		if p.kube != nil && r.Error == nil {
+			if err := p.kube.publish(ctx, p.client); err != nil {
+				r.Error = errReport(fmt.Errorf("publish the idle annotation: %w", err))
+			}
+		}
 		if st.Expect != nil {
 			r.Mismatch = p.check(i+1, st.Expect, r)
 			if r.Mismatch != "" {
@@ -181,6 +201,13 @@ func (p *player) step(ctx context.Context, n int, st Step) report {
 		return p.allocate(ctx, n, st.Allocate)
 	case st.Delete != nil:
 		r := report{Step: n, Event: "delete", Pod: podKey(ns(st.Delete.Namespace), st.Delete.Pod)}
+		if p.kube != nil {
+			if err := p.kube.remove(ctx, ns(st.Delete.Namespace), st.Delete.Pod); err != nil {
+				r.Error = errReport(err)
+				return r
+			}
+			return p.release(ctx, r)
+		}
 		if _, ok := p.store.Pods[r.Pod]; !ok {
 			r.Error = &errorReport{Code: "NotFound", Message: "pod " + r.Pod + " not found"}
 			return r
@@ -238,6 +265,12 @@ func (p *player) schedule(ctx context.Context, n int, s *ScheduleStep) report {
 		return r
 	}
 	pod.Annotation[annotation.Key] = text
+	if p.kube != nil {
+		if err := p.kube.create(ctx, pod); err != nil {
+			r.Error = errReport(err)
+			return r
+		}
+	}
 	p.store.Pods[r.Pod] = pod
 	r.Detail = strings.Join(desc, ", ")
 	return r
@@ -269,7 +302,7 @@ func (p *player) gpuUUID(ctx context.Context, d DeviceSpec) (string, error) {
 // annotation, one sidecar call, then the runtime identity merged back into the annotation.
 func (p *player) allocate(ctx context.Context, n int, a *AllocateStep) report {
 	r := report{Step: n, Event: "allocate", Pod: podKey(ns(a.Namespace), a.Pod), Container: &a.Container}
-	sp, err := p.store.get(ns(a.Namespace), a.Pod)
+	sp, err := p.pod(ctx, ns(a.Namespace), a.Pod)
 	if err != nil {
 		r.Error = errReport(err)
 		return r
@@ -307,8 +340,20 @@ func (p *player) allocate(ctx context.Context, n int, a *AllocateStep) report {
 		// The plugin fails Allocate when it cannot record the identity; the pod is then
 		// deleted and its instances come back through the next release.
 		r.Error = errReport(fmt.Errorf("annotate runtime identity: %w", err))
+	} else if p.kube != nil {
+		if err := p.kube.annotate(ctx, sp); err != nil {
+			r.Error = errReport(fmt.Errorf("annotate runtime identity: %w", err))
+		}
 	}
 	return r
+}
+
+// pod is a scheduled pod as the plugin reads it: from the API server with --kubeconfig.
+func (p *player) pod(ctx context.Context, namespace, name string) (*storedPod, error) {
+	if p.kube != nil {
+		return p.kube.get(ctx, namespace, name)
+	}
+	return p.store.get(namespace, name)
 }
 
 // recordIdentity writes the runtime identity of one container's allocated devices into the
@@ -333,7 +378,11 @@ func recordIdentity(sp *storedPod, allocs []annotation.Allocation, container uin
 }
 
 func (p *player) release(ctx context.Context, r report) report {
-	res, err := p.client.ReleaseByPodList(ctx, p.store.listActive(true))
+	list := p.store.listActive(true)
+	if p.kube != nil {
+		list = p.kube.listActive()
+	}
+	res, err := p.client.ReleaseByPodList(ctx, list)
 	if err != nil {
 		r.Error = errReport(err)
 		return r

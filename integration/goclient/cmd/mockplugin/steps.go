@@ -11,7 +11,7 @@ import (
 // kubelet answer failed: the runtime identity is taken out of the annotation again.
 func (p *player) undo(ctx context.Context, n int, a *AllocateStep) report {
 	r := report{Step: n, Event: "undo", Pod: podKey(ns(a.Namespace), a.Pod), Container: &a.Container}
-	sp, err := p.store.get(ns(a.Namespace), a.Pod)
+	sp, err := p.pod(ctx, ns(a.Namespace), a.Pod)
 	if err != nil {
 		r.Error = errReport(err)
 		return r
