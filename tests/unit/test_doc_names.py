@@ -72,6 +72,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "CustomInfo",
             "DeviceUsageList",
             "Fit",
+            "findMigUUIDForGI",
             "GetContainerDeviceStrArray",
             "GetNodeDevices",
             "Init",
@@ -86,6 +87,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "kubernetesAllocatedMigGPUs",
             "migAllocationKey",
             "migAllocationRuntimeInfo",
+            "migInstance",
             "newTestPlugin",
             "orderedMigPlacements",
             "primeMigManagerFromAnnotations",
@@ -122,6 +124,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "As",
             "ErrorInfo",
             "go.work",
+            "go.work.sum",
         }
     ),
     # Python's standard library and the packages the sidecar and its tests use.
