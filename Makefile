@@ -38,7 +38,7 @@ run-sim: venv
 	$(BIN)/hami-mig-sidecar serve --backend simulated \
 	  --sim-state $(RUN_DIR)/hw.json --sim-gpus $(SIM_GPUS) \
 	  --state-dir $(RUN_DIR)/state --cdi-dir $(RUN_DIR)/cdi \
-	  --socket $(RUN_DIR)/sidecar.sock --metrics-address 127.0.0.1:9400
+	  --socket $(RUN_DIR)/sidecar.sock --metrics-address 127.0.0.1:9408
 
 test: lint typecheck go-plugins go-test pytest
 

@@ -206,6 +206,9 @@ class TestSidecarDownWhenACallStarts:
 # test below holds it equal to the tests compiled into the binary.
 GO_E2E_TESTS = [
     "TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook",
+    "TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease",
+    "TestAPodStartAndStopCostAtMostOneWriteEach",
+    "TestTheIdleAnnotationFollowsEveryChange",
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",
     "TestAKilledSidecarIsRecoveredByTheNextCall",
     "TestEverySpecTheSidecarWroteLoadsAndInjectsWithTheReferenceLibrary",
@@ -228,6 +231,10 @@ GO_E2E_QUIET_RECONCILER = {
     "TestAnErrorInstanceOverlappingThePlacementIsRetriedInsideEnsureAllocation",
 }
 
+# Its sidecar trims an instance idle longer than 8 s (the test's idleTTL), one of the changes the
+# idle annotation must follow.
+GO_E2E_IDLE_TTL = {"TestTheIdleAnnotationFollowsEveryChange": ["--idle-ttl", "8"]}
+
 
 class TestGoEndToEndSuite:
     def test_the_list_names_every_test_in_the_go_e2e_binary(self, go_binaries: GoBinaries) -> None:
@@ -239,6 +246,8 @@ class TestGoEndToEndSuite:
     ) -> None:
         if name in GO_E2E_QUIET_RECONCILER:
             go_runner.car.restart(extra_args=["--reconcile-interval", "3600"])
+        if name in GO_E2E_IDLE_TTL:
+            go_runner.car.restart(extra_args=GO_E2E_IDLE_TTL[name])
         result = go_runner.run([str(go_binaries.e2e), "-test.run", f"^{name}$", "-test.v", "-test.count=1"])
         assert result.returncode == 0, result.stdout
         assert f"--- PASS: {name}" in result.stdout, result.stdout

@@ -241,6 +241,14 @@ class SimGpu(msgspec.Struct, frozen=True):
     count: int = 1
 
 
+METRICS_PORT = 9408
+"""The metrics port the manifests and ``make run-sim`` use (the flag itself is off by default). The
+sidecar runs in HAMi's device-plugin pod, on the host's network with the chart's defaults, so its
+port must be none that a GPU node's usual exporters take: 9400 is dcgm-exporter's, 9100
+node-exporter's, 9394 and 9395 HAMi's vGPU monitor and scheduler (the Prometheus project's list of
+default exporter ports has them). Change it here and in deploy/ and the Makefile together."""
+
+
 class MetricsAddress(msgspec.Struct, frozen=True):
     host: str
     port: int
@@ -401,7 +409,8 @@ def parse_sim_gpus(text: str, where: str = "--sim-gpus") -> tuple[SimGpu, ...]:
 def parse_metrics_address(text: str, where: str = "--metrics-address") -> MetricsAddress:
     host, sep, port_text = text.strip().rpartition(":")
     if not sep or not port_text.isdigit():
-        raise ConfigError(f"{where}: {text!r} is not HOST:PORT (e.g. 0.0.0.0:9400 or :9400)")
+        example = f"e.g. 0.0.0.0:{METRICS_PORT} or :{METRICS_PORT}"
+        raise ConfigError(f"{where}: {text!r} is not HOST:PORT ({example})")
     port = int(port_text)
     if port > 65535:
         raise ConfigError(f"{where}: port {port} is outside 0..65535 (0 picks a free port)")

@@ -215,6 +215,7 @@ class MigSidecarServicer:
                 cdi_enabled=self.info.cdi_enabled,
                 adopt_existing=self.info.adopt_existing,
                 generation=self.lifecycle.generation,
+                revision=self.lifecycle.revision,
             )
             message.started_at.FromDatetime(self.info.started_at)
             return message

@@ -41,6 +41,10 @@ class Lifecycle:
         return self._ctx.generations.current
 
     @property
+    def revision(self) -> int:
+        return self._ctx.table.revision
+
+    @property
     def referenced_mig_uuids(self) -> frozenset[str]:
         """MIG UUIDs held by live pods: the last SyncActive's list (before the first: the last Recover's)."""
         return self._ctx.table.referenced

@@ -41,6 +41,9 @@ class RecordTable:
         self.records = records
         self._rows: dict[str, OwnershipRecord] = {}
         self._lock = threading.Lock()
+        # Moves with every change of the table (GetInfo's revision): what a client polls to learn of
+        # changes that hand out no generation (trims, reclaims, destroys, faults).
+        self.revision = 0
         # MIG UUIDs held by live pods: the last SyncActive's list (before the first: the last
         # Recover's). They guard ERROR instances from the reconciler.
         self.referenced: frozenset[str] = frozenset()
@@ -80,6 +83,7 @@ class RecordTable:
         with self._lock:
             self._rows[record.name] = record
             self.aside.pop(record.name, None)
+            self.revision += 1
 
     def delete(self, name: str) -> None:
         """Disk first, then the table; see ``teardown.delete_after_destroy`` for when this is due."""
@@ -91,6 +95,7 @@ class RecordTable:
         with self._lock:
             self._rows.pop(name, None)
             self.aside.pop(name, None)
+            self.revision += 1
 
     def forget(self, name: str) -> None:
         """Drop an entry from memory only (the instance is foreign now, or its record is left behind):
@@ -99,6 +104,7 @@ class RecordTable:
             row = self._rows.pop(name, None)
             if row is not None:
                 self.aside[name] = row
+                self.revision += 1
 
     def left_aside(self) -> tuple[dict[str, OwnershipRecord], dict[str, CorruptRecord]]:
         """Copies of the record files on disk outside the table: (valid, corrupt) by name."""
@@ -121,6 +127,7 @@ class RecordTable:
             _log.error("cannot record ERROR for %s: %s (kept in memory)", record.name, exc)
         with self._lock:
             self._rows[record.name] = failed
+            self.revision += 1
 
     def replace(self, records: Sequence[OwnershipRecord], referenced: Iterable[str]) -> None:
         """Install recovered records (already on disk) and the MIG UUIDs their pods hold, and learn the
@@ -131,3 +138,4 @@ class RecordTable:
             self.referenced = frozenset(referenced)
             self.aside = {n: r for n, r in valid.items() if n not in self._rows}
             self.corrupt = corrupt
+            self.revision += 1

@@ -8,6 +8,7 @@ background round rewrites a file while a test compares snapshots.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -330,3 +331,32 @@ class TestCrashPoints:
         assert layouts(car)[1].gis == ()
         answer = car.stub.SetMigMode(disable, timeout=CALL_TIMEOUT_S)
         assert not answer.mig_mode.pending
+
+
+class TestRevision:
+    def test_every_change_of_the_owned_instances_moves_it_and_a_refusal_does_not(self, car: Sidecar) -> None:
+        """GetInfo's revision, the idle publisher's change feed: a ReclaimIdle and an Xid move it
+        and no generation; a refused call moves neither."""
+
+        def info() -> tuple[int, int]:
+            got = car.stub.GetInfo(pb.GetInfoRequest(), timeout=CALL_TIMEOUT_S)
+            return got.revision, got.generation
+
+        a, b = idle(car, "pod-a", 0, 0), idle(car, "pod-b", 0, 1)
+        revision, generation = info()
+        assert revision > 0
+        failure(lambda: reclaim(car, 0, NOBODY))
+        assert info() == (revision, generation)
+
+        assert [r.mig_uuid for r in reclaim(car, 0, a).reclaimed] == [a]
+        after_reclaim, same = info()
+        assert (after_reclaim > revision, same) == (True, generation)
+
+        gi = next(i.gpu_instance_id for g in everything(car)[0].gpus for i in g.instances if i.mig_uuid == b)
+        car.sim("xid", "--gpu", "0", "--gi", str(gi), "79")
+        deadline = time.monotonic() + 30
+        while states(car).get(b) == pb.IDLE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert states(car).get(b) != pb.IDLE  # ERROR, or already destroyed
+        after_xid, same = info()
+        assert (after_xid > after_reclaim, same) == (True, generation)

@@ -54,7 +54,7 @@ class TestEnvironment:
                 "HAMI_MIG_SIDECAR_SIM_STATE": "/tmp/hw.json",
                 "HAMI_MIG_SIDECAR_SIM_GPUS": "h100-80gb:2,a100-40gb",
                 "HAMI_MIG_SIDECAR_ADOPT_EXISTING_MIG_INSTANCES": "true",
-                "HAMI_MIG_SIDECAR_METRICS_ADDRESS": ":9400",
+                "HAMI_MIG_SIDECAR_METRICS_ADDRESS": ":9408",
                 "HAMI_MIG_SIDECAR_LOG_LEVEL": "debug",
             },
         )
@@ -64,7 +64,7 @@ class TestEnvironment:
         assert settings.sim_gpus == (SimGpu("h100-80gb", 2), SimGpu("a100-40gb", 1))
         assert settings.sim_gpus_text == "h100-80gb:2,a100-40gb:1"
         assert settings.adopt_existing is True
-        assert settings.metrics_address == MetricsAddress("0.0.0.0", 9400)  # noqa: S104 - the default host
+        assert settings.metrics_address == MetricsAddress("0.0.0.0", 9408)  # noqa: S104 - the default host
         assert settings.log_level == "DEBUG"
 
     def test_a_flag_wins_over_the_environment(self) -> None:
@@ -156,14 +156,14 @@ class TestValidation:
         assert settings.cdi_kind == kind
         assert CdiSpecs(settings.cdi_dir, kind=settings.cdi_kind).kind == kind
 
-    @pytest.mark.parametrize("address", ["9400", "host:", "host:99999", "host:-1"])
+    @pytest.mark.parametrize("address", ["9408", "host:", "host:99999", "host:-1"])
     def test_a_metrics_address_must_be_host_and_port(self, address: str) -> None:
         with pytest.raises(ConfigError, match="--metrics-address"):
             parse(["--metrics-address", address])
 
     def test_a_metrics_address_with_a_host_keeps_it(self) -> None:
-        assert parse(["--metrics-address", "127.0.0.1:9400"]).metrics_address == MetricsAddress(
-            "127.0.0.1", 9400
+        assert parse(["--metrics-address", "127.0.0.1:9408"]).metrics_address == MetricsAddress(
+            "127.0.0.1", 9408
         )
 
     @pytest.mark.parametrize("seconds", ["0", "-1", "soon", "inf", "nan"])

@@ -122,3 +122,82 @@ func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook
 		t.Fatalf("after b's rollback: %v", s)
 	}
 }
+
+// TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease: one adapter hands the
+// cached instance X to pod d and rolls it back (IDLE), then hands X to pod e; d's rollback
+// repeated, through that adapter or another, leaves e's instance ACTIVE, e's, and on the GPU.
+func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *testing.T) {
+	socket := env(t, "MIGSIDECAR_SOCKET")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	t.Setenv(kube.AllowSimulatedEnv, "true")
+	pods := fake.NewSimpleClientset()
+	quick := kube.WithClientOptions(migclient.Options{CallTimeout: 30 * time.Second, AllocateTimeout: 60 * time.Second})
+	m, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Shutdown()
+	gpus, err := m.Client().ListGpus(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu := int(gpus[0].Index)
+	owner := func(uid string) hami.Owner {
+		return hami.Owner{PodUID: uid, PodNamespace: "e2e", PodName: "pod-" + uid, ContainerName: "main"}
+	}
+	at := nvml.GpuInstancePlacement{Start: 2, Size: 1}
+
+	// X is cached: pod c had it and went.
+	x, _, err := m.EnsureAllocation(owner("c"), gpu, "1g.10gb", at)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.Client().Release(ctx, "c"); err != nil {
+		t.Fatal(err)
+	}
+	// d takes X and rolls it back; e takes X.
+	if got, took, err := m.EnsureAllocation(owner("d"), gpu, "1g.10gb", at); err != nil || !took || got != x {
+		t.Fatalf("d: %s %t %v", got, took, err)
+	}
+	if err := m.Release(x); err != nil {
+		t.Fatal(err)
+	}
+	if s := states(ctx, t, m.Client()); s[x] != pb.InstanceState_IDLE {
+		t.Fatalf("after d's rollback: %v", s)
+	}
+	if got, took, err := m.EnsureAllocation(owner("e"), gpu, "1g.10gb", at); err != nil || !took || got != x {
+		t.Fatalf("e: %s %t %v", got, took, err)
+	}
+	// d's rollback again, through the same adapter and through another.
+	if err := m.Release(x); err != nil {
+		t.Fatal(err)
+	}
+	other, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := other.Release(x); err != nil {
+		t.Fatal(err)
+	}
+	other.Shutdown()
+
+	st, err := m.Client().GetState(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var holder string
+	for _, g := range st.GetGpus() {
+		for _, in := range g.GetInstances() {
+			if in.GetMigUuid() == x && in.GetState() == pb.InstanceState_ACTIVE {
+				holder = in.GetOwner().GetPod().GetUid()
+			}
+		}
+	}
+	if holder != "e" {
+		t.Fatalf("X after d's repeated rollback: held by %q, want ACTIVE for e", holder)
+	}
+	if uuids, _ := hardware(t); !slices.Contains(uuids, x) {
+		t.Fatalf("X is gone from the GPU: %v", uuids)
+	}
+}

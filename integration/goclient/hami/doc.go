@@ -16,16 +16,15 @@
 // device-list strategies instead of one HAMi builds. Every conversion (GPU index to UUID,
 // HAMi's values to the contract) happens here. The context is given once, at construction.
 //
-// Release undoes exactly the device this adapter handed out, with the owner it handed it to, and
-// only while that owner still holds it (the sidecar's UndoDevice guard). ReconcileNodePods is what
+// Release undoes exactly the device this adapter handed out, with the owner it handed it to, only
+// while that owner still holds it (the sidecar's UndoDevice guard), and once per MIG UUID. ReconcileNodePods is what
 // HAMi's reconcile calls, through a type assertion, instead of listing the pods itself.
 //
 // Subpackage kube turns HAMi's pod list (hami.io/vgpu-mig-allocations) into the sidecar's
 // active allocations; this package and migclient do not depend on Kubernetes.
 //
 // Publisher writes the node's idle inventory annotation (register.IdleKey) for HAMi's scheduler
-// (package schedule): at the registration loop's period, and within Publisher.Poll (2 s) of any
-// Allocate or release, which move the sidecar's generation; a change that moves none (a
-// background destroy) shows within Publisher.Refresh (30 s). It is advice: stale, it costs at
-// most a create. publish.go says why and how.
+// (package schedule): at the registration loop's period, and within a second of any change of the
+// sidecar's instances (background destroys and Xid faults included), at most once a second per
+// node. It is advice: stale, it costs at most a create. publish.go says why and how.
 package hami

@@ -28,8 +28,9 @@ type Manager struct {
 
 	mu       sync.Mutex
 	gpus     []migclient.GPU
-	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
-	owners   map[string]held   // MIG UUID -> to whom this adapter handed it (Release's guard)
+	cdi      map[string]string                // MIG UUID -> CDI device name, from the Allocate answers
+	owners   map[string]migclient.DeviceOwner // MIG UUID -> to whom this adapter handed it (Release's guard)
+	undone   map[string]bool                  // MIG UUIDs this adapter rolled back: never rolled back again
 	seq      uint64
 	realized map[AllocationKey]realized
 	shutdown bool
@@ -43,13 +44,6 @@ type realized struct {
 	seq  uint64
 }
 
-// held is the owner of one MIG UUID as this adapter's Allocate named it. seq tells two
-// hand-outs of the same MIG UUID apart, so a Release that raced a new hand-out never drops it.
-type held struct {
-	device migclient.DeviceOwner
-	seq    uint64
-}
-
 // New builds the adapter over a client. ctx bounds every call the adapter makes (HAMi passes
 // the plugin's context); list is the node's fresh pod list as the sidecar's active allocations
 // (kube.NodeAllocations builds it from HAMi's pod client), the same callback the client should
@@ -59,8 +53,8 @@ func New(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}, owners: map[string]held{},
-		realized: map[AllocationKey]realized{}}, nil
+	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{},
+		owners: map[string]migclient.DeviceOwner{}, undone: map[string]bool{}, realized: map[AllocationKey]realized{}}, nil
 }
 
 // NewShared is New for a client other adapters share (kube.Dial keeps one per socket, so a plugin
@@ -174,7 +168,9 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	m.mu.Lock()
 	m.cdi[d.MigUUID] = d.CDIDevice
 	m.seq++
-	m.owners[d.MigUUID] = held{device: migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}, seq: m.seq}
+	if !m.undone[d.MigUUID] {
+		m.owners[d.MigUUID] = migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}
+	}
 	m.realized[key] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
 		GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}, seq: m.seq}
 	m.mu.Unlock()
@@ -185,9 +181,13 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	return d, reclaimed, nil
 }
 
+// forget drops what this adapter keeps of an instance that is gone (destroyed, reclaimed): a
+// MIG UUID is never given to another instance.
 func (m *Manager) forget(migUUID string) {
 	m.mu.Lock()
 	delete(m.cdi, migUUID)
+	delete(m.owners, migUUID)
+	delete(m.undone, migUUID)
 	m.mu.Unlock()
 }
 
@@ -248,32 +248,41 @@ func (m *Manager) find(match func(*pb.Instance) bool) (*pb.Instance, error) {
 
 // Release is the rollback of an EnsureAllocation that took migUUID: it undoes that one device
 // (created: destroyed; reused: IDLE again) only while the owner this adapter handed migUUID to
-// still holds it, a guard the sidecar applies under its own locks (UndoDevice). So a repeated
-// Release, one that comes after the instance went IDLE and to another pod, and one of a MIG UUID
-// another pod holds change nothing; neither do the container's other devices. A MIG UUID this
-// adapter never handed out (another adapter's, or its predecessor's before a plugin restart) is
-// nil with nothing sent: the owner is not known, and guessing it from what holds the MIG UUID
-// now is exactly the wrong undo. HAMi's rollback only ever releases what its own Allocate took,
-// within that call, so it always has the owner here. An error keeps the owner for a retry.
+// still holds it, a guard the sidecar applies under its own locks (UndoDevice). The container's
+// other devices stay as they are.
+//
+// A Release consumes the hand-out, and a MIG UUID this adapter rolled back is never rolled back
+// by it again: the argument is only the MIG UUID, so a repeated Release (a retried rollback) that
+// comes after the instance went IDLE and back out to another pod could not be told from that
+// pod's own rollback, and would undo a running pod. Such a later hand-out of the same MIG UUID
+// (always a reuse: a destroyed instance's MIG UUID never comes back) is released by the
+// reconciler once its pod is gone, to IDLE, which is what its undo would have done. HAMi v2.10's
+// rollback releases each device its Allocate took once, in that call, so it needs nothing more.
+// A MIG UUID this adapter never handed out (another adapter's, or its predecessor's before a
+// plugin restart) is nil with nothing sent: guessing the owner from what holds the MIG UUID now
+// is exactly the wrong undo. An error keeps the hand-out for a retry.
 func (m *Manager) Release(migUUID string) error {
 	if err := m.live(); err != nil {
 		return err
 	}
 	m.mu.Lock()
 	o, ok := m.owners[migUUID]
+	if ok {
+		delete(m.owners, migUUID)
+		m.undone[migUUID] = true
+	}
 	m.mu.Unlock()
 	if !ok {
 		return nil
 	}
-	done, err := m.c.UndoDevice(m.ctx, migUUID, o.device)
+	done, err := m.c.UndoDevice(m.ctx, migUUID, o)
 	if err != nil {
+		m.mu.Lock() // no hand-out of migUUID was recorded meanwhile: undone held them off
+		m.owners[migUUID] = o
+		delete(m.undone, migUUID)
+		m.mu.Unlock()
 		return err
 	}
-	m.mu.Lock()
-	if m.owners[migUUID] == o {
-		delete(m.owners, migUUID)
-	}
-	m.mu.Unlock()
 	m.unrealized(migUUID)
 	if done.Destroyed != nil {
 		m.forget(migUUID)

@@ -312,3 +312,37 @@ func TestWatchFaultsReportsTheFaultsThatStandThenEachNewOneAndNoHealthyInstance(
 		t.Fatalf("a healthy instance was reported: %+v", <-got)
 	}
 }
+
+// TestARolledBackHandOutIsNeverReleasedAgainOntoALaterOwner: the same adapter hands the cached
+// instance to pod d, rolls it back (IDLE), hands it to pod e; a second Release of that MIG UUID
+// (d's rollback repeated) leaves e's instance ACTIVE and e's, and sends nothing.
+func TestARolledBackHandOutIsNeverReleasedAgainOntoALaterOwner(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	at := nvml.GpuInstancePlacement{Start: 0, Size: 1}
+	x, took, err := m.EnsureAllocation(own("d", 0), 0, "1g.10gb", at)
+	if err != nil || !took || x != cached.MigUUID {
+		t.Fatal(x, took, err)
+	}
+	if err := m.Release(x); err != nil {
+		t.Fatal(err)
+	}
+	if st, holder := stateOf(s, x); st != pb.InstanceState_IDLE || holder != "" {
+		t.Fatalf("after d's rollback: %v %q", st, holder)
+	}
+	if again, took, err := m.EnsureAllocation(own("e", 0), 0, "1g.10gb", at); err != nil || !took || again != x {
+		t.Fatal(again, took, err)
+	}
+	s.ResetCalls()
+	if err := m.Release(x); err != nil {
+		t.Fatal(err)
+	}
+	l.MarkIdle(x)
+	if n := s.Calls()["UndoDevice"]; n != 0 {
+		t.Fatalf("Releases after the rollback sent %d UndoDevice", n)
+	}
+	if st, holder := stateOf(s, x); st != pb.InstanceState_ACTIVE || holder != "e" {
+		t.Fatalf("pod e's instance after d's repeated rollback: %v %q", st, holder)
+	}
+}

@@ -113,12 +113,12 @@ func TestRunPublishesWithinAPollOfAnAllocateOrARelease(t *testing.T) {
 	})
 }
 
-func TestRunCatchesAChangeThatMovesNoGenerationAtTheRefreshAndRetriesAFailedPatch(t *testing.T) {
+func TestRunCatchesAChangeThatMovesNoGenerationWithinAPollAndRetriesAFailedPatch(t *testing.T) {
 	s, l := lazy(t)
 	var n node
 	n.fail = 2 // the first pass and its first retry fail
 	p := NewPublisher(l.Manager().Client(), n.patch)
-	p.Poll, p.Refresh = 10*time.Millisecond, 30*time.Millisecond
+	p.Poll, p.MinInterval, p.Refresh = 10*time.Millisecond, 10*time.Millisecond, time.Hour // no refresh
 	errs := make(chan error, 16)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -137,7 +137,57 @@ func TestRunCatchesAChangeThatMovesNoGenerationAtTheRefreshAndRetriesAFailedPatc
 	if len(errs) < 2 {
 		t.Fatalf("%d errors reported for two refused patches", len(errs))
 	}
-	// An IDLE instance that appears with no generation handed out (as after a background change).
-	s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
-	eventually(t, "the refresh lists it", func() bool { return len(n.idle(t)["GPU-b"]) == 1 })
+	// Background changes, which hand out no generation: an IDLE instance appears, then is destroyed.
+	gen := s.Generation()
+	in := s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	eventually(t, "the next poll lists it", func() bool { return len(n.idle(t)["GPU-b"]) == 1 })
+	s.Destroy(in.MigUUID)
+	eventually(t, "the next poll drops it", func() bool { return len(n.idle(t)) == 0 })
+	if s.Generation() != gen {
+		t.Fatalf("the changes moved the generation from %d to %d", gen, s.Generation())
+	}
+}
+
+// TestRunCoalescesABurstIntoOnePatchPerMinInterval: 40 background changes over about 0.4 s reach the
+// node in patches MinInterval apart, the last of which holds the final inventory.
+func TestRunCoalescesABurstIntoOnePatchPerMinInterval(t *testing.T) {
+	s, l := lazy(t)
+	var mu sync.Mutex
+	var sent []time.Time
+	var n node
+	p := NewPublisher(l.Manager().Client(), func(ctx context.Context, value string) error {
+		mu.Lock()
+		sent = append(sent, time.Now())
+		mu.Unlock()
+		return n.patch(ctx, value)
+	})
+	p.Poll, p.MinInterval, p.Refresh = 5*time.Millisecond, 150*time.Millisecond, time.Hour
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { p.Run(ctx, nil); close(done) }()
+	defer func() { cancel(); <-done }()
+	eventually(t, "the first pass", func() bool { n.mu.Lock(); defer n.mu.Unlock(); return n.writes == 1 })
+
+	var last *fakesidecar.Instance
+	for i := range 40 {
+		if last != nil {
+			s.Destroy(last.MigUUID)
+		}
+		last = s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: uint32(i % 7), Size: 1, State: pb.InstanceState_IDLE})
+		time.Sleep(10 * time.Millisecond)
+	}
+	eventually(t, "the last change is published", func() bool {
+		got := n.idle(t)["GPU-a"]
+		return len(got) == 1 && got[0].MigUUID == last.MigUUID
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for i := 1; i < len(sent); i++ {
+		if gap := sent[i].Sub(sent[i-1]); gap < p.MinInterval {
+			t.Fatalf("patches %d and %d were %v apart, less than %v", i-1, i, gap, p.MinInterval)
+		}
+	}
+	if len(sent) >= 40 {
+		t.Fatalf("%d patches for 40 changes: nothing was coalesced", len(sent))
+	}
 }

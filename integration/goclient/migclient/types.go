@@ -126,7 +126,11 @@ type Info struct {
 	CDIEnabled     bool
 	AdoptExisting  bool
 	Generation     uint64
-	StartedAt      time.Time
+	// Revision moves with every change of the owned instances, those that move no Generation
+	// included (a trim, a ReclaimIdle, the reconciler's destroys, an Xid fault); 0 from a sidecar
+	// that predates it. It restarts with the sidecar.
+	Revision  uint64
+	StartedAt time.Time
 }
 
 // incarnation identifies one run of the sidecar process: a new boot or a new start time means
@@ -239,6 +243,7 @@ func infoFromPB(r *pb.GetInfoResponse) Info {
 		CDIEnabled:     r.GetCdiEnabled(),
 		AdoptExisting:  r.GetAdoptExisting(),
 		Generation:     r.GetGeneration(),
+		Revision:       r.GetRevision(),
 		StartedAt:      started,
 	}
 }

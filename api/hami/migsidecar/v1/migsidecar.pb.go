@@ -1317,8 +1317,14 @@ type GetInfoResponse struct {
 	AdoptExisting  bool                   `protobuf:"varint,7,opt,name=adopt_existing,json=adoptExisting,proto3" json:"adopt_existing,omitempty"`
 	Generation     uint64                 `protobuf:"varint,8,opt,name=generation,proto3" json:"generation,omitempty"`
 	StartedAt      *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Moves whenever the owned instances change: any record written or removed (an Allocate, a
+	// release or undo, a free-reserve trim, a ReclaimIdle, the reconciler's destroys, an Xid fault),
+	// unlike generation, which only activations and releases move. A change feed for a client that
+	// polls GetInfo, such as the idle-inventory publisher. In memory: it restarts with the sidecar
+	// (boot_id and started_at tell); 0 from a sidecar that predates it.
+	Revision      uint64 `protobuf:"varint,10,opt,name=revision,proto3" json:"revision,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetInfoResponse) Reset() {
@@ -1412,6 +1418,13 @@ func (x *GetInfoResponse) GetStartedAt() *timestamppb.Timestamp {
 		return x.StartedAt
 	}
 	return nil
+}
+
+func (x *GetInfoResponse) GetRevision() uint64 {
+	if x != nil {
+		return x.Revision
+	}
+	return 0
 }
 
 type MigMode struct {
@@ -3229,7 +3242,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x12removed_orphan_gis\x18\x05 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\x10removedOrphanGis\x122\n" +
 	"\x15dropped_stale_records\x18\x06 \x03(\tR\x13droppedStaleRecords\x12\x16\n" +
 	"\x06errors\x18\a \x03(\tR\x06errors\"\x10\n" +
-	"\x0eGetInfoRequest\"\xcf\x02\n" +
+	"\x0eGetInfoRequest\"\xeb\x02\n" +
 	"\x0fGetInfoResponse\x12\x1f\n" +
 	"\vapi_version\x18\x01 \x01(\tR\n" +
 	"apiVersion\x12'\n" +
@@ -3244,7 +3257,9 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"generation\x18\b \x01(\x04R\n" +
 	"generation\x129\n" +
 	"\n" +
-	"started_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\"=\n" +
+	"started_at\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12\x1a\n" +
+	"\brevision\x18\n" +
+	" \x01(\x04R\brevision\"=\n" +
 	"\aMigMode\x12\x18\n" +
 	"\acurrent\x18\x01 \x01(\bR\acurrent\x12\x18\n" +
 	"\apending\x18\x02 \x01(\bR\apending\"\xc4\x01\n" +

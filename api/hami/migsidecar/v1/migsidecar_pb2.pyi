@@ -242,7 +242,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("api_version", "sidecar_version", "backend", "boot_id", "recovered", "cdi_enabled", "adopt_existing", "generation", "started_at")
+    __slots__ = ("api_version", "sidecar_version", "backend", "boot_id", "recovered", "cdi_enabled", "adopt_existing", "generation", "started_at", "revision")
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIDECAR_VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class GetInfoResponse(_message.Message):
     ADOPT_EXISTING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     api_version: str
     sidecar_version: str
     backend: str
@@ -261,7 +262,8 @@ class GetInfoResponse(_message.Message):
     adopt_existing: bool
     generation: int
     started_at: _timestamp_pb2.Timestamp
-    def __init__(self, api_version: _Optional[str] = ..., sidecar_version: _Optional[str] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., recovered: _Optional[bool] = ..., cdi_enabled: _Optional[bool] = ..., adopt_existing: _Optional[bool] = ..., generation: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    revision: int
+    def __init__(self, api_version: _Optional[str] = ..., sidecar_version: _Optional[str] = ..., backend: _Optional[str] = ..., boot_id: _Optional[str] = ..., recovered: _Optional[bool] = ..., cdi_enabled: _Optional[bool] = ..., adopt_existing: _Optional[bool] = ..., generation: _Optional[int] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revision: _Optional[int] = ...) -> None: ...
 
 class MigMode(_message.Message):
     __slots__ = ("current", "pending")

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -69,6 +70,8 @@ type Server struct {
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
 	unavailable int
 	generation  uint64                          // the fence: one more at every activation and every idle
+	revision    uint64                          // GetInfo's: one more whenever the table read differently
+	printed     string                          // the table as the last GetInfo read it
 	calls       map[string]int                  // RPCs received, by method name
 	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
 	conns       int                             // client connections open now
@@ -298,8 +301,29 @@ func (s *Server) remove(in *Instance) {
 func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	var table strings.Builder
+	for _, in := range s.instances {
+		fmt.Fprintf(&table, "%+v %+v;", *in, in.Owner)
+	}
+	if table.String() != s.printed {
+		s.printed = table.String()
+		s.revision++
+	}
 	return &pb.GetInfoResponse{ApiVersion: "v1", Backend: "simulated", BootId: "fake", Recovered: s.recovered,
-		Generation: s.generation, StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
+		Generation: s.generation, Revision: s.revision, StartedAt: timestamppb.New(time.Unix(1000, 0))}, nil
+}
+
+// Destroy removes an instance as the sidecar's background work does (a trim, the reconciler): no
+// generation moves, only GetInfo's revision.
+func (s *Server) Destroy(migUUID string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, in := range s.instances {
+		if in.MigUUID == migUUID {
+			s.remove(in)
+			return
+		}
+	}
 }
 
 func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
