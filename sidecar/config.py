@@ -39,6 +39,7 @@ DEFAULT_RECONCILE_INTERVAL_S = 10.0
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 DEFAULT_RESERVE_WINDOW_S = 3600.0  # a profile nobody asked for in an hour is not kept ready
 RESERVE_AUTO = "auto"
+RESERVE_OFF = "off"
 DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
 DEFAULT_XID_IGNORE = ",".join(str(x) for x in sorted(XID_APPLICATION_ERRORS))  # the device plugin's
 
@@ -189,9 +190,11 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "Idle policy: the profiles the scheduler allows, for which a free placement is kept ready on "
         "the node: when no GPU has one left, the reconciler destroys the least recently used IDLE "
         "instances that block one, so the next request finds it free instead of waiting for a destroy "
-        "(off when unset; profiles a GPU lacks are ignored on it). 'auto': the profiles Allocates asked "
-        "for within --idle-reserve-window, as demand moves (none right after a start).",
-        metavar="PROFILE[,PROFILE...]|auto",
+        "(profiles a GPU lacks are ignored on it). 'auto' (the default): the profiles Allocates asked "
+        "for within --idle-reserve-window, as demand moves (none right after a start). 'off': no "
+        "reserve, IDLE instances are destroyed only inside an Allocate that needs their slices.",
+        default=RESERVE_AUTO,
+        metavar="PROFILE[,PROFILE...]|auto|off",
     ),
     FlagSpec(
         "--idle-reserve-window",
@@ -365,6 +368,8 @@ def parse_profiles(text: str, where: str) -> tuple[str, ...]:
 
 def _idle_settings(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> IdleSettings:
     reserve = (raw["idle_reserve"] or "").strip()
+    if reserve == RESERVE_OFF:
+        reserve = ""
     auto = reserve == RESERVE_AUTO
     named = bool(reserve) and not auto
     window = _seconds(raw["idle_reserve_window"], origin["idle_reserve_window"])

@@ -4,7 +4,8 @@ The idle cache pays when a request lands on an idle instance, and costs the tail
 destroy one before its create. This decision moves that destroy off the pod's critical path. It runs
 over plain values (the ``advice`` module's ``GpuView`` per GPU, the clock reading ``now``); the caller
 destroys what it returns through the same recorded, crash-safe teardown as any reclaim. Three causes,
-each opt-in (all off by default, so nothing is trimmed):
+each off unless set (``IdleSettings()`` trims nothing; ``serve``'s own default is the ``auto`` reserve,
+``config.py``):
 
 * ``ttl`` — an instance idle for longer than ``ttl_s`` seconds;
 * ``max_idle`` — more than ``max_idle_per_gpu`` IDLE instances on one GPU: the least recently used go
@@ -46,7 +47,7 @@ class Cause(enum.StrEnum):
 
 
 class IdleSettings(msgspec.Struct, frozen=True):
-    """The opt-in idle policy (all off by default: nothing is trimmed, the seed's behaviour).
+    """The idle policy (every cause off in this struct's defaults: nothing is trimmed).
 
     ``reserve`` names the profiles the scheduler allows, for which a free placement is kept ready:
     somewhere on the node (``node_reserve``), or on every GPU with ``reserve_per_gpu`` (profiles a

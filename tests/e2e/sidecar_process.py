@@ -106,6 +106,9 @@ class Sidecar:
             "--socket", str(self.socket),
             "--reconcile-interval", "0.2",
             "--shutdown-grace", "2",
+            # serve's default reserve trims in the background after an Allocate; a test gets exactly
+            # the layout it makes unless it asks for a reserve (its own flag comes later and wins)
+            "--idle-reserve", "off",
             *self.extra_args,
         ]  # fmt: skip
 

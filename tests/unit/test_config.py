@@ -177,9 +177,11 @@ class TestValidation:
 
 
 class TestIdlePolicy:
-    def test_the_idle_policy_is_off_by_default(self) -> None:
-        assert parse([]).idle == IdleSettings()
-        assert not parse([]).idle.enabled
+    def test_the_default_is_the_auto_reserve_and_off_turns_every_trim_off(self) -> None:
+        assert parse([]).idle == IdleSettings(reserve_asked_within_s=3600.0)
+        assert parse(["--idle-reserve-window", "600"]).idle == IdleSettings(reserve_asked_within_s=600.0)
+        assert parse(["--idle-reserve", "off"]).idle == IdleSettings()
+        assert not parse([], {"HAMI_MIG_SIDECAR_IDLE_RESERVE": "off"}).idle.enabled
 
     def test_flags_set_ttl_cap_and_reserve(self) -> None:
         settings = parse(
@@ -212,7 +214,7 @@ class TestIdlePolicy:
     @pytest.mark.parametrize(
         ("argv", "named"),
         [
-            (["--idle-reserve-window", "600"], "--idle-reserve-window"),
+            (["--idle-reserve", "off", "--idle-reserve-window", "600"], "--idle-reserve-window"),
             (["--idle-reserve", "1g.10gb", "--idle-reserve-window", "600"], "--idle-reserve-window"),
             (["--idle-reserve", "auto", "--idle-reserve-window", "0"], "--idle-reserve-window"),
             (["--idle-ttl", "0"], "--idle-ttl"),

@@ -9,10 +9,15 @@ the files themselves are checked here (as text: the image and the manifest are n
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 from pathlib import Path
 
 import pytest
+
+from sidecar import config
+from sidecar.model.idle_policy import IdleSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 MIG_DEVICE_VARIABLES = ("NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES")
@@ -61,6 +66,54 @@ class TestDaemonSet:
         sidecar = sidecar_container(manifest)
         for variable in MIG_DEVICE_VARIABLES:
             assert manifest.count(variable) == sidecar.count(variable)
+
+
+def idle_policy(argv: list[str], environ: dict[str, str]) -> IdleSettings:
+    parser = argparse.ArgumentParser()
+    config.add_serve_flags(parser)
+    return config.load(parser.parse_args(argv), environ).idle
+
+
+def readme_defaults() -> dict[str, str]:
+    """The README's configuration table: flag -> its default column, as written (backticks off)."""
+    table = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+)[^|]*\| `HAMI_MIG_SIDECAR_\w+` \| ([^|]+) \|", table, re.MULTILINE)
+    return {flag: default.strip().strip("`") for flag, default in rows}
+
+
+IDLE_FLAGS = [s for s in config.SERVE_FLAGS if s.dest.startswith(("idle_", "max_idle"))]
+
+
+class TestShippedDefaults:
+    """What an operator installs is what the README says and what ``serve`` runs on its own: the idle
+    policy (bench/README.md, "trace.py", measures it) comes from ``serve``'s defaults, and neither
+    manifest sets it otherwise."""
+
+    @pytest.mark.parametrize("spec", IDLE_FLAGS, ids=lambda s: s.flag)
+    def test_the_readme_table_gives_serve_s_default(self, spec: config.FlagSpec) -> None:
+        written = readme_defaults()[spec.flag]
+        if spec.default is None or spec.switch:
+            assert written == "off"
+        elif written.replace(".", "").isdigit():
+            assert float(written) == float(spec.default)
+        else:
+            assert written == spec.default
+
+    @pytest.mark.parametrize("pod_file", POD_FILES)
+    def test_the_manifest_runs_the_idle_policy_the_readme_gives(self, pod_file: str) -> None:
+        container = sidecar_container((ROOT / "deploy" / pod_file).read_text())
+        args = json.loads(re.search(r"^\s*args: (\[.*\])", container, re.MULTILINE).group(1))  # type: ignore[union-attr]
+        environ = dict(re.findall(r"- name: (HAMI_MIG_SIDECAR_\w+)\s*\n\s*value: \"?([^\"\s#]*)", container))
+        readme = [
+            arg
+            for spec in IDLE_FLAGS
+            if (value := readme_defaults()[spec.flag]) != "off"
+            for arg in (spec.flag, value)
+        ]
+        assert args[0] == "serve"
+        shipped = idle_policy(args[1:], environ)
+        assert shipped == idle_policy(readme, {}) == idle_policy([], {})
+        assert shipped.reserve_asked_within_s is not None  # the measured best: the auto reserve
 
 
 class TestContainerfile:

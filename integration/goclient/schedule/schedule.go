@@ -9,20 +9,25 @@
 // reuse one in a few milliseconds creates a new one (about a second) and often destroys an idle one
 // first. The order the register helper publishes does not survive that re-sort.
 //
-// What it changes: two keys in front of HAMi's own order, and nothing else.
+// What it changes: two keys on HAMi's own order, and nothing else.
 //
 //   - placement key, on a GPU: the exact IDLE placement of the requested profile first, then the
 //     placements that overwrite the fewest IDLE slices, a free one overwriting none (Cost,
-//     Placements);
+//     Placements). HAMi's placement order is its own packing rule, not the user's policy; this
+//     key applies on whichever GPU is chosen;
 //   - GPU key: the same key of each GPU's best placement, so a GPU holding an IDLE instance of the
 //     requested profile at a placement HAMi found free goes first, then a GPU with a free
-//     placement, then the others by the fewest IDLE slices overwritten (Rank, CheapestLast).
+//     placement, then the others by the fewest IDLE slices overwritten (Rank, CheapestLast). How
+//     far it may move a request against the user's GPU policy (binpack, spread) is a Preference:
+//     by default (WithinPolicy) only among the GPUs the policy ranks equal, so the policy chooses
+//     the GPU exactly as without the helper; IdleFirst, set explicitly, puts the key before it.
+//     The node policy is never touched: HAMi scores a node by its devices' total use, which no
+//     choice inside the node changes.
 //
-// The GPU key's second level (free before overwriting) is what keeps IDLE instances from being
-// destroyed inside an Allocate while another GPU has room: with only its first level (the GPU
-// holding the instance first, HAMi's order for the rest), HAMi's spread order still sends requests
-// onto GPUs that are full of IDLE instances, and an Allocate that destroys one first takes about
-// 1.6 times a plain create (bench/README.md, "trace.py").
+// What each preference keeps of the saving, under binpack and spread, is in bench/README.md
+// ("trace.py"). The GPU key's second level (free before overwriting) is what keeps IDLE
+// instances from being destroyed inside an Allocate while another GPU has room: an Allocate that
+// destroys one first takes about 1.6 times a plain create.
 //
 // HAMi's order breaks every tie, and only candidates HAMi already found fit are ever returned:
 // the keys re-rank, they never add a GPU or a placement, so HAMi's filters (health, quota,
@@ -126,10 +131,64 @@ func Placements[P Placement](idle []register.IdleInstance, profile string, place
 	return out
 }
 
+// Preference says how far the GPU key may move a request against HAMi's GPU policy (binpack,
+// spread, their chains with numa): the placement key applies on whichever GPU is chosen either way.
+type Preference string
+
+const (
+	// WithinPolicy, the default (and what any value other than IdleFirst means): the GPU key only
+	// orders GPUs the policy ranks equal, so the GPU the policy would choose keeps its rank and an
+	// IDLE instance on another GPU is taken only when that GPU ties with it. What the policy
+	// promises (binpack fills the busiest GPU, spread the least busy) holds as without the helper.
+	WithinPolicy Preference = "policy"
+	// IdleFirst: the GPU key before the policy, the policy's order on ties. A request goes to the
+	// GPU holding an IDLE instance of its profile even when binpack would fill a busier one or
+	// spread an emptier one: the most creations saved, the policy kept only among equals.
+	IdleFirst Preference = "idle-first"
+)
+
+// ParsePreference reads a configured value: "" and "policy" are WithinPolicy, "idle-first" is
+// IdleFirst; anything else is an error naming the values.
+func ParsePreference(value string) (Preference, error) {
+	switch Preference(value) {
+	case "", WithinPolicy:
+		return WithinPolicy, nil
+	case IdleFirst:
+		return IdleFirst, nil
+	}
+	return WithinPolicy, fmt.Errorf("MIG idle preference %q: want %q (default) or %q", value, WithinPolicy, IdleFirst)
+}
+
+// byKey is the order of n items given in the policy's order, cheapest key first: under IdleFirst
+// over all of them, under WithinPolicy only within each run of neighbours that tie (tie(i, i+1));
+// equal keys keep the given order.
+func byKey(n int, pref Preference, tie func(i, j int) bool, key func(i int) uint32) []int {
+	order := make([]int, n)
+	for i := range order {
+		order[i] = i
+	}
+	less := func(a, b int) bool { return key(a) < key(b) }
+	if pref == IdleFirst {
+		sort.SliceStable(order, func(a, b int) bool { return less(order[a], order[b]) })
+		return order
+	}
+	for lo := 0; lo < n; {
+		hi := lo + 1
+		for hi < n && tie(hi-1, hi) {
+			hi++
+		}
+		run := order[lo:hi]
+		sort.SliceStable(run, func(a, b int) bool { return less(run[a], run[b]) })
+		lo = hi
+	}
+	return order
+}
+
 // GPU is one of HAMi's candidates: a GPU that fits the request and the placements on it that do,
-// in HAMi's order.
+// in HAMi's order. Level is what the policy ranks it by (equal levels are the policy's ties).
 type GPU struct {
 	UUID       string
+	Level      float64
 	Placements []register.Placement
 }
 
@@ -139,25 +198,23 @@ const noCandidate = ^uint32(0)
 // Rank re-ranks HAMi's candidates for a request of profile, given GPUs in HAMi's policy order
 // (binpack, spread...) and each GPU's placements in HAMi's order: each GPU's placements by
 // Placements, then the GPUs by the Cost of their best placement (the GPUs holding an IDLE
-// instance of profile at a candidate placement first, then those with a free one), HAMi's order
-// breaking ties. An annotation entry naming a placement that is not a candidate (an instance gone,
-// or slices a reservation now holds) gives its GPU no preference.
-func Rank(idle Idle, profile string, gpus []GPU) []GPU {
+// instance of profile at a candidate placement first, then those with a free one), as far as pref
+// lets the key move them, HAMi's order breaking ties. An annotation entry naming a placement that
+// is not a candidate (an instance gone, or slices a reservation now holds) gives its GPU no
+// preference.
+func Rank(idle Idle, profile string, gpus []GPU, pref Preference) []GPU {
 	out := make([]GPU, len(gpus))
 	key := make([]uint32, len(gpus))
 	for i, g := range gpus {
 		ranked := Placements(idle[g.UUID], profile, g.Placements)
-		out[i] = GPU{UUID: g.UUID, Placements: ranked}
+		out[i] = GPU{UUID: g.UUID, Level: g.Level, Placements: ranked}
 		key[i] = noCandidate
 		if len(ranked) > 0 {
 			key[i] = Cost(idle[g.UUID], profile, ranked[0])
 		}
 	}
-	order := make([]int, len(out))
-	for i := range order {
-		order[i] = i
-	}
-	sort.SliceStable(order, func(a, b int) bool { return key[order[a]] < key[order[b]] })
+	order := byKey(len(out), pref, func(i, j int) bool { return gpus[i].Level == gpus[j].Level },
+		func(i int) uint32 { return key[i] })
 	ranked := make([]GPU, len(out))
 	for i, idx := range order {
 		ranked[i] = out[idx]
@@ -165,22 +222,25 @@ func Rank(idle Idle, profile string, gpus []GPU) []GPU {
 	return ranked
 }
 
-// CheapestLast is the GPU key for a scheduler that walks its device list from the end, as HAMi's
-// NVIDIA Fit does: the devices sorted by cost, highest first, equal costs keeping their order, so
-// the walk meets the cheapest first and, among equal costs, in HAMi's order. cost answers the Cost
-// of the placement HAMi's own selection, with the placement key, would take on a device (any
-// value at least as high as every other for a device it would not use); Fit still checks every
-// device it meets.
-func CheapestLast[D any](devices []D, cost func(D) uint32) []D {
-	keys := make([]uint32, len(devices))
-	order := make([]int, len(devices))
+// CheapestLast is the GPU key for a scheduler that walks its device list, sorted by its policy,
+// from the end, as HAMi's NVIDIA Fit does: the devices by cost, as far as pref lets it move them,
+// so that the walk meets the cheapest first and, among equal costs, in HAMi's order. level is what
+// the policy sorts a device by (two neighbours with equal levels tie; only they are reordered under
+// WithinPolicy). cost answers the Cost of the placement HAMi's own selection, with the placement
+// key, would take on a device (any value at least as high as every other for a device it would
+// not use); Fit still checks every device it meets.
+func CheapestLast[D any, L comparable](devices []D, pref Preference, level func(D) L, cost func(D) uint32) []D {
+	n := len(devices)
+	keys := make([]uint32, n)
+	levels := make([]L, n)
 	for i, d := range devices {
-		keys[i], order[i] = cost(d), i
+		keys[n-1-i], levels[n-1-i] = cost(d), level(d) // the walk's order: from the end
 	}
-	sort.SliceStable(order, func(a, b int) bool { return keys[order[a]] > keys[order[b]] })
-	sorted := make([]D, len(devices))
+	order := byKey(n, pref, func(i, j int) bool { return levels[i] == levels[j] },
+		func(i int) uint32 { return keys[i] })
+	sorted := make([]D, n)
 	for i, idx := range order {
-		sorted[i] = devices[idx]
+		sorted[n-1-i] = devices[n-1-idx]
 	}
 	return sorted
 }

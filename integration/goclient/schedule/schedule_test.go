@@ -28,7 +28,9 @@ func uuids(gpus []GPU) []string {
 	return out
 }
 
-func TestRank(t *testing.T) {
+// The GPU key before the policy (IdleFirst): every GPU below has its own level, so WithinPolicy
+// would keep HAMi's order for all of them (TestWithinPolicyKeepsTheGPUThePolicyChooses).
+func TestRankIdleFirst(t *testing.T) {
 	cases := []struct {
 		name       string
 		idle       Idle
@@ -132,7 +134,11 @@ func TestRank(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got := Rank(tc.idle, tc.profile, tc.gpus)
+			gpus := make([]GPU, len(tc.gpus))
+			for i, g := range tc.gpus {
+				gpus[i] = GPU{UUID: g.UUID, Level: float64(i), Placements: g.Placements}
+			}
+			got := Rank(tc.idle, tc.profile, gpus, IdleFirst)
 			if !reflect.DeepEqual(uuids(got), tc.wantGPUs) {
 				t.Fatalf("GPUs %v, want %v", uuids(got), tc.wantGPUs)
 			}
@@ -158,7 +164,7 @@ func TestRank(t *testing.T) {
 
 func TestRankLeavesHAMisSlicesAsTheyWere(t *testing.T) {
 	given := append([]register.Placement(nil), twoG...)
-	Rank(Idle{"GPU-0": {idleAt("2g.20gb", 4, 2)}}, "2g.20gb", []GPU{{UUID: "GPU-0", Placements: given}})
+	Rank(Idle{"GPU-0": {idleAt("2g.20gb", 4, 2)}}, "2g.20gb", []GPU{{UUID: "GPU-0", Placements: given}}, IdleFirst)
 	if !reflect.DeepEqual(given, twoG) {
 		t.Fatalf("the caller's placements became %v", given)
 	}
@@ -193,12 +199,107 @@ func TestCheapestLastPutsTheCheapestDevicesWhereFitLooksFirst(t *testing.T) {
 	// Fit walks from the end: device 2 (a reuse) is met first, then 3 and 1 (free, in the order
 	// HAMi's walk meets them), then 4 and 0.
 	costs := []uint32{3, 1, 0, 1, 2}
-	got := CheapestLast([]int{0, 1, 2, 3, 4}, func(d int) uint32 { return costs[d] })
-	if want := []int{0, 4, 1, 3, 2}; !reflect.DeepEqual(got, want) {
-		t.Fatalf("got %v, want %v", got, want)
+	cost := func(d int) uint32 { return costs[d] }
+	own := func(d int) int { return d } // every device its own level: no ties
+	if got, want := CheapestLast([]int{0, 1, 2, 3, 4}, IdleFirst, own, cost), []int{0, 4, 1, 3, 2}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("IdleFirst: got %v, want %v", got, want)
 	}
-	if got := CheapestLast([]int{0, 1}, func(int) uint32 { return 1 }); !reflect.DeepEqual(got, []int{0, 1}) {
+	if got := CheapestLast([]int{0, 1}, IdleFirst, own, func(int) uint32 { return 1 }); !reflect.DeepEqual(got, []int{0, 1}) {
 		t.Fatalf("equal costs: got %v", got)
+	}
+	// WithinPolicy: the policy's order stands between levels; the key orders only the tied run of
+	// devices 1-3, whose walk meets 2 (the reuse) first, then 3 and 1.
+	if got, want := CheapestLast([]int{0, 1, 2, 3, 4}, WithinPolicy, own, cost), []int{0, 1, 2, 3, 4}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("WithinPolicy, no ties: got %v, want %v", got, want)
+	}
+	level := func(d int) string { return map[int]string{0: "a", 1: "b", 2: "b", 3: "b", 4: "c"}[d] }
+	if got, want := CheapestLast([]int{0, 1, 2, 3, 4}, WithinPolicy, level, cost), []int{0, 1, 3, 2, 4}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("WithinPolicy, a tie: got %v, want %v", got, want)
+	}
+}
+
+// The two cases of a user's GPU policy the IDLE preference must not override: binpack fills the
+// busiest GPU even when an empty one holds an IDLE instance of the profile, and spread takes the
+// least busy even when a busy one does. Level is the policy's score (binpack meets the highest
+// first, spread the lowest); the GPUs come in the order the policy meets them.
+func TestWithinPolicyKeepsTheGPUThePolicyChooses(t *testing.T) {
+	cases := []struct {
+		name      string
+		idle      Idle
+		gpus      []GPU
+		within    []string
+		first     []string
+		wantFirst register.Placement // on the first GPU under WithinPolicy
+	}{
+		{
+			name: "binpack: the busy GPU it fills, not the empty one with the IDLE instance",
+			idle: Idle{"GPU-empty": {idleAt("1g.10gb", 6, 1)}},
+			gpus: []GPU{
+				{UUID: "GPU-busy", Level: 2.5, Placements: oneG[:3]},
+				{UUID: "GPU-empty", Level: 0.3, Placements: oneG},
+			},
+			within: []string{"GPU-busy", "GPU-empty"}, first: []string{"GPU-empty", "GPU-busy"},
+			wantFirst: at(6, 1),
+		},
+		{
+			name: "spread: the empty GPU, not the busy one with the IDLE instance",
+			idle: Idle{"GPU-busy": {idleAt("1g.10gb", 4, 1)}},
+			gpus: []GPU{
+				{UUID: "GPU-empty", Level: 0.3, Placements: oneG},
+				{UUID: "GPU-busy", Level: 2.5, Placements: oneG[:3]},
+			},
+			within: []string{"GPU-empty", "GPU-busy"}, first: []string{"GPU-busy", "GPU-empty"},
+			wantFirst: at(6, 1),
+		},
+		{
+			// Equal scores are the policy's ties: among them the IDLE instance goes first, the
+			// busier GPU still before both.
+			name: "ties: the IDLE instance first among the GPUs the policy ranks equal",
+			idle: Idle{"GPU-b": {idleAt("1g.10gb", 3, 1)}},
+			gpus: []GPU{
+				{UUID: "GPU-busy", Level: 2.5, Placements: oneG[:3]},
+				{UUID: "GPU-a", Level: 0.3, Placements: oneG},
+				{UUID: "GPU-b", Level: 0.3, Placements: oneG},
+			},
+			within: []string{"GPU-busy", "GPU-b", "GPU-a"}, first: []string{"GPU-b", "GPU-busy", "GPU-a"},
+			wantFirst: at(6, 1),
+		},
+		{
+			// The placement key holds on the policy's GPU under either preference.
+			name: "the placement key on the GPU the policy chose",
+			idle: Idle{"GPU-busy": {idleAt("1g.10gb", 4, 1)}},
+			gpus: []GPU{
+				{UUID: "GPU-busy", Level: 2.5, Placements: oneG[:3]},
+				{UUID: "GPU-empty", Level: 0.3, Placements: oneG},
+			},
+			within: []string{"GPU-busy", "GPU-empty"}, first: []string{"GPU-busy", "GPU-empty"},
+			wantFirst: at(4, 1),
+		},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			within := Rank(tc.idle, "1g.10gb", tc.gpus, WithinPolicy)
+			if !reflect.DeepEqual(uuids(within), tc.within) {
+				t.Fatalf("WithinPolicy: %v, want %v", uuids(within), tc.within)
+			}
+			if within[0].Placements[0] != tc.wantFirst {
+				t.Fatalf("WithinPolicy: first placement %v, want %v", within[0].Placements[0], tc.wantFirst)
+			}
+			if first := Rank(tc.idle, "1g.10gb", tc.gpus, IdleFirst); !reflect.DeepEqual(uuids(first), tc.first) {
+				t.Fatalf("IdleFirst: %v, want %v", uuids(first), tc.first)
+			}
+		})
+	}
+}
+
+func TestParsePreference(t *testing.T) {
+	for value, want := range map[string]Preference{"": WithinPolicy, "policy": WithinPolicy, "idle-first": IdleFirst} {
+		if got, err := ParsePreference(value); got != want || err != nil {
+			t.Fatalf("%q: %v, %v", value, got, err)
+		}
+	}
+	if got, err := ParsePreference("binpack"); got != WithinPolicy || err == nil {
+		t.Fatalf("an unknown value: %v, %v", got, err)
 	}
 }
 
