@@ -8,14 +8,16 @@ scored placements (``scored_placements``), and this project's helper, Go package
 
 What each function follows:
 
-* the GPU order (``meet_order``): the scheduler scores every device of the node for the request
-  (``ComputeScore``: slots used over the device's count, plus cores used over its total, plus
-  memory used over its total, equal weights; what the request adds is the same on every GPU of one
-  model) and sorts them; under the default ``spread`` policy the highest score sorts first, and the
-  NVIDIA ``Fit`` walks the sorted list *from the end*, taking the first device that fits. So the
-  least loaded GPU is met first and, among equal scores, the highest index (Go's sort of a list this
-  short is an insertion sort, which keeps the annotation's index order among ties, and the walk
-  reverses it). "Used" counts only pods' reservations: an IDLE instance is not in any of them.
+* the GPU order (``meet_order``), under either GPU policy: the scheduler scores every device of the
+  node for the request (``ComputeScore``: slots used over the device's count, plus cores used over
+  its total, plus memory used over its total, equal weights; what the request adds is the same on
+  every GPU of one model) and sorts them; under the default ``spread`` policy the highest score
+  sorts first, and the NVIDIA ``Fit`` walks the sorted list *from the end*, taking the first device
+  that fits. So the least loaded GPU is met first and, among equal scores, the highest index (Go's
+  sort of a list this short is an insertion sort, which keeps the annotation's index order among
+  ties, and the walk reverses it). Under ``binpack`` the lowest score sorts first, so the busiest
+  GPU is met first, ties again from the highest index. "Used" counts only pods' reservations: an
+  IDLE instance is not in any of them.
 * the placement at v2.10 (``v210_placements``): ``orderedMigPlacements`` re-sorts a profile's
   published placements by start, 1g and 3g profiles from the top, the others from the bottom, and
   ``selectMigPlacement`` takes the first that overlaps no reservation.
@@ -30,9 +32,11 @@ What each function follows:
 The helper (``rerank``) is this project's scheduler change (Go package ``schedule``): among the GPUs
 and placements HAMi found fit, on a GPU the exact IDLE placement of the requested profile first, then
 the fewest IDLE slices overwritten (a free placement overwrites none); the GPUs by the same key of
-their best placement, so a GPU holding that IDLE instance first, then one with a free placement, then
-the fewest IDLE slices overwritten; HAMi's order on every tie. ``gpu_key="exact"`` keeps only the
-first GPU level (a GPU holding the instance first, HAMi's order for the rest), "" none.
+their best placement (a GPU holding that IDLE instance first, then one with a free placement, then
+the fewest IDLE slices overwritten), as far as its preference lets the key move them: ``policy``
+(``schedule.WithinPolicy``, the default) only among GPUs of equal use (``Device.level``), ``idle-first``
+(``schedule.IdleFirst``) before the policy; "" keeps the placement key alone. HAMi's order breaks
+every tie.
 """
 
 from __future__ import annotations
@@ -71,6 +75,12 @@ class Device(msgspec.Struct, frozen=True):
         core = sum(self.profiles[p].core for p, _ in self.held if p in self.profiles)
         return used / self.count + core / self.total_core + mem / self.total_mem
 
+    def level(self) -> tuple[int, int, int]:
+        """What the score is computed from (slots, cores and memory used): the helper's ``policy``
+        preference takes devices of equal levels as the policy's ties, as the Go helper does."""
+        held = [self.profiles[p] for p, _ in self.held if p in self.profiles]
+        return len(self.held), sum(p.core for p in held), sum(p.memory_mb for p in held)
+
     def fits(self, profile: str) -> bool:
         """Fit's own checks before the placement: a slot left, memory and cores left."""
         p = self.profiles.get(profile)
@@ -84,11 +94,12 @@ class Device(msgspec.Struct, frozen=True):
         return [p for p in self.profiles[profile].placements if not any(p.overlaps(t) for t in taken)]
 
 
-def meet_order(devices: Sequence[Device]) -> list[Device]:
-    """The order the NVIDIA Fit meets the devices under ``spread``: lowest score first, then the
-    highest index (see the module docstring)."""
+def meet_order(devices: Sequence[Device], policy: str = "spread") -> list[Device]:
+    """The order the NVIDIA Fit meets the devices: under ``spread`` the lowest score first, under
+    ``binpack`` the highest; on equal scores the highest index (see the module docstring)."""
     ordered = sorted(devices, key=lambda d: d.index)  # the annotation's order
-    ordered.sort(key=lambda d: -d.score())  # stable, as Go's insertion sort
+    sign = 1 if policy == "binpack" else -1
+    ordered.sort(key=lambda d: sign * d.score())  # stable, as Go's insertion sort
     return ordered[::-1]
 
 
@@ -150,9 +161,9 @@ ORDERS = {"v2.10": v210_placements, "2855": scored_placements}
 Choice = tuple[str, Placement]
 
 
-def hami_choice(devices: Sequence[Device], profile: str, order: str) -> Choice | None:
+def hami_choice(devices: Sequence[Device], profile: str, order: str, policy: str = "spread") -> Choice | None:
     """HAMi alone: the first device met that fits and has a free placement, its first placement."""
-    for d in meet_order(devices):
+    for d in meet_order(devices, policy):
         if d.fits(profile):
             ranked = ORDERS[order](d, profile)
             if ranked:
@@ -168,30 +179,40 @@ def overwritten(idle: Sequence[tuple[str, Placement]], profile: str, p: Placemen
 
 
 def rerank(
-    candidates: Sequence[tuple[str, Sequence[Placement]]],
+    candidates: Sequence[tuple[str, tuple[int, int, int], Sequence[Placement]]],
     idle: Mapping[str, Sequence[tuple[str, Placement]]],
     profile: str,
     *,
-    gpu_key: str = "cost",
+    gpu_key: str = "policy",
 ) -> list[tuple[str, list[Placement]]]:
-    """The helper over HAMi's candidates (GPUs in meet order, placements in HAMi's order): each
-    GPU's placements by the placement key, then the GPUs holding the exact IDLE instance first
-    (``gpu_key`` "exact"), or ranked by their best placement's key ("cost": the exact IDLE instance,
-    then a free placement, then the fewest IDLE slices overwritten), or not at all (""); stable, so
-    HAMi's order breaks ties."""
+    """The helper over HAMi's candidates (GPUs in meet order with their levels, placements in
+    HAMi's order): each GPU's placements by the placement key, then the GPUs by their best
+    placement's key (the exact IDLE instance, then a free placement, then the fewest IDLE slices
+    overwritten): over all of them (``gpu_key`` "idle-first"), only within each run of equal levels
+    ("policy"), or not at all (""); stable, so HAMi's order breaks ties."""
     out = []
-    for uuid, placements in candidates:
+    for uuid, score, placements in candidates:
         on = idle.get(uuid, ())
 
         def key(p: Placement, on: Sequence[tuple[str, Placement]] = on) -> int:
             return overwritten(on, profile, p)
 
-        out.append((uuid, sorted(placements, key=key)))
-    if gpu_key == "exact":
-        out.sort(key=lambda c: 0 if c[1] and overwritten(idle.get(c[0], ()), profile, c[1][0]) < 0 else 1)
-    elif gpu_key == "cost":
-        out.sort(key=lambda c: overwritten(idle.get(c[0], ()), profile, c[1][0]) if c[1] else 1 << 30)
-    return out
+        out.append((uuid, score, sorted(placements, key=key)))
+
+    def gpu(c: tuple[str, tuple[int, int, int], list[Placement]]) -> int:
+        return overwritten(idle.get(c[0], ()), profile, c[2][0]) if c[2] else 1 << 30
+
+    if gpu_key == "idle-first":
+        out.sort(key=gpu)
+    elif gpu_key == "policy":
+        runs: list[list[tuple[str, tuple[int, int, int], list[Placement]]]] = []
+        for c in out:
+            if runs and runs[-1][-1][1] == c[1]:
+                runs[-1].append(c)
+            else:
+                runs.append([c])
+        out = [c for run in runs for c in sorted(run, key=gpu)]
+    return [(uuid, placements) for uuid, _, placements in out]
 
 
 def helper_choice(
@@ -200,14 +221,15 @@ def helper_choice(
     order: str,
     idle: Mapping[str, Sequence[tuple[str, Placement]]],
     *,
-    gpu_key: str = "cost",
+    policy: str = "spread",
+    gpu_key: str = "policy",
 ) -> Choice | None:
     """HAMi with the helper: the candidates HAMi finds fit, re-ranked, the first taken."""
     candidates = []
-    for d in meet_order(devices):
+    for d in meet_order(devices, policy):
         if d.fits(profile):
             ranked = ORDERS[order](d, profile)
             if ranked:
-                candidates.append((d.uuid, ranked))
+                candidates.append((d.uuid, d.level(), ranked))
     ranked_gpus = rerank(candidates, idle, profile, gpu_key=gpu_key)
     return None if not ranked_gpus else (ranked_gpus[0][0], ranked_gpus[0][1][0])

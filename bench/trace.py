@@ -6,6 +6,11 @@ per pod from a profile mix of 50 % 1g.10gb, 30 % 2g.20gb, 20 % 3g.40gb, sized so
 the memory slices are held on average. Events run in trace order, one RPC at a time, over the sidecar's
 Unix socket, like a plugin that allocates and releases pods one by one.
 
+The default run is what an operator gets: the measured eager row, then the release policy the shipped
+manifests install (their flags, read from them, with ``serve``'s defaults for the rest) under each
+HAMi scheduler: #2855 without the scheduler change, and with the helper at each of its preferences,
+under spread and under binpack; the sidecar's advice; and the foresight bound beside them.
+
 The latency model, the variants (a release policy and a scheduler each), the flags and the results:
 ``bench/README.md``; each in detail, and the runs before: ``bench/HISTORY.md``.
 """
@@ -15,8 +20,10 @@ from __future__ import annotations
 import argparse
 import functools
 import heapq
+import json
 import os
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -34,12 +41,14 @@ from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from hami_order import Profile
 from trace_state import MEMORY_SLICES, SCHEDULERS, Mirror, NotServedError, Published, Settler, placement
 
+from sidecar import config
+from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml.port import Placement
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
 GPUS = 8
 MIX = (("1g.10gb", 0.5), ("2g.20gb", 0.3), ("3g.40gb", 0.2))
-LOAD = 0.6  # mean share of memory slices held by live pods
+LOAD = 0.6  # mean share of memory slices held by live pods (--load)
 MEAN_LIFETIME = 600.0  # trace seconds; only ratios of trace times matter
 # Real-scale latency model (seconds) by simulator operation; every other call takes OTHER_S.
 MODEL_S = {"create-gi": 0.800, "create-ci": 0.200, "destroy-ci": 0.200, "destroy-gi": 0.400}
@@ -47,6 +56,10 @@ OTHER_S = 0.001
 # Server flags of the background free reserve: keep a free placement ready for every profile of the mix.
 RESERVE_FLAG = "--idle-reserve"
 RESERVE_ARGS = [RESERVE_FLAG, ",".join(p for p, _ in MIX)]
+NO_RESERVE_ARGS = [RESERVE_FLAG, "off"]
+PER_GPU_ARGS = [RESERVE_FLAG, "auto", "--idle-reserve-per-gpu"]
+# The files that install the sidecar: the Helm post-renderer's patch and the standalone DaemonSet.
+SHIPPED = ("deploy/helm/sidecar-patch.yaml", "deploy/daemonset.yaml")
 SETTLE_TIMEOUT_S = 30.0
 
 
@@ -93,11 +106,11 @@ class Pod:
     leave: float
 
 
-def make_trace(pods: int, seed: int) -> list[Pod]:
+def make_trace(pods: int, seed: int, load: float = LOAD) -> list[Pod]:
     rng = random.Random(seed)  # noqa: S311 - a reproducible trace, nothing secret
     size = {"1g.10gb": 1, "2g.20gb": 2, "3g.40gb": 4}
     mean_slices = sum(size[p] * w for p, w in MIX)
-    rate = LOAD * GPUS * MEMORY_SLICES / mean_slices / MEAN_LIFETIME  # Little's law
+    rate = load * GPUS * MEMORY_SLICES / mean_slices / MEAN_LIFETIME  # Little's law
     names, weights = [p for p, _ in MIX], [w for _, w in MIX]
     out, t = [], 0.0
     for i in range(pods):
@@ -110,9 +123,41 @@ def make_trace(pods: int, seed: int) -> list[Pod]:
 # -- one variant -----------------------------------------------------------------------------------
 
 
+def shipped_args(path: Path) -> tuple[str, ...]:
+    """The ``serve`` flags a shipped manifest gives the ``mig-sidecar`` container: its ``args`` after
+    ``serve``, and its ``HAMI_MIG_SIDECAR_*`` variables of the idle policy and the reconciler as flags
+    (the paths, the socket and the metrics address are the trace's own)."""
+    text = path.read_text()
+    block = text[text.index("- name: mig-sidecar") :]
+    args = json.loads(re.search(r"^\s*args: (\[.*\])", block, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    if args[:1] != ["serve"]:
+        raise SystemExit(f"{path}: the mig-sidecar container does not run serve: {args}")
+    flags = {spec.env: spec for spec in config.SERVE_FLAGS if spec.dest.startswith(POLICY_SETTINGS)}
+    out = list(args[1:])
+    for name, value in re.findall(r"- name: (HAMI_MIG_SIDECAR_\w+)\s*\n\s*value: \"?([^\"\s#]*)", block):
+        spec = flags.get(name)
+        if spec is not None:
+            out += [spec.flag] if spec.switch and value.lower() in ("1", "true", "yes", "on") else []
+            out += [] if spec.switch else [spec.flag, value]
+    return tuple(out)
+
+
+POLICY_SETTINGS = ("idle_", "max_idle", "reconcile")
+
+
+def shipped_policy(root: Path) -> tuple[str, tuple[str, ...]]:
+    """The release policy both shipped manifests install: a name for the rows and its flags. They must
+    give the same flags (``tests/unit/test_deploy.py`` checks it too); ``serve``'s defaults fill the rest."""
+    flags = {name: shipped_args(root / name) for name in SHIPPED}
+    if len(set(flags.values())) != 1:
+        raise SystemExit(f"the shipped manifests give the sidecar different flags: {flags}")
+    args = flags[SHIPPED[0]]
+    return "shipped" + (f"[{' '.join(args)}]" if args else ""), args
+
+
 @dataclass(frozen=True)
 class Variant:
-    policy: str  # eager | idle | idle+reserve
+    policy: str  # eager | idle | idle+reserve | shipped...
     scheduler: str
     sidecar_args: tuple[str, ...] = ()
 
@@ -121,25 +166,32 @@ class Variant:
         return f"{self.policy}/{self.scheduler}"
 
 
-VARIANTS = (
-    Variant("eager", "hami-2855"),
-    Variant("idle", "hami-v2.10"),
-    Variant("idle", "hami-v2.10+helper"),
-    Variant("idle", "hami-2855"),
-    Variant("idle", "hami-2855+placement-key"),
-    Variant("idle", "hami-2855+helper"),
-    Variant("idle", "advised"),
-    Variant("idle+reserve", "hami-2855", tuple(RESERVE_ARGS)),
-    Variant("idle+reserve", "hami-2855+exact-gpu-key", tuple(RESERVE_ARGS)),
-    Variant("idle+reserve", "hami-2855+helper", tuple(RESERVE_ARGS)),
-    Variant("idle+reserve", "advised", tuple(RESERVE_ARGS)),
-)
-# Not in the default run (--only NAME): the client-side stand-ins the rows above replaced.
-EXTRA_VARIANTS = (
-    Variant("eager", "first-fit"),
-    Variant("idle", "first-fit"),
-    Variant("idle", "prefer-idle"),
-)
+def variants(shipped: str, args: tuple[str, ...]) -> tuple[tuple[Variant, ...], tuple[Variant, ...]]:
+    """The default run's rows (the measured eager, then the shipped configuration under each HAMi
+    scheduler: #2855 without the scheduler change, with the helper at its default preference and at
+    idle-first, under spread and binpack, and the sidecar's advice), and the rows of ``--only``."""
+    helpers = ("", "+helper", "+helper-idle-first")
+    hami = [f"hami-2855-{gpu}{helper}" for gpu in ("spread", "binpack") for helper in helpers]
+    default = (
+        Variant("eager", "hami-2855-spread", tuple(NO_RESERVE_ARGS)),
+        *(Variant(shipped, h, args) for h in hami),
+        Variant(shipped, "advised", args),
+    )
+    extra = (
+        *(
+            Variant(policy, s, tuple(a))
+            for policy, a in (
+                ("idle", NO_RESERVE_ARGS),
+                ("idle+reserve", RESERVE_ARGS),
+                ("auto-per-gpu", PER_GPU_ARGS),
+            )
+            for s in (*hami, "hami-v2.10-spread", "hami-v2.10-spread+helper", "advised")
+        ),
+        Variant("eager", "first-fit", tuple(NO_RESERVE_ARGS)),
+        Variant("idle", "first-fit", tuple(NO_RESERVE_ARGS)),
+        Variant("idle", "prefer-idle", tuple(NO_RESERVE_ARGS)),
+    )
+    return default, extra
 
 
 @dataclass
@@ -186,6 +238,14 @@ class Sidecar:
         self.proc.terminate()
         self.proc.wait(timeout=30)
         self.log.close()
+
+
+def idle_settings(args: Sequence[str]) -> IdleSettings:
+    """The idle policy ``serve`` runs with ``args`` (its defaults for the rest), by its own parser."""
+    parser = argparse.ArgumentParser()
+    config.add_serve_flags(parser)
+    given = vars(parser.parse_args([*args, "--backend", "simulated", "--sim-state", "hw.json"]))
+    return config.load(given, {}).idle
 
 
 @functools.cache
@@ -290,14 +350,17 @@ def run_variant(
         compare()  # the GPUs in ListGpus order, nothing on them
         scheduler = SCHEDULERS[variant.scheduler](car.stub, placements, mirror, published)
         scheduler.refresh_s = refresh_s
+        idle = idle_settings(variant.sidecar_args)
         settler = (
             Settler(
                 car.stub,
                 mirror,
                 {u: {name: ps for name, ps in by.items() if name in mix} for u, by in placements.items()},
                 SETTLE_TIMEOUT_S,
+                auto=idle.reserve_asked_within_s is not None,
+                per_gpu=idle.reserve_per_gpu,
             )
-            if RESERVE_FLAG in variant.sidecar_args
+            if idle.reserve or idle.reserve_asked_within_s is not None
             else None
         )
 
@@ -324,6 +387,7 @@ def run_variant(
                 result.unschedulable += 1
                 continue
             if settler is not None:
+                settler.ask(pod.profile)
                 settler.quiet()
             mig_uuid = allocate(car, mirror, pod, choice[0], choice[1], scale=scale, result=result)
             if mig_uuid is not None:
@@ -363,18 +427,18 @@ def report(results: list[Result]) -> None:
         return percentile(r.latency, 0.99)
 
     header = (
-        f"{'policy/scheduler':<38}{'pods':>6}{'GI/pod':>8}{'reuse':>7}{'reclaim/pod':>12}"
+        f"{'policy/scheduler':<44}{'pods':>6}{'GI/pod':>8}{'reuse':>7}{'reclaim/pod':>12}"
         f"{'mean ms':>9}{'p50 ms':>8}{'p99 ms':>8}{'mean/eager':>11}{'p99/eager':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         if r.skipped or not r.latency:
-            print(f"{r.variant.name:<38}  n/a ({r.skipped or 'nothing allocated'})")
+            print(f"{r.variant.name:<44}  n/a ({r.skipped or 'nothing allocated'})")
             continue
         n = r.allocated
         print(
-            f"{r.variant.name:<38}{n:>6}{r.created / n:>8.3f}{r.reused / n:>7.1%}{r.reclaimed / n:>12.3f}"
+            f"{r.variant.name:<44}{n:>6}{r.created / n:>8.3f}{r.reused / n:>7.1%}{r.reclaimed / n:>12.3f}"
             f"{mean(r) * 1e3:>9.1f}{percentile(r.latency, 0.5) * 1e3:>8.1f}{p99(r) * 1e3:>8.1f}"
             f"{ratio(mean(r), mean):>11}{ratio(p99(r), p99):>10}"
         )
@@ -414,6 +478,37 @@ def against_advice(results: list[Result], eager: Result | None) -> None:
             f"{r.variant.name}: GI creations per pod {per_pod(r) / per_pod(advice):.2f}x the advice's, "
             f"{saved / advice_saved:.0%} of its mean saving against eager"
         )
+    print()
+
+
+def foresight(results: list[Result], trace: list[Pod]) -> None:
+    """The foresight bound beside the rows: ``policy_replay.py``'s clairvoyant reserve (it trims for a
+    profile only when the profile's next event is an arrival, and destroys the copies whose next miss
+    is furthest away, read from the trace's future) over the sidecar's advice, on this run's trace.
+    No sidecar runs it: its latency is the model's (a create, a destroy per victim, a reuse), against
+    the measured eager row's mean and p99."""
+    from policy_replay import clairvoyant, replay  # noqa: PLC0415 - it imports this module
+
+    row = replay("foresight", trace, clairvoyant(victims=True))
+    eager = next((r for r in results if r.variant.policy == "eager" and r.latency), None)
+    mean, p99 = statistics.fmean(row.latency), percentile(row.latency, 0.99)
+    ratios = (
+        ""
+        if eager is None
+        else (
+            f", {mean / statistics.fmean(eager.latency):.2f}x the measured eager mean, "
+            f"{p99 / percentile(eager.latency, 0.99):.2f}x its p99"
+        )
+    )
+    print(
+        f"foresight bound (clairvoyant reserve over the advice, modeled): GI creations per pod "
+        f"{row.creates / row.served:.3f}, mean {mean * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms{ratios}"
+    )
+    for r in results:
+        if r.latency and r.variant.policy != "eager":
+            saved = (statistics.fmean(eager.latency) - statistics.fmean(r.latency)) if eager else 0.0
+            bound = (statistics.fmean(eager.latency) - mean) if eager else 1.0
+            print(f"  {r.variant.name}: {saved / bound:.0%} of the bound's mean saving against eager")
     print()
 
 
@@ -461,6 +556,9 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=0.02, help="latency model scale (default 0.02)")
     parser.add_argument("--seed", type=int, default=7, help="trace seed (default 7)")
     parser.add_argument(
+        "--load", type=float, default=LOAD, help=f"mean share of the memory slices held (default {LOAD})"
+    )
+    parser.add_argument(
         "--refresh",
         type=float,
         default=15.0,
@@ -485,26 +583,27 @@ def main() -> int:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install -e '.[bench]'")
     state_base = Path.cwd() if args.disk else Path("/dev/shm")
-    trace = make_trace(args.pods, args.seed)
-    every = (*VARIANTS, *EXTRA_VARIANTS)
-    variants = [v for v in every if v.name in args.only] if args.only else list(VARIANTS)
+    trace = make_trace(args.pods, args.seed, args.load)
+    shipped, shipped_flags = shipped_policy(Path(__file__).resolve().parents[1])
+    default, extra = variants(shipped, shipped_flags)
+    chosen = [v for v in (*default, *extra) if v.name in args.only] if args.only else list(default)
     print(
         f"{args.pods} pods on {GPUS} simulated H100-80GB, seed {args.seed}, "
-        f"mix {', '.join(f'{w:.0%} {p}' for p, w in MIX)}, load {LOAD:.0%} of memory slices; "
+        f"mix {', '.join(f'{w:.0%} {p}' for p, w in MIX)}, load {args.load:.0%} of memory slices; "
         f"latency model scaled by {args.scale} (reported at real scale); "
         f"state on {'disk' if args.disk else 'tmpfs'} ({state_base})"
     )
     results = []
-    for v in variants:
+    for v in chosen:
         result = run_variant(v, trace, args.scale, state_base, check=args.check, refresh_s=args.refresh)
         results.append(result)
         print(f"  ran {v.name}: {results[-1].skipped or f'{results[-1].wall:.0f} s'}", flush=True)
     print()
     report(results)
+    foresight(results, trace)
     if args.plot is not None:
-        plot(
-            results, args.plot, f"{args.pods} pods, seed {args.seed}, 8 simulated H100-80GB, load {LOAD:.0%}"
-        )
+        title = f"{args.pods} pods, seed {args.seed}, 8 simulated H100-80GB, load {args.load:.0%}"
+        plot(results, args.plot, title)
         print(f"\nlatency CDF written to {args.plot}")
     return 1 if any(r.diverged for r in results) else 0
 

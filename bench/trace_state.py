@@ -26,7 +26,7 @@ from hami_order import Device, Profile, hami_choice, helper_choice
 
 from sidecar.model.advice import GpuView, OwnedInstance
 from sidecar.model.domain import ForeignInstance, State
-from sidecar.model.idle_policy import node_reserve
+from sidecar.model.idle_policy import node_reserve, trim
 from sidecar.nvml.port import Placement
 
 MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
@@ -168,20 +168,49 @@ class Settler:
     ``GetInfo`` changes nothing, and on a sidecar without the reserve neither does the first)."""
 
     def __init__(
-        self, stub: pb_grpc.MigSidecarStub, mirror: Mirror, reserve: Placements, timeout_s: float
+        self,
+        stub: pb_grpc.MigSidecarStub,
+        mirror: Mirror,
+        reserve: Placements,
+        timeout_s: float,
+        *,
+        auto: bool = False,
+        per_gpu: bool = False,
     ) -> None:
         self.stub = stub
+        self.per_gpu = per_gpu
         self.mirror = mirror
-        self.reserve = reserve
+        self.all = reserve
+        self.reserve = {} if auto else reserve
+        self.auto = auto
+        self.asked: set[str] = set()
         self.timeout_s = timeout_s
         self.waits = 0  # events after which a trim was due
+
+    def ask(self, profile: str) -> None:
+        """An Allocate asked for ``profile``: with ``--idle-reserve auto`` the reserve keeps it ready
+        from then on (its window, an hour by default, outlasts a whole run: a run takes minutes of
+        wall clock, and in the trace's own time every profile of the mix is asked for every few
+        minutes)."""
+        if self.auto and profile not in self.asked:
+            self.asked.add(profile)
+            self.reserve = {
+                g: {name: ps for name, ps in by.items() if name in self.asked} for g, by in self.all.items()
+            }
 
     def quiet(self) -> None:
         self.stub.GetInfo(pb.GetInfoRequest())
 
+    def _due(self, views: Sequence[GpuView]) -> bool:
+        """Whether the reserve (``--idle-reserve-per-gpu``: on every GPU, as ``trim`` decides) would
+        trim over ``views``."""
+        if self.per_gpu:
+            return bool(trim(views, 0.0, reserve=self.reserve))
+        return not all_ready(views, self.reserve) and bool(node_reserve(views, self.reserve))
+
     def settle(self) -> bool:
         views = self.mirror.views()
-        if all_ready(views, self.reserve) or not node_reserve(views, self.reserve):
+        if not self._due(views):
             return True
         self.waits += 1
         deadline = time.monotonic() + self.timeout_s
@@ -189,7 +218,7 @@ class Settler:
             state = self.stub.GetState(pb.GetStateRequest())
             views = [view_of(g) for g in state.gpus]
             busy = any(i.state in (State.CREATING, State.DELETING) for v in views for i in v.owned)
-            if not busy and not node_reserve(views, self.reserve):
+            if not busy and not self._due(views):
                 self.mirror.load(state)
                 return True
         return False
@@ -320,8 +349,9 @@ class Hami(Scheduler):
     always fresh, as HAMi reads them from the pods."""
 
     order = "2855"
+    policy = "spread"
     helper = False
-    gpu_key = "cost"
+    gpu_key = "policy"
     refresh_s = 15.0
     _seen: dict[str, list[tuple[str, Placement]]] | None = None
     _next_tick = 0.0
@@ -345,24 +375,32 @@ class Hami(Scheduler):
             held = tuple((i.profile, i.placement) for i in v.owned if i.state is not State.IDLE)
             devices.append(Device(v.gpu_uuid, pub.index, pub.count, pub.memory_mb, 100, pub.profiles, held))
         if not self.helper:
-            return hami_choice(devices, profile, self.order)
+            return hami_choice(devices, profile, self.order, self.policy)
         idle = self._idle() if self.refresh_s <= 0 or self._seen is None else self._seen
-        return helper_choice(devices, profile, self.order, idle, gpu_key=self.gpu_key)
+        return helper_choice(devices, profile, self.order, idle, policy=self.policy, gpu_key=self.gpu_key)
 
 
-def _hami(name: str, order: str, *, helper: bool, gpu_key: str = "cost") -> type[Scheduler]:
-    return type(name, (Hami,), {"name": name, "order": order, "helper": helper, "gpu_key": gpu_key})
+def _hami(order: str, policy: str, helper: str = "") -> type[Scheduler]:
+    """HAMi at ``order`` under the GPU ``policy``; ``helper`` "" none, else the helper's preference
+    (``policy``, its default, or ``idle-first``; ``placement-key``: the placement key alone)."""
+    suffix = {
+        "": "",
+        "policy": "+helper",
+        "idle-first": "+helper-idle-first",
+        "placement-key": "+placement-key",
+    }
+    name = f"hami-{order}-{policy}{suffix[helper]}"
+    key = "" if helper == "placement-key" else helper
+    attrs = {"name": name, "order": order, "policy": policy, "helper": bool(helper), "gpu_key": key}
+    return type(name, (Hami,), attrs)
 
 
-HAMI_SCHEDULERS = (
-    _hami("hami-v2.10", "v2.10", helper=False),
-    _hami("hami-v2.10+helper", "v2.10", helper=True),
-    _hami("hami-2855", "2855", helper=False),
-    _hami("hami-2855+helper", "2855", helper=True),
-    _hami("hami-2855+placement-key", "2855", helper=True, gpu_key=""),
-    _hami("hami-2855+exact-gpu-key", "2855", helper=True, gpu_key="exact"),
+HAMI_SCHEDULERS: tuple[type[Scheduler], ...] = tuple(
+    _hami(order, policy, helper)
+    for order in ("v2.10", "2855")
+    for policy in ("spread", "binpack")
+    for helper in ("", "policy", "idle-first", "placement-key")
 )
 
-SCHEDULERS: dict[str, type[Scheduler]] = {
-    s.name: s for s in (FirstFit, PreferIdle, Advised, *HAMI_SCHEDULERS)
-}
+_ALL: tuple[type[Scheduler], ...] = (FirstFit, PreferIdle, Advised, *HAMI_SCHEDULERS)
+SCHEDULERS: dict[str, type[Scheduler]] = {s.name: s for s in _ALL}

@@ -76,6 +76,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "GetContainerDeviceStrArray",
             "GetNodeDevices",
             "Init",
+            "InitNvidiaDevice",
             "Less",
             "MigInstanceManager",
             "MigPlacement",
