@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make run-sim   run the sidecar on a simulated GPU node (state under ./.run/)
-#   make test      lint, type-check and run every test (Python and Go)
+#   make test      lint, type-check and run every test (Python and Go; Go linted by golangci-lint)
 # The inner loop: make check (lint, type-check, unit and component tests; no e2e, no Go).
 # Both work from a fresh clone: they create .venv (Python 3.11) and install what they need.
 
@@ -66,10 +66,11 @@ go-plugins:
 	  echo "go install $$plugin"; $(GO) install "$$plugin" || exit 1; \
 	done < scripts/go-plugins.txt
 
-go-test:
+# golangci-lint (pinned in scripts/go-plugins.txt, configured by .golangci.yml) before the tests.
+go-test: go-plugins
 	@for module in $(GO_MODULES); do \
-	  echo "go vet + go test in $$module"; \
-	  (cd $$module && $(GO) vet ./... && $(GO) test ./...) || exit 1; \
+	  echo "go vet + golangci-lint + go test in $$module"; \
+	  (cd $$module && $(GO) vet ./... && $(GOBIN)/golangci-lint run ./... && $(GO) test ./...) || exit 1; \
 	done
 
 proto: venv go-plugins

@@ -246,10 +246,11 @@ class SimGpu(msgspec.Struct, frozen=True):
 
 METRICS_PORT = 9408
 """The metrics port the manifests and ``make run-sim`` use (the flag itself is off by default). The
-sidecar runs in HAMi's device-plugin pod, on the host's network with the chart's defaults, so its
-port must be none that a GPU node's usual exporters take: 9400 is dcgm-exporter's, 9100
-node-exporter's, 9394 and 9395 HAMi's vGPU monitor and scheduler (the Prometheus project's list of
-default exporter ports has them). Change it here and in deploy/ and the Makefile together."""
+sidecar runs in HAMi's device-plugin pod, which the chart puts on the host's network with
+``devicePlugin.hostNetwork=true``, so its port must be none that a GPU node's usual exporters take:
+9400 is dcgm-exporter's, 9100 node-exporter's, 9394 and 9395 HAMi's vGPU monitor and scheduler (the
+Prometheus project's list of default exporter ports has the first two). Change it here and in
+deploy/ and the Makefile together."""
 
 
 class MetricsAddress(msgspec.Struct, frozen=True):

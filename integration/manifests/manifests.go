@@ -557,11 +557,13 @@ type Dashboard struct {
 	Panels      []Panel         `json:"panels"`
 }
 
+// Datasource is a Grafana panel's or variable's data source.
 type Datasource struct {
 	Type string `json:"type"`
 	UID  string `json:"uid"`
 }
 
+// Variable is one of the dashboard's template variables.
 type Variable struct {
 	Name       string          `json:"name"`
 	Label      string          `json:"label"`
@@ -577,6 +579,7 @@ type Variable struct {
 	Hide       int             `json:"hide"`
 }
 
+// Panel is one panel of the dashboard.
 type Panel struct {
 	Type        string          `json:"type"`
 	Title       string          `json:"title"`
@@ -589,6 +592,7 @@ type Panel struct {
 	Targets     []Target        `json:"targets"`
 }
 
+// Target is one query of a panel.
 type Target struct {
 	Datasource   Datasource `json:"datasource"`
 	Expr         string     `json:"expr"`

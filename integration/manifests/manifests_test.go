@@ -2,11 +2,11 @@ package manifests
 
 import (
 	"os"
-
-	appsv1 "k8s.io/api/apps/v1"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	appsv1 "k8s.io/api/apps/v1"
 )
 
 const (
@@ -43,12 +43,12 @@ func measured(t *testing.T) float64 {
 
 // broken is text with old replaced by new; the test fails if old is not there (the file changed and
 // the broken copy would silently be the good file).
-func broken(t *testing.T, text, old, new string) string {
+func broken(t *testing.T, text, old, replacement string) string {
 	t.Helper()
 	if !strings.Contains(text, old) {
 		t.Fatalf("the file no longer contains %q", old)
 	}
-	return strings.Replace(text, old, new, 1)
+	return strings.Replace(text, old, replacement, 1)
 }
 
 // checkAll decodes text as the file name and runs the checks of its kind.

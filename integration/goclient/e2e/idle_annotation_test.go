@@ -99,7 +99,7 @@ func (c *cluster) idleNow(ctx context.Context, t *testing.T) string {
 	return value
 }
 
-func (c *cluster) annotation(ctx context.Context, t *testing.T) string {
+func (c *cluster) annotation(t *testing.T) string {
 	t.Helper()
 	node, err := c.cs.Tracker().Get(corev1.SchemeGroupVersion.WithResource("nodes"), "", "node-1")
 	if err != nil {
@@ -147,7 +147,7 @@ func TestAPodStartAndStopCostAtMostOneWriteEach(t *testing.T) {
 		if w["nodes"] != s.nodes || len(w) > 1 || (len(w) == 1 && w["nodes"] == 0) {
 			t.Fatalf("%s: writes %v, want %d node patch(es) and nothing else", s.what, w, s.nodes)
 		}
-		if got, want := c.annotation(ctx, t), c.idleNow(ctx, t); got != want {
+		if got, want := c.annotation(t), c.idleNow(ctx, t); got != want {
 			t.Fatalf("%s: the node says %s, the sidecar %s", s.what, got, want)
 		}
 	}
@@ -198,9 +198,9 @@ func TestTheIdleAnnotationFollowsEveryChange(t *testing.T) {
 	settled := func(what string) {
 		t.Helper()
 		want := c.idleNow(ctx, t)
-		for deadline := time.Now().Add(30 * time.Second); c.annotation(ctx, t) != want; time.Sleep(20 * time.Millisecond) {
+		for deadline := time.Now().Add(30 * time.Second); c.annotation(t) != want; time.Sleep(20 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				t.Fatalf("%s: the node still says %s, the sidecar %s", what, c.annotation(ctx, t), want)
+				t.Fatalf("%s: the node still says %s, the sidecar %s", what, c.annotation(t), want)
 			}
 		}
 		if apart {

@@ -59,26 +59,26 @@ func (l *Lazy) EnsureAllocation(owner Owner, gpuIndex int, profile string, place
 // ACTIVE for the failed pod until the reconciler sees the pod's reservation go.
 func (l *Lazy) MarkIdle(migUUID string) { _ = l.m.Release(migUUID) }
 
-// Release: see Manager.Release.
+// Release is Manager.Release.
 func (l *Lazy) Release(migUUID string) error { return l.m.Release(migUUID) }
 
-// AllocationRuntimeInfo: see Manager.AllocationRuntimeInfo.
+// AllocationRuntimeInfo is Manager.AllocationRuntimeInfo.
 func (l *Lazy) AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool) {
 	return l.m.AllocationRuntimeInfo(gpuIndex, profile, placement)
 }
 
-// AdoptAllocation: see Manager.AdoptAllocation.
+// AdoptAllocation is Manager.AdoptAllocation.
 func (l *Lazy) AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error {
 	return l.m.AdoptAllocation(gpuIndex, profile, migUUID, placement, gpuInstanceID, computeInstanceID)
 }
 
-// ReconcileActiveAllocations: see Manager.ReconcileActiveAllocations (released instances go
+// ReconcileActiveAllocations is Manager.ReconcileActiveAllocations (released instances go
 // IDLE, as in the lazy lifecycle; an IDLE one whose pod is back is ACTIVE again).
 func (l *Lazy) ReconcileActiveAllocations(active map[AllocationKey]struct{}) error {
 	return l.m.ReconcileActiveAllocations(active)
 }
 
-// ReconcileNodePods: see Manager.ReconcileNodePods.
+// ReconcileNodePods is Manager.ReconcileNodePods.
 func (l *Lazy) ReconcileNodePods() error { return l.m.ReconcileNodePods() }
 
 // RetryErrorAllocations reports nothing and changes nothing: the sidecar's own reconciler
@@ -160,8 +160,8 @@ func (l *Lazy) DisableIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int, 
 	return disabled, nil
 }
 
-// CDIDevice: see Manager.CDIDevice.
+// CDIDevice is Manager.CDIDevice.
 func (l *Lazy) CDIDevice(migUUID string) (string, bool) { return l.m.CDIDevice(migUUID) }
 
-// Shutdown: see Manager.Shutdown.
+// Shutdown is Manager.Shutdown.
 func (l *Lazy) Shutdown() { l.m.Shutdown() }

@@ -63,7 +63,7 @@ type OwnershipPlacement struct {
 	Size  uint32 `json:"size"`
 }
 
-// OwnershipRecord: see OwnershipPlacement.
+// OwnershipRecord is migOwnershipRecord; see OwnershipPlacement.
 type OwnershipRecord struct {
 	Version           int                `json:"version"`
 	MIGUUID           string             `json:"migUUID"`

@@ -35,7 +35,7 @@ func (c *Client) Allocate(ctx context.Context, req AllocateRequest) (AllocateRes
 
 func validateAllocate(req AllocateRequest) error {
 	bad := func(msg string, args ...any) error {
-		return newError("Allocate", codes.InvalidArgument, ReasonInvalidRequest, fmt.Sprintf(msg, args...), nil)
+		return newError("Allocate", codes.InvalidArgument, ReasonInvalidRequest, fmt.Sprintf(msg, args...))
 	}
 	if req.Pod.UID == "" {
 		return bad("pod UID is empty")
@@ -64,7 +64,7 @@ const migUUIDPrefix = "MIG-"
 // reservation and a complete runtime identity whose MIG UUID is one.
 func allocateResult(req AllocateRequest, resp *pb.AllocateResponse) (AllocateResult, error) {
 	invalid := func(msg string, args ...any) (AllocateResult, error) {
-		return AllocateResult{}, newError("Allocate", codes.Internal, ReasonInvalidResponse, fmt.Sprintf(msg, args...), nil)
+		return AllocateResult{}, newError("Allocate", codes.Internal, ReasonInvalidResponse, fmt.Sprintf(msg, args...))
 	}
 	byIndex := make(map[uint32]*pb.AllocatedDevice, len(resp.GetDevices()))
 	for _, d := range resp.GetDevices() {

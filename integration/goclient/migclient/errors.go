@@ -226,6 +226,6 @@ func fromRPC(op string, err error, attempts int) *Error {
 	return &Error{Op: op, Code: st.Code(), Reason: reason, Metadata: md, Message: st.Message(), Attempts: attempts, cause: err}
 }
 
-func newError(op string, code codes.Code, reason, message string, cause error) *Error {
-	return &Error{Op: op, Code: code, Reason: reason, Message: message, Attempts: 1, cause: cause}
+func newError(op string, code codes.Code, reason, message string) *Error {
+	return &Error{Op: op, Code: code, Reason: reason, Message: message, Attempts: 1}
 }

@@ -26,7 +26,7 @@ type nodePod struct {
 
 // listNodePods stands for the plugin's pod lister. It must fail rather than return part of the
 // list: the sidecar takes a missing allocation for a released one.
-var listNodePods = func(ctx context.Context) ([]nodePod, error) {
+var listNodePods = func(context.Context) ([]nodePod, error) {
 	return nil, errors.New("wire the plugin's API client here")
 }
 
@@ -123,15 +123,17 @@ func Example() {
 		// AllowSimulatedBackend stays false on a real node.
 	})
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
-	defer client.Close()
+	defer func() { _ = client.Close() }()
 
 	// Startup, before registering with kubelet: the sidecar must have recovered (Recover with
 	// the annotated allocations). A simulated sidecar fails here with SIMULATED_BACKEND.
 	info, err := client.EnsureRecovered(ctx)
 	if err != nil {
-		log.Fatalf("MIG sidecar not ready: %v", err)
+		log.Printf("MIG sidecar not ready: %v", err)
+		return
 	}
 	log.Printf("MIG sidecar %s (%s), generation %d", info.SidecarVersion, info.Backend, info.Generation)
 
@@ -160,7 +162,8 @@ func Example() {
 	pod := annotation.Pod{UID: "8d7c…", Namespace: "default", Name: "train", ContainerNames: []string{"main"}}
 	pod.Allocations, err = annotation.Parse(`[{"containerIndex":0,"deviceIndex":0,"gpuUUID":"GPU-6c026a52-efa9-47c9-9915-e9a9ad346ef7","profile":"1g.10gb","placement":{"start":5,"size":1}}]`)
 	if err != nil {
-		log.Fatal(err)
+		log.Print(err)
+		return
 	}
 	devices, patched, err := allocateContainer(ctx, client, pod, 0)
 	if err != nil {

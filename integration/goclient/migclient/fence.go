@@ -36,7 +36,7 @@ func (c *Client) knownGeneration() (uint64, bool) {
 func (c *Client) ReleaseWithKnownGeneration(ctx context.Context, listActive ListActiveFunc) (SyncResult, error) {
 	const op = "ReleaseWithKnownGeneration"
 	if listActive == nil {
-		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback", nil)
+		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback")
 	}
 	gen, ok := c.knownGeneration()
 	if !ok {

@@ -43,7 +43,7 @@ func (c *Client) WatchHealth(ctx context.Context, follow bool, fn func(HealthUpd
 		case errors.Is(err, io.EOF):
 			return nil
 		case err != nil && ctx.Err() != nil:
-			return nil
+			return nil //nolint:nilerr // the caller ended the watch: that is its normal end, as documented
 		case err != nil:
 			return fromRPC("WatchHealth", err, 1)
 		}

@@ -67,7 +67,7 @@ type ReclaimResult struct {
 func (c *Client) ReclaimIdleResult(ctx context.Context, gpuUUID string, force bool, migUUIDs ...string) (ReclaimResult, error) {
 	const op = "ReclaimIdle"
 	if gpuUUID == "" {
-		return ReclaimResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID is empty", nil)
+		return ReclaimResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID is empty")
 	}
 	req := &pb.ReclaimIdleRequest{GpuUuid: gpuUUID, MigUuids: migUUIDs, Force: force}
 	var resp *pb.ReclaimIdleResponse

@@ -13,14 +13,15 @@ import (
 type PlacementCost int
 
 const (
+	// CostUnspecified is the zero value: the sidecar gave no cost.
 	CostUnspecified PlacementCost = iota
-	// CostReuse: an IDLE instance of exactly this profile sits there; no NVML create at all.
+	// CostReuse means an IDLE instance of exactly this profile sits there; no NVML create at all.
 	CostReuse
-	// CostFree: nothing overlaps; one create.
+	// CostFree means nothing overlaps; one create.
 	CostFree
-	// CostReclaim: only IDLE instances overlap; destroy them, then create.
+	// CostReclaim means only IDLE instances overlap; destroy them, then create.
 	CostReclaim
-	// CostBlocked: an ACTIVE, ERROR, in-flight or foreign instance overlaps; Allocate would fail.
+	// CostBlocked means an ACTIVE, ERROR, in-flight or foreign instance overlaps; Allocate would fail.
 	CostBlocked
 )
 
@@ -58,7 +59,7 @@ type RankedPlacement struct {
 func (c *Client) RankPlacements(ctx context.Context, gpuUUID, profile string) ([]RankedPlacement, error) {
 	const op = "RankPlacements"
 	if gpuUUID == "" || profile == "" {
-		return nil, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID and profile are required", nil)
+		return nil, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "GPU UUID and profile are required")
 	}
 	req := &pb.RankPlacementsRequest{GpuUuid: gpuUUID, Profile: profile}
 	var resp *pb.RankPlacementsResponse
@@ -79,7 +80,7 @@ func (c *Client) RankPlacements(ctx context.Context, gpuUUID, profile string) ([
 		if rp.Cost == CostUnspecified || rp.Placement.Size == 0 {
 			// An advice the client cannot read must not reorder anything.
 			return nil, newError(op, codes.Internal, ReasonInvalidResponse,
-				fmt.Sprintf("placement %s of %s on %s has no cost or size", rp.Placement, profile, gpuUUID), nil)
+				fmt.Sprintf("placement %s of %s on %s has no cost or size", rp.Placement, profile, gpuUUID))
 		}
 		out = append(out, rp)
 	}

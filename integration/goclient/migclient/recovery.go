@@ -190,7 +190,7 @@ func (c *Client) EnsureRecovered(ctx context.Context) (Info, error) {
 	}
 	if !info.Recovered {
 		return Info{}, newError("EnsureRecovered", codes.FailedPrecondition, ReasonNotRecovered,
-			"the sidecar has not recovered and no ListActive callback is configured", nil)
+			"the sidecar has not recovered and no ListActive callback is configured")
 	}
 	return info, nil
 }

@@ -14,7 +14,7 @@ import (
 // ReleaseByPodList, which is level-triggered and cannot lose a release.
 func (c *Client) Release(ctx context.Context, podUID string) ([]InstanceRef, error) {
 	if podUID == "" {
-		return nil, newError("Release", codes.InvalidArgument, ReasonInvalidRequest, "pod UID is empty", nil)
+		return nil, newError("Release", codes.InvalidArgument, ReasonInvalidRequest, "pod UID is empty")
 	}
 	req := &pb.ReleaseRequest{PodUid: podUID}
 	var resp *pb.ReleaseResponse
@@ -67,7 +67,7 @@ func (c *Client) SyncActive(ctx context.Context, generation uint64, active []*pb
 func (c *Client) ReleaseByPodList(ctx context.Context, listActive ListActiveFunc) (SyncResult, error) {
 	const op = "ReleaseByPodList"
 	if listActive == nil {
-		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback", nil)
+		return SyncResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "no pod-list callback")
 	}
 	notRecovered := func(info Info, why string) error {
 		return &Error{

@@ -95,7 +95,7 @@ func (c *Client) finalError(ctx context.Context, op string, timeout time.Duratio
 		out.Message = fmt.Sprintf("%s (still the answer when the deadline of %s ran out; the same request may succeed later)",
 			last.Message, timeout)
 		causes := []error{last.cause}
-		if e.cause != last.cause {
+		if e.cause != last.cause { //nolint:errorlint // the same error value, not a match: it is not joined twice
 			causes = append(causes, e.cause)
 		}
 		out.cause = errors.Join(append(causes, timeUp)...)
@@ -157,7 +157,7 @@ func cancelledError(ctx context.Context, op string, e *Error, attempts int, last
 	case e.Code != codes.Canceled && e.Code != codes.DeadlineExceeded:
 		msg = "cancelled by the caller; the last attempt ended with " + e.detail()
 	}
-	if last == nil || e.cause != last.cause {
+	if last == nil || e.cause != last.cause { //nolint:errorlint // the same error value, not a match: it is not joined twice
 		causes = append(causes, e.cause)
 	}
 	causes = append(causes, contextErrors(ctx)...)
@@ -168,7 +168,7 @@ func cancelledError(ctx context.Context, op string, e *Error, attempts int, last
 // is another error.
 func contextErrors(ctx context.Context) []error {
 	errs := []error{ctx.Err()}
-	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() {
+	if cause := context.Cause(ctx); cause != nil && cause != ctx.Err() { //nolint:errorlint // the same error value, not a match: it is not listed twice
 		errs = append(errs, cause)
 	}
 	return errs

@@ -44,12 +44,13 @@ type AllocateRequest struct {
 type Outcome int
 
 const (
+	// OutcomeUnspecified is the zero value: the sidecar gave no outcome.
 	OutcomeUnspecified Outcome = iota
-	// OutcomeCreated: a new GI/CI was created.
+	// OutcomeCreated means a new GI/CI was created.
 	OutcomeCreated
-	// OutcomeReused: an IDLE instance with exactly this reservation became ACTIVE again.
+	// OutcomeReused means an IDLE instance with exactly this reservation became ACTIVE again.
 	OutcomeReused
-	// OutcomeAlreadyAllocated: the key was already ACTIVE with this reservation (a retry).
+	// OutcomeAlreadyAllocated means the key was already ACTIVE with this reservation (a retry).
 	OutcomeAlreadyAllocated
 )
 

@@ -24,7 +24,7 @@ type UndoResult struct {
 func (c *Client) UndoAllocate(ctx context.Context, podUID string, containerIndex uint32) (UndoResult, error) {
 	const op = "UndoAllocate"
 	if podUID == "" {
-		return UndoResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "pod UID is empty", nil)
+		return UndoResult{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "pod UID is empty")
 	}
 	req := &pb.UndoAllocateRequest{PodUid: podUID, ContainerIndex: containerIndex}
 	var resp *pb.UndoAllocateResponse
@@ -75,7 +75,7 @@ type DeviceUndo struct {
 func (c *Client) UndoDevice(ctx context.Context, migUUID string, owner DeviceOwner) (DeviceUndo, error) {
 	const op = "UndoDevice"
 	if migUUID == "" || owner.PodUID == "" {
-		return DeviceUndo{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "MIG UUID or pod UID is empty", nil)
+		return DeviceUndo{}, newError(op, codes.InvalidArgument, ReasonInvalidRequest, "MIG UUID or pod UID is empty")
 	}
 	req := &pb.UndoDeviceRequest{MigUuid: migUUID, PodUid: owner.PodUID, ContainerIndex: owner.ContainerIndex, DeviceIndex: owner.DeviceIndex}
 	var resp *pb.UndoDeviceResponse
@@ -110,7 +110,7 @@ func (c *Client) UndoDevice(ctx context.Context, migUUID string, owner DeviceOwn
 	}
 	if (out.Destroyed == nil && out.Idled == nil) == (out.Skipped == UndoSkipNone) {
 		return DeviceUndo{}, newError(op, codes.Internal, ReasonInvalidResponse,
-			fmt.Sprintf("the answer for %s neither did one thing nor said why it did nothing: %v", migUUID, resp), nil)
+			fmt.Sprintf("the answer for %s neither did one thing nor said why it did nothing: %v", migUUID, resp))
 	}
 	return out, nil
 }

@@ -30,16 +30,18 @@ func fake(t *testing.T, list migclient.ListActiveFunc) (*fakesidecar.Server, *mi
 	return s, c
 }
 
-func req(uid string, container uint32, devs ...migclient.DeviceRequest) migclient.AllocateRequest {
+// req is pod p's Allocate of its container 0.
+func req(devs ...migclient.DeviceRequest) migclient.AllocateRequest {
 	for i := range devs {
 		devs[i].DeviceIndex = uint32(i)
 	}
-	return migclient.AllocateRequest{Pod: migclient.PodRef{UID: uid, Namespace: "ns", Name: uid}, ContainerName: "c",
-		ContainerIndex: container, Devices: devs}
+	return migclient.AllocateRequest{Pod: migclient.PodRef{UID: "p", Namespace: "ns", Name: "p"}, ContainerName: "c",
+		Devices: devs}
 }
 
-func on(gpu, profile string, start, size uint32) migclient.DeviceRequest {
-	return migclient.DeviceRequest{GPUUUID: gpu, Profile: profile, Placement: migclient.Placement{Start: start, Size: size}}
+// on is a 1g.10gb device at start on GPU-a.
+func on(start uint32) migclient.DeviceRequest {
+	return migclient.DeviceRequest{GPUUUID: "GPU-a", Profile: "1g.10gb", Placement: migclient.Placement{Start: start, Size: 1}}
 }
 
 func states(s *fakesidecar.Server) map[string]pb.InstanceState {
@@ -54,7 +56,7 @@ func TestUndoAllocateDestroysWhatTheAllocateCreatedAndIdlesWhatItReused(t *testi
 	s, c := fake(t, nil)
 	ctx := context.Background()
 	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
-	res, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1), on("GPU-a", "1g.10gb", 1, 1)))
+	res, err := c.Allocate(ctx, req(on(0), on(1)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +83,7 @@ func TestUndoAllocateDestroysWhatTheAllocateCreatedAndIdlesWhatItReused(t *testi
 func TestUndoAllocateRetriesUnavailableAndRejectsAnEmptyPodUID(t *testing.T) {
 	s, c := fake(t, nil)
 	ctx := context.Background()
-	if _, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 2, 1))); err != nil {
+	if _, err := c.Allocate(ctx, req(on(2))); err != nil {
 		t.Fatal(err)
 	}
 	s.FailNext(2)
@@ -204,7 +206,7 @@ func TestUndoDeviceAgainstAnOlderSidecarFailsAndNeverFallsBackToTheContainerUndo
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	defer func() { _ = c.Close() }()
 	if _, err := c.UndoDevice(context.Background(), "MIG-x", migclient.DeviceOwner{PodUID: "p"}); migclient.CodeOf(err) != codes.Unimplemented {
 		t.Fatalf("an older sidecar: %v", err)
 	}
@@ -213,7 +215,7 @@ func TestUndoDeviceAgainstAnOlderSidecarFailsAndNeverFallsBackToTheContainerUndo
 func TestUndoDeviceAnswersWhatItDidOrWhyNot(t *testing.T) {
 	s, c := fake(t, nil)
 	ctx := context.Background()
-	res, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1), on("GPU-a", "1g.10gb", 1, 1)))
+	res, err := c.Allocate(ctx, req(on(0), on(1)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -249,7 +251,7 @@ func TestUndoDeviceAnswersWhatItDidOrWhyNot(t *testing.T) {
 func TestTheKnownGenerationPassFallsBackWhenTheSidecarRestarted(t *testing.T) {
 	s, c := fake(t, func(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil })
 	ctx := context.Background()
-	if _, err := c.Allocate(ctx, req("p", 0, on("GPU-a", "1g.10gb", 0, 1))); err != nil {
+	if _, err := c.Allocate(ctx, req(on(0))); err != nil {
 		t.Fatal(err)
 	}
 	s.Unrecover() // NOT_RECOVERED until the next Recover, as after a restart

@@ -9,15 +9,16 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
 
-func ranked(start, size uint32, cost migclient.PlacementCost) migclient.RankedPlacement {
-	return migclient.RankedPlacement{Placement: migclient.Placement{Start: start, Size: size}, Cost: cost}
+// ranked is a 2-slice placement at start with its cost.
+func ranked(start uint32, cost migclient.PlacementCost) migclient.RankedPlacement {
+	return migclient.RankedPlacement{Placement: migclient.Placement{Start: start, Size: 2}, Cost: cost}
 }
 
 var published = []Placement{{0, 2}, {2, 2}, {4, 2}, {6, 2}}
 
 var advice = []migclient.RankedPlacement{
-	ranked(4, 2, migclient.CostReuse), ranked(6, 2, migclient.CostFree),
-	ranked(2, 2, migclient.CostReclaim), ranked(0, 2, migclient.CostBlocked),
+	ranked(4, migclient.CostReuse), ranked(6, migclient.CostFree),
+	ranked(2, migclient.CostReclaim), ranked(0, migclient.CostBlocked),
 }
 
 func TestOrderPublishesReuseFirstReclaimAfterFreeAndBlockedLast(t *testing.T) {

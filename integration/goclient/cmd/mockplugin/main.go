@@ -97,7 +97,7 @@ func run(args []string, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer client.Close()
+	defer func() { _ = client.Close() }() // the run's result is what it reported; a close error adds nothing
 	p := &player{cfg: cfg, client: client, store: store, out: out, migs: map[int][]string{}}
 	return p.play(ctx, sc)
 }
@@ -146,7 +146,9 @@ func (p *player) play(ctx context.Context, sc Scenario) error {
 		r.Detail = fmt.Sprintf("sidecar %s backend=%s recovered=%t cdi=%t generation=%d",
 			info.SidecarVersion, info.Backend, info.Recovered, info.CDIEnabled, info.Generation)
 	}
-	p.emit(r)
+	if err := p.emit(r); err != nil {
+		return err
+	}
 	if err != nil {
 		return fmt.Errorf("sidecar not ready: %w", err)
 	}
@@ -158,7 +160,9 @@ func (p *player) play(ctx context.Context, sc Scenario) error {
 				p.failures++
 			}
 		}
-		p.emit(r)
+		if err := p.emit(r); err != nil {
+			return err
+		}
 		if err := p.store.save(); err != nil {
 			return err
 		}
@@ -421,11 +425,16 @@ func (p *player) check(n int, want *Expect, r report) string {
 	return strings.Join(problems, "; ")
 }
 
-func (p *player) emit(r report) {
+// emit writes one step's report; a write that fails ends the run, as the report is its result.
+func (p *player) emit(r report) error {
+	var b strings.Builder
 	if p.cfg.json {
-		b, _ := json.Marshal(r)
-		fmt.Fprintln(p.out, string(b))
-		return
+		line, err := json.Marshal(r)
+		if err != nil {
+			return err
+		}
+		_, err = fmt.Fprintln(p.out, string(line))
+		return err
 	}
 	head := fmt.Sprintf("%2d %-8s", r.Step, r.Event)
 	if r.Pod != "" {
@@ -436,33 +445,35 @@ func (p *player) emit(r report) {
 	}
 	switch {
 	case r.Error != nil:
-		fmt.Fprintf(p.out, "%s: FAILED %s\n", head, r.Error.Message)
+		fmt.Fprintf(&b, "%s: FAILED %s\n", head, r.Error.Message)
 	case r.Detail != "":
-		fmt.Fprintf(p.out, "%s: %s\n", head, r.Detail)
+		fmt.Fprintf(&b, "%s: %s\n", head, r.Detail)
 	default:
-		fmt.Fprintf(p.out, "%s: ok\n", head)
+		fmt.Fprintf(&b, "%s: ok\n", head)
 	}
 	for _, d := range r.Devices {
 		cdi := d.CDIDevice
 		if cdi == "" {
 			cdi = "-"
 		}
-		fmt.Fprintf(p.out, "     device %d: %-17s %s %s@%s gi=%d ci=%d cdi=%s\n", d.DeviceIndex, d.Outcome, d.MigUUID,
+		fmt.Fprintf(&b, "     device %d: %-17s %s %s@%s gi=%d ci=%d cdi=%s\n", d.DeviceIndex, d.Outcome, d.MigUUID,
 			d.Profile, d.Placement, d.GPUInstanceID, d.ComputeInstanceID, cdi)
 	}
 	for _, x := range r.Reclaimed {
-		fmt.Fprintf(p.out, "     reclaimed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
+		fmt.Fprintf(&b, "     reclaimed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
 	}
 	for _, x := range r.Destroyed {
-		fmt.Fprintf(p.out, "     destroyed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
+		fmt.Fprintf(&b, "     destroyed: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
 	}
 	for _, x := range r.Idled {
-		fmt.Fprintf(p.out, "     idled: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
+		fmt.Fprintf(&b, "     idled: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
 	}
 	for _, x := range r.Reactiv {
-		fmt.Fprintf(p.out, "     reactivated: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
+		fmt.Fprintf(&b, "     reactivated: %s %s@%s\n", x.MigUUID, x.Profile, x.Placement)
 	}
 	if r.Mismatch != "" {
-		fmt.Fprintf(p.out, "     UNEXPECTED: %s\n", r.Mismatch)
+		fmt.Fprintf(&b, "     UNEXPECTED: %s\n", r.Mismatch)
 	}
+	_, err := io.WriteString(p.out, b.String())
+	return err
 }

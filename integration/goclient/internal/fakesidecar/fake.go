@@ -298,6 +298,7 @@ func (s *Server) remove(in *Instance) {
 	}
 }
 
+// GetInfo is the RPC of that name, over the fake's table.
 func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -326,6 +327,7 @@ func (s *Server) Destroy(migUUID string) {
 	}
 }
 
+// ListGpus is the RPC of that name, over the fake's table.
 func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -337,6 +339,7 @@ func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusRes
 	return out, nil
 }
 
+// DiscoverProfiles is the RPC of that name, over the fake's table.
 func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesRequest) (*pb.DiscoverProfilesResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -361,6 +364,7 @@ func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesReq
 	return out, nil
 }
 
+// Recover is the RPC of that name, over the fake's table.
 func (s *Server) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.RecoverResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -369,6 +373,7 @@ func (s *Server) Recover(_ context.Context, req *pb.RecoverRequest) (*pb.Recover
 	return &pb.RecoverResponse{}, nil
 }
 
+// SyncActive is the RPC of that name, over the fake's table.
 func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.SyncActiveResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -394,6 +399,7 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	return out, nil
 }
 
+// Allocate is the RPC of that name, over the fake's table.
 func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.AllocateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -452,6 +458,7 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 	return out, nil
 }
 
+// UndoAllocate is the RPC of that name, over the fake's table.
 func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*pb.UndoAllocateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -476,6 +483,7 @@ func (s *Server) UndoAllocate(_ context.Context, req *pb.UndoAllocateRequest) (*
 	return out, nil
 }
 
+// UndoDevice is the RPC of that name, over the fake's table.
 func (s *Server) UndoDevice(_ context.Context, req *pb.UndoDeviceRequest) (*pb.UndoDeviceResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -545,6 +553,7 @@ func (s *Server) reclaimable(gpu string, named []string) ([]*Instance, error) {
 	return picked, nil
 }
 
+// ReclaimIdle is the RPC of that name, over the fake's table.
 func (s *Server) ReclaimIdle(_ context.Context, req *pb.ReclaimIdleRequest) (*pb.ReclaimIdleResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -566,6 +575,7 @@ func (s *Server) ReclaimIdle(_ context.Context, req *pb.ReclaimIdleRequest) (*pb
 	return out, nil
 }
 
+// SetMigMode is the RPC of that name, over the fake's table.
 func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.SetMigModeResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -603,6 +613,7 @@ func (s *Server) SetMigMode(_ context.Context, req *pb.SetMigModeRequest) (*pb.S
 	return &pb.SetMigModeResponse{MigMode: &pb.MigMode{Current: req.GetEnabled(), Pending: req.GetEnabled()}}, nil
 }
 
+// RankPlacements is the RPC of that name, over the fake's table.
 func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest) (*pb.RankPlacementsResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -646,6 +657,7 @@ func (s *Server) RankPlacements(_ context.Context, req *pb.RankPlacementsRequest
 	return out, nil
 }
 
+// GetState is the RPC of that name, over the fake's table.
 func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -704,6 +716,7 @@ func healthOf(in *Instance, current bool) *pb.InstanceHealthUpdate {
 		ComputeInstanceId: in.CI, Health: health, Xid: in.Xid, Current: current}
 }
 
+// WatchHealth is the RPC of that name, over the fake's table.
 func (s *Server) WatchHealth(req *pb.WatchHealthRequest, stream pb.MigSidecar_WatchHealthServer) error {
 	s.mu.Lock()
 	s.calls["WatchHealth"]++
