@@ -225,6 +225,8 @@ def run(args: argparse.Namespace, parent: Path | None) -> None:
         "--sim-state", str(state), "--sim-gpus", "h100-80gb:1",
         "--state-dir", str(root / "state"), "--cdi-dir", str(root / "cdi"), "--socket", str(socket),
         "--log-level", "WARNING",
+        # the cycle sets up its own IDLE blockers; serve's default reserve would trim them between steps
+        "--idle-reserve", "off",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
     proc = subprocess.Popen(command, env=env)
