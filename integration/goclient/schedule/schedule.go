@@ -136,12 +136,12 @@ func Placements[P Placement](idle []register.IdleInstance, profile string, place
 type Preference string
 
 const (
-	// WithinPolicy, the default (and what any value other than IdleFirst means): the GPU key only
+	// WithinPolicy is the default (and what any value other than IdleFirst means): the GPU key only
 	// orders GPUs the policy ranks equal, so the GPU the policy would choose keeps its rank and an
 	// IDLE instance on another GPU is taken only when that GPU ties with it. What the policy
 	// promises (binpack fills the busiest GPU, spread the least busy) holds as without the helper.
 	WithinPolicy Preference = "policy"
-	// IdleFirst: the GPU key before the policy, the policy's order on ties. A request goes to the
+	// IdleFirst puts the GPU key before the policy, the policy's order on ties. A request goes to the
 	// GPU holding an IDLE instance of its profile even when binpack would fill a busier one or
 	// spread an emptier one: the most creations saved, the policy kept only among equals.
 	IdleFirst Preference = "idle-first"
