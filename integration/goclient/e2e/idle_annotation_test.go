@@ -183,7 +183,18 @@ func TestTheIdleAnnotationFollowsEveryChange(t *testing.T) {
 	wg.Go(func() { p.Run(run, func(err error) { t.Logf("publisher: %v", err) }) })
 	wg.Go(func() { // the watcher: when each inventory first showed
 		for run.Err() == nil {
-			value := c.idleNow(run, t)
+			st, err := c.m.Client().GetState(run)
+			if err != nil {
+				if run.Err() == nil {
+					t.Errorf("the watcher's GetState: %v", err)
+				}
+				return
+			}
+			value, err := register.EncodeIdle(register.IdleFromState(st))
+			if err != nil {
+				t.Errorf("the watcher's encoding: %v", err)
+				return
+			}
 			mu.Lock()
 			if len(seen) == 0 || seen[len(seen)-1].value != value {
 				seen = append(seen, change{time.Now(), value})
@@ -275,9 +286,10 @@ func TestTheIdleAnnotationFollowsEveryChange(t *testing.T) {
 	}
 	p99 := lags[(len(lags)*99+99)/100-1]
 	t.Logf("%d changes, %d patches; lag p50 %v, p99 %v, max %v", len(lags), len(patches), lags[len(lags)/2], p99, lags[len(lags)-1])
-	// The bound the design gives is MinInterval plus one GetInfo poll and one GetState; the
-	// margin is for a loaded machine, not a target.
-	if bound := p.MinInterval + p.Poll + 3*time.Second; p99 > bound {
+	// The design's bound is MinInterval plus one GetInfo poll and one GetState; the margin is for a
+	// machine under heavy load, not a target, and still far below the 30 s refresh at which a
+	// background change showed before the revision.
+	if bound := p.MinInterval + p.Poll + 10*time.Second; p99 > bound {
 		t.Fatalf("lag p99 %v over %v", p99, bound)
 	}
 }
