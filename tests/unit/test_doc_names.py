@@ -72,6 +72,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "CustomInfo",
             "DeviceUsageList",
             "Fit",
+            "findMigUUIDForGI",
             "GetContainerDeviceStrArray",
             "GetNodeDevices",
             "Init",
@@ -90,6 +91,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "kubernetesAllocatedMigGPUs",
             "migAllocationKey",
             "migAllocationRuntimeInfo",
+            "migInstance",
             "migProfileAllowlist",
             "newTestPlugin",
             "orderedMigPlacements",
@@ -128,6 +130,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "As",
             "ErrorInfo",
             "go.work",
+            "go.work.sum",
         }
     ),
     # Python's standard library and the packages the sidecar and its tests use.
@@ -227,7 +230,7 @@ GO_BLOCK = re.compile(
     r"^(const|var|type \w+ (?:struct|interface)) ?\(?\{?\s*$(.*?)^[)}]", re.MULTILINE | re.DOTALL
 )
 GO_PARAMS = re.compile(r"^func\s+(?:\([^)]*\)\s*)?\w+\(([^)]*)\)", re.MULTILINE)
-GO_MEMBER = re.compile(rf"^\t({IDENT})\b", re.MULTILINE)
+GO_MEMBER = re.compile(rf"^\t({IDENT}(?:,\s*{IDENT})*)\b", re.MULTILINE)  # Poll, Refresh time.Duration
 PROTO = re.compile(rf"^\s*(?:message|enum|rpc|service)\s+({IDENT})|({IDENT})\s*=\s*\d+\s*[;\[]", re.MULTILINE)
 
 
@@ -238,7 +241,8 @@ def go_names(text: str) -> Iterator[str]:
     for params in GO_PARAMS.findall(text):
         yield from re.findall(rf"(?:^|,)\s*({IDENT})", params)
     for _, body in GO_BLOCK.findall(text):
-        yield from GO_MEMBER.findall(body)
+        for names in GO_MEMBER.findall(body):
+            yield from re.split(r",\s*", names)
 
 
 @cache
