@@ -32,7 +32,7 @@ from sidecar.model.domain import (
     State,
 )
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.nvml.port import GpuInfo, Placement
+from sidecar.nvml.port import GpuInfo, NvmlError, Placement
 from sidecar.nvml.pynvml_backend import PynvmlBackend
 from sidecar.nvml.sim import SimulatedHardware, install, uninstall
 from sidecar.store.cdi import CdiSpecs
@@ -77,7 +77,18 @@ class World:
         return self.lifecycle.allocate(self.request(pod, *devices, container_index=container_index))
 
     def layout(self) -> set[LiveGi]:
-        """Every GI and its CIs as the (simulated) driver reports them through NVML."""
+        """Every GI and its CIs as the (simulated) driver reports them through NVML.
+
+        A test that polls while a reconciler runs can see a GI listed and then destroyed before its
+        CIs are listed (NOT_FOUND): the listing then starts over, as a snapshot taken a moment later."""
+        while True:
+            try:
+                return self._layout_once()
+            except NvmlError as exc:
+                if not exc.not_found:
+                    raise
+
+    def _layout_once(self) -> set[LiveGi]:
         out: set[LiveGi] = set()
         for gpu in self.gpus:
             if not self.port.gpu(gpu.uuid).mig_current:
