@@ -122,8 +122,6 @@ class IdleTrimmer:
                 _log.warning("idle trim of %s failed: %s", first[0].instance.describe(), exc)
                 break
             if done is not None:
-                if first[0].cause is Cause.IN_THE_WAY:
-                    self.ctx.choices.cleared(first[0].gpu_uuid, first[0].instance.placement)
                 self.on_trim(done.cause)
                 out.append(done)
         return out
@@ -171,6 +169,8 @@ class IdleTrimmer:
             crashpoints.crashpoint("before-idle-trim")
             _log.info("trimming idle instance %s (%s)", record.name, chosen.cause)
             ref = destroy(self.ctx, record, mark_deleting=True)
+            if chosen.cause is Cause.IN_THE_WAY:  # under the lock an Allocate on this GPU observes under
+                self.ctx.choices.cleared(chosen.gpu_uuid, chosen.instance.placement)
         return Trimmed(ref, str(chosen.cause))
 
     def _decide(self, gpus: list[str], busy: set[str]) -> list[Trim]:

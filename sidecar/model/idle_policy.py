@@ -325,7 +325,7 @@ class Choices:
             return
         exact = any(i.profile == profile and i.placement == chosen for i in idle)
         on_idle = not exact and any(i.placement.overlaps(chosen) for i in idle)
-        on_cleared = {c for c in cleared if c.overlaps(chosen)}
+        on_cleared = {c for c in tuple(cleared) if c.overlaps(chosen)}  # a copy, taken in one C call
         self.landed.append(on_idle or bool(on_cleared))
         cleared -= on_cleared
 
