@@ -388,6 +388,7 @@ def run_variant(
                 continue
             if settler is not None:
                 settler.ask(pod.profile)
+                settler.observe(choice[0], pod.profile, choice[1])
                 settler.quiet()
             mig_uuid = allocate(car, mirror, pod, choice[0], choice[1], scale=scale, result=result)
             if mig_uuid is not None:

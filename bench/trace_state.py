@@ -26,7 +26,7 @@ from hami_order import Device, Profile, hami_choice, helper_choice
 
 from sidecar.model.advice import GpuView, OwnedInstance
 from sidecar.model.domain import ForeignInstance, State
-from sidecar.model.idle_policy import node_reserve, trim
+from sidecar.model.idle_policy import Choices, in_the_way, node_reserve, trim
 from sidecar.nvml.port import Placement
 
 MEMORY_SLICES = 8  # an H100-80GB's memory-slice axis
@@ -156,6 +156,9 @@ class Settler:
     when it chooses nothing, the round the event woke trims nothing and there is nothing to wait for.
     That decision trims only for a profile with no ready placement (REUSE or FREE) on the node, so
     when the mirror shows one for every profile (``all_ready``, cheap) it is not asked at all.
+    The same goes for ``idle_policy.in_the_way``, over a ``Choices`` that learns what the sidecar's
+    learns: the same Allocates (``observe``, before each is sent, over the mirror) and the same
+    destroys of that cause (read from the answer the wait ends with).
     When it chooses something, ``GetState`` is asked until nothing is in flight and the same decision
     over its answer chooses nothing (each ask takes every GPU lock, so it waits behind a destroy
     rather than spinning), and the mirror takes that answer. False if that took over ``timeout_s``.
@@ -186,6 +189,7 @@ class Settler:
         self.asked: set[str] = set()
         self.timeout_s = timeout_s
         self.waits = 0  # events after which a trim was due
+        self.choices = Choices()  # the sidecar's own record of the scheduler's choices, kept alike
 
     def ask(self, profile: str) -> None:
         """An Allocate asked for ``profile``: with ``--idle-reserve auto`` the reserve keeps it ready
@@ -198,6 +202,11 @@ class Settler:
                 g: {name: ps for name, ps in by.items() if name in self.asked} for g, by in self.all.items()
             }
 
+    def observe(self, gpu: str, profile: str, where: Placement) -> None:
+        """An Allocate is about to ask for ``where``: the same lesson the sidecar takes from it."""
+        placements = {g: by[profile] for g, by in self.all.items() if profile in by}
+        self.choices.observe(profile, gpu, where, self.mirror.views(), placements)
+
     def quiet(self) -> None:
         self.stub.GetInfo(pb.GetInfoRequest())
 
@@ -206,6 +215,8 @@ class Settler:
         trim over ``views``."""
         if self.per_gpu:
             return bool(trim(views, 0.0, reserve=self.reserve))
+        if in_the_way(views, self.choices, self.reserve):
+            return True
         return not all_ready(views, self.reserve) and bool(node_reserve(views, self.reserve))
 
     def settle(self) -> bool:
@@ -213,6 +224,8 @@ class Settler:
         if not self._due(views):
             return True
         self.waits += 1
+        cleared = {(t.gpu_uuid, t.instance.placement) for t in in_the_way(views, self.choices, self.reserve)}
+        before = {(v.gpu_uuid, i.placement) for v in views for i in v.owned if i.state is State.IDLE}
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             state = self.stub.GetState(pb.GetStateRequest())
@@ -220,6 +233,9 @@ class Settler:
             busy = any(i.state in (State.CREATING, State.DELETING) for v in views for i in v.owned)
             if not busy and not self._due(views):
                 self.mirror.load(state)
+                after = {(v.gpu_uuid, i.placement) for v in views for i in v.owned if i.state is State.IDLE}
+                for gpu, p in cleared & (before - after):
+                    self.choices.cleared(gpu, p)
                 return True
         return False
 

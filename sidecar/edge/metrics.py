@@ -142,7 +142,8 @@ class Metrics:
         )
         self.idle_trims = prometheus_client.Counter(
             f"{PREFIX}_idle_trims",
-            "IDLE instances the idle policy destroyed in the background, by cause (ttl, max_idle, reserve).",
+            "IDLE instances the idle policy destroyed in the background, by cause "
+            "(ttl, max_idle, reserve, in_the_way).",
             ["cause"],
             registry=self.registry,
         )

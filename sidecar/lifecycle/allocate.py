@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from sidecar.lifecycle import crashpoints
+from sidecar.lifecycle import crashpoints, gpu_views
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.create import create_instance
 from sidecar.lifecycle.logs import hardware_change
@@ -21,6 +21,7 @@ from sidecar.lifecycle.steps import placement_busy, require_no_processes, still_
 from sidecar.lifecycle.teardown import destroy, destroy_error
 from sidecar.lifecycle.validate import Validated, validate
 from sidecar.model import placement
+from sidecar.model.advice import GpuView
 from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
 from sidecar.model.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome, State
 from sidecar.model.errors import (
@@ -80,6 +81,7 @@ class Allocator:
             # keys differ, so the decisions hold until each device is applied.
             decisions = [self.decide_from_table(v) for v in validated]
             held = [isinstance(d, AlreadyHeld) for d in decisions]
+            self.observe([v for v, h in zip(validated, held, strict=True) if not h])
             # The mode is read once under the lock, by the GPUs of devices that need hardware (a
             # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
             # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
@@ -117,6 +119,23 @@ class Allocator:
             # Each key's own pending reservation waited for this Allocate: it guards nothing now.
             ctx.pending.consume(v.key for v in validated)
             return AllocateResult(devices=tuple(d.allocated for d in done), reclaimed=tuple(reclaimed))
+
+    def observe(self, validated: Sequence[Validated]) -> None:
+        """Teach the idle policy where the scheduler placed each device (``idle_policy.Choices``),
+        from the table as it is before this Allocate changes it, over the GPUs whose profiles the
+        inventory has read (no NVML call)."""
+        if not validated:
+            return
+        ctx = self.ctx
+        views = [
+            GpuView(g, 0, tuple(gpu_views.owned_instance(r) for r in ctx.table.on_gpu(g)))
+            for g in ctx.inventory.profiled_gpus()
+        ]
+        for v in validated:
+            placements = ctx.inventory.cached_placements(v.profile.name)
+            placements[v.gpu.uuid] = v.profile.placements
+            where = v.device.reservation.placement
+            ctx.choices.observe(v.profile.name, v.gpu.uuid, where, views, placements)
 
     # -- decide: reads only, before any device changes anything --------------------------------------
     def decide_from_table(self, v: Validated) -> Decision:

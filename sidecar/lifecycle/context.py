@@ -16,6 +16,7 @@ from sidecar.lifecycle.inventory import Inventory, LayoutRecordingPort
 from sidecar.lifecycle.locks import Locks
 from sidecar.model.domain import ActiveAllocation, Owner, State
 from sidecar.model.errors import NotRecovered
+from sidecar.model.idle_policy import Choices
 from sidecar.model.ownership import Origin, OwnershipRecord
 from sidecar.model.pending import PendingSet
 from sidecar.model.states import now_rfc3339, transition
@@ -39,6 +40,8 @@ class LifecycleContext:
     # GI profile name -> when a valid Allocate last asked for it (``time.time``): the demand an idle
     # reserve of the recently asked profiles follows (``IdleSettings.reserved``). Not durable.
     last_asked: dict[str, float] = field(default_factory=dict)
+    # Where the scheduler placed the devices it asked for (``idle_policy.Choices``). Not durable.
+    choices: Choices = field(default_factory=Choices)
     table: RecordTable = field(init=False)
     generations: Generations = field(init=False)
     inventory: Inventory = field(init=False)

@@ -23,6 +23,12 @@ reserve of all seven H100 profiles makes GI creations 17.4 % of pods where the m
 11.5 % (``bench/policy_replay.py``). ``last_asked`` is memory only: after a restart nothing is
 reserved until requests come, which costs at most the inline reclaims the reserve would have moved.
 
+The ``in_the_way`` cause (``idle_policy.Choices``) learns from every Allocate: ``Allocator.observe``
+hands it the device's GPU, profile and placement with the table as it was just before, over the
+GPUs whose profiles the inventory has read (no NVML call, no lock beyond the Allocate's own); a
+trim for that cause is reported back (``Choices.cleared``), so an Allocate that lands where one was
+destroyed still counts as landing on an IDLE instance. Like ``last_asked`` it is memory only.
+
 ``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
 move time instead of sleeping.
 """
@@ -42,7 +48,7 @@ from sidecar.lifecycle.teardown import destroy
 from sidecar.model.advice import GpuView
 from sidecar.model.domain import InstanceRef, State
 from sidecar.model.errors import SidecarError, nvml_errors
-from sidecar.model.idle_policy import IdleSettings, Trim, node_reserve, trim
+from sidecar.model.idle_policy import Cause, IdleSettings, Trim, in_the_way, node_reserve, trim
 from sidecar.model.ownership import record_name
 from sidecar.nvml.port import NvmlError
 
@@ -163,11 +169,13 @@ class IdleTrimmer:
             crashpoints.crashpoint("before-idle-trim")
             _log.info("trimming idle instance %s (%s)", record.name, chosen.cause)
             ref = destroy(self.ctx, record, mark_deleting=True)
+            if chosen.cause is Cause.IN_THE_WAY:  # under the lock an Allocate on this GPU observes under
+                self.ctx.choices.cleared(chosen.gpu_uuid, chosen.instance.placement)
         return Trimmed(ref, str(chosen.cause))
 
     def _decide(self, gpus: list[str], busy: set[str]) -> list[Trim]:
         """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
-        then the node's reserve."""
+        then what is in a blind scheduler's way (``in_the_way``), then the node's reserve."""
         s = self.settings
         views: list[GpuView] = [gpu_views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
         pending = gpu_views.pending_reservations(self.ctx)
@@ -187,7 +195,9 @@ class IdleTrimmer:
         )
         if per_gpu or not reserve or s.reserve_per_gpu:
             return per_gpu
-        return node_reserve(views, reserve, pending=pending)
+        return in_the_way(views, self.ctx.choices, reserve, pending=pending) or node_reserve(
+            views, reserve, pending=pending
+        )
 
     def _runs_processes(self, mig_uuid: str | None) -> bool:
         """A process on the instance (a pod in its grace period) spares it; an NVML error too."""

@@ -90,6 +90,14 @@ class Inventory:
             cached = read
         return list(cached)
 
+    def profiled_gpus(self) -> list[str]:
+        """The GPUs whose profile table has been read (``profiles``), by UUID."""
+        return sorted(self._profiles)
+
+    def cached_placements(self, name: str) -> dict[str, tuple[Placement, ...]]:
+        """GPU -> the legal placements of the profile ``name``, from the profile tables read so far."""
+        return {g: p.placements for g, ps in self._profiles.items() for p in ps if p.name == name}
+
     def profiles_at_mode(self, info: GpuInfo) -> tuple[GpuInstanceProfile, ...]:
         """The profile table of ``info``'s GPU, read once per MIG mode (recovery's gather).
 

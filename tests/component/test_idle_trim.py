@@ -15,7 +15,7 @@ from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
 from sidecar.model.domain import Identity, State
-from sidecar.model.idle_policy import IdleSettings
+from sidecar.model.idle_policy import BLIND_MIN, IdleSettings
 
 TTL = 600.0
 FAR_FUTURE = 1e12
@@ -257,6 +257,39 @@ class TestFreeReserve:
 
         assert reconcile(world, IdleSettings(reserve=("3g.40gb",), reserve_per_gpu=True), FAR_FUTURE) == []
         assert idle.mig_uuid in world.live_mig_uuids()
+
+
+class TestInTheWay:
+    """``--idle-reserve auto`` against a scheduler that cannot see IDLE instances: the Allocates teach
+    the sidecar where it lands, and the reconciler empties that placement before the next one."""
+
+    AUTO = IdleSettings(reserve_asked_within_s=3600.0)
+
+    def test_a_scheduler_that_lands_on_idle_instances_finds_its_next_placement_emptied(
+        self, world: World
+    ) -> None:
+        for n in range(BLIND_MIN):  # 1g at 0:1 and 2g at 0:2 by turns, each over the other's IDLE copy
+            for profile, size in (("1g.10gb", 1), ("2g.20gb", 2)):
+                landed = world.allocate(f"pod-{profile}-{n}", (0, profile, 0, size))
+                assert n + size == 1 or len(landed.reclaimed) == 1  # destroyed inside the Allocate
+                world.lifecycle.release(f"pod-{profile}-{n}")
+        idle_1g = idle_instance(world, "pod-last", (0, "1g.10gb", 0, 1))
+
+        assert reconcile(world, self.AUTO, went_idle_at(world, idle_1g)) == [idle_1g.mig_uuid]
+        assert gone(world, idle_1g)
+        world.assert_consistent()
+        assert world.allocate("pod-next", (0, "2g.20gb", 0, 2)).reclaimed == ()  # only a create now
+
+    def test_a_scheduler_that_takes_the_idle_copies_keeps_them(self, world: World) -> None:
+        for n in range(2 * BLIND_MIN):  # 1g reuses its copy at 0:1, 2g goes beside it
+            for profile, where in (("1g.10gb", (0, 1)), ("2g.20gb", (2, 2))):
+                world.allocate(f"pod-{profile}-{n}", (0, profile, *where))
+                world.lifecycle.release(f"pod-{profile}-{n}")
+        idle = {r.mig_uuid for r in world.lifecycle.instances() if r.state is State.IDLE}
+
+        assert reconcile(world, self.AUTO, FAR_FUTURE / 2) == []
+        assert {r.mig_uuid for r in world.lifecycle.instances() if r.state is State.IDLE} == idle
+        assert len(idle) == 2
 
 
 class TestMetrics:

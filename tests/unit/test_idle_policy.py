@@ -1,10 +1,12 @@
-"""The idle policy's decision with a fake clock: TTL, the per-GPU cap and the free reserve."""
+"""The idle policy's decision with a fake clock: TTL, the per-GPU cap and the free reserve; and
+against a scheduler that cannot see IDLE instances, what ``Choices`` learns from the Allocates and
+which IDLE instances ``in_the_way`` destroys ahead of the next one."""
 
 from __future__ import annotations
 
 from sidecar.model.advice import GpuView, OwnedInstance
 from sidecar.model.domain import ForeignInstance, Reservation, State
-from sidecar.model.idle_policy import Cause, Trim, node_reserve, trim
+from sidecar.model.idle_policy import BLIND_MIN, Cause, Choices, Trim, in_the_way, node_reserve, trim
 from sidecar.nvml.port import Placement
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -245,3 +247,136 @@ def test_per_gpu_reserve_prefers_the_victim_whose_profile_keeps_a_copy() -> None
         ),
     )
     assert chosen(trim([view], 10.0, reserve={GPU: {"2g.20gb": TWO_G}})) == [(GPU, "4:1", Cause.RESERVE)]
+
+
+# -- a scheduler blind to IDLE instances ----------------------------------------------------------
+
+GPU_A = "GPU-aaaaaaaa-2222-3333-4444-555555555555"
+GPU_B = "GPU-bbbbbbbb-2222-3333-4444-555555555555"
+ONE_G = tuple(Placement(s, 1) for s in range(7))
+PLACEMENTS = {"1g.10gb": ONE_G, "2g.20gb": TWO_G}
+RESERVE = {GPU_A: PLACEMENTS, GPU_B: PLACEMENTS}
+
+
+def view(gpu: str, *owned: OwnedInstance, pending: tuple[Reservation, ...] = ()) -> GpuView:
+    return GpuView(gpu, 8, owned=owned, pending=pending)
+
+
+def teach(
+    choices: Choices, views: list[GpuView], gpu: str, profile: str, start: int, *, times: int = 1
+) -> None:
+    placements = {v.gpu_uuid: PLACEMENTS[profile] for v in views}
+    for _ in range(times):
+        choices.observe(profile, gpu, Placement(start, _SIZE_OF[profile]), views, placements)
+
+
+def blind_first_fit() -> Choices:
+    """A scheduler that places 1g at slice 0 and 2g at slices 0-1 of the least held GPU, landing on the
+    IDLE 1g instance at 0 of that GPU when it asks for 2g."""
+    choices = Choices()
+    idle_at_0 = [
+        view(GPU_A, inst("1g.10gb", 0, used=0.0)),
+        view(GPU_B, inst("1g.10gb", 4, State.ACTIVE, used=0.0)),
+    ]
+    teach(choices, idle_at_0, GPU_A, "2g.20gb", 0, times=BLIND_MIN)
+    teach(choices, idle_at_0, GPU_A, "1g.10gb", 0, times=BLIND_MIN)
+    return choices
+
+
+def in_the_way_of(
+    choices: Choices, views: list[GpuView], **kw: object
+) -> list[tuple[str, Placement, Cause, str]]:
+    out = in_the_way(views, choices, RESERVE, **kw)  # type: ignore[arg-type]
+    assert all(t.instance.state is State.IDLE for t in out), "only IDLE instances are ever trimmed"
+    return [(t.gpu_uuid, t.instance.placement, t.cause, t.profile) for t in out]
+
+
+def test_a_scheduler_that_takes_the_idle_copies_is_not_blind_and_nothing_is_destroyed() -> None:
+    choices = Choices()
+    views = [view(GPU_A, inst("1g.10gb", 0, used=0.0), inst("2g.20gb", 4, used=0.0)), view(GPU_B)]
+    teach(choices, views, GPU_A, "1g.10gb", 0, times=BLIND_MIN)
+    teach(choices, views, GPU_A, "2g.20gb", 4, times=BLIND_MIN)
+    teach(choices, views, GPU_A, "2g.20gb", 2, times=BLIND_MIN)  # free, beside the IDLE instances
+    assert not choices.blind
+    assert in_the_way_of(choices, views) == []
+
+
+def test_a_blind_scheduler_finds_its_next_placement_empty_on_the_gpu_it_would_choose() -> None:
+    choices = blind_first_fit()
+    assert choices.blind
+    idle_1g, idle_2g = inst("1g.10gb", 1, used=0.0), inst("2g.20gb", 4, used=0.0)
+    views = [
+        view(GPU_A, idle_1g, idle_2g),
+        view(GPU_B, inst("1g.10gb", 5, State.ACTIVE, used=0.0), inst("1g.10gb", 0, used=0.0)),
+    ]
+    # GPU_A holds nothing for pods: the least held, where 1g (slice 0) and 2g (slices 0-1) go next.
+    # The IDLE 1g at slice 1 is in 2g's way; the one at GPU_B's slice 0 is not, as GPU_B is not chosen.
+    assert in_the_way_of(choices, views) == [(GPU_A, Placement(1, 1), Cause.IN_THE_WAY, "2g.20gb")]
+
+
+def test_an_idle_copy_at_the_expected_placement_is_kept_for_its_profile() -> None:
+    choices = Choices()
+    views = [
+        view(GPU_A, inst("1g.10gb", 3, used=0.0)),
+        view(GPU_B, inst("1g.10gb", 0, State.ACTIVE, used=0.0)),
+    ]
+    teach(choices, views, GPU_A, "1g.10gb", 2, times=BLIND_MIN)  # lands beside it: no verdict from this
+    landing = [
+        view(GPU_A, inst("1g.10gb", 2, used=0.0)),
+        view(GPU_B, inst("1g.10gb", 0, State.ACTIVE, used=0.0)),
+    ]
+    teach(choices, landing, GPU_A, "2g.20gb", 2, times=BLIND_MIN)
+    assert choices.blind
+    exact = [
+        view(GPU_A, inst("1g.10gb", 2, used=0.0)),
+        view(GPU_B, inst("1g.10gb", 0, State.ACTIVE, used=0.0)),
+    ]
+    # 1g goes to slice 2 and finds its copy there; only 2g at slices 2-3 needs it gone, and does.
+    assert in_the_way_of(choices, exact) == [(GPU_A, Placement(2, 1), Cause.IN_THE_WAY, "2g.20gb")]
+    only_1g = {GPU_A: {"1g.10gb": ONE_G}, GPU_B: {"1g.10gb": ONE_G}}
+    assert in_the_way(exact, choices, only_1g) == []
+
+
+def test_the_gpu_follows_the_policy_the_scheduler_showed() -> None:
+    least_first, most_first = Choices(), Choices()
+    views = [view(GPU_A, inst("1g.10gb", 0, State.ACTIVE, used=0.0)), view(GPU_B)]
+    teach(least_first, views, GPU_B, "1g.10gb", 0, times=3)
+    teach(most_first, views, GPU_A, "1g.10gb", 1, times=3)
+    assert [v.gpu_uuid for v in least_first.targets(views, dict.fromkeys(RESERVE, ONE_G))] == [GPU_B]
+    assert [v.gpu_uuid for v in most_first.targets(views, dict.fromkeys(RESERVE, ONE_G))] == [GPU_A]
+    assert len(Choices().targets(views, dict.fromkeys(RESERVE, ONE_G))) == 2  # nothing learned: any
+
+
+def test_the_placement_learned_is_the_one_that_beat_the_others_left_open() -> None:
+    choices = Choices()
+    empty = [view(GPU_A)]
+    teach(choices, empty, GPU_A, "2g.20gb", 4, times=2)
+    teach(choices, [view(GPU_A, inst("2g.20gb", 4, State.ACTIVE, used=0.0))], GPU_A, "2g.20gb", 0)
+    assert choices.expected("2g.20gb", TWO_G) == Placement(4, 2)
+    assert choices.expected("2g.20gb", TWO_G[:2]) == Placement(0, 2)
+    assert choices.expected("1g.10gb", ONE_G) is None  # never asked for: no guess, nothing destroyed
+    assert choices.expected("1g.10gb", ONE_G[:1]) == Placement(0, 1)  # the only one left
+
+
+def test_landing_where_an_instance_was_cleared_keeps_the_verdict() -> None:
+    cleared, not_cleared = blind_first_fit(), blind_first_fit()
+    for _ in range(4 * BLIND_MIN):
+        cleared.cleared(GPU_A, Placement(0, 1))
+        for choices in (cleared, not_cleared):
+            teach(choices, [view(GPU_A, inst("1g.10gb", 5, used=0.0)), view(GPU_B)], GPU_A, "2g.20gb", 0)
+    assert cleared.blind
+    assert not not_cleared.blind  # a window of Allocates that all found their placement empty
+
+
+def test_a_busy_or_reserved_idle_instance_is_never_destroyed() -> None:
+    choices = blind_first_fit()
+    busy = [
+        view(GPU_A, inst("1g.10gb", 1, used=0.0, busy=True)),
+        view(GPU_B, inst("1g.10gb", 0, State.ACTIVE, used=0.0)),
+    ]
+    assert in_the_way_of(choices, busy) == []
+    kept = inst("1g.10gb", 1, used=0.0)
+    held = Reservation(GPU_A, "1g.10gb", Placement(1, 1))
+    reserved = [view(GPU_A, kept, pending=(held,)), view(GPU_B, inst("1g.10gb", 0, State.ACTIVE, used=0.0))]
+    assert in_the_way_of(choices, reserved) == []
+    assert in_the_way_of(choices, reserved[:1] + reserved[1:], pending=[held]) == []
