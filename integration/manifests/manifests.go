@@ -101,26 +101,19 @@ func Decode(name string, data []byte) ([]Manifest, error) {
 		var err error
 		switch gvk := meta.APIVersion + "/" + meta.Kind; gvk {
 		case "apps/v1/DaemonSet":
-			m.DaemonSet = &appsv1.DaemonSet{}
-			err = yaml.UnmarshalStrict(doc, m.DaemonSet)
+			m.DaemonSet, err = strict[appsv1.DaemonSet](doc)
 		case "monitoring.coreos.com/v1/PrometheusRule":
-			m.PromRule = &monitoringv1.PrometheusRule{}
-			err = yaml.UnmarshalStrict(doc, m.PromRule)
+			m.PromRule, err = strict[monitoringv1.PrometheusRule](doc)
 		case "monitoring.coreos.com/v1/PodMonitor":
-			m.PodMonitor = &monitoringv1.PodMonitor{}
-			err = yaml.UnmarshalStrict(doc, m.PodMonitor)
+			m.PodMonitor, err = strict[monitoringv1.PodMonitor](doc)
 		case "v1/ConfigMap":
-			m.ConfigMap = &corev1.ConfigMap{}
-			err = yaml.UnmarshalStrict(doc, m.ConfigMap)
+			m.ConfigMap, err = strict[corev1.ConfigMap](doc)
 		case "v1/ServiceAccount":
-			m.ServiceAccount = &corev1.ServiceAccount{}
-			err = yaml.UnmarshalStrict(doc, m.ServiceAccount)
+			m.ServiceAccount, err = strict[corev1.ServiceAccount](doc)
 		case "rbac.authorization.k8s.io/v1/ClusterRole":
-			m.ClusterRole = &rbacv1.ClusterRole{}
-			err = yaml.UnmarshalStrict(doc, m.ClusterRole)
+			m.ClusterRole, err = strict[rbacv1.ClusterRole](doc)
 		case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
-			m.ClusterRoleBinding = &rbacv1.ClusterRoleBinding{}
-			err = yaml.UnmarshalStrict(doc, m.ClusterRoleBinding)
+			m.ClusterRoleBinding, err = strict[rbacv1.ClusterRoleBinding](doc)
 		default:
 			err = fmt.Errorf("no type known for %q", gvk)
 		}
@@ -680,4 +673,13 @@ func CheckDashboard(d *Dashboard) []error {
 		}
 	}
 	return errs
+}
+
+// strict decodes doc into a new T, refusing a field T does not have.
+func strict[T any](doc []byte) (*T, error) {
+	v := new(T)
+	if err := yaml.UnmarshalStrict(doc, v); err != nil {
+		return nil, err
+	}
+	return v, nil
 }

@@ -89,14 +89,7 @@ func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook
 		}
 	}
 	// Another adapter (a plugin restarted, or a second one) never handed dev0 out.
-	other, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := other.Release(dev0); err != nil {
-		t.Fatal(err)
-	}
-	other.Shutdown()
+	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), dev0, quick)
 	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_ACTIVE {
 		t.Fatalf("pod b's instance after Releases not its own: %v", s)
 	}
@@ -173,14 +166,7 @@ func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *tes
 	if err := m.Release(x); err != nil {
 		t.Fatal(err)
 	}
-	other, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := other.Release(x); err != nil {
-		t.Fatal(err)
-	}
-	other.Shutdown()
+	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), x, quick)
 
 	st, err := m.Client().GetState(ctx)
 	if err != nil {
@@ -199,5 +185,19 @@ func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *tes
 	}
 	if uuids, _ := hardware(t); !slices.Contains(uuids, x) {
 		t.Fatalf("X is gone from the GPU: %v", uuids)
+	}
+}
+
+// releaseThroughAnother sends migUUID's Release through a second adapter on node-1 (a plugin
+// restarted, or a second one), which never handed it out, and shuts that adapter down.
+func releaseThroughAnother(ctx context.Context, t *testing.T, socket string, pods kube.PodLister, migUUID string, opts ...kube.Option) {
+	t.Helper()
+	other, err := kube.Dial(ctx, socket, pods, "node-1", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Shutdown()
+	if err := other.Release(migUUID); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -117,6 +117,18 @@ func dial(t *testing.T, cs kubernetes.Interface, node string) *plugin {
 	return &plugin{cs: cs, node: node, m: m, publisher: hami.NewPublisher(m.Client(), kube.PatchIdle(cs.CoreV1().Nodes(), node))}
 }
 
+// granted is the setting of a test of the plugin's writes: the server, its admin client, a
+// namespace (also the node's name) where the plugin's user holds the adapter's rules, and the plugin
+// dialled as that user.
+func granted(t *testing.T) (*kubeapi.Server, kubernetes.Interface, string, *plugin) {
+	t.Helper()
+	s := kubeapi.Get(t)
+	admin := s.Client(t, kubeapi.AdminUser)
+	ns := namespace(t, admin)
+	grant(t, admin, ns, adapterRules)
+	return s, admin, ns, dial(t, s.Client(t, kubeapi.PluginUser), ns)
+}
+
 // start is one pod start as HAMi's Allocate does it with the adapter (the reconcile pass, one
 // EnsureAllocation, the runtime-identity patch), then the publisher's pass.
 func (p *plugin) start(ctx context.Context, pod *corev1.Pod) error {
@@ -209,12 +221,8 @@ func fakeWrites(cs *fake.Clientset) map[string]int {
 // node; a stop writes the node's idle annotation once (the instance went IDLE) and nothing on a pod.
 // bench/README.md quotes these counts beside HAMi v2.10's own.
 func TestAPodStartAndStopCostTheWritesTheAuditLogCounts(t *testing.T) {
-	s := kubeapi.Get(t)
-	admin := s.Client(t, kubeapi.AdminUser)
-	ns := namespace(t, admin)
-	grant(t, admin, ns, adapterRules)
+	s, admin, ns, p := granted(t)
 	ctx := context.Background()
-	p := dial(t, s.Client(t, kubeapi.PluginUser), ns)
 	if err := p.stop(ctx); err != nil { // the plugin's start: a first pass and the first publish
 		t.Fatal(err)
 	}
@@ -315,12 +323,8 @@ func keys(events []kubeapi.Event) []string {
 // TestThePublisherWritesTheNodeOnlyWhenTheInventoryChanges: passes over an unchanged inventory cost
 // no write; a change costs one node patch however many passes follow.
 func TestThePublisherWritesTheNodeOnlyWhenTheInventoryChanges(t *testing.T) {
-	s := kubeapi.Get(t)
-	admin := s.Client(t, kubeapi.AdminUser)
-	ns := namespace(t, admin)
-	grant(t, admin, ns, adapterRules)
+	s, admin, ns, p := granted(t)
 	ctx := context.Background()
-	p := dial(t, s.Client(t, kubeapi.PluginUser), ns)
 	pod := scheduled(t, admin, ns, ns, "a", annotation.Placement{Start: 2, Size: 1})
 	if err := p.start(ctx, pod); err != nil {
 		t.Fatal(err)
@@ -349,12 +353,8 @@ func TestThePublisherWritesTheNodeOnlyWhenTheInventoryChanges(t *testing.T) {
 // over 256 KiB in all (422), which client-go's fake clientset accepts; the pod keeps the annotation
 // it had, so the next reconcile pass still sees its reservation.
 func TestTheServerRefusesAnOversizedAnnotationAndThePodKeepsItsOwn(t *testing.T) {
-	s := kubeapi.Get(t)
-	admin := s.Client(t, kubeapi.AdminUser)
-	ns := namespace(t, admin)
-	grant(t, admin, ns, adapterRules)
+	_, admin, ns, p := granted(t)
 	ctx := context.Background()
-	p := dial(t, s.Client(t, kubeapi.PluginUser), ns)
 	pod := scheduled(t, admin, ns, ns, "a", annotation.Placement{Start: 0, Size: 1})
 	before := pod.Annotations[annotation.Key]
 	oversized := strings.Repeat("x", 256*1024+1)
