@@ -35,6 +35,61 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// Who holds an ACTIVE instance. The two kinds never touch each other's instances: a pod's release,
+// SyncActive, Recover's active list and UndoAllocate see pod owners only, a claim's release claim
+// owners only. An IDLE instance belongs to neither and is reused by whichever asks for it.
+type OwnerKind int32
+
+const (
+	// A sidecar that predates owner kinds: read it as OWNER_KIND_POD.
+	OwnerKind_OWNER_KIND_UNSPECIFIED OwnerKind = 0
+	// A pod's container and device, through HAMi's device plugin.
+	OwnerKind_OWNER_KIND_POD OwnerKind = 1
+	// A ResourceClaim's request, through the DRA kubelet plugin.
+	OwnerKind_OWNER_KIND_CLAIM OwnerKind = 2
+)
+
+// Enum value maps for OwnerKind.
+var (
+	OwnerKind_name = map[int32]string{
+		0: "OWNER_KIND_UNSPECIFIED",
+		1: "OWNER_KIND_POD",
+		2: "OWNER_KIND_CLAIM",
+	}
+	OwnerKind_value = map[string]int32{
+		"OWNER_KIND_UNSPECIFIED": 0,
+		"OWNER_KIND_POD":         1,
+		"OWNER_KIND_CLAIM":       2,
+	}
+)
+
+func (x OwnerKind) Enum() *OwnerKind {
+	p := new(OwnerKind)
+	*p = x
+	return p
+}
+
+func (x OwnerKind) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (OwnerKind) Descriptor() protoreflect.EnumDescriptor {
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[0].Descriptor()
+}
+
+func (OwnerKind) Type() protoreflect.EnumType {
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[0]
+}
+
+func (x OwnerKind) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use OwnerKind.Descriptor instead.
+func (OwnerKind) EnumDescriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{0}
+}
+
 type Outcome int32
 
 const (
@@ -71,11 +126,11 @@ func (x Outcome) String() string {
 }
 
 func (Outcome) Descriptor() protoreflect.EnumDescriptor {
-	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[0].Descriptor()
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[1].Descriptor()
 }
 
 func (Outcome) Type() protoreflect.EnumType {
-	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[0]
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[1]
 }
 
 func (x Outcome) Number() protoreflect.EnumNumber {
@@ -84,7 +139,7 @@ func (x Outcome) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use Outcome.Descriptor instead.
 func (Outcome) EnumDescriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{0}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{1}
 }
 
 type InstanceState int32
@@ -129,11 +184,11 @@ func (x InstanceState) String() string {
 }
 
 func (InstanceState) Descriptor() protoreflect.EnumDescriptor {
-	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[1].Descriptor()
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2].Descriptor()
 }
 
 func (InstanceState) Type() protoreflect.EnumType {
-	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[1]
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2]
 }
 
 func (x InstanceState) Number() protoreflect.EnumNumber {
@@ -142,7 +197,7 @@ func (x InstanceState) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use InstanceState.Descriptor instead.
 func (InstanceState) EnumDescriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{1}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
 }
 
 type PlacementCost int32
@@ -188,11 +243,11 @@ func (x PlacementCost) String() string {
 }
 
 func (PlacementCost) Descriptor() protoreflect.EnumDescriptor {
-	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2].Descriptor()
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3].Descriptor()
 }
 
 func (PlacementCost) Type() protoreflect.EnumType {
-	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[2]
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3]
 }
 
 func (x PlacementCost) Number() protoreflect.EnumNumber {
@@ -201,7 +256,7 @@ func (x PlacementCost) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use PlacementCost.Descriptor instead.
 func (PlacementCost) EnumDescriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
 }
 
 // Why an UndoDevice changed nothing.
@@ -245,11 +300,11 @@ func (x UndoSkip) String() string {
 }
 
 func (UndoSkip) Descriptor() protoreflect.EnumDescriptor {
-	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3].Descriptor()
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4].Descriptor()
 }
 
 func (UndoSkip) Type() protoreflect.EnumType {
-	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[3]
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4]
 }
 
 func (x UndoSkip) Number() protoreflect.EnumNumber {
@@ -258,7 +313,7 @@ func (x UndoSkip) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use UndoSkip.Descriptor instead.
 func (UndoSkip) EnumDescriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{4}
 }
 
 type InstanceHealth int32
@@ -295,11 +350,11 @@ func (x InstanceHealth) String() string {
 }
 
 func (InstanceHealth) Descriptor() protoreflect.EnumDescriptor {
-	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4].Descriptor()
+	return file_hami_migsidecar_v1_migsidecar_proto_enumTypes[5].Descriptor()
 }
 
 func (InstanceHealth) Type() protoreflect.EnumType {
-	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[4]
+	return &file_hami_migsidecar_v1_migsidecar_proto_enumTypes[5]
 }
 
 func (x InstanceHealth) Number() protoreflect.EnumNumber {
@@ -308,7 +363,7 @@ func (x InstanceHealth) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use InstanceHealth.Descriptor instead.
 func (InstanceHealth) EnumDescriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{4}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{5}
 }
 
 // A placement on the GPU's memory-slice axis: [start, start+size). size counts memory slices.
@@ -424,20 +479,85 @@ func (x *PodRef) GetName() string {
 	return ""
 }
 
+// A DRA ResourceClaim (resource.k8s.io), the owner of the instances a DRA kubelet plugin prepared
+// for it. Its uid is the key, as a pod's is.
+type ClaimRef struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Uid           string                 `protobuf:"bytes,1,opt,name=uid,proto3" json:"uid,omitempty"`
+	Namespace     string                 `protobuf:"bytes,2,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	Name          string                 `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClaimRef) Reset() {
+	*x = ClaimRef{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClaimRef) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClaimRef) ProtoMessage() {}
+
+func (x *ClaimRef) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClaimRef.ProtoReflect.Descriptor instead.
+func (*ClaimRef) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ClaimRef) GetUid() string {
+	if x != nil {
+		return x.Uid
+	}
+	return ""
+}
+
+func (x *ClaimRef) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *ClaimRef) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
 // One scheduler reservation: the GPU, the full profile name (e.g. "1g.10gb", "1g.10gb+me") and placement.
 type DeviceRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	DeviceIndex   uint32                 `protobuf:"varint,1,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
-	GpuUuid       string                 `protobuf:"bytes,2,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
-	Profile       string                 `protobuf:"bytes,3,opt,name=profile,proto3" json:"profile,omitempty"`
-	Placement     *Placement             `protobuf:"bytes,4,opt,name=placement,proto3" json:"placement,omitempty"`
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	DeviceIndex uint32                 `protobuf:"varint,1,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
+	GpuUuid     string                 `protobuf:"bytes,2,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	Profile     string                 `protobuf:"bytes,3,opt,name=profile,proto3" json:"profile,omitempty"`
+	Placement   *Placement             `protobuf:"bytes,4,opt,name=placement,proto3" json:"placement,omitempty"`
+	// With AllocateRequest.claim: the claim's request this device answers ("gpu", or "gpu/small" for
+	// a firstAvailable subrequest), as the allocation result names it. Empty with pod.
+	Request       string `protobuf:"bytes,5,opt,name=request,proto3" json:"request,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *DeviceRequest) Reset() {
 	*x = DeviceRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[2]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -449,7 +569,7 @@ func (x *DeviceRequest) String() string {
 func (*DeviceRequest) ProtoMessage() {}
 
 func (x *DeviceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[2]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -462,7 +582,7 @@ func (x *DeviceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeviceRequest.ProtoReflect.Descriptor instead.
 func (*DeviceRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{2}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *DeviceRequest) GetDeviceIndex() uint32 {
@@ -493,19 +613,29 @@ func (x *DeviceRequest) GetPlacement() *Placement {
 	return nil
 }
 
+func (x *DeviceRequest) GetRequest() string {
+	if x != nil {
+		return x.Request
+	}
+	return ""
+}
+
 type AllocateRequest struct {
 	state          protoimpl.MessageState `protogen:"open.v1"`
 	Pod            *PodRef                `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
 	ContainerName  string                 `protobuf:"bytes,2,opt,name=container_name,json=containerName,proto3" json:"container_name,omitempty"`
 	ContainerIndex uint32                 `protobuf:"varint,3,opt,name=container_index,json=containerIndex,proto3" json:"container_index,omitempty"`
 	Devices        []*DeviceRequest       `protobuf:"bytes,4,rep,name=devices,proto3" json:"devices,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Set instead of pod (and container_name, container_index) by a DRA kubelet plugin: the claim all
+	// of devices are prepared for, keyed by its uid. Exactly one of pod and claim.
+	Claim         *ClaimRef `protobuf:"bytes,5,opt,name=claim,proto3" json:"claim,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *AllocateRequest) Reset() {
 	*x = AllocateRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[3]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -517,7 +647,7 @@ func (x *AllocateRequest) String() string {
 func (*AllocateRequest) ProtoMessage() {}
 
 func (x *AllocateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[3]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -530,7 +660,7 @@ func (x *AllocateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocateRequest.ProtoReflect.Descriptor instead.
 func (*AllocateRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{3}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *AllocateRequest) GetPod() *PodRef {
@@ -561,6 +691,13 @@ func (x *AllocateRequest) GetDevices() []*DeviceRequest {
 	return nil
 }
 
+func (x *AllocateRequest) GetClaim() *ClaimRef {
+	if x != nil {
+		return x.Claim
+	}
+	return nil
+}
+
 type AllocatedDevice struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	DeviceIndex       uint32                 `protobuf:"varint,1,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
@@ -579,7 +716,7 @@ type AllocatedDevice struct {
 
 func (x *AllocatedDevice) Reset() {
 	*x = AllocatedDevice{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[4]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -591,7 +728,7 @@ func (x *AllocatedDevice) String() string {
 func (*AllocatedDevice) ProtoMessage() {}
 
 func (x *AllocatedDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[4]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -604,7 +741,7 @@ func (x *AllocatedDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocatedDevice.ProtoReflect.Descriptor instead.
 func (*AllocatedDevice) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{4}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *AllocatedDevice) GetDeviceIndex() uint32 {
@@ -684,7 +821,7 @@ type InstanceRef struct {
 
 func (x *InstanceRef) Reset() {
 	*x = InstanceRef{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[5]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -696,7 +833,7 @@ func (x *InstanceRef) String() string {
 func (*InstanceRef) ProtoMessage() {}
 
 func (x *InstanceRef) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[5]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -709,7 +846,7 @@ func (x *InstanceRef) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceRef.ProtoReflect.Descriptor instead.
 func (*InstanceRef) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{5}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *InstanceRef) GetGpuUuid() string {
@@ -768,7 +905,7 @@ type AllocateResponse struct {
 
 func (x *AllocateResponse) Reset() {
 	*x = AllocateResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[6]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -780,7 +917,7 @@ func (x *AllocateResponse) String() string {
 func (*AllocateResponse) ProtoMessage() {}
 
 func (x *AllocateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[6]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -793,7 +930,7 @@ func (x *AllocateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AllocateResponse.ProtoReflect.Descriptor instead.
 func (*AllocateResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{6}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *AllocateResponse) GetDevices() []*AllocatedDevice {
@@ -818,15 +955,18 @@ func (x *AllocateResponse) GetGeneration() uint64 {
 }
 
 type ReleaseRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	PodUid        string                 `protobuf:"bytes,1,opt,name=pod_uid,json=podUid,proto3" json:"pod_uid,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	PodUid string                 `protobuf:"bytes,1,opt,name=pod_uid,json=podUid,proto3" json:"pod_uid,omitempty"`
+	// Set instead of pod_uid by a DRA kubelet plugin at unprepare: the claim's ACTIVE instances become
+	// IDLE. Exactly one of pod_uid and claim_uid.
+	ClaimUid      string `protobuf:"bytes,2,opt,name=claim_uid,json=claimUid,proto3" json:"claim_uid,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReleaseRequest) Reset() {
 	*x = ReleaseRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[7]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -838,7 +978,7 @@ func (x *ReleaseRequest) String() string {
 func (*ReleaseRequest) ProtoMessage() {}
 
 func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[7]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -851,12 +991,19 @@ func (x *ReleaseRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseRequest.ProtoReflect.Descriptor instead.
 func (*ReleaseRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{7}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ReleaseRequest) GetPodUid() string {
 	if x != nil {
 		return x.PodUid
+	}
+	return ""
+}
+
+func (x *ReleaseRequest) GetClaimUid() string {
+	if x != nil {
+		return x.ClaimUid
 	}
 	return ""
 }
@@ -870,7 +1017,7 @@ type ReleaseResponse struct {
 
 func (x *ReleaseResponse) Reset() {
 	*x = ReleaseResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[8]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -882,7 +1029,7 @@ func (x *ReleaseResponse) String() string {
 func (*ReleaseResponse) ProtoMessage() {}
 
 func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[8]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -895,7 +1042,7 @@ func (x *ReleaseResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseResponse.ProtoReflect.Descriptor instead.
 func (*ReleaseResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{8}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ReleaseResponse) GetReleased() []*InstanceRef {
@@ -924,7 +1071,7 @@ type ActiveAllocation struct {
 
 func (x *ActiveAllocation) Reset() {
 	*x = ActiveAllocation{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[9]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -936,7 +1083,7 @@ func (x *ActiveAllocation) String() string {
 func (*ActiveAllocation) ProtoMessage() {}
 
 func (x *ActiveAllocation) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[9]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -949,7 +1096,7 @@ func (x *ActiveAllocation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActiveAllocation.ProtoReflect.Descriptor instead.
 func (*ActiveAllocation) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{9}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ActiveAllocation) GetPod() *PodRef {
@@ -1033,7 +1180,7 @@ type SyncActiveRequest struct {
 
 func (x *SyncActiveRequest) Reset() {
 	*x = SyncActiveRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[10]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1045,7 +1192,7 @@ func (x *SyncActiveRequest) String() string {
 func (*SyncActiveRequest) ProtoMessage() {}
 
 func (x *SyncActiveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[10]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1058,7 +1205,7 @@ func (x *SyncActiveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncActiveRequest.ProtoReflect.Descriptor instead.
 func (*SyncActiveRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{10}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SyncActiveRequest) GetGeneration() uint64 {
@@ -1087,7 +1234,7 @@ type SyncActiveResponse struct {
 
 func (x *SyncActiveResponse) Reset() {
 	*x = SyncActiveResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[11]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1099,7 +1246,7 @@ func (x *SyncActiveResponse) String() string {
 func (*SyncActiveResponse) ProtoMessage() {}
 
 func (x *SyncActiveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[11]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1112,7 +1259,7 @@ func (x *SyncActiveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SyncActiveResponse.ProtoReflect.Descriptor instead.
 func (*SyncActiveResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{11}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SyncActiveResponse) GetIdled() []*InstanceRef {
@@ -1145,7 +1292,7 @@ type RecoverRequest struct {
 
 func (x *RecoverRequest) Reset() {
 	*x = RecoverRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[12]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1157,7 +1304,7 @@ func (x *RecoverRequest) String() string {
 func (*RecoverRequest) ProtoMessage() {}
 
 func (x *RecoverRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[12]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1170,7 +1317,7 @@ func (x *RecoverRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoverRequest.ProtoReflect.Descriptor instead.
 func (*RecoverRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{12}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *RecoverRequest) GetActive() []*ActiveAllocation {
@@ -1195,7 +1342,7 @@ type RecoverResponse struct {
 
 func (x *RecoverResponse) Reset() {
 	*x = RecoverResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[13]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1207,7 +1354,7 @@ func (x *RecoverResponse) String() string {
 func (*RecoverResponse) ProtoMessage() {}
 
 func (x *RecoverResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[13]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1220,7 +1367,7 @@ func (x *RecoverResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RecoverResponse.ProtoReflect.Descriptor instead.
 func (*RecoverResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{13}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RecoverResponse) GetAdoptedActive() []*InstanceRef {
@@ -1280,7 +1427,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[14]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1292,7 +1439,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[14]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1305,7 +1452,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{14}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{15}
 }
 
 type GetInfoResponse struct {
@@ -1331,7 +1478,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[15]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1343,7 +1490,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[15]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1356,7 +1503,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{15}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *GetInfoResponse) GetApiVersion() string {
@@ -1439,7 +1586,7 @@ type MigMode struct {
 
 func (x *MigMode) Reset() {
 	*x = MigMode{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[16]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1451,7 +1598,7 @@ func (x *MigMode) String() string {
 func (*MigMode) ProtoMessage() {}
 
 func (x *MigMode) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[16]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1464,7 +1611,7 @@ func (x *MigMode) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MigMode.ProtoReflect.Descriptor instead.
 func (*MigMode) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{16}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *MigMode) GetCurrent() bool {
@@ -1497,7 +1644,7 @@ type Gpu struct {
 
 func (x *Gpu) Reset() {
 	*x = Gpu{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[17]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1509,7 +1656,7 @@ func (x *Gpu) String() string {
 func (*Gpu) ProtoMessage() {}
 
 func (x *Gpu) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[17]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1522,7 +1669,7 @@ func (x *Gpu) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Gpu.ProtoReflect.Descriptor instead.
 func (*Gpu) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{17}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Gpu) GetIndex() uint32 {
@@ -1582,7 +1729,7 @@ type ListGpusRequest struct {
 
 func (x *ListGpusRequest) Reset() {
 	*x = ListGpusRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[18]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1594,7 +1741,7 @@ func (x *ListGpusRequest) String() string {
 func (*ListGpusRequest) ProtoMessage() {}
 
 func (x *ListGpusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[18]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1607,7 +1754,7 @@ func (x *ListGpusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGpusRequest.ProtoReflect.Descriptor instead.
 func (*ListGpusRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{18}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{19}
 }
 
 type ListGpusResponse struct {
@@ -1619,7 +1766,7 @@ type ListGpusResponse struct {
 
 func (x *ListGpusResponse) Reset() {
 	*x = ListGpusResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[19]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1631,7 +1778,7 @@ func (x *ListGpusResponse) String() string {
 func (*ListGpusResponse) ProtoMessage() {}
 
 func (x *ListGpusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[19]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1644,7 +1791,7 @@ func (x *ListGpusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGpusResponse.ProtoReflect.Descriptor instead.
 func (*ListGpusResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{19}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListGpusResponse) GetGpus() []*Gpu {
@@ -1665,7 +1812,7 @@ type DiscoverProfilesRequest struct {
 
 func (x *DiscoverProfilesRequest) Reset() {
 	*x = DiscoverProfilesRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[20]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1677,7 +1824,7 @@ func (x *DiscoverProfilesRequest) String() string {
 func (*DiscoverProfilesRequest) ProtoMessage() {}
 
 func (x *DiscoverProfilesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[20]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1690,7 +1837,7 @@ func (x *DiscoverProfilesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DiscoverProfilesRequest.ProtoReflect.Descriptor instead.
 func (*DiscoverProfilesRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{20}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *DiscoverProfilesRequest) GetGpuUuid() string {
@@ -1724,7 +1871,7 @@ type Profile struct {
 
 func (x *Profile) Reset() {
 	*x = Profile{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[21]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1736,7 +1883,7 @@ func (x *Profile) String() string {
 func (*Profile) ProtoMessage() {}
 
 func (x *Profile) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[21]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1749,7 +1896,7 @@ func (x *Profile) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Profile.ProtoReflect.Descriptor instead.
 func (*Profile) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{21}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Profile) GetName() string {
@@ -1817,7 +1964,7 @@ type DiscoverProfilesResponse struct {
 
 func (x *DiscoverProfilesResponse) Reset() {
 	*x = DiscoverProfilesResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[22]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1829,7 +1976,7 @@ func (x *DiscoverProfilesResponse) String() string {
 func (*DiscoverProfilesResponse) ProtoMessage() {}
 
 func (x *DiscoverProfilesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[22]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1842,7 +1989,7 @@ func (x *DiscoverProfilesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DiscoverProfilesResponse.ProtoReflect.Descriptor instead.
 func (*DiscoverProfilesResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{22}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *DiscoverProfilesResponse) GetProfiles() []*Profile {
@@ -1853,18 +2000,24 @@ func (x *DiscoverProfilesResponse) GetProfiles() []*Profile {
 }
 
 type Owner struct {
-	state          protoimpl.MessageState `protogen:"open.v1"`
-	Pod            *PodRef                `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
-	ContainerName  string                 `protobuf:"bytes,2,opt,name=container_name,json=containerName,proto3" json:"container_name,omitempty"`
-	ContainerIndex uint32                 `protobuf:"varint,3,opt,name=container_index,json=containerIndex,proto3" json:"container_index,omitempty"`
-	DeviceIndex    uint32                 `protobuf:"varint,4,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// With kind OWNER_KIND_POD (or UNSPECIFIED, from an older sidecar).
+	Pod            *PodRef `protobuf:"bytes,1,opt,name=pod,proto3" json:"pod,omitempty"`
+	ContainerName  string  `protobuf:"bytes,2,opt,name=container_name,json=containerName,proto3" json:"container_name,omitempty"`
+	ContainerIndex uint32  `protobuf:"varint,3,opt,name=container_index,json=containerIndex,proto3" json:"container_index,omitempty"`
+	// The index in the Allocate's devices, for either kind.
+	DeviceIndex uint32    `protobuf:"varint,4,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
+	Kind        OwnerKind `protobuf:"varint,5,opt,name=kind,proto3,enum=hami.migsidecar.v1.OwnerKind" json:"kind,omitempty"`
+	// With kind OWNER_KIND_CLAIM: the claim and its request (DeviceRequest.request).
+	Claim         *ClaimRef `protobuf:"bytes,6,opt,name=claim,proto3" json:"claim,omitempty"`
+	Request       string    `protobuf:"bytes,7,opt,name=request,proto3" json:"request,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Owner) Reset() {
 	*x = Owner{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[23]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1876,7 +2029,7 @@ func (x *Owner) String() string {
 func (*Owner) ProtoMessage() {}
 
 func (x *Owner) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[23]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1889,7 +2042,7 @@ func (x *Owner) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Owner.ProtoReflect.Descriptor instead.
 func (*Owner) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{23}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *Owner) GetPod() *PodRef {
@@ -1920,6 +2073,27 @@ func (x *Owner) GetDeviceIndex() uint32 {
 	return 0
 }
 
+func (x *Owner) GetKind() OwnerKind {
+	if x != nil {
+		return x.Kind
+	}
+	return OwnerKind_OWNER_KIND_UNSPECIFIED
+}
+
+func (x *Owner) GetClaim() *ClaimRef {
+	if x != nil {
+		return x.Claim
+	}
+	return nil
+}
+
+func (x *Owner) GetRequest() string {
+	if x != nil {
+		return x.Request
+	}
+	return ""
+}
+
 type Instance struct {
 	state             protoimpl.MessageState `protogen:"open.v1"`
 	GpuUuid           string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
@@ -1948,7 +2122,7 @@ type Instance struct {
 
 func (x *Instance) Reset() {
 	*x = Instance{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[24]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1960,7 +2134,7 @@ func (x *Instance) String() string {
 func (*Instance) ProtoMessage() {}
 
 func (x *Instance) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[24]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1973,7 +2147,7 @@ func (x *Instance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Instance.ProtoReflect.Descriptor instead.
 func (*Instance) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{24}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *Instance) GetGpuUuid() string {
@@ -2100,7 +2274,7 @@ type ForeignInstance struct {
 
 func (x *ForeignInstance) Reset() {
 	*x = ForeignInstance{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[25]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2112,7 +2286,7 @@ func (x *ForeignInstance) String() string {
 func (*ForeignInstance) ProtoMessage() {}
 
 func (x *ForeignInstance) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[25]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2125,7 +2299,7 @@ func (x *ForeignInstance) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForeignInstance.ProtoReflect.Descriptor instead.
 func (*ForeignInstance) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{25}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ForeignInstance) GetProfile() string {
@@ -2188,7 +2362,7 @@ type GpuState struct {
 
 func (x *GpuState) Reset() {
 	*x = GpuState{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[26]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2200,7 +2374,7 @@ func (x *GpuState) String() string {
 func (*GpuState) ProtoMessage() {}
 
 func (x *GpuState) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[26]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2213,7 +2387,7 @@ func (x *GpuState) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GpuState.ProtoReflect.Descriptor instead.
 func (*GpuState) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{26}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *GpuState) GetGpu() *Gpu {
@@ -2245,7 +2419,7 @@ type GetStateRequest struct {
 
 func (x *GetStateRequest) Reset() {
 	*x = GetStateRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[27]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2257,7 +2431,7 @@ func (x *GetStateRequest) String() string {
 func (*GetStateRequest) ProtoMessage() {}
 
 func (x *GetStateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[27]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2270,7 +2444,7 @@ func (x *GetStateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStateRequest.ProtoReflect.Descriptor instead.
 func (*GetStateRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{27}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{28}
 }
 
 type GetStateResponse struct {
@@ -2285,7 +2459,7 @@ type GetStateResponse struct {
 
 func (x *GetStateResponse) Reset() {
 	*x = GetStateResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[28]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2297,7 +2471,7 @@ func (x *GetStateResponse) String() string {
 func (*GetStateResponse) ProtoMessage() {}
 
 func (x *GetStateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[28]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2310,7 +2484,7 @@ func (x *GetStateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetStateResponse.ProtoReflect.Descriptor instead.
 func (*GetStateResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{28}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *GetStateResponse) GetGeneration() uint64 {
@@ -2349,7 +2523,7 @@ type SetMigModeRequest struct {
 
 func (x *SetMigModeRequest) Reset() {
 	*x = SetMigModeRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[29]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2361,7 +2535,7 @@ func (x *SetMigModeRequest) String() string {
 func (*SetMigModeRequest) ProtoMessage() {}
 
 func (x *SetMigModeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[29]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2374,7 +2548,7 @@ func (x *SetMigModeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetMigModeRequest.ProtoReflect.Descriptor instead.
 func (*SetMigModeRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{29}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *SetMigModeRequest) GetGpuUuid() string {
@@ -2416,7 +2590,7 @@ type SetMigModeResponse struct {
 
 func (x *SetMigModeResponse) Reset() {
 	*x = SetMigModeResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[30]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2428,7 +2602,7 @@ func (x *SetMigModeResponse) String() string {
 func (*SetMigModeResponse) ProtoMessage() {}
 
 func (x *SetMigModeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[30]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2441,7 +2615,7 @@ func (x *SetMigModeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetMigModeResponse.ProtoReflect.Descriptor instead.
 func (*SetMigModeResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{30}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *SetMigModeResponse) GetMigMode() *MigMode {
@@ -2468,7 +2642,7 @@ type UndoAllocateRequest struct {
 
 func (x *UndoAllocateRequest) Reset() {
 	*x = UndoAllocateRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2480,7 +2654,7 @@ func (x *UndoAllocateRequest) String() string {
 func (*UndoAllocateRequest) ProtoMessage() {}
 
 func (x *UndoAllocateRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[31]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2493,7 +2667,7 @@ func (x *UndoAllocateRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndoAllocateRequest.ProtoReflect.Descriptor instead.
 func (*UndoAllocateRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{31}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *UndoAllocateRequest) GetPodUid() string {
@@ -2522,7 +2696,7 @@ type UndoAllocateResponse struct {
 
 func (x *UndoAllocateResponse) Reset() {
 	*x = UndoAllocateResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2534,7 +2708,7 @@ func (x *UndoAllocateResponse) String() string {
 func (*UndoAllocateResponse) ProtoMessage() {}
 
 func (x *UndoAllocateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[32]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2547,7 +2721,7 @@ func (x *UndoAllocateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndoAllocateResponse.ProtoReflect.Descriptor instead.
 func (*UndoAllocateResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{32}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *UndoAllocateResponse) GetDestroyed() []*InstanceRef {
@@ -2578,7 +2752,7 @@ type ReclaimIdleRequest struct {
 
 func (x *ReclaimIdleRequest) Reset() {
 	*x = ReclaimIdleRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2590,7 +2764,7 @@ func (x *ReclaimIdleRequest) String() string {
 func (*ReclaimIdleRequest) ProtoMessage() {}
 
 func (x *ReclaimIdleRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[33]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2603,7 +2777,7 @@ func (x *ReclaimIdleRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReclaimIdleRequest.ProtoReflect.Descriptor instead.
 func (*ReclaimIdleRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{33}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ReclaimIdleRequest) GetGpuUuid() string {
@@ -2638,7 +2812,7 @@ type ReclaimIdleResponse struct {
 
 func (x *ReclaimIdleResponse) Reset() {
 	*x = ReclaimIdleResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2650,7 +2824,7 @@ func (x *ReclaimIdleResponse) String() string {
 func (*ReclaimIdleResponse) ProtoMessage() {}
 
 func (x *ReclaimIdleResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[34]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2663,7 +2837,7 @@ func (x *ReclaimIdleResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReclaimIdleResponse.ProtoReflect.Descriptor instead.
 func (*ReclaimIdleResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{34}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ReclaimIdleResponse) GetReclaimed() []*InstanceRef {
@@ -2691,7 +2865,7 @@ type RankPlacementsRequest struct {
 
 func (x *RankPlacementsRequest) Reset() {
 	*x = RankPlacementsRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2703,7 +2877,7 @@ func (x *RankPlacementsRequest) String() string {
 func (*RankPlacementsRequest) ProtoMessage() {}
 
 func (x *RankPlacementsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[35]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2716,7 +2890,7 @@ func (x *RankPlacementsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankPlacementsRequest.ProtoReflect.Descriptor instead.
 func (*RankPlacementsRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{35}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RankPlacementsRequest) GetGpuUuid() string {
@@ -2751,7 +2925,7 @@ type RankedPlacement struct {
 
 func (x *RankedPlacement) Reset() {
 	*x = RankedPlacement{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2763,7 +2937,7 @@ func (x *RankedPlacement) String() string {
 func (*RankedPlacement) ProtoMessage() {}
 
 func (x *RankedPlacement) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[36]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2776,7 +2950,7 @@ func (x *RankedPlacement) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankedPlacement.ProtoReflect.Descriptor instead.
 func (*RankedPlacement) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{36}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RankedPlacement) GetPlacement() *Placement {
@@ -2831,7 +3005,7 @@ type RankPlacementsResponse struct {
 
 func (x *RankPlacementsResponse) Reset() {
 	*x = RankPlacementsResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2843,7 +3017,7 @@ func (x *RankPlacementsResponse) String() string {
 func (*RankPlacementsResponse) ProtoMessage() {}
 
 func (x *RankPlacementsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[37]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2856,7 +3030,7 @@ func (x *RankPlacementsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RankPlacementsResponse.ProtoReflect.Descriptor instead.
 func (*RankPlacementsResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{37}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *RankPlacementsResponse) GetPlacements() []*RankedPlacement {
@@ -2879,7 +3053,7 @@ type UndoDeviceRequest struct {
 
 func (x *UndoDeviceRequest) Reset() {
 	*x = UndoDeviceRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2891,7 +3065,7 @@ func (x *UndoDeviceRequest) String() string {
 func (*UndoDeviceRequest) ProtoMessage() {}
 
 func (x *UndoDeviceRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[38]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2904,7 +3078,7 @@ func (x *UndoDeviceRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndoDeviceRequest.ProtoReflect.Descriptor instead.
 func (*UndoDeviceRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{38}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *UndoDeviceRequest) GetMigUuid() string {
@@ -2953,7 +3127,7 @@ type UndoDeviceResponse struct {
 
 func (x *UndoDeviceResponse) Reset() {
 	*x = UndoDeviceResponse{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2965,7 +3139,7 @@ func (x *UndoDeviceResponse) String() string {
 func (*UndoDeviceResponse) ProtoMessage() {}
 
 func (x *UndoDeviceResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[39]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2978,7 +3152,7 @@ func (x *UndoDeviceResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndoDeviceResponse.ProtoReflect.Descriptor instead.
 func (*UndoDeviceResponse) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{39}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *UndoDeviceResponse) GetDestroyed() *InstanceRef {
@@ -3027,7 +3201,7 @@ type WatchHealthRequest struct {
 
 func (x *WatchHealthRequest) Reset() {
 	*x = WatchHealthRequest{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3039,7 +3213,7 @@ func (x *WatchHealthRequest) String() string {
 func (*WatchHealthRequest) ProtoMessage() {}
 
 func (x *WatchHealthRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[40]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3052,7 +3226,7 @@ func (x *WatchHealthRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchHealthRequest.ProtoReflect.Descriptor instead.
 func (*WatchHealthRequest) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{40}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *WatchHealthRequest) GetFollow() bool {
@@ -3081,7 +3255,7 @@ type InstanceHealthUpdate struct {
 
 func (x *InstanceHealthUpdate) Reset() {
 	*x = InstanceHealthUpdate{}
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3093,7 +3267,7 @@ func (x *InstanceHealthUpdate) String() string {
 func (*InstanceHealthUpdate) ProtoMessage() {}
 
 func (x *InstanceHealthUpdate) ProtoReflect() protoreflect.Message {
-	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[41]
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3106,7 +3280,7 @@ func (x *InstanceHealthUpdate) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InstanceHealthUpdate.ProtoReflect.Descriptor instead.
 func (*InstanceHealthUpdate) Descriptor() ([]byte, []int) {
-	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{41}
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *InstanceHealthUpdate) GetGpuUuid() string {
@@ -3190,17 +3364,23 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x06PodRef\x12\x10\n" +
 	"\x03uid\x18\x01 \x01(\tR\x03uid\x12\x1c\n" +
 	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x12\n" +
-	"\x04name\x18\x03 \x01(\tR\x04name\"\xa4\x01\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\"N\n" +
+	"\bClaimRef\x12\x10\n" +
+	"\x03uid\x18\x01 \x01(\tR\x03uid\x12\x1c\n" +
+	"\tnamespace\x18\x02 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\"\xbe\x01\n" +
 	"\rDeviceRequest\x12!\n" +
 	"\fdevice_index\x18\x01 \x01(\rR\vdeviceIndex\x12\x19\n" +
 	"\bgpu_uuid\x18\x02 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x03 \x01(\tR\aprofile\x12;\n" +
-	"\tplacement\x18\x04 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\"\xcc\x01\n" +
+	"\tplacement\x18\x04 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12\x18\n" +
+	"\arequest\x18\x05 \x01(\tR\arequest\"\x80\x02\n" +
 	"\x0fAllocateRequest\x12,\n" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12;\n" +
-	"\adevices\x18\x04 \x03(\v2!.hami.migsidecar.v1.DeviceRequestR\adevices\"\xef\x02\n" +
+	"\adevices\x18\x04 \x03(\v2!.hami.migsidecar.v1.DeviceRequestR\adevices\x122\n" +
+	"\x05claim\x18\x05 \x01(\v2\x1c.hami.migsidecar.v1.ClaimRefR\x05claim\"\xef\x02\n" +
 	"\x0fAllocatedDevice\x12!\n" +
 	"\fdevice_index\x18\x01 \x01(\rR\vdeviceIndex\x12\x19\n" +
 	"\bgpu_uuid\x18\x02 \x01(\tR\agpuUuid\x12\x18\n" +
@@ -3224,9 +3404,10 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\treclaimed\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
-	"generation\")\n" +
+	"generation\"F\n" +
 	"\x0eReleaseRequest\x12\x17\n" +
-	"\apod_uid\x18\x01 \x01(\tR\x06podUid\"N\n" +
+	"\apod_uid\x18\x01 \x01(\tR\x06podUid\x12\x1b\n" +
+	"\tclaim_uid\x18\x02 \x01(\tR\bclaimUid\"N\n" +
 	"\x0fReleaseResponse\x12;\n" +
 	"\breleased\x18\x01 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\breleased\"\x98\x03\n" +
 	"\x10ActiveAllocation\x12,\n" +
@@ -3310,12 +3491,15 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"placements\x18\b \x03(\v2\x1d.hami.migsidecar.v1.PlacementR\n" +
 	"placements\"S\n" +
 	"\x18DiscoverProfilesResponse\x127\n" +
-	"\bprofiles\x18\x01 \x03(\v2\x1b.hami.migsidecar.v1.ProfileR\bprofiles\"\xa8\x01\n" +
+	"\bprofiles\x18\x01 \x03(\v2\x1b.hami.migsidecar.v1.ProfileR\bprofiles\"\xa9\x02\n" +
 	"\x05Owner\x12,\n" +
 	"\x03pod\x18\x01 \x01(\v2\x1a.hami.migsidecar.v1.PodRefR\x03pod\x12%\n" +
 	"\x0econtainer_name\x18\x02 \x01(\tR\rcontainerName\x12'\n" +
 	"\x0fcontainer_index\x18\x03 \x01(\rR\x0econtainerIndex\x12!\n" +
-	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\"\xd5\x04\n" +
+	"\fdevice_index\x18\x04 \x01(\rR\vdeviceIndex\x121\n" +
+	"\x04kind\x18\x05 \x01(\x0e2\x1d.hami.migsidecar.v1.OwnerKindR\x04kind\x122\n" +
+	"\x05claim\x18\x06 \x01(\v2\x1c.hami.migsidecar.v1.ClaimRefR\x05claim\x12\x18\n" +
+	"\arequest\x18\a \x01(\tR\arequest\"\xd5\x04\n" +
 	"\bInstance\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
@@ -3417,7 +3601,11 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
 	"\acurrent\x18\t \x01(\bR\acurrent\x12\x14\n" +
 	"\x05xid64\x18\n" +
-	" \x01(\x04R\x05xid64*R\n" +
+	" \x01(\x04R\x05xid64*Q\n" +
+	"\tOwnerKind\x12\x1a\n" +
+	"\x16OWNER_KIND_UNSPECIFIED\x10\x00\x12\x12\n" +
+	"\x0eOWNER_KIND_POD\x10\x01\x12\x14\n" +
+	"\x10OWNER_KIND_CLAIM\x10\x02*R\n" +
 	"\aOutcome\x12\x17\n" +
 	"\x13OUTCOME_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aCREATED\x10\x01\x12\n" +
@@ -3480,142 +3668,147 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 	return file_hami_migsidecar_v1_migsidecar_proto_rawDescData
 }
 
-var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 5)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 42)
+var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
-	(Outcome)(0),                     // 0: hami.migsidecar.v1.Outcome
-	(InstanceState)(0),               // 1: hami.migsidecar.v1.InstanceState
-	(PlacementCost)(0),               // 2: hami.migsidecar.v1.PlacementCost
-	(UndoSkip)(0),                    // 3: hami.migsidecar.v1.UndoSkip
-	(InstanceHealth)(0),              // 4: hami.migsidecar.v1.InstanceHealth
-	(*Placement)(nil),                // 5: hami.migsidecar.v1.Placement
-	(*PodRef)(nil),                   // 6: hami.migsidecar.v1.PodRef
-	(*DeviceRequest)(nil),            // 7: hami.migsidecar.v1.DeviceRequest
-	(*AllocateRequest)(nil),          // 8: hami.migsidecar.v1.AllocateRequest
-	(*AllocatedDevice)(nil),          // 9: hami.migsidecar.v1.AllocatedDevice
-	(*InstanceRef)(nil),              // 10: hami.migsidecar.v1.InstanceRef
-	(*AllocateResponse)(nil),         // 11: hami.migsidecar.v1.AllocateResponse
-	(*ReleaseRequest)(nil),           // 12: hami.migsidecar.v1.ReleaseRequest
-	(*ReleaseResponse)(nil),          // 13: hami.migsidecar.v1.ReleaseResponse
-	(*ActiveAllocation)(nil),         // 14: hami.migsidecar.v1.ActiveAllocation
-	(*SyncActiveRequest)(nil),        // 15: hami.migsidecar.v1.SyncActiveRequest
-	(*SyncActiveResponse)(nil),       // 16: hami.migsidecar.v1.SyncActiveResponse
-	(*RecoverRequest)(nil),           // 17: hami.migsidecar.v1.RecoverRequest
-	(*RecoverResponse)(nil),          // 18: hami.migsidecar.v1.RecoverResponse
-	(*GetInfoRequest)(nil),           // 19: hami.migsidecar.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),          // 20: hami.migsidecar.v1.GetInfoResponse
-	(*MigMode)(nil),                  // 21: hami.migsidecar.v1.MigMode
-	(*Gpu)(nil),                      // 22: hami.migsidecar.v1.Gpu
-	(*ListGpusRequest)(nil),          // 23: hami.migsidecar.v1.ListGpusRequest
-	(*ListGpusResponse)(nil),         // 24: hami.migsidecar.v1.ListGpusResponse
-	(*DiscoverProfilesRequest)(nil),  // 25: hami.migsidecar.v1.DiscoverProfilesRequest
-	(*Profile)(nil),                  // 26: hami.migsidecar.v1.Profile
-	(*DiscoverProfilesResponse)(nil), // 27: hami.migsidecar.v1.DiscoverProfilesResponse
-	(*Owner)(nil),                    // 28: hami.migsidecar.v1.Owner
-	(*Instance)(nil),                 // 29: hami.migsidecar.v1.Instance
-	(*ForeignInstance)(nil),          // 30: hami.migsidecar.v1.ForeignInstance
-	(*GpuState)(nil),                 // 31: hami.migsidecar.v1.GpuState
-	(*GetStateRequest)(nil),          // 32: hami.migsidecar.v1.GetStateRequest
-	(*GetStateResponse)(nil),         // 33: hami.migsidecar.v1.GetStateResponse
-	(*SetMigModeRequest)(nil),        // 34: hami.migsidecar.v1.SetMigModeRequest
-	(*SetMigModeResponse)(nil),       // 35: hami.migsidecar.v1.SetMigModeResponse
-	(*UndoAllocateRequest)(nil),      // 36: hami.migsidecar.v1.UndoAllocateRequest
-	(*UndoAllocateResponse)(nil),     // 37: hami.migsidecar.v1.UndoAllocateResponse
-	(*ReclaimIdleRequest)(nil),       // 38: hami.migsidecar.v1.ReclaimIdleRequest
-	(*ReclaimIdleResponse)(nil),      // 39: hami.migsidecar.v1.ReclaimIdleResponse
-	(*RankPlacementsRequest)(nil),    // 40: hami.migsidecar.v1.RankPlacementsRequest
-	(*RankedPlacement)(nil),          // 41: hami.migsidecar.v1.RankedPlacement
-	(*RankPlacementsResponse)(nil),   // 42: hami.migsidecar.v1.RankPlacementsResponse
-	(*UndoDeviceRequest)(nil),        // 43: hami.migsidecar.v1.UndoDeviceRequest
-	(*UndoDeviceResponse)(nil),       // 44: hami.migsidecar.v1.UndoDeviceResponse
-	(*WatchHealthRequest)(nil),       // 45: hami.migsidecar.v1.WatchHealthRequest
-	(*InstanceHealthUpdate)(nil),     // 46: hami.migsidecar.v1.InstanceHealthUpdate
-	(*timestamppb.Timestamp)(nil),    // 47: google.protobuf.Timestamp
+	(OwnerKind)(0),                   // 0: hami.migsidecar.v1.OwnerKind
+	(Outcome)(0),                     // 1: hami.migsidecar.v1.Outcome
+	(InstanceState)(0),               // 2: hami.migsidecar.v1.InstanceState
+	(PlacementCost)(0),               // 3: hami.migsidecar.v1.PlacementCost
+	(UndoSkip)(0),                    // 4: hami.migsidecar.v1.UndoSkip
+	(InstanceHealth)(0),              // 5: hami.migsidecar.v1.InstanceHealth
+	(*Placement)(nil),                // 6: hami.migsidecar.v1.Placement
+	(*PodRef)(nil),                   // 7: hami.migsidecar.v1.PodRef
+	(*ClaimRef)(nil),                 // 8: hami.migsidecar.v1.ClaimRef
+	(*DeviceRequest)(nil),            // 9: hami.migsidecar.v1.DeviceRequest
+	(*AllocateRequest)(nil),          // 10: hami.migsidecar.v1.AllocateRequest
+	(*AllocatedDevice)(nil),          // 11: hami.migsidecar.v1.AllocatedDevice
+	(*InstanceRef)(nil),              // 12: hami.migsidecar.v1.InstanceRef
+	(*AllocateResponse)(nil),         // 13: hami.migsidecar.v1.AllocateResponse
+	(*ReleaseRequest)(nil),           // 14: hami.migsidecar.v1.ReleaseRequest
+	(*ReleaseResponse)(nil),          // 15: hami.migsidecar.v1.ReleaseResponse
+	(*ActiveAllocation)(nil),         // 16: hami.migsidecar.v1.ActiveAllocation
+	(*SyncActiveRequest)(nil),        // 17: hami.migsidecar.v1.SyncActiveRequest
+	(*SyncActiveResponse)(nil),       // 18: hami.migsidecar.v1.SyncActiveResponse
+	(*RecoverRequest)(nil),           // 19: hami.migsidecar.v1.RecoverRequest
+	(*RecoverResponse)(nil),          // 20: hami.migsidecar.v1.RecoverResponse
+	(*GetInfoRequest)(nil),           // 21: hami.migsidecar.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 22: hami.migsidecar.v1.GetInfoResponse
+	(*MigMode)(nil),                  // 23: hami.migsidecar.v1.MigMode
+	(*Gpu)(nil),                      // 24: hami.migsidecar.v1.Gpu
+	(*ListGpusRequest)(nil),          // 25: hami.migsidecar.v1.ListGpusRequest
+	(*ListGpusResponse)(nil),         // 26: hami.migsidecar.v1.ListGpusResponse
+	(*DiscoverProfilesRequest)(nil),  // 27: hami.migsidecar.v1.DiscoverProfilesRequest
+	(*Profile)(nil),                  // 28: hami.migsidecar.v1.Profile
+	(*DiscoverProfilesResponse)(nil), // 29: hami.migsidecar.v1.DiscoverProfilesResponse
+	(*Owner)(nil),                    // 30: hami.migsidecar.v1.Owner
+	(*Instance)(nil),                 // 31: hami.migsidecar.v1.Instance
+	(*ForeignInstance)(nil),          // 32: hami.migsidecar.v1.ForeignInstance
+	(*GpuState)(nil),                 // 33: hami.migsidecar.v1.GpuState
+	(*GetStateRequest)(nil),          // 34: hami.migsidecar.v1.GetStateRequest
+	(*GetStateResponse)(nil),         // 35: hami.migsidecar.v1.GetStateResponse
+	(*SetMigModeRequest)(nil),        // 36: hami.migsidecar.v1.SetMigModeRequest
+	(*SetMigModeResponse)(nil),       // 37: hami.migsidecar.v1.SetMigModeResponse
+	(*UndoAllocateRequest)(nil),      // 38: hami.migsidecar.v1.UndoAllocateRequest
+	(*UndoAllocateResponse)(nil),     // 39: hami.migsidecar.v1.UndoAllocateResponse
+	(*ReclaimIdleRequest)(nil),       // 40: hami.migsidecar.v1.ReclaimIdleRequest
+	(*ReclaimIdleResponse)(nil),      // 41: hami.migsidecar.v1.ReclaimIdleResponse
+	(*RankPlacementsRequest)(nil),    // 42: hami.migsidecar.v1.RankPlacementsRequest
+	(*RankedPlacement)(nil),          // 43: hami.migsidecar.v1.RankedPlacement
+	(*RankPlacementsResponse)(nil),   // 44: hami.migsidecar.v1.RankPlacementsResponse
+	(*UndoDeviceRequest)(nil),        // 45: hami.migsidecar.v1.UndoDeviceRequest
+	(*UndoDeviceResponse)(nil),       // 46: hami.migsidecar.v1.UndoDeviceResponse
+	(*WatchHealthRequest)(nil),       // 47: hami.migsidecar.v1.WatchHealthRequest
+	(*InstanceHealthUpdate)(nil),     // 48: hami.migsidecar.v1.InstanceHealthUpdate
+	(*timestamppb.Timestamp)(nil),    // 49: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
-	5,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
-	6,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
-	7,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
-	5,  // 3: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
-	0,  // 4: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
-	5,  // 5: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
-	9,  // 6: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
-	10, // 7: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 8: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
-	6,  // 9: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
-	5,  // 10: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
-	14, // 11: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	10, // 12: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 13: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
-	14, // 14: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
-	10, // 15: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 16: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 17: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 18: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 19: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	47, // 20: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
-	21, // 21: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	22, // 22: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
-	5,  // 23: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
-	26, // 24: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
-	6,  // 25: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
-	5,  // 26: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
-	1,  // 27: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
-	28, // 28: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	47, // 29: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
-	4,  // 30: hami.migsidecar.v1.Instance.health:type_name -> hami.migsidecar.v1.InstanceHealth
-	5,  // 31: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
-	22, // 32: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
-	29, // 33: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
-	30, // 34: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
-	31, // 35: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
-	21, // 36: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
-	10, // 37: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 38: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 39: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 40: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
-	5,  // 41: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
-	2,  // 42: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
-	10, // 43: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
-	41, // 44: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
-	10, // 45: hami.migsidecar.v1.UndoDeviceResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
-	10, // 46: hami.migsidecar.v1.UndoDeviceResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
-	3,  // 47: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
-	5,  // 48: hami.migsidecar.v1.InstanceHealthUpdate.placement:type_name -> hami.migsidecar.v1.Placement
-	4,  // 49: hami.migsidecar.v1.InstanceHealthUpdate.health:type_name -> hami.migsidecar.v1.InstanceHealth
-	19, // 50: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	23, // 51: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	25, // 52: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	8,  // 53: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	12, // 54: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	15, // 55: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	17, // 56: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	32, // 57: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	34, // 58: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	36, // 59: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	38, // 60: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	40, // 61: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	43, // 62: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
-	45, // 63: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
-	20, // 64: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	24, // 65: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	27, // 66: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	11, // 67: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	13, // 68: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	16, // 69: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	18, // 70: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	33, // 71: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	35, // 72: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	37, // 73: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	39, // 74: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	42, // 75: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	44, // 76: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
-	46, // 77: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
-	64, // [64:78] is the sub-list for method output_type
-	50, // [50:64] is the sub-list for method input_type
-	50, // [50:50] is the sub-list for extension type_name
-	50, // [50:50] is the sub-list for extension extendee
-	0,  // [0:50] is the sub-list for field type_name
+	6,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
+	7,  // 1: hami.migsidecar.v1.AllocateRequest.pod:type_name -> hami.migsidecar.v1.PodRef
+	9,  // 2: hami.migsidecar.v1.AllocateRequest.devices:type_name -> hami.migsidecar.v1.DeviceRequest
+	8,  // 3: hami.migsidecar.v1.AllocateRequest.claim:type_name -> hami.migsidecar.v1.ClaimRef
+	6,  // 4: hami.migsidecar.v1.AllocatedDevice.placement:type_name -> hami.migsidecar.v1.Placement
+	1,  // 5: hami.migsidecar.v1.AllocatedDevice.outcome:type_name -> hami.migsidecar.v1.Outcome
+	6,  // 6: hami.migsidecar.v1.InstanceRef.placement:type_name -> hami.migsidecar.v1.Placement
+	11, // 7: hami.migsidecar.v1.AllocateResponse.devices:type_name -> hami.migsidecar.v1.AllocatedDevice
+	12, // 8: hami.migsidecar.v1.AllocateResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 9: hami.migsidecar.v1.ReleaseResponse.released:type_name -> hami.migsidecar.v1.InstanceRef
+	7,  // 10: hami.migsidecar.v1.ActiveAllocation.pod:type_name -> hami.migsidecar.v1.PodRef
+	6,  // 11: hami.migsidecar.v1.ActiveAllocation.placement:type_name -> hami.migsidecar.v1.Placement
+	16, // 12: hami.migsidecar.v1.SyncActiveRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	12, // 13: hami.migsidecar.v1.SyncActiveResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 14: hami.migsidecar.v1.SyncActiveResponse.reactivated:type_name -> hami.migsidecar.v1.InstanceRef
+	16, // 15: hami.migsidecar.v1.RecoverRequest.active:type_name -> hami.migsidecar.v1.ActiveAllocation
+	12, // 16: hami.migsidecar.v1.RecoverResponse.adopted_active:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 17: hami.migsidecar.v1.RecoverResponse.restored_idle:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 18: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 19: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 20: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
+	49, // 21: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	23, // 22: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	24, // 23: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
+	6,  // 24: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
+	28, // 25: hami.migsidecar.v1.DiscoverProfilesResponse.profiles:type_name -> hami.migsidecar.v1.Profile
+	7,  // 26: hami.migsidecar.v1.Owner.pod:type_name -> hami.migsidecar.v1.PodRef
+	0,  // 27: hami.migsidecar.v1.Owner.kind:type_name -> hami.migsidecar.v1.OwnerKind
+	8,  // 28: hami.migsidecar.v1.Owner.claim:type_name -> hami.migsidecar.v1.ClaimRef
+	6,  // 29: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
+	2,  // 30: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
+	30, // 31: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
+	49, // 32: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	5,  // 33: hami.migsidecar.v1.Instance.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	6,  // 34: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
+	24, // 35: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
+	31, // 36: hami.migsidecar.v1.GpuState.instances:type_name -> hami.migsidecar.v1.Instance
+	32, // 37: hami.migsidecar.v1.GpuState.foreign:type_name -> hami.migsidecar.v1.ForeignInstance
+	33, // 38: hami.migsidecar.v1.GetStateResponse.gpus:type_name -> hami.migsidecar.v1.GpuState
+	23, // 39: hami.migsidecar.v1.SetMigModeResponse.mig_mode:type_name -> hami.migsidecar.v1.MigMode
+	12, // 40: hami.migsidecar.v1.UndoAllocateResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 41: hami.migsidecar.v1.UndoAllocateResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 42: hami.migsidecar.v1.ReclaimIdleResponse.reclaimed:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 43: hami.migsidecar.v1.ReclaimIdleResponse.kept:type_name -> hami.migsidecar.v1.InstanceRef
+	6,  // 44: hami.migsidecar.v1.RankedPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	3,  // 45: hami.migsidecar.v1.RankedPlacement.cost:type_name -> hami.migsidecar.v1.PlacementCost
+	12, // 46: hami.migsidecar.v1.RankedPlacement.reclaim:type_name -> hami.migsidecar.v1.InstanceRef
+	43, // 47: hami.migsidecar.v1.RankPlacementsResponse.placements:type_name -> hami.migsidecar.v1.RankedPlacement
+	12, // 48: hami.migsidecar.v1.UndoDeviceResponse.destroyed:type_name -> hami.migsidecar.v1.InstanceRef
+	12, // 49: hami.migsidecar.v1.UndoDeviceResponse.idled:type_name -> hami.migsidecar.v1.InstanceRef
+	4,  // 50: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
+	6,  // 51: hami.migsidecar.v1.InstanceHealthUpdate.placement:type_name -> hami.migsidecar.v1.Placement
+	5,  // 52: hami.migsidecar.v1.InstanceHealthUpdate.health:type_name -> hami.migsidecar.v1.InstanceHealth
+	21, // 53: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	25, // 54: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	27, // 55: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	10, // 56: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	14, // 57: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	17, // 58: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	19, // 59: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	34, // 60: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	36, // 61: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	38, // 62: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	40, // 63: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	42, // 64: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	45, // 65: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
+	47, // 66: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
+	22, // 67: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	26, // 68: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	29, // 69: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	13, // 70: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	15, // 71: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	18, // 72: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	20, // 73: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	35, // 74: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	37, // 75: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	39, // 76: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	41, // 77: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	44, // 78: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	46, // 79: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
+	48, // 80: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
+	67, // [67:81] is the sub-list for method output_type
+	53, // [53:67] is the sub-list for method input_type
+	53, // [53:53] is the sub-list for extension type_name
+	53, // [53:53] is the sub-list for extension extendee
+	0,  // [0:53] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -3628,8 +3821,8 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
-			NumEnums:      5,
-			NumMessages:   42,
+			NumEnums:      6,
+			NumMessages:   43,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -10,6 +10,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class OwnerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OWNER_KIND_UNSPECIFIED: _ClassVar[OwnerKind]
+    OWNER_KIND_POD: _ClassVar[OwnerKind]
+    OWNER_KIND_CLAIM: _ClassVar[OwnerKind]
+
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTCOME_UNSPECIFIED: _ClassVar[Outcome]
@@ -46,6 +52,9 @@ class InstanceHealth(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INSTANCE_HEALTH_UNSPECIFIED: _ClassVar[InstanceHealth]
     HEALTHY: _ClassVar[InstanceHealth]
     FAULTED: _ClassVar[InstanceHealth]
+OWNER_KIND_UNSPECIFIED: OwnerKind
+OWNER_KIND_POD: OwnerKind
+OWNER_KIND_CLAIM: OwnerKind
 OUTCOME_UNSPECIFIED: Outcome
 CREATED: Outcome
 REUSED: Outcome
@@ -87,29 +96,43 @@ class PodRef(_message.Message):
     name: str
     def __init__(self, uid: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
+class ClaimRef(_message.Message):
+    __slots__ = ("uid", "namespace", "name")
+    UID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    uid: str
+    namespace: str
+    name: str
+    def __init__(self, uid: _Optional[str] = ..., namespace: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
 class DeviceRequest(_message.Message):
-    __slots__ = ("device_index", "gpu_uuid", "profile", "placement")
+    __slots__ = ("device_index", "gpu_uuid", "profile", "placement", "request")
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     device_index: int
     gpu_uuid: str
     profile: str
     placement: Placement
-    def __init__(self, device_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+    request: str
+    def __init__(self, device_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., request: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pod", "container_name", "container_index", "devices")
+    __slots__ = ("pod", "container_name", "container_index", "devices", "claim")
     POD_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     pod: PodRef
     container_name: str
     container_index: int
     devices: _containers.RepeatedCompositeFieldContainer[DeviceRequest]
-    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceRequest, _Mapping]]] = ...) -> None: ...
+    claim: ClaimRef
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., devices: _Optional[_Iterable[_Union[DeviceRequest, _Mapping]]] = ..., claim: _Optional[_Union[ClaimRef, _Mapping]] = ...) -> None: ...
 
 class AllocatedDevice(_message.Message):
     __slots__ = ("device_index", "gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "cdi_device", "outcome")
@@ -160,10 +183,12 @@ class AllocateResponse(_message.Message):
     def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("pod_uid",)
+    __slots__ = ("pod_uid", "claim_uid")
     POD_UID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_UID_FIELD_NUMBER: _ClassVar[int]
     pod_uid: str
-    def __init__(self, pod_uid: _Optional[str] = ...) -> None: ...
+    claim_uid: str
+    def __init__(self, pod_uid: _Optional[str] = ..., claim_uid: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
@@ -336,16 +361,22 @@ class DiscoverProfilesResponse(_message.Message):
     def __init__(self, profiles: _Optional[_Iterable[_Union[Profile, _Mapping]]] = ...) -> None: ...
 
 class Owner(_message.Message):
-    __slots__ = ("pod", "container_name", "container_index", "device_index")
+    __slots__ = ("pod", "container_name", "container_index", "device_index", "kind", "claim", "request")
     POD_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     pod: PodRef
     container_name: str
     container_index: int
     device_index: int
-    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ...) -> None: ...
+    kind: OwnerKind
+    claim: ClaimRef
+    request: str
+    def __init__(self, pod: _Optional[_Union[PodRef, _Mapping]] = ..., container_name: _Optional[str] = ..., container_index: _Optional[int] = ..., device_index: _Optional[int] = ..., kind: _Optional[_Union[OwnerKind, str]] = ..., claim: _Optional[_Union[ClaimRef, _Mapping]] = ..., request: _Optional[str] = ...) -> None: ...
 
 class Instance(_message.Message):
     __slots__ = ("gpu_uuid", "profile", "placement", "mig_uuid", "gpu_instance_id", "compute_instance_id", "state", "owner", "cdi_device", "last_error", "since", "taken_over_from", "health", "xid", "xid64")
