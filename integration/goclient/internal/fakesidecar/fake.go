@@ -26,11 +26,13 @@ import (
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 )
 
-// Key is an allocation key: pod UID, container index, device index.
+// Key is an allocation key: pod UID, container index, device index; or, for a claim's
+// instance, claim UID and device index (PodUID empty).
 type Key struct {
 	PodUID         string
 	ContainerIndex uint32
 	DeviceIndex    uint32
+	ClaimUID       string
 }
 
 // Instance is one row of the fake's table.
@@ -398,11 +400,12 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	}
 	listed := map[Key]bool{}
 	for _, a := range req.GetActive() {
-		listed[Key{a.GetPod().GetUid(), a.GetContainerIndex(), a.GetDeviceIndex()}] = true
+		listed[Key{PodUID: a.GetPod().GetUid(), ContainerIndex: a.GetContainerIndex(), DeviceIndex: a.GetDeviceIndex()}] = true
 	}
 	out := &pb.SyncActiveResponse{}
 	for _, in := range s.instances {
-		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] && in.Activated <= req.GetGeneration() {
+		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && in.Owner.ClaimUID == "" && !listed[*in.Owner] &&
+			in.Activated <= req.GetGeneration() {
 			in.State = pb.InstanceState_IDLE
 			s.generation++
 			out.Idled = append(out.Idled, ref(in))
@@ -421,7 +424,10 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 	}
 	out := &pb.AllocateResponse{}
 	for _, d := range req.GetDevices() {
-		key := Key{req.GetPod().GetUid(), req.GetContainerIndex(), d.GetDeviceIndex()}
+		key := Key{PodUID: req.GetPod().GetUid(), ContainerIndex: req.GetContainerIndex(), DeviceIndex: d.GetDeviceIndex()}
+		if req.GetClaim() != nil {
+			key = Key{ClaimUID: req.GetClaim().GetUid(), DeviceIndex: d.GetDeviceIndex()}
+		}
 		start, size := d.GetPlacement().GetStart(), d.GetPlacement().GetSize()
 		if !s.migOn[d.GetGpuUuid()] {
 			return nil, fail(codes.FailedPrecondition, "MIG_DISABLED", "MIG disabled on "+d.GetGpuUuid(), nil)
@@ -513,7 +519,7 @@ func (s *Server) UndoDevice(_ context.Context, req *pb.UndoDeviceRequest) (*pb.U
 			in = x
 		}
 	}
-	want := Key{req.GetPodUid(), req.GetContainerIndex(), req.GetDeviceIndex()}
+	want := Key{PodUID: req.GetPodUid(), ContainerIndex: req.GetContainerIndex(), DeviceIndex: req.GetDeviceIndex()}
 	switch {
 	case in == nil:
 		out.Skipped = pb.UndoSkip_UNDO_SKIP_UNKNOWN_INSTANCE
@@ -691,10 +697,42 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 }
 
 func owner(k *Key) *pb.Owner {
-	if k == nil {
+	switch {
+	case k == nil:
 		return nil
+	case k.ClaimUID != "":
+		return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: &pb.ClaimRef{Uid: k.ClaimUID}, DeviceIndex: k.DeviceIndex}
 	}
-	return &pb.Owner{Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex, DeviceIndex: k.DeviceIndex}
+	return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_POD, Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex,
+		DeviceIndex: k.DeviceIndex}
+}
+
+// Release is the RPC of that name, over the fake's table: the pod's (or the claim's) ACTIVE
+// instances become IDLE, a faulted one is destroyed instead.
+func (s *Server) Release(_ context.Context, req *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	if (req.GetPodUid() == "") == (req.GetClaimUid() == "") {
+		return nil, fail(codes.InvalidArgument, "INVALID_REQUEST", "exactly one of pod_uid and claim_uid", nil)
+	}
+	out := &pb.ReleaseResponse{}
+	for _, in := range append([]*Instance(nil), s.instances...) {
+		if in.State != pb.InstanceState_ACTIVE || in.Owner == nil || in.Owner.PodUID != req.GetPodUid() ||
+			in.Owner.ClaimUID != req.GetClaimUid() {
+			continue
+		}
+		out.Released = append(out.Released, ref(in))
+		s.generation++
+		if in.Xid != 0 {
+			s.remove(in)
+			continue
+		}
+		in.State, in.Owner = pb.InstanceState_IDLE, nil
+	}
+	return out, nil
 }
 
 // Following is the number of WatchHealth streams that follow changes now.
