@@ -382,3 +382,6 @@ func Start(ctx context.Context, d *Driver, opts ...kubeletplugin.Option) (*kubel
 	go d.Run(ctx, helper.PublishResources)
 	return helper, nil
 }
+
+// DriverName is the DRA driver name the plugin serves.
+func (d *Driver) DriverName() string { return d.opts.DriverName }

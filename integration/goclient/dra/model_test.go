@@ -10,10 +10,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
@@ -78,17 +78,6 @@ func specs(m *dra.Model) map[string][]resourceapi.ResourceSliceSpec {
 	return out
 }
 
-// createClass creates the DeviceClass the deploy manifests define: every device of the driver.
-func createClass(ctx context.Context, t *testing.T, cs kubernetes.Interface) {
-	t.Helper()
-	class := &resourceapi.DeviceClass{ObjectMeta: metav1.ObjectMeta{Name: dra.DefaultDriverName},
-		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
-			Expression: `device.driver == "` + dra.DefaultDriverName + `"`}}}}}
-	if _, err := cs.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *testing.T) {
 	ctx := context.Background()
 	profiles := simProfiles(t, "h100-80gb")
@@ -148,7 +137,7 @@ func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *
 		t.Fatalf("the counter slice came back as %+v (%v)", counters, err)
 	}
 
-	createClass(ctx, t, admin)
+	fakekubelet.EnsureClass(ctx, t, admin)
 	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "small"},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu",
 			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: dra.DefaultDriverName}}}}}}

@@ -80,6 +80,9 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	if *dataDir == "" {
 		*dataDir = path.Join(kubeletplugin.KubeletPluginsDir, *driver)
 	}
+	if err := os.MkdirAll(*dataDir, 0o750); err != nil {
+		return err
+	}
 	cfg, err := kubeConfig(*kubeconfig)
 	if err != nil {
 		return err

@@ -51,6 +51,8 @@ type Instance struct {
 	// list fenced at that generation or later, as the sidecar does.
 	Activated uint64
 	Xid       uint32 // the critical Xid that faulted it (Fault); 0 while healthy
+	// Claim names the claim that holds it, with Owner.ClaimUID (GetState reports it).
+	Claim *pb.ClaimRef
 }
 
 // Server is the fake. Its fields are guarded by mu; tests use the methods.
@@ -468,7 +470,7 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 			s.generation++
 			got.Activated = s.generation
 		}
-		got.State, got.Owner = pb.InstanceState_ACTIVE, &key
+		got.State, got.Owner, got.Claim = pb.InstanceState_ACTIVE, &key, req.GetClaim()
 		out.Devices = append(out.Devices, &pb.AllocatedDevice{DeviceIndex: d.GetDeviceIndex(), GpuUuid: got.GPU,
 			Profile: got.Profile, Placement: d.GetPlacement(), MigUuid: got.MigUUID, GpuInstanceId: got.GI,
 			ComputeInstanceId: got.CI, CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + got.MigUUID, Outcome: outcome})
@@ -687,7 +689,8 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 			if in.GPU == g {
 				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
 					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
-					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State, Owner: owner(in.Owner),
+					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State, Owner: owner(in),
+					Health:    health(in),
 					CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + in.MigUUID})
 			}
 		}
@@ -696,12 +699,20 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 	return out, nil
 }
 
-func owner(k *Key) *pb.Owner {
+func health(in *Instance) pb.InstanceHealth {
+	if in.Xid != 0 {
+		return pb.InstanceHealth_FAULTED
+	}
+	return pb.InstanceHealth_HEALTHY
+}
+
+func owner(in *Instance) *pb.Owner {
+	k := in.Owner
 	switch {
 	case k == nil:
 		return nil
 	case k.ClaimUID != "":
-		return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: &pb.ClaimRef{Uid: k.ClaimUID}, DeviceIndex: k.DeviceIndex}
+		return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: in.Claim, DeviceIndex: k.DeviceIndex}
 	}
 	return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_POD, Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex,
 		DeviceIndex: k.DeviceIndex}
