@@ -34,9 +34,8 @@
 // an empty pod list) only when it is the sidecar's only client. Otherwise it waits for the
 // recovery.
 //
-// Health: a critical Xid faults an instance (the sidecar's WatchHealth); the sidecar never hands
-// it out again (a faulted IDLE instance goes ERROR and is destroyed; a faulted ACTIVE one is
-// destroyed at its release), so it is never warm in the slices. Kubelet learns the device's health
-// through the DRA health service (NodeWatchResources), which the helper serves when the driver
-// implements it; ResolveHealth maps the sidecar's update to the (pool, device) it reports.
+// Health: a critical Xid faults an instance; the sidecar never hands it out again (a faulted IDLE
+// instance goes ERROR and is destroyed, a faulted ACTIVE one is destroyed at its release), so its
+// device is never warm in the slices. Kubelet reads the device's health from the health service
+// (health.go), which the Driver embeds, resolving an instance to its device with ResolveHealth.
 package dra

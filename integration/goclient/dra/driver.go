@@ -9,6 +9,8 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	resourceapi "k8s.io/api/resource/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -48,16 +50,19 @@ type Options struct {
 	Fatal func(error)
 	// Log receives what the plugin does in the background (nil: nothing is logged).
 	Log func(format string, args ...any)
+	// Health tunes the health service (HealthOptions; the zero value is the default).
+	Health HealthOptions
 }
 
 // Driver is the DRA kubelet plugin: the kubeletplugin.DRAPlugin the helper serves, backed by
-// the sidecar. Build it with New, Sync it, start the helper with it, then Run.
-//
-// The DRA health service (DRAResourceHealthServer, which the helper registers when the plugin
-// implements it) is the health type of this package, embedded here once it exists, with
-// Driver.ResolveHealth as its resolver.
+// the sidecar, and through its *Health the DRA health service, which the helper registers since
+// the driver implements it, resolving instances with ResolveHealth. Build it with New, and start
+// it with Start (Sync, the helper, Run); Close it after the helper stopped.
 type Driver struct {
+	*Health
+
 	c    *migclient.Client
+	conn *grpc.ClientConn // the health service's own connection to the sidecar (a stream per watch)
 	kube kubernetes.Interface
 	opts Options
 
@@ -67,7 +72,7 @@ type Driver struct {
 }
 
 // New is a Driver over the sidecar client c and the API server kube (claims are read through it).
-func New(c *migclient.Client, kube kubernetes.Interface, opts Options) *Driver {
+func New(c *migclient.Client, kube kubernetes.Interface, opts Options) (*Driver, error) {
 	if opts.DriverName == "" {
 		opts.DriverName = DefaultDriverName
 	}
@@ -83,8 +88,17 @@ func New(c *migclient.Client, kube kubernetes.Interface, opts Options) *Driver {
 	if opts.Log == nil {
 		opts.Log = func(string, ...any) {}
 	}
-	return &Driver{c: c, kube: kube, opts: opts}
+	conn, err := grpc.NewClient(c.Target(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, fmt.Errorf("dial %s for the health service: %w", c.Target(), err)
+	}
+	d := &Driver{c: c, conn: conn, kube: kube, opts: opts}
+	d.Health = NewHealth(pb.NewMigSidecarClient(conn), d.ResolveHealth, opts.Health)
+	return d, nil
 }
+
+// Close closes the health service's connection to the sidecar.
+func (d *Driver) Close() error { return d.conn.Close() }
 
 // RecoverNoPods is the migclient.Options.ListActive of a plugin that is the sidecar's only
 // client (Options.RecoverSidecar): no pod holds an instance, so Recover gets an empty list, which

@@ -8,6 +8,7 @@ import (
 
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
@@ -120,9 +121,21 @@ func TestAFakeKubeletPreparesAClaimTwiceUnpreparesItToAWarmDeviceAndRefusesAFore
 		t.Fatalf("the warm device is not first: %s", devices[0].Name)
 	}
 
-	// A fault turns it cold: never advertised as warm again.
+	// A fault turns it cold, never advertised as warm again, and kubelet's health watch reads its
+	// device Unhealthy.
+	watch := node.WatchHealth(ctx, t)
 	fake.Fault(mig, 79)
 	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return !warmFirst("gpu0-2g-20gb-at4")(ds) })
+	for unhealthy := false; !unhealthy; {
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("health watch: %v", err)
+		}
+		for _, h := range resp.GetDevices() {
+			unhealthy = unhealthy || h.GetDevice().GetPoolName() == pool && h.GetDevice().GetDeviceName() == "gpu0-2g-20gb-at4" &&
+				h.GetHealth() == drahealth.HealthStatus_UNHEALTHY
+		}
+	}
 	if pool, device, ok := node.Driver.ResolveHealth(&pb.InstanceHealthUpdate{GpuUuid: "GPU-a", Profile: "2g.20gb",
 		Placement: &pb.Placement{Start: 4, Size: 2}}); !ok || pool != "node-k-gpu0" || device != "gpu0-2g-20gb-at4" {
 		t.Fatalf("ResolveHealth: %s %s %v", pool, device, ok)
@@ -170,7 +183,12 @@ func TestRecoveryReleasesTheInstancesOfClaimsGoneOrMovedAndKeepsTheOthers(t *tes
 	if _, err := node.Admin.ResourceV1().ResourceClaims("default").UpdateStatus(ctx, moved, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := dra.New(c, node.Admin, dra.Options{NodeName: "node-r"}).Sync(ctx); err != nil {
+	restarted, err := dra.New(c, node.Admin, dra.Options{NodeName: "node-r"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = restarted.Close() }()
+	if err := restarted.Sync(ctx); err != nil {
 		t.Fatal(err)
 	}
 	want := map[string]pb.InstanceState{kept: pb.InstanceState_ACTIVE, deletedMIG: pb.InstanceState_IDLE,

@@ -104,10 +104,14 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	logger := log.New(stderr, "hami-mig-dra: ", log.LstdFlags)
-	d := dra.New(c, kube, dra.Options{
+	d, err := dra.New(c, kube, dra.Options{
 		NodeName: *node, DriverName: *driver, GPUs: list(*gpus), Profiles: list(*profiles), MinInterval: *minInterval,
 		DestroyAtUnprepare: *destroy, RecoverSidecar: *recoverSidecar, Fatal: cancel, Log: logger.Printf,
 	})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.Close() }()
 	helper, err := dra.Start(ctx, d, kubeletplugin.RegistrarDirectoryPath(*registry), kubeletplugin.PluginDataDirectoryPath(*dataDir))
 	if err != nil {
 		return err

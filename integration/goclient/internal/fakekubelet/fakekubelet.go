@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	resourceapi "k8s.io/api/resource/v1"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
 	drapb "k8s.io/kubelet/pkg/apis/dra/v1"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 )
@@ -23,6 +24,7 @@ import (
 type Kubelet struct {
 	Info   *registerapi.PluginInfo
 	client drapb.DRAPluginClient
+	health drahealth.DRAResourceHealthClient
 }
 
 func dial(t testing.TB, socket string) *grpc.ClientConn {
@@ -51,7 +53,8 @@ func Register(ctx context.Context, t testing.TB, registryDir, driver string) *Ku
 	if _, err := reg.NotifyRegistrationStatus(ctx, &registerapi.RegistrationStatus{PluginRegistered: true}); err != nil {
 		t.Fatalf("NotifyRegistrationStatus: %v", err)
 	}
-	return &Kubelet{Info: info, client: drapb.NewDRAPluginClient(dial(t, info.GetEndpoint()))}
+	conn := dial(t, info.GetEndpoint())
+	return &Kubelet{Info: info, client: drapb.NewDRAPluginClient(conn), health: drahealth.NewDRAResourceHealthClient(conn)}
 }
 
 func ref(c *resourceapi.ResourceClaim) *drapb.Claim {
@@ -95,4 +98,18 @@ func CDIDevices(r *drapb.NodePrepareResourceResponse) []string {
 		out = append(out, d.GetCdiDeviceIds()...)
 	}
 	return out
+}
+
+// WatchHealth opens NodeWatchResources, kubelet's watch of the plugin's device health, on the
+// plugin's endpoint; it fails the test unless the plugin registered that service.
+func (k *Kubelet) WatchHealth(ctx context.Context, t testing.TB) drahealth.DRAResourceHealth_NodeWatchResourcesClient {
+	t.Helper()
+	if !slices.Contains(k.Info.GetSupportedVersions(), drahealth.DRAResourceHealth_ServiceDesc.ServiceName) {
+		t.Fatalf("the plugin registered no health service: %v", k.Info.GetSupportedVersions())
+	}
+	stream, err := k.health.NodeWatchResources(ctx, &drahealth.NodeWatchResourcesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return stream
 }

@@ -53,7 +53,11 @@ func Start(ctx context.Context, t testing.TB, s *kubeapi.Server, c *migclient.Cl
 		}
 	}
 	pctx, cancel := context.WithCancel(ctx)
-	d := dra.New(c, admin, opts)
+	d, err := dra.New(c, admin, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
 	helper, err := dra.Start(pctx, d, kubeletplugin.RegistrarDirectoryPath(filepath.Join(dir, "reg")),
 		kubeletplugin.PluginDataDirectoryPath(filepath.Join(dir, "plugin")))
 	if err != nil {
