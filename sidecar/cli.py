@@ -87,6 +87,20 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
+def _owner(owner: Any) -> str:
+    """A pod's container and device as ``ns/name[container/device]``, a claim's request as
+    ``claim ns/name[request/device]`` (the uid where the name is not told)."""
+    from hami.migsidecar.v1 import migsidecar_pb2 as pb  # noqa: PLC0415
+
+    if owner.kind == pb.OWNER_KIND_CLAIM:
+        claim = owner.claim
+        who = f"{claim.namespace}/{claim.name}" if claim.name else claim.uid
+        return f"claim {who}[{owner.request}/{owner.device_index}]" if claim.uid else ""
+    pod = owner.pod
+    who = f"{pod.namespace}/{pod.name}" if pod.name else pod.uid
+    return f"{who}[{owner.container_index}/{owner.device_index}]" if pod.uid else ""
+
+
 def format_status(info: Any, state: Any) -> str:
     """The human view of GetInfo + GetState: a header line and three tables."""
     started = (
@@ -118,11 +132,7 @@ def format_status(info: Any, state: Any) -> str:
     unverified_rows = []
     for g in state.gpus:
         for i in g.instances:
-            owner = ""
-            if i.HasField("owner") and i.owner.pod.uid:
-                pod = i.owner.pod
-                who = f"{pod.namespace}/{pod.name}" if pod.name else pod.uid
-                owner = f"{who}[{i.owner.container_index}/{i.owner.device_index}]"
+            owner = _owner(i.owner) if i.HasField("owner") else ""
             instance_rows.append(
                 [
                     str(g.gpu.index),

@@ -4,9 +4,12 @@ A malformed request never reaches the lifecycle: every check here raises ``Inval
 (INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. Names are held to
 Kubernetes' own limits, because a name is stored in a record and repeated in every GetState: a pod
 UID of at most 128 bytes, a namespace that is a DNS label (at most 63), a pod name of at most 253
-bytes and a container name of at most 63. Error messages quote an input through ``quote_clipped``, so an
-answer never grows with the request (a client's header limit would turn it into a reasonless
-RESOURCE_EXHAUSTED).
+bytes and a container name of at most 63. A claim (an Allocate or Release of a DRA kubelet plugin,
+``OwnerKind.CLAIM``) is held to the same: its uid as strict as a pod's, its namespace a DNS label, its
+name a DNS subdomain (at most 253), and each device's request a DRA request name. An Allocate names
+exactly one of pod and claim, a Release exactly one of pod_uid and claim_uid. Error messages quote
+an input through ``quote_clipped``, so an answer never grows with the request (a client's header
+limit would turn it into a reasonless RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from sidecar.model.domain import (
     GPU_UUID_RE,
     MIG_UUID_RE,
     POD_UID_RE,
+    REQUEST_NAME_RE,
     ActiveAllocation,
     AllocateRequest,
+    ClaimRef,
     DeviceRequest,
     Identity,
     Owner,
+    OwnerKind,
     PodRef,
     Reservation,
 )
@@ -35,6 +41,8 @@ MAX_POD_UID_BYTES = 128
 MAX_NAMESPACE_BYTES = 63
 MAX_POD_NAME_BYTES = 253
 MAX_CONTAINER_NAME_BYTES = 63
+MAX_CLAIM_NAME_BYTES = 253
+MAX_REQUEST_NAME_BYTES = 127  # two DNS labels and the "/" between them
 MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
 # Counts of the repeated fields. A node holds at most 8 GPUs of 7 MIG devices each (56 instances):
 # one container asks for at most that many devices, and a pod list names each live instance once plus
@@ -44,7 +52,9 @@ MAX_DEVICES = 64
 MAX_ACTIVE = 1024
 MAX_ALLOWED_PROFILES = 256
 QUOTE_CHARS = 64
+_OWNER = "pod,claim"  # the field an Allocate's owner error names: both, as exactly one is wanted
 DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 def quote_clipped(value: str, limit: int = QUOTE_CHARS) -> str:
@@ -110,29 +120,65 @@ def reservation(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> 
     return Reservation(gpu, profile, placement(message, where))
 
 
-def pod_uid(value: str, where: str, field: str) -> str:
+def pod_uid(value: str, where: str, field: str, what: str = "pod") -> str:
+    """A pod's uid, or (``what`` "claim") a claim's, held to the same rule."""
     if not value:
-        raise _invalid(f"{where}: pod uid is missing", field)
+        raise _invalid(f"{where}: {what} uid is missing", field)
     if not _fits(value, MAX_POD_UID_BYTES):
-        raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: pod uid", field)
+        raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: {what} uid", field)
     if not POD_UID_RE.fullmatch(value):
-        raise _invalid(f"{where}: {quote_clipped(value)} is not a pod UID", field)
+        raise _invalid(f"{where}: {quote_clipped(value)} is not a {what} UID", field)
+    return value
+
+
+def namespace(value: str, where: str, what: str) -> str:
+    """An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one."""
+    field = f"{where}.{what}.namespace"
+    if not _fits(value, MAX_NAMESPACE_BYTES):
+        raise _too_long(value, MAX_NAMESPACE_BYTES, f"{where}: {what} namespace", field)
+    if value and not DNS_LABEL_RE.fullmatch(value):
+        raise _invalid(f"{where}: {what} namespace {quote_clipped(value)} is not a DNS label", field)
     return value
 
 
 def pod(message: pb.PodRef, has_pod: bool, where: str) -> PodRef:
     uid = pod_uid(message.uid if has_pod else "", where, f"{where}.pod.uid")
-    # An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one.
-    namespace, name = message.namespace, message.name
-    if not _fits(namespace, MAX_NAMESPACE_BYTES):
-        raise _too_long(namespace, MAX_NAMESPACE_BYTES, f"{where}: pod namespace", f"{where}.pod.namespace")
-    if namespace and not DNS_LABEL_RE.fullmatch(namespace):
-        raise _invalid(
-            f"{where}: pod namespace {quote_clipped(namespace)} is not a DNS label", f"{where}.pod.namespace"
-        )
+    space, name = namespace(message.namespace, where, "pod"), message.name
     if not _fits(name, MAX_POD_NAME_BYTES):
         raise _too_long(name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
-    return PodRef(uid, namespace, name)
+    return PodRef(uid, space, name)
+
+
+def claim(message: pb.ClaimRef, where: str) -> ClaimRef:
+    """A ResourceClaim: its uid as strict as a pod's; namespace and name, when told, Kubernetes'
+    own (a DNS label, a DNS subdomain)."""
+    uid = pod_uid(message.uid, where, f"{where}.claim.uid", "claim")
+    space, name, field = namespace(message.namespace, where, "claim"), message.name, f"{where}.claim.name"
+    if not _fits(name, MAX_CLAIM_NAME_BYTES):
+        raise _too_long(name, MAX_CLAIM_NAME_BYTES, f"{where}: claim name", field)
+    if name and not DNS_SUBDOMAIN_RE.fullmatch(name):
+        raise _invalid(f"{where}: claim name {quote_clipped(name)} is not a DNS subdomain", field)
+    return ClaimRef(uid, space, name)
+
+
+def request_name(value: str, for_claim: bool, where: str) -> str:
+    """The claim's request a device answers: required with a claim, a DRA request name (a DNS
+    label, or two joined by "/" for a subrequest); empty with a pod."""
+    field = f"{where}.request"
+    if not for_claim:
+        if value:
+            raise _invalid(
+                f"{where}: request {quote_clipped(value)} is set, but a pod's device names none", field
+            )
+        return ""
+    if not value:
+        raise _invalid(f"{where}: request is missing (a claim's device names the request it answers)", field)
+    if not _fits(value, MAX_REQUEST_NAME_BYTES) or not REQUEST_NAME_RE.fullmatch(value):
+        raise _invalid(
+            f"{where}: {quote_clipped(value)} is not a DRA request name (a DNS label, or two joined by /)",
+            field,
+        )
+    return value
 
 
 def container_name(value: str, where: str) -> str:
@@ -144,8 +190,25 @@ def container_name(value: str, where: str) -> str:
 
 
 def allocate(request: pb.AllocateRequest) -> AllocateRequest:
-    owner = pod(request.pod, request.HasField("pod"), "request")
-    container = container_name(request.container_name, "request")
+    has_pod, has_claim = request.HasField("pod"), request.HasField("claim")
+    for_claim: ClaimRef | None = None
+    if has_claim:
+        require(
+            not has_pod, "request: pod and claim are both set; exactly one names the owner", field="pod,claim"
+        )
+        require(
+            not request.container_name and not request.container_index,
+            "request: a claim's Allocate names no container (container_name empty, container_index 0)",
+            field="container_name,container_index",
+        )
+        for_claim = claim(request.claim, "request")
+        owner, container = PodRef(""), ""
+    else:
+        require(
+            has_pod, "request: neither pod nor claim is set; exactly one names the owner", field="pod,claim"
+        )
+        owner = pod(request.pod, has_pod, "request")
+        container = container_name(request.container_name, "request")
     count = len(request.devices)
     require(count > 0, "request: devices is empty", field="devices")
     if count > MAX_DEVICES:
@@ -157,8 +220,26 @@ def allocate(request: pb.AllocateRequest) -> AllocateRequest:
         if index in seen:
             raise _invalid(f"{where}: device_index {index} repeats", f"{where}.device_index")
         seen.add(index)
-        devices.append(DeviceRequest(index, reservation(device, where)))
-    return AllocateRequest(owner, container, int(request.container_index), tuple(devices))
+        answers = request_name(device.request, for_claim is not None, where)
+        devices.append(DeviceRequest(index, reservation(device, where), answers))
+    return AllocateRequest(owner, container, int(request.container_index), tuple(devices), for_claim)
+
+
+def release(request: pb.ReleaseRequest) -> tuple[str, OwnerKind]:
+    """Whose instances a Release gives back: (uid, kind), from exactly one of pod_uid and claim_uid."""
+    if request.claim_uid:
+        require(
+            not request.pod_uid,
+            "request: pod_uid and claim_uid are both set; exactly one names the owner",
+            field="pod_uid,claim_uid",
+        )
+        return pod_uid(request.claim_uid, "request", "claim_uid", "claim"), OwnerKind.CLAIM
+    require(
+        bool(request.pod_uid),
+        "request: neither pod_uid nor claim_uid is set; exactly one names the owner",
+        field="pod_uid,claim_uid",
+    )
+    return pod_uid(request.pod_uid, "request", "pod_uid"), OwnerKind.POD
 
 
 def active(messages: Sequence[pb.ActiveAllocation]) -> list[ActiveAllocation]:

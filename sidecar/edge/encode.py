@@ -127,6 +127,26 @@ def encode_health(record: OwnershipRecord, *, current: bool) -> pb.InstanceHealt
     )
 
 
+def encode_owner(owner: domain.Owner) -> pb.Owner:
+    """A pod's owner (kind OWNER_KIND_POD, never UNSPECIFIED from this sidecar) or a claim's (its
+    claim and request, no pod)."""
+    if owner.claim is not None:
+        claim = owner.claim
+        return pb.Owner(
+            kind=pb.OWNER_KIND_CLAIM,
+            claim=pb.ClaimRef(uid=claim.uid, namespace=claim.namespace, name=claim.name),
+            request=owner.request,
+            device_index=owner.device_index,
+        )
+    return pb.Owner(
+        kind=pb.OWNER_KIND_POD,
+        pod=pb.PodRef(uid=owner.pod.uid, namespace=owner.pod.namespace, name=owner.pod.name),
+        container_name=owner.container_name,
+        container_index=owner.container_index,
+        device_index=owner.device_index,
+    )
+
+
 def encode_instance(record: OwnershipRecord) -> pb.Instance:
     message = pb.Instance(
         gpu_uuid=record.gpu_uuid,
@@ -144,15 +164,7 @@ def encode_instance(record: OwnershipRecord) -> pb.Instance:
         xid64=record.xid,
     )
     if record.owner is not None:
-        owner = record.owner
-        message.owner.CopyFrom(
-            pb.Owner(
-                pod=pb.PodRef(uid=owner.pod.uid, namespace=owner.pod.namespace, name=owner.pod.name),
-                container_name=owner.container_name,
-                container_index=owner.container_index,
-                device_index=owner.device_index,
-            )
-        )
+        message.owner.CopyFrom(encode_owner(record.owner))
     since = _timestamp(record.since)
     if since is not None:
         message.since.CopyFrom(since)

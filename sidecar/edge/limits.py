@@ -57,13 +57,26 @@ def largest_requests() -> dict[str, Message]:
         device_index=_U32, gpu_uuid=_GPU, profile="g" * decode.MAX_PROFILE_BYTES, placement=_placement()
     )
     active = [_active() for _ in range(decode.MAX_ACTIVE)]
-    return {
-        "Allocate": pb.AllocateRequest(
-            pod=_pod(),
-            container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
-            container_index=_U32,
-            devices=[device] * decode.MAX_DEVICES,
+    for_pod = pb.AllocateRequest(
+        pod=_pod(),
+        container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
+        container_index=_U32,
+        devices=[device] * decode.MAX_DEVICES,
+    )
+    # A claim's names no container, and each of its devices the longest request name.
+    label = "r" * 63
+    for_claim = pb.AllocateRequest(
+        claim=pb.ClaimRef(
+            uid="u" * decode.MAX_POD_UID_BYTES,
+            namespace="n" * decode.MAX_NAMESPACE_BYTES,
+            name="c" * decode.MAX_CLAIM_NAME_BYTES,
         ),
+        devices=[pb.DeviceRequest(request=f"{label}/{label}")] * decode.MAX_DEVICES,
+    )
+    for message in for_claim.devices:
+        message.MergeFrom(device)
+    return {
+        "Allocate": max(for_pod, for_claim, key=lambda m: int(m.ByteSize())),
         "Recover": pb.RecoverRequest(active=active),
         "SyncActive": pb.SyncActiveRequest(generation=_U64, active=active),
         "DiscoverProfiles": pb.DiscoverProfilesRequest(

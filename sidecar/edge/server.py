@@ -279,8 +279,8 @@ class MigSidecarServicer:
         self, request: pb.ReleaseRequest, context: Context
     ) -> pb.ReleaseResponse:
         def answer() -> pb.ReleaseResponse:
-            decode.pod_uid(request.pod_uid, "request", "pod_uid")
-            released = self.lifecycle.release(request.pod_uid)
+            uid, kind = decode.release(request)
+            released = self.lifecycle.release(uid, kind)
             self.on_change()
             return pb.ReleaseResponse(released=[encode.encode_ref(ref) for ref in released])
 

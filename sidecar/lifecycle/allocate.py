@@ -153,6 +153,14 @@ class Allocator:
                 f"allocation {v.key} already holds {decided.held.reservation}, not {res}",
                 {"key": str(v.key), "held": str(decided.held.reservation), "requested": str(res)},
             )
+        if held is not None and held.owner is not None and held.owner.request != v.owner.request:
+            # A claim's device answers one request: the same reservation for another request is
+            # another device, as another reservation is (pods name no request: always equal).
+            raise KeyConflict(
+                f"allocation {v.key} already holds {res} for request {held.owner.request!r},"
+                f" not {v.owner.request!r}",
+                {"key": str(v.key), "held": held.owner.request, "requested": v.owner.request},
+            )
         if isinstance(decided, Busy):
             raise placement_busy(res.gpu_uuid, res.placement, decided)
         return decided

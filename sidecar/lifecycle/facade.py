@@ -18,7 +18,14 @@ from sidecar.lifecycle.allocate import Allocator
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.inventory import StateSnapshot
 from sidecar.model.advice import RankedPlacement
-from sidecar.model.domain import ActiveAllocation, AllocateRequest, AllocateResult, AllocationKey, InstanceRef
+from sidecar.model.domain import (
+    ActiveAllocation,
+    AllocateRequest,
+    AllocateResult,
+    AllocationKey,
+    InstanceRef,
+    OwnerKind,
+)
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
 
@@ -79,8 +86,9 @@ class Lifecycle:
     def allocate(self, request: AllocateRequest) -> AllocateResult:
         return self._allocator.allocate(request)
 
-    def release(self, pod_uid: str) -> list[InstanceRef]:
-        return release.release(self._ctx, pod_uid)
+    def release(self, uid: str, kind: OwnerKind = OwnerKind.POD) -> list[InstanceRef]:
+        """The pod's (or claim's) ACTIVE instances IDLE (``release.release``)."""
+        return release.release(self._ctx, uid, kind)
 
     def sync_active(
         self, generation: int, active: Sequence[ActiveAllocation]

@@ -1,5 +1,9 @@
 """Release and SyncActive: ACTIVE instances go IDLE, IDLE ones may come back.
 
+A Release names one owner, a pod or a claim (``OwnerKind``), and gives back that owner's instances
+only. SyncActive is HAMi's level-triggered release from its pod list: it idles pod instances only,
+so a claim's instance, which no pod list names, stays ACTIVE until its own Release.
+
 The one exception: a faulted instance (an Xid named it, ``OwnershipRecord.xid``) is destroyed at
 its release instead of going IDLE, so it is never handed to the next pod (``release_faulted``).
 
@@ -17,7 +21,7 @@ from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.steps import change_in_batch, raise_first
 from sidecar.lifecycle.teardown import destroy
-from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, Reservation, State
+from sidecar.model.domain import POD_UID_RE, ActiveAllocation, InstanceRef, OwnerKind, Reservation, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import OwnershipRecord, instance_ref
 
@@ -34,16 +38,18 @@ def release_faulted(ctx: LifecycleContext, record: OwnershipRecord) -> None:
         _log.error("faulted instance %s not destroyed yet: %s", record.name, exc)
 
 
-def release(ctx: LifecycleContext, pod_uid: str) -> list[InstanceRef]:
-    """A confirmed pod release: its ACTIVE instances become IDLE (a faulted one is destroyed
-    instead); unknown pod = []."""
+def release(ctx: LifecycleContext, uid: str, kind: OwnerKind = OwnerKind.POD) -> list[InstanceRef]:
+    """A confirmed release of a pod, or (``kind`` CLAIM) of a claim at its unprepare: the ACTIVE
+    instances of exactly that owner become IDLE (a faulted one is destroyed instead), never those of
+    the other kind, whatever their uid; unknown owner = []."""
     ctx.require_recovered()
-    if not POD_UID_RE.fullmatch(pod_uid):
-        raise InvalidRequest(f"pod uid {pod_uid!r} is not a valid UID", {"pod_uid": pod_uid})
+    if not POD_UID_RE.fullmatch(uid):
+        what = kind.value.lower()
+        raise InvalidRequest(f"{what} uid {uid!r} is not a valid UID", {f"{what}_uid": uid})
     targets = [
         r
         for r in ctx.table.instances()
-        if r.state is State.ACTIVE and r.owner is not None and r.owner.pod.uid == pod_uid
+        if r.state is State.ACTIVE and r.owner is not None and r.owner.kind is kind and r.owner.uid == uid
     ]
     released: list[InstanceRef] = []
     failures: list[SidecarError] = []
@@ -67,11 +73,13 @@ def sync_active(
 ) -> tuple[list[InstanceRef], list[InstanceRef]]:
     """Returns (idled, reactivated): level-triggered release from a fresh pod list.
 
-    An ACTIVE instance whose key is not listed and that was activated at or before ``generation``
-    becomes IDLE (one activated later raced the pod list and is left alone). An IDLE instance whose
-    reservation and MIG UUID are listed, and that went IDLE at or before ``generation``, is held by a
-    live pod after all and becomes ACTIVE again with that owner; one that went IDLE later was
-    released after the list was taken, which still names the pod that is gone, and stays IDLE.
+    An ACTIVE instance of a pod whose key is not listed and that was activated at or before
+    ``generation`` becomes IDLE (one activated later raced the pod list and is left alone); a
+    claim's ACTIVE instance is no pod list's to release (only its claim's Release is). An IDLE
+    instance whose reservation and MIG UUID are listed, and that went IDLE at or before
+    ``generation``, is held by a live pod after all and becomes ACTIVE again with that owner; one
+    that went IDLE later was released after the list was taken, which still names the pod that is
+    gone, and stays IDLE.
     Listed entries that match nothing are ignored. Entries without runtime identity are pending
     reservations: their keys count as listed, and they replace the pending set (``sidecar.model.pending``),
     which keeps the IDLE or ERROR instance at exactly each one from being destroyed. Destroys only
@@ -99,6 +107,7 @@ def sync_active(
         for r in table
         if r.state is State.ACTIVE
         and r.owner is not None
+        and r.owner.kind is OwnerKind.POD
         and r.owner.key not in listed_keys
         and r.activated_generation <= generation
     ]

@@ -7,7 +7,8 @@ destroy of ``teardown``; those it reused go back to IDLE. Each record says which
 while ACTIVE is destroyed too, as at a release, so an undo never gives back a faulted instance
 (``destroyed_by_undo``). Fenced: only instances that are
 still ACTIVE for exactly that pod and container are touched, so an instance released or handed to
-another key since is left alone, and repeating the undo finds nothing more to do.
+another key since is left alone, and repeating the undo finds nothing more to do. Both undos are
+HAMi's device plugin's, so they see pod owners only: a claim's instance is never undone by them.
 
 ``undo_device`` is the same undo for one MIG UUID, with the owner it must still belong to: HAMi's
 rollback releases exactly the devices its failed Allocate took, one MIG UUID at a time, and a
@@ -26,7 +27,7 @@ import msgspec
 from sidecar.lifecycle import crashpoints
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.steps import change_in_batch, destroy_each, raise_first, require_no_processes
-from sidecar.model.domain import MIG_UUID_RE, POD_UID_RE, AllocationKey, InstanceRef, State
+from sidecar.model.domain import MIG_UUID_RE, POD_UID_RE, AllocationKey, InstanceRef, OwnerKind, State
 from sidecar.model.errors import InvalidRequest, SidecarError
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref
 
@@ -77,6 +78,7 @@ def held(ctx: LifecycleContext, pod_uid: str, container_index: int) -> list[Owne
         for r in ctx.table.instances()
         if r.state is State.ACTIVE
         and r.owner is not None
+        and r.owner.kind is OwnerKind.POD
         and r.owner.pod.uid == pod_uid
         and r.owner.container_index == container_index
     ]
@@ -88,7 +90,7 @@ class Skip(enum.StrEnum):
 
     UNKNOWN_INSTANCE = "UNKNOWN_INSTANCE"  # no owned instance has that MIG UUID
     NOT_ACTIVE = "NOT_ACTIVE"  # IDLE (released or undone before), ERROR, in flight
-    OTHER_OWNER = "OTHER_OWNER"  # ACTIVE for another pod, container or device
+    OTHER_OWNER = "OTHER_OWNER"  # ACTIVE for another pod, container or device, or for a claim
 
 
 class DeviceUndo(msgspec.Struct, frozen=True):
@@ -108,8 +110,8 @@ def undo_device(ctx: LifecycleContext, mig_uuid: str, owner: AllocationKey) -> D
     ctx.require_recovered()
     if not MIG_UUID_RE.fullmatch(mig_uuid):
         raise InvalidRequest(f"{mig_uuid!r} is not a MIG UUID", {"mig_uuid": mig_uuid[:64]})
-    if not POD_UID_RE.fullmatch(owner.pod_uid):
-        raise InvalidRequest(f"pod uid {owner.pod_uid!r} is not a valid UID", {"pod_uid": owner.pod_uid[:64]})
+    if not POD_UID_RE.fullmatch(owner.uid) or owner.kind is not OwnerKind.POD:
+        raise InvalidRequest(f"pod uid {owner.uid!r} is not a valid UID", {"pod_uid": owner.uid[:64]})
     found = _held(ctx, mig_uuid, owner)
     if isinstance(found, DeviceUndo):
         return found
@@ -138,9 +140,12 @@ def _held(ctx: LifecycleContext, mig_uuid: str, owner: AllocationKey) -> Ownersh
         return DeviceUndo(skipped=Skip.NOT_ACTIVE, detail=f"{mig_uuid} is {record.state.value}")
     if record.owner.key != owner:
         held = record.owner.key
+        holder = (
+            f"claim {held.uid}"
+            if held.kind is OwnerKind.CLAIM
+            else f"pod {held.uid} container {held.container_index}"
+        )
         return DeviceUndo(
-            skipped=Skip.OTHER_OWNER,
-            detail=f"{mig_uuid} is held by pod {held.pod_uid} container {held.container_index}"
-            f" device {held.device_index}",
+            skipped=Skip.OTHER_OWNER, detail=f"{mig_uuid} is held by {holder} device {held.device_index}"
         )
     return record

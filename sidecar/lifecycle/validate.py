@@ -6,7 +6,15 @@ import msgspec
 
 from sidecar.lifecycle.inventory import Inventory
 from sidecar.model import placement
-from sidecar.model.domain import POD_UID_RE, AllocateRequest, AllocationKey, DeviceRequest, Owner
+from sidecar.model.domain import (
+    POD_UID_RE,
+    REQUEST_NAME_RE,
+    AllocateRequest,
+    AllocationKey,
+    DeviceRequest,
+    Owner,
+    PodRef,
+)
 from sidecar.model.errors import IllegalPlacement, InvalidRequest, UnknownProfile
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
 
@@ -23,11 +31,23 @@ class Validated(msgspec.Struct, frozen=True):
 
 def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
     """Every device of the request, checked before anything changes (InvalidRequest and friends)."""
-    pod = request.pod
-    if not POD_UID_RE.fullmatch(pod.uid):
-        raise InvalidRequest(f"pod uid {pod.uid!r} is not a valid UID", {"pod_uid": pod.uid})
-    if request.container_index < 0:
-        raise InvalidRequest(f"container index {request.container_index} is negative")
+    claim = request.claim
+    if claim is None:
+        uid = request.pod.uid
+        if not POD_UID_RE.fullmatch(uid):
+            raise InvalidRequest(f"pod uid {uid!r} is not a valid UID", {"pod_uid": uid})
+        if request.container_index < 0:
+            raise InvalidRequest(f"container index {request.container_index} is negative")
+        if any(d.request for d in request.devices):
+            raise InvalidRequest("a pod's devices name no claim request")
+    else:
+        if not POD_UID_RE.fullmatch(claim.uid):
+            raise InvalidRequest(f"claim uid {claim.uid!r} is not a valid UID", {"claim_uid": claim.uid})
+        if request.pod != PodRef("") or request.container_name or request.container_index:
+            raise InvalidRequest("a claim's Allocate names no pod and no container")
+        bad = next((d.request for d in request.devices if not REQUEST_NAME_RE.fullmatch(d.request)), None)
+        if bad is not None:
+            raise InvalidRequest(f"{bad!r} is not a DRA request name", {"request": bad})
     if not request.devices:
         raise InvalidRequest("the request names no devices")
     indices = [d.device_index for d in request.devices]
@@ -56,7 +76,7 @@ def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
                     "legal": legal,
                 },
             )
-        owner = Owner(pod, request.container_name, request.container_index, d.device_index)
+        owner = request.owner(d)
         out.append(Validated(device=d, key=owner.key, owner=owner, gpu=gpu, profile=profile))
     clash = placement.first_overlap([(v.gpu.uuid, v.device.reservation.placement) for v in out])
     if clash is not None:

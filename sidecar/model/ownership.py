@@ -42,11 +42,7 @@ class Origin(enum.StrEnum):
 def hardware_fields(record: OwnershipRecord) -> dict[str, str]:
     """What an operator needs to find an instance in ``nvidia-smi mig -lgi`` and ``kubectl``: the GPU,
     profile, placement, MIG UUID and holder. The fields of every log line about a hardware change."""
-    owner = record.owner
-    holder = "-"
-    if owner is not None:
-        pod = f"{owner.pod.namespace}/{owner.pod.name}" if owner.pod.name else owner.pod.uid
-        holder = f"{pod} ({owner.pod.uid}) container {owner.container_name}"
+    holder = record.owner.describe() if record.owner is not None else "-"
     return {
         "gpu": record.gpu_uuid,
         "profile": record.profile,
@@ -69,7 +65,8 @@ class OwnershipRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     gpu_instance_id: int | None = None  # set once the GI exists
     compute_instance_id: int | None = None  # set once the CI exists
     mig_uuid: str | None = None  # set once the CI exists
-    owner: Owner | None = None  # the holder while ACTIVE (and the creator while CREATING)
+    # The holder while ACTIVE (and the creator while CREATING): a pod's container or a claim's request.
+    owner: Owner | None = None
     activated_generation: int = 0  # the generation at which it last became ACTIVE
     idled_generation: int = 0  # the generation at which it last became IDLE (0: before the field existed)
     cdi_device: str = ""  # qualified CDI name, "" with CDI disabled or before the file exists

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from sidecar.model.domain import State
+from sidecar.model.domain import OwnerKind, State
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInstanceInfo, GpuInstanceProfile, Placement
 
@@ -54,8 +54,9 @@ class Blocker(msgspec.Struct, frozen=True):
             if self.record.mig_uuid:
                 meta["mig_uuid"] = self.record.mig_uuid
             if self.record.owner is not None:
-                meta["owner"] = str(self.record.owner.key)
-                meta["pod_uid"] = self.record.owner.pod.uid
+                owner = self.record.owner
+                meta["owner"] = str(owner.key)
+                meta["claim_uid" if owner.kind is OwnerKind.CLAIM else "pod_uid"] = owner.uid
         if self.guarded_by:
             meta["guarded_by"] = self.guarded_by
         return meta

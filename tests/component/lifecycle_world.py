@@ -24,6 +24,7 @@ from sidecar.model.domain import (
     ActiveAllocation,
     AllocateRequest,
     AllocateResult,
+    ClaimRef,
     DeviceRequest,
     Identity,
     Owner,
@@ -75,6 +76,22 @@ class World:
 
     def allocate(self, pod: str, *devices: Dev, container_index: int = 0) -> AllocateResult:
         return self.lifecycle.allocate(self.request(pod, *devices, container_index=container_index))
+
+    def claim_request(self, claim: str, *devices: Dev, request: str = "gpu") -> AllocateRequest:
+        """A DRA kubelet plugin's Allocate: the claim as owner, each device answering ``request``."""
+        return AllocateRequest(
+            pod=PodRef(""),
+            container_name="",
+            container_index=0,
+            devices=tuple(
+                DeviceRequest(i, Reservation(self.uuid(g), profile, Placement(start, size)), request)
+                for i, (g, profile, start, size) in enumerate(devices)
+            ),
+            claim=ClaimRef(claim, "default", f"name-{claim}"),
+        )
+
+    def allocate_claim(self, claim: str, *devices: Dev, request: str = "gpu") -> AllocateResult:
+        return self.lifecycle.allocate(self.claim_request(claim, *devices, request=request))
 
     def layout(self) -> set[LiveGi]:
         """Every GI and its CIs as the (simulated) driver reports them through NVML.

@@ -137,18 +137,37 @@ def pods(draw: st.DrawFn) -> Any:
 
 
 @st.composite
+def claims(draw: st.DrawFn) -> Any:
+    return pb.ClaimRef(
+        uid=draw(POD_UIDS), namespace=draw(names(63, "default")), name=draw(names(253, "train-gpu"))
+    )
+
+
+# DRA request names: valid ones, a subrequest, and the shapes just outside the rule.
+REQUESTS = st.one_of(st.sampled_from(["gpu", "gpu/small", "GPU", "gpu/", "a/b/c"]), names(127, "gpu"))
+
+
+@st.composite
 def devices(draw: st.DrawFn, index: int = 0) -> Any:
     message = pb.DeviceRequest(device_index=index, gpu_uuid=draw(gpu_uuids()), profile=draw(PROFILES))
     if draw(st.integers(0, 9)):  # now and then without a placement
         message.placement.CopyFrom(draw(placements()))
+    if draw(st.booleans()):  # a claim's device names its request; a pod's none
+        message.request = draw(REQUESTS)
     return message
 
 
 @st.composite
 def allocate_requests(draw: st.DrawFn) -> Any:
     request = pb.AllocateRequest(container_name=draw(names(63, "main")), container_index=draw(SMALL))
-    if draw(st.integers(0, 9)):
+    owner = draw(st.integers(0, 9))  # 0: neither pod nor claim; 1-5: a pod; 6-8: a claim; 9: both
+    if 1 <= owner <= 5 or owner == 9:
         request.pod.CopyFrom(draw(pods()))
+    if owner >= 6:
+        request.claim.CopyFrom(draw(claims()))
+        if draw(st.booleans()):  # a claim's Allocate names no container: mostly left out
+            request.ClearField("container_name")
+            request.ClearField("container_index")
     if draw(st.booleans()):
         request.devices.append(draw(devices()))
     else:
@@ -194,7 +213,14 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
         ),
     ),
     "Allocate": (pb.AllocateRequest, allocate_requests()),
-    "Release": (pb.ReleaseRequest, st.builds(pb.ReleaseRequest, pod_uid=POD_UIDS)),
+    "Release": (
+        pb.ReleaseRequest,
+        st.one_of(
+            st.builds(pb.ReleaseRequest, pod_uid=POD_UIDS),
+            st.builds(pb.ReleaseRequest, claim_uid=POD_UIDS),
+            st.builds(pb.ReleaseRequest, pod_uid=POD_UIDS, claim_uid=POD_UIDS),
+        ),
+    ),
     "SyncActive": (
         pb.SyncActiveRequest,
         st.builds(pb.SyncActiveRequest, generation=GENERATIONS, active=ACTIVE_LISTS),

@@ -96,6 +96,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "migProfileAllowlist",
             "newTestPlugin",
             "nodeConfiguration",
+            "nodeconfig",
             "nvidiaNodeSelector",
             "orderedMigPlacements",
             "primeMigManagerFromAnnotations",

@@ -1,4 +1,3 @@
-// Package dra is the DRA kubelet plugin of driver mig.hami.io, backed by the sidecar.
 package dra
 
 // The DRA health service: the kubelet's NodeWatchResources stream, fed from the sidecar's

@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from sidecar.model import errors
-from sidecar.model.domain import ActiveAllocation, Identity, State
+from sidecar.model.domain import ActiveAllocation, Identity, OwnerKind, State
 from sidecar.model.ownership import Origin, OwnershipRecord, instance_ref, live_record, record_name
 from sidecar.model.recovery_plan.actions import Action, PutRecord, Reported, Step
 from sidecar.model.recovery_plan.draft import PlanDraft, live_ref
@@ -64,6 +64,9 @@ def adopt_active(b: PlanDraft) -> PlanDraft:
         assert gi is not None
         ci = gi.compute_instances[0]
         name = record_name(gpu_uuid, alloc.reservation.placement)
+        if held_by_claim(b, alloc, existing.get(name)):
+            b.refused.add(alloc.identity.mig_uuid)
+            continue
         if b.inputs.recovered and (
             stays_error(b, alloc, existing.get(name))
             or held_by_another_key(b, alloc, existing.get(name), name)
@@ -137,6 +140,26 @@ def adopt_active(b: PlanDraft) -> PlanDraft:
     return b
 
 
+def held_by_claim(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None) -> bool:
+    """True (and an error line) when the instance a pod list names is recorded ACTIVE for a claim.
+
+    A pod list never touches a claim's instance, in the first Recover too: the record is the newer
+    truth (the claim got the instance after the pod gave it back, and the list still names the pod),
+    so the instance is rule 2's, which keeps it ACTIVE for its claim once it verifies."""
+    if (
+        old is None
+        or old.state is not State.ACTIVE
+        or old.owner is None
+        or old.owner.kind is not OwnerKind.CLAIM
+    ):
+        return False
+    b.errors.append(
+        f"allocation {alloc.key} names the instance {where(alloc)}, which is ACTIVE for {old.owner.key} "
+        f"(record {old.name}); a pod list never takes a claim's instance, so it stays with the claim"
+    )
+    return True
+
+
 def held_by_another_key(
     b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | None, name: str
 ) -> bool:
@@ -150,14 +173,13 @@ def held_by_another_key(
     Before the first Recover there is no newer truth than the pod list, and this never applies.
     """
     assert alloc.identity is not None
-    res = alloc.reservation
-    where = f"{alloc.identity.mig_uuid} at {res.placement} on {res.gpu_uuid}"
+    at = where(alloc)
     if old is not None and old.state is State.ACTIVE and old.owner is not None and old.owner.key != alloc.key:
         b.table[name] = old
         b.claimed.add((old.gpu_uuid, alloc.identity.gpu_instance_id))
         b.steps.append(Step(subject=f"keep {name} ACTIVE for {old.owner.key}", record_name=name))
         b.errors.append(
-            f"allocation {alloc.key} names the instance {where}, which is ACTIVE for {old.owner.key} "
+            f"allocation {alloc.key} names the instance {at}, which is ACTIVE for {old.owner.key} "
             f"now (released and reused since the pod list was taken); it stays with {old.owner.key}"
         )
         return True
@@ -174,7 +196,7 @@ def held_by_another_key(
     if other is None:
         return False
     b.errors.append(
-        f"allocation {alloc.key} names the instance {where}, but {alloc.key} holds {other.mig_uuid} at "
+        f"allocation {alloc.key} names the instance {at}, but {alloc.key} holds {other.mig_uuid} at "
         f"{other.placement} now; one key never holds two instances, so it is not activated for it"
     )
     return True
@@ -194,12 +216,10 @@ def stays_error(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | No
     reconciler keeps retrying the destroy."""
     if old is None or old.state is not State.ERROR or old.owner == alloc.owner:
         return False
-    assert alloc.identity is not None
-    res = alloc.reservation
     holder = f"it was {old.owner.key}'s" if old.owner is not None else "it had no owner"
     b.errors.append(
-        f"allocation {alloc.key} names the ERROR instance {alloc.identity.mig_uuid} at {res.placement} "
-        f"on {res.gpu_uuid} (record {old.name}, {holder}); a repeated Recover never adopts an "
+        f"allocation {alloc.key} names the ERROR instance {where(alloc)} (record {old.name}, {holder}); "
+        "a repeated Recover never adopts an "
         "instance whose destroy failed for another owner, since its pod list may predate the "
         "release: it stays ERROR, is never reused, and the reconciler retries its destroy"
     )
@@ -216,15 +236,19 @@ def stays_idle(b: PlanDraft, alloc: ActiveAllocation, old: OwnershipRecord | Non
     """
     if old is None or old.state is not State.IDLE:
         return False
-    assert alloc.identity is not None
-    res = alloc.reservation
     b.errors.append(
-        f"allocation {alloc.key} names the IDLE instance {alloc.identity.mig_uuid} at {res.placement} "
-        f"on {res.gpu_uuid} (record {old.name}); a repeated Recover never reactivates an IDLE "
-        "instance, since its pod list may predate the release: it stays IDLE, and SyncActive "
-        "reactivates it if the pod still holds it"
+        f"allocation {alloc.key} names the IDLE instance {where(alloc)} (record {old.name}); a "
+        "repeated Recover never reactivates an IDLE instance, since its pod list may predate the "
+        "release: it stays IDLE, and SyncActive reactivates it if the pod still holds it"
     )
     return True
+
+
+def where(alloc: ActiveAllocation) -> str:
+    """The instance a verified allocation names, as the report's error lines say it."""
+    assert alloc.identity is not None
+    res = alloc.reservation
+    return f"{alloc.identity.mig_uuid} at {res.placement} on {res.gpu_uuid}"
 
 
 def with_live_identity(b: PlanDraft, alloc: ActiveAllocation) -> ActiveAllocation:

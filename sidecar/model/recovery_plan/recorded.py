@@ -5,7 +5,7 @@ See ``sidecar.model.recovery_plan`` for the rule in full; ``plan`` runs the rule
 
 from __future__ import annotations
 
-from sidecar.model.domain import State
+from sidecar.model.domain import OwnerKind, State
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.model.recovery_plan.actions import Action, DeleteRecord, DestroyOwned, PutRecord, Reported, Step
 from sidecar.model.recovery_plan.draft import LIVE_STATES, PlanDraft, live_ref
@@ -45,7 +45,7 @@ def reconcile_records(b: PlanDraft) -> PlanDraft:
             keep_aside(b, record, gi, why)
             continue
         b.claimed.add((record.gpu_uuid, gi.info.id))
-        if record.state is State.ACTIVE and b.inputs.recovered:
+        if record.state is State.ACTIVE and (b.inputs.recovered or claim_holds(record)):
             keep_active(b, record)
         elif record.state in LIVE_STATES and record.xid:
             fault_to_error(b, record)
@@ -220,8 +220,16 @@ def restore_idle(b: PlanDraft, record: OwnershipRecord, gi: LiveGpuInstance) -> 
     b.table[record.name] = restored
 
 
+def claim_holds(record: OwnershipRecord) -> bool:
+    """Whether a claim's request holds the instance. No pod list names a claim's instance, so its
+    absence from one says nothing: only the claim's own Release gives the instance back, and every
+    Recover keeps it ACTIVE, across a restart of the sidecar too."""
+    return record.owner is not None and record.owner.kind is OwnerKind.CLAIM
+
+
 def keep_active(b: PlanDraft, record: OwnershipRecord) -> None:
-    """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception)."""
+    """A repeated Recover leaves a verified ACTIVE instance as it is (rule 2's exception), and every
+    Recover a claim's (``claim_holds``)."""
     b.table[record.name] = record
     b.steps.append(Step(subject=f"keep {record.name} ACTIVE", record_name=record.name))
 
