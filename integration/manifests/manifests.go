@@ -262,12 +262,12 @@ func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
 		fail("the pod needs the container %q and one of %q and %q", SidecarContainer, PluginContainer, DRAPluginContainer)
 		return errs
 	}
+	socket := setting(sidecar, "--socket", "HAMI_MIG_SIDECAR_SOCKET", defaultSocket)
 	if plugin == nil {
 		plugin = dra
-		errs = append(errs, checkDRAPlugin(spec, dra)...)
+		errs = append(errs, checkDRAPlugin(spec, dra, socket)...)
 	}
 
-	socket := setting(sidecar, "--socket", "HAMI_MIG_SIDECAR_SOCKET", defaultSocket)
 	socketDir := path.Dir(socket)
 	sMount, sHost := mountOf(spec, sidecar, socketDir)
 	pMount, pHost := mountOf(spec, plugin, socketDir)
@@ -320,9 +320,18 @@ func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
 
 // checkDRAPlugin: the DRA plugin serves the kubelet in the node's own plugin directories, where the
 // kubelet looks (hostPath at the same path, so the socket paths it registers are the kubelet's too),
-// and knows its node, whose ResourceSlices alone it may write.
-func checkDRAPlugin(spec *corev1.PodSpec, dra *corev1.Container) []error {
+// knows its node, whose ResourceSlices alone it may write, dials the sidecar's socket, and, as the
+// only client of the pod's sidecar, recovers that sidecar after a restart (nothing else would: every
+// Allocate would then be refused NOT_RECOVERED).
+func checkDRAPlugin(spec *corev1.PodSpec, dra *corev1.Container, socket string) []error {
 	var errs []error
+	if got := setting(dra, "--socket", "", defaultSocket); got != socket {
+		errs = append(errs, fmt.Errorf("the %s container dials %s, the sidecar serves on %s", DRAPluginContainer, got, socket))
+	}
+	if !slices.Contains(slices.Concat(dra.Command, dra.Args), "--recover-sidecar") {
+		errs = append(errs, fmt.Errorf("the %s container is its sidecar's only client and needs --recover-sidecar, "+
+			"or no client recovers a restarted sidecar", DRAPluginContainer))
+	}
 	for _, dir := range []string{DRAPluginDir, DRARegistrationDir} {
 		if m, host := mountOf(spec, dra, dir); m == nil || path.Clean(host) != dir {
 			errs = append(errs, fmt.Errorf("the %s container must mount the node's %s at the same path (found %q)",
