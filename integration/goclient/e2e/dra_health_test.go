@@ -15,6 +15,7 @@ import (
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
 
 // kubeletStream is the kubelet's end of NodeWatchResources in process: what the service sends
@@ -36,14 +37,24 @@ func (s *kubeletStream) Send(r *drahealth.NodeWatchResourcesResponse) error {
 	}
 }
 
-// A critical Xid on an instance turns its DRA device Unhealthy on the kubelet's health stream, and
-// the stream outlives a kill -9 of the sidecar: the fault stays, and an Xid after the restart
-// reaches it too.
+// A critical Xid on a claim's instance turns its DRA device Unhealthy on the kubelet's health
+// stream, and the stream outlives a kill -9 of the sidecar: the fault stays, and an Xid after the
+// restart reaches it too.
 func TestAnXidTurnsTheDRADeviceUnhealthyAndTheHealthStreamOutlivesASidecarRestart(t *testing.T) {
-	ctx, c, p, gpus := setup(t)
+	ctx, c, _, gpus := setup(t)
 	restart := env(t, "MIGSIDECAR_RESTART_CMD")
-	hit := allocate(ctx, t, c, p, request("hit", dev(gpus[0], "1g.10gb", 0, 1))).Devices[0]
-	later := allocate(ctx, t, c, p, request("later", dev(gpus[0], "1g.10gb", 1, 1))).Devices[0]
+	claim := func(uid string, d migclient.DeviceRequest) migclient.AllocatedDevice {
+		t.Helper()
+		d.Request = "gpu"
+		res, err := c.Allocate(ctx, migclient.AllocateRequest{
+			Claim: &migclient.ClaimRef{UID: uid, Namespace: "e2e", Name: "claim-" + uid}, Devices: []migclient.DeviceRequest{d}})
+		if err != nil {
+			t.Fatalf("Allocate for claim %s: %v", uid, err)
+		}
+		return res.Devices[0]
+	}
+	hit := claim("hit", dev(gpus[0], "1g.10gb", 0, 1))
+	later := claim("later", dev(gpus[0], "1g.10gb", 1, 1))
 
 	conn, err := grpc.NewClient("unix://"+env(t, "MIGSIDECAR_SOCKET"), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
