@@ -223,10 +223,15 @@ GO_E2E_TESTS = [
     "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
     "TestTheLazyAdapterAnswersThePR3128MethodSet",
     "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
+    "TestAnXidTurnsTheDRADeviceUnhealthyAndTheHealthStreamOutlivesASidecarRestart",
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
-GO_E2E_KUBEAPI = {"TestTheMockPluginRunsItsPodsThroughARealAPIServer"}
+GO_E2E_KUBEAPI = {
+    "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
+}
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.
 GO_E2E_QUIET_RECONCILER = {

@@ -37,11 +37,19 @@ func validateAllocate(req AllocateRequest) error {
 	bad := func(msg string, args ...any) error {
 		return newError("Allocate", codes.InvalidArgument, ReasonInvalidRequest, fmt.Sprintf(msg, args...))
 	}
-	if req.Pod.UID == "" {
+	owner := fmt.Sprintf("pod %s container %d", req.Pod.UID, req.ContainerIndex)
+	switch {
+	case req.Claim != nil && (req.Pod != PodRef{} || req.ContainerName != "" || req.ContainerIndex != 0):
+		return bad("both a claim and a pod (or container) are set: the owner is exactly one of them")
+	case req.Claim != nil && req.Claim.UID == "":
+		return bad("claim UID is empty")
+	case req.Claim != nil:
+		owner = "claim " + req.Claim.UID
+	case req.Pod.UID == "":
 		return bad("pod UID is empty")
 	}
 	if len(req.Devices) == 0 {
-		return bad("no devices requested for pod %s container %d", req.Pod.UID, req.ContainerIndex)
+		return bad("no devices requested for %s", owner)
 	}
 	seen := make(map[uint32]bool, len(req.Devices))
 	for _, d := range req.Devices {

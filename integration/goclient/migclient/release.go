@@ -16,7 +16,20 @@ func (c *Client) Release(ctx context.Context, podUID string) ([]InstanceRef, err
 	if podUID == "" {
 		return nil, newError("Release", codes.InvalidArgument, ReasonInvalidRequest, "pod UID is empty")
 	}
-	req := &pb.ReleaseRequest{PodUid: podUID}
+	return c.release(ctx, &pb.ReleaseRequest{PodUid: podUID})
+}
+
+// ReleaseClaim is a DRA kubelet plugin's unprepare: the claim's ACTIVE instances become IDLE (a
+// faulted one is destroyed instead). It touches no pod's instance, and a claim that holds none
+// (already released, never prepared) answers an empty list: it is idempotent.
+func (c *Client) ReleaseClaim(ctx context.Context, claimUID string) ([]InstanceRef, error) {
+	if claimUID == "" {
+		return nil, newError("Release", codes.InvalidArgument, ReasonInvalidRequest, "claim UID is empty")
+	}
+	return c.release(ctx, &pb.ReleaseRequest{ClaimUid: claimUID})
+}
+
+func (c *Client) release(ctx context.Context, req *pb.ReleaseRequest) ([]InstanceRef, error) {
 	var resp *pb.ReleaseResponse
 	err := c.withRecovery(ctx, "Release", c.opts.CallTimeout, func(ctx context.Context) error {
 		var err error

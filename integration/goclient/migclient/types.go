@@ -22,6 +22,13 @@ type PodRef struct {
 	Name      string
 }
 
+// ClaimRef names the DRA ResourceClaim that holds an allocation (a DRA kubelet plugin's owner).
+type ClaimRef struct {
+	UID       string
+	Namespace string
+	Name      string
+}
+
 // DeviceRequest is one scheduler reservation of a container: exactly this GPU, profile and
 // placement, or nothing.
 type DeviceRequest struct {
@@ -29,15 +36,22 @@ type DeviceRequest struct {
 	GPUUUID     string
 	Profile     string
 	Placement   Placement
+	// Request is, with AllocateRequest.Claim, the claim's request this device answers, as the
+	// allocation result names it ("gpu", or "gpu/small" for a firstAvailable subrequest).
+	Request string
 }
 
-// AllocateRequest asks for every device of one container. The allocation key of each device is
-// (Pod.UID, ContainerIndex, DeviceIndex); repeating the request converges on the same instances.
+// AllocateRequest asks for every device of one container, or of one claim. The allocation key
+// of each device is (Pod.UID, ContainerIndex, DeviceIndex), or (Claim.UID, DeviceIndex) when
+// Claim is set; repeating the request converges on the same instances.
 type AllocateRequest struct {
 	Pod            PodRef
 	ContainerName  string
 	ContainerIndex uint32
 	Devices        []DeviceRequest
+	// Claim, set instead of Pod (and ContainerName, ContainerIndex), makes the claim the owner:
+	// a DRA kubelet plugin's Allocate. A pod's release never touches its instances.
+	Claim *ClaimRef
 }
 
 // Outcome says how the sidecar satisfied one device.
@@ -207,7 +221,14 @@ func (r AllocateRequest) toPB() *pb.AllocateRequest {
 			GpuUuid:     d.GPUUUID,
 			Profile:     d.Profile,
 			Placement:   d.Placement.toPB(),
+			Request:     d.Request,
 		})
+	}
+	if r.Claim != nil {
+		return &pb.AllocateRequest{
+			Claim:   &pb.ClaimRef{Uid: r.Claim.UID, Namespace: r.Claim.Namespace, Name: r.Claim.Name},
+			Devices: devs,
+		}
 	}
 	return &pb.AllocateRequest{
 		Pod:            &pb.PodRef{Uid: r.Pod.UID, Namespace: r.Pod.Namespace, Name: r.Pod.Name},

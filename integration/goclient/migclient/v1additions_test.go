@@ -267,3 +267,47 @@ func TestTheKnownGenerationPassFallsBackWhenTheSidecarRestarted(t *testing.T) {
 		t.Fatalf("%v", got)
 	}
 }
+
+func TestAClaimsInstanceIsReleasedByItsClaimOnlyAndAPodAndAClaimAtOnceAreRefused(t *testing.T) {
+	s, c := fake(t, nil)
+	ctx := context.Background()
+	pod, err := c.Allocate(ctx, req(on(0)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	claimReq := migclient.AllocateRequest{Claim: &migclient.ClaimRef{UID: "claim-1", Namespace: "ns", Name: "c"},
+		Devices: []migclient.DeviceRequest{{GPUUUID: "GPU-a", Profile: "1g.10gb", Placement: migclient.Placement{Start: 1, Size: 1}, Request: "gpu"}}}
+	claim, err := c.Allocate(ctx, claimReq)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	both := claimReq
+	both.Pod = migclient.PodRef{UID: "p"}
+	if _, err := c.Allocate(ctx, both); !migclient.IsReason(err, migclient.ReasonInvalidRequest) {
+		t.Fatalf("a pod and a claim in one Allocate: want INVALID_REQUEST, got %v", err)
+	}
+	if _, err := c.ReleaseClaim(ctx, ""); !migclient.IsReason(err, migclient.ReasonInvalidRequest) {
+		t.Fatalf("an empty claim UID: want INVALID_REQUEST, got %v", err)
+	}
+
+	// A level-triggered pod release with no pod listed leaves the claim's instance ACTIVE.
+	if _, err := c.ReleaseByPodList(ctx, func(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]pb.InstanceState{pod.Devices[0].MigUUID: pb.InstanceState_IDLE, claim.Devices[0].MigUUID: pb.InstanceState_ACTIVE}
+	if got := states(s); len(got) != 2 || got[pod.Devices[0].MigUUID] != want[pod.Devices[0].MigUUID] ||
+		got[claim.Devices[0].MigUUID] != want[claim.Devices[0].MigUUID] {
+		t.Fatalf("after the pod pass: %v, want %v", got, want)
+	}
+	released, err := c.ReleaseClaim(ctx, "claim-1")
+	if err != nil || len(released) != 1 || released[0].MigUUID != claim.Devices[0].MigUUID {
+		t.Fatalf("ReleaseClaim: %+v %v", released, err)
+	}
+	if again, err := c.ReleaseClaim(ctx, "claim-1"); err != nil || len(again) != 0 {
+		t.Fatalf("a repeated ReleaseClaim: %+v %v", again, err)
+	}
+	if got := states(s); got[claim.Devices[0].MigUUID] != pb.InstanceState_IDLE {
+		t.Fatalf("after ReleaseClaim: %v", got)
+	}
+}

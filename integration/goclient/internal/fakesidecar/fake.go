@@ -26,11 +26,13 @@ import (
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 )
 
-// Key is an allocation key: pod UID, container index, device index.
+// Key is an allocation key: pod UID, container index, device index; or, for a claim's
+// instance, claim UID and device index (PodUID empty).
 type Key struct {
 	PodUID         string
 	ContainerIndex uint32
 	DeviceIndex    uint32
+	ClaimUID       string
 }
 
 // Instance is one row of the fake's table.
@@ -49,6 +51,8 @@ type Instance struct {
 	// list fenced at that generation or later, as the sidecar does.
 	Activated uint64
 	Xid       uint32 // the critical Xid that faulted it (Fault); 0 while healthy
+	// Claim names the claim that holds it, with Owner.ClaimUID (GetState reports it).
+	Claim *pb.ClaimRef
 }
 
 // Server is the fake. Its fields are guarded by mu; tests use the methods.
@@ -398,11 +402,12 @@ func (s *Server) SyncActive(_ context.Context, req *pb.SyncActiveRequest) (*pb.S
 	}
 	listed := map[Key]bool{}
 	for _, a := range req.GetActive() {
-		listed[Key{a.GetPod().GetUid(), a.GetContainerIndex(), a.GetDeviceIndex()}] = true
+		listed[Key{PodUID: a.GetPod().GetUid(), ContainerIndex: a.GetContainerIndex(), DeviceIndex: a.GetDeviceIndex()}] = true
 	}
 	out := &pb.SyncActiveResponse{}
 	for _, in := range s.instances {
-		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && !listed[*in.Owner] && in.Activated <= req.GetGeneration() {
+		if in.State == pb.InstanceState_ACTIVE && in.Owner != nil && in.Owner.ClaimUID == "" && !listed[*in.Owner] &&
+			in.Activated <= req.GetGeneration() {
 			in.State = pb.InstanceState_IDLE
 			s.generation++
 			out.Idled = append(out.Idled, ref(in))
@@ -421,7 +426,10 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 	}
 	out := &pb.AllocateResponse{}
 	for _, d := range req.GetDevices() {
-		key := Key{req.GetPod().GetUid(), req.GetContainerIndex(), d.GetDeviceIndex()}
+		key := Key{PodUID: req.GetPod().GetUid(), ContainerIndex: req.GetContainerIndex(), DeviceIndex: d.GetDeviceIndex()}
+		if req.GetClaim() != nil {
+			key = Key{ClaimUID: req.GetClaim().GetUid(), DeviceIndex: d.GetDeviceIndex()}
+		}
 		start, size := d.GetPlacement().GetStart(), d.GetPlacement().GetSize()
 		if !s.migOn[d.GetGpuUuid()] {
 			return nil, fail(codes.FailedPrecondition, "MIG_DISABLED", "MIG disabled on "+d.GetGpuUuid(), nil)
@@ -462,7 +470,7 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 			s.generation++
 			got.Activated = s.generation
 		}
-		got.State, got.Owner = pb.InstanceState_ACTIVE, &key
+		got.State, got.Owner, got.Claim = pb.InstanceState_ACTIVE, &key, req.GetClaim()
 		out.Devices = append(out.Devices, &pb.AllocatedDevice{DeviceIndex: d.GetDeviceIndex(), GpuUuid: got.GPU,
 			Profile: got.Profile, Placement: d.GetPlacement(), MigUuid: got.MigUUID, GpuInstanceId: got.GI,
 			ComputeInstanceId: got.CI, CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + got.MigUUID, Outcome: outcome})
@@ -513,7 +521,7 @@ func (s *Server) UndoDevice(_ context.Context, req *pb.UndoDeviceRequest) (*pb.U
 			in = x
 		}
 	}
-	want := Key{req.GetPodUid(), req.GetContainerIndex(), req.GetDeviceIndex()}
+	want := Key{PodUID: req.GetPodUid(), ContainerIndex: req.GetContainerIndex(), DeviceIndex: req.GetDeviceIndex()}
 	switch {
 	case in == nil:
 		out.Skipped = pb.UndoSkip_UNDO_SKIP_UNKNOWN_INSTANCE
@@ -681,7 +689,8 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 			if in.GPU == g {
 				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
 					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
-					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State, Owner: owner(in.Owner),
+					GpuInstanceId: in.GI, ComputeInstanceId: in.CI, State: in.State, Owner: owner(in),
+					Health:    health(in),
 					CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + in.MigUUID})
 			}
 		}
@@ -690,11 +699,51 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 	return out, nil
 }
 
-func owner(k *Key) *pb.Owner {
-	if k == nil {
-		return nil
+func health(in *Instance) pb.InstanceHealth {
+	if in.Xid != 0 {
+		return pb.InstanceHealth_FAULTED
 	}
-	return &pb.Owner{Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex, DeviceIndex: k.DeviceIndex}
+	return pb.InstanceHealth_HEALTHY
+}
+
+func owner(in *Instance) *pb.Owner {
+	k := in.Owner
+	switch {
+	case k == nil:
+		return nil
+	case k.ClaimUID != "":
+		return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: in.Claim, DeviceIndex: k.DeviceIndex}
+	}
+	return &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_POD, Pod: &pb.PodRef{Uid: k.PodUID}, ContainerIndex: k.ContainerIndex,
+		DeviceIndex: k.DeviceIndex}
+}
+
+// Release is the RPC of that name, over the fake's table: the pod's (or the claim's) ACTIVE
+// instances become IDLE, a faulted one is destroyed instead.
+func (s *Server) Release(_ context.Context, req *pb.ReleaseRequest) (*pb.ReleaseResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.gate(); err != nil {
+		return nil, err
+	}
+	if (req.GetPodUid() == "") == (req.GetClaimUid() == "") {
+		return nil, fail(codes.InvalidArgument, "INVALID_REQUEST", "exactly one of pod_uid and claim_uid", nil)
+	}
+	out := &pb.ReleaseResponse{}
+	for _, in := range append([]*Instance(nil), s.instances...) {
+		if in.State != pb.InstanceState_ACTIVE || in.Owner == nil || in.Owner.PodUID != req.GetPodUid() ||
+			in.Owner.ClaimUID != req.GetClaimUid() {
+			continue
+		}
+		out.Released = append(out.Released, ref(in))
+		s.generation++
+		if in.Xid != 0 {
+			s.remove(in)
+			continue
+		}
+		in.State, in.Owner = pb.InstanceState_IDLE, nil
+	}
+	return out, nil
 }
 
 // Following is the number of WatchHealth streams that follow changes now.

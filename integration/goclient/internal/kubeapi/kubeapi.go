@@ -15,6 +15,22 @@
 // (about 4 s) and shares it with the package's other tests; Main stops it after the last test. When
 // the binaries are missing Get skips with the make target that builds them, except under CI, which
 // builds them (.ci/run) and so fails.
+//
+// GetWithScheduler also runs the real kube-scheduler of the same version against the server (see
+// StartScheduler), for tests of Dynamic Resource Allocation: the scheduler allocates ResourceClaims
+// from the ResourceSlices a test or a DRA plugin publishes and binds the pods. What a test must know,
+// established by scheduler_test.go against this version:
+//   - Nothing else runs. A Node needs its status written (allocatable pods, cpu, memory) and the
+//     not-ready taint that admission gives a new node removed. A pod names a ResourceClaim the test
+//     created: a ResourceClaimTemplate needs kube-controller-manager to create the pod's claim. A
+//     bound pod is deleted with a grace period of 0 (no kubelet confirms it), and its claim with
+//     DeleteClaim, which frees its devices as the resourceclaim controller would.
+//   - The scheduler takes the first device that fits in the order the slice lists them, not the
+//     lowest placement nor the first name, and counts the shared counters (one per memory slice)
+//     across claims, so two claims never get overlapping placements.
+//   - A request's firstAvailable list (DRAPrioritizedList, GA in 1.36) is honoured in order: a first
+//     subrequest selecting `warm` devices gets a warm one wherever it sits in the slice, the next
+//     subrequest any device of the profile; the allocation names the request "<request>/<subrequest>".
 package kubeapi
 
 import (
@@ -36,12 +52,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	resourcev1 "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -60,7 +78,8 @@ const (
 	PluginUser          = "system:serviceaccount:" + PluginNamespace + ":" + PluginAccount
 	StandaloneAccount   = "hami-mig-sidecar-standalone"
 	StandaloneUser      = "system:serviceaccount:" + PluginNamespace + ":" + StandaloneAccount
-	readyTimeout        = 90 * time.Second // a loaded 2-core machine; /readyz is ok after ~4 s when idle
+	SchedulerUser       = "system:kube-scheduler" // kube-scheduler's own user (see StartScheduler)
+	readyTimeout        = 90 * time.Second        // a loaded 2-core machine; /readyz is ok after ~4 s when idle
 	stopTimeout         = 10 * time.Second
 	buildTarget         = "make kube-binaries"
 	auditPolicyDocument = `apiVersion: audit.k8s.io/v1
@@ -69,21 +88,38 @@ omitStages: [RequestReceived]
 rules:
   - level: Metadata
 `
+	// The scheduler's configuration; %s is its kubeconfig.
+	schedulerConfigDocument = `apiVersion: kubescheduler.config.k8s.io/v1
+kind: KubeSchedulerConfiguration
+clientConnection:
+  kubeconfig: %s
+  qps: 1000
+  burst: 1000
+leaderElection:
+  leaderElect: false
+`
 )
 
 // tokens are the bearer tokens of the token file's users.
-var tokens = map[string]string{AdminUser: "admin-token", PluginUser: "plugin-token", StandaloneUser: "standalone-token"}
+var tokens = map[string]string{AdminUser: "admin-token", PluginUser: "plugin-token", StandaloneUser: "standalone-token",
+	SchedulerUser: "scheduler-token"}
 
-// Server is a running etcd and kube-apiserver.
+// Server is a running etcd and kube-apiserver, and the kube-scheduler once GetWithScheduler started it.
 type Server struct {
-	dir        string
-	url        string
-	caPEM      []byte
-	auditLog   string
-	etcd, kube *exec.Cmd
-	exited     chan struct{} // closed when the API server process exits
-	marks      int
-	mu         sync.Mutex
+	dir                   string
+	url                   string
+	caPEM                 []byte
+	auditLog              string
+	etcd, kube, scheduler *process
+	marks                 int
+	mu                    sync.Mutex
+}
+
+// process is a program the server runs, its output in a log file of the server's directory.
+type process struct {
+	name   string
+	cmd    *exec.Cmd
+	exited chan struct{} // closed when it exits
 }
 
 var shared struct {
@@ -91,9 +127,13 @@ var shared struct {
 	server *Server
 	err    error
 	skip   string
+
+	schedulerOnce sync.Once
+	schedulerErr  error
+	schedulerSkip string
 }
 
-// Main runs a test package's tests and then stops the server if one was started.
+// Main runs a test package's tests and then stops the server (and its scheduler) if one was started.
 func Main(m *testing.M) int {
 	code := m.Run()
 	if shared.server != nil {
@@ -114,16 +154,44 @@ func Get(t testing.TB) *Server {
 		}
 		shared.server, shared.err = Start(etcd, kube)
 	})
-	if shared.skip != "" {
-		if os.Getenv("CI") != "" {
-			t.Fatalf("%s (.ci/run builds them)", shared.skip)
-		}
-		t.Skip(shared.skip)
-	}
+	skipUnbuilt(t, shared.skip)
 	if shared.err != nil {
 		t.Fatalf("start the API server: %v", shared.err)
 	}
 	return shared.server
+}
+
+// GetWithScheduler is Get with the package's kube-scheduler running against the server, started on
+// the first call (see StartScheduler) and stopped by Main. Without the binary it skips (fails under
+// CI) as Get does.
+func GetWithScheduler(t testing.TB) *Server {
+	t.Helper()
+	s := Get(t)
+	shared.schedulerOnce.Do(func() {
+		bin := Find("kube-scheduler")
+		if bin == "" {
+			shared.schedulerSkip = "kube-scheduler not built: `" + buildTarget + "` builds it beside the API server"
+			return
+		}
+		shared.schedulerErr = s.StartScheduler(bin)
+	})
+	skipUnbuilt(t, shared.schedulerSkip)
+	if shared.schedulerErr != nil {
+		t.Fatalf("start the scheduler: %v", shared.schedulerErr)
+	}
+	return s
+}
+
+// skipUnbuilt skips the test when why says a binary is missing, except under CI, which builds them.
+func skipUnbuilt(t testing.TB, why string) {
+	t.Helper()
+	if why == "" {
+		return
+	}
+	if os.Getenv("CI") != "" {
+		t.Fatalf("%s (.ci/run builds them)", why)
+	}
+	t.Skip(why)
 }
 
 // binaries finds etcd and kube-apiserver; missing names what is not there.
@@ -223,7 +291,7 @@ func Start(etcdBin, kubeBin string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{dir: dir, auditLog: filepath.Join(dir, "audit.log"), exited: make(chan struct{})}
+	s := &Server{dir: dir, auditLog: filepath.Join(dir, "audit.log")}
 	if err := s.start(etcdBin, kubeBin); err != nil {
 		s.Stop()
 		return nil, err
@@ -242,7 +310,8 @@ func (s *Server) start(etcdBin, kubeBin string) error {
 		return err
 	}
 	// The service account flags are required even with its admission off; the key signs nothing here.
-	lines := []string{fmt.Sprintf("%s,%s,%s,\"system:masters\"", tokens[AdminUser], AdminUser, AdminUser)}
+	lines := []string{fmt.Sprintf("%s,%s,%s,\"system:masters\"", tokens[AdminUser], AdminUser, AdminUser),
+		fmt.Sprintf("%s,%s,%s", tokens[SchedulerUser], SchedulerUser, SchedulerUser)}
 	for _, account := range []string{PluginAccount, StandaloneAccount} {
 		user := "system:serviceaccount:" + PluginNamespace + ":" + account
 		lines = append(lines, fmt.Sprintf("%s,%s,%s,\"system:serviceaccounts,system:serviceaccounts:%s\"",
@@ -256,17 +325,17 @@ func (s *Server) start(etcdBin, kubeBin string) error {
 		}
 	}
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", client)
-	s.etcd = exec.Command(etcdBin, "--data-dir", filepath.Join(s.dir, "etcd"),
+	etcd := exec.Command(etcdBin, "--data-dir", filepath.Join(s.dir, "etcd"),
 		"--listen-client-urls", etcdURL, "--advertise-client-urls", etcdURL,
 		"--listen-peer-urls", fmt.Sprintf("http://127.0.0.1:%d", peer),
 		"--initial-advertise-peer-urls", fmt.Sprintf("http://127.0.0.1:%d", peer),
 		"--initial-cluster", fmt.Sprintf("default=http://127.0.0.1:%d", peer),
 		"--unsafe-no-fsync", "--log-level", "warn")
-	if err := s.launch(s.etcd, "etcd.log"); err != nil {
+	if s.etcd, err = s.launch(etcd, "etcd"); err != nil {
 		return err
 	}
 	s.url = fmt.Sprintf("https://127.0.0.1:%d", secure)
-	s.kube = exec.Command(kubeBin,
+	kube := exec.Command(kubeBin,
 		"--etcd-servers", etcdURL, "--bind-address", "127.0.0.1", "--secure-port", fmt.Sprint(secure),
 		"--advertise-address", "127.0.0.1", "--tls-cert-file", cert, "--tls-private-key-file", key,
 		"--token-auth-file", filepath.Join(s.dir, "tokens.csv"), "--authorization-mode", "RBAC",
@@ -276,24 +345,61 @@ func (s *Server) start(etcdBin, kubeBin string) error {
 		"--allow-privileged", // as a cluster that runs device plugins does
 		"--audit-policy-file", filepath.Join(s.dir, "audit-policy.yaml"), "--audit-log-path", s.auditLog,
 		"--audit-log-format", "json", "--audit-log-mode", "blocking")
-	if err := s.launch(s.kube, "kube-apiserver.log"); err != nil {
+	if s.kube, err = s.launch(kube, "kube-apiserver"); err != nil {
 		return err
 	}
-	go func() { _ = s.kube.Wait(); close(s.exited) }()
-	return s.waitReady()
+	return s.waitReady(s.kube, s.url, tokens[AdminUser])
 }
 
-func (s *Server) launch(cmd *exec.Cmd, logName string) error {
-	out, err := os.Create(filepath.Join(s.dir, logName))
+// StartScheduler starts kube-scheduler against the server and waits for its /readyz, which reports
+// ready once its informers have synced. It authenticates as SchedulerUser, the user a kubeadm
+// cluster's scheduler has, so the API server's bootstrap ClusterRoles system:kube-scheduler and
+// system:volume-scheduler, bound to that user, grant it what the scheduler of this Kubernetes version
+// needs (DRA's device classes, slices and claims included); admin would hide a missing grant. Leader
+// election is off (one scheduler), its client is not rate limited (as Config's), and it serves
+// /readyz on a free local port with the server's certificate; with neither authentication- nor
+// authorization-kubeconfig given, only the always-allowed health paths answer there.
+func (s *Server) StartScheduler(bin string) error {
+	ports, err := freePorts(1)
 	if err != nil {
 		return err
 	}
-	cmd.Stdout, cmd.Stderr = out, out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the test binary
-	return cmd.Start()
+	kubeconfig := filepath.Join(s.dir, "scheduler.kubeconfig")
+	if err := s.writeKubeconfig(SchedulerUser, kubeconfig); err != nil {
+		return err
+	}
+	config := filepath.Join(s.dir, "scheduler.yaml")
+	if err := os.WriteFile(config, []byte(fmt.Sprintf(schedulerConfigDocument, kubeconfig)), 0o600); err != nil {
+		return err
+	}
+	scheduler := exec.Command(bin, "--config", config, "--bind-address", "127.0.0.1",
+		"--secure-port", fmt.Sprint(ports[0]), "--tls-cert-file", filepath.Join(s.dir, "tls.crt"),
+		"--tls-private-key-file", filepath.Join(s.dir, "tls.key"))
+	if s.scheduler, err = s.launch(scheduler, "kube-scheduler"); err != nil {
+		return err
+	}
+	return s.waitReady(s.scheduler, fmt.Sprintf("https://127.0.0.1:%d", ports[0]), "")
 }
 
-func (s *Server) waitReady() error {
+// launch starts cmd with its output in the server's directory, as name.log.
+func (s *Server) launch(cmd *exec.Cmd, name string) (*process, error) {
+	out, err := os.Create(filepath.Join(s.dir, name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stdout, cmd.Stderr = out, out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // never outlive the test binary
+	if err := cmd.Start(); err != nil {
+		_ = out.Close()
+		return nil, err
+	}
+	p := &process{name: name, cmd: cmd, exited: make(chan struct{})}
+	go func() { _ = cmd.Wait(); _ = out.Close(); close(p.exited) }()
+	return p, nil
+}
+
+// waitReady polls p's /readyz at url (with token as bearer, if any) until it answers 200.
+func (s *Server) waitReady(p *process, url, token string) error {
 	pool := x509.NewCertPool()
 	pool.AppendCertsFromPEM(s.caPEM)
 	client := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
@@ -301,12 +407,14 @@ func (s *Server) waitReady() error {
 	last := "no answer"
 	for time.Now().Before(deadline) {
 		select {
-		case <-s.exited:
-			return fmt.Errorf("kube-apiserver exited: %s", s.tail("kube-apiserver.log"))
+		case <-p.exited:
+			return fmt.Errorf("%s exited: %s", p.name, s.tail(p.name+".log"))
 		default:
 		}
-		req, _ := http.NewRequest(http.MethodGet, s.url+"/readyz", nil)
-		req.Header.Set("Authorization", "Bearer "+tokens[AdminUser])
+		req, _ := http.NewRequest(http.MethodGet, url+"/readyz", nil)
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
 		if resp, err := client.Do(req); err == nil {
 			body := new(bytes.Buffer)
 			_, _ = body.ReadFrom(resp.Body)
@@ -320,8 +428,12 @@ func (s *Server) waitReady() error {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	return fmt.Errorf("/readyz not ok after %s (%s): %s", readyTimeout, last, s.tail("kube-apiserver.log"))
+	return fmt.Errorf("%s: /readyz not ok after %s (%s): %s", p.name, readyTimeout, last, s.tail(p.name+".log"))
 }
+
+// LogTail is the end of a program's log ("kube-scheduler", "kube-apiserver" or "etcd"), for a test's
+// failure message.
+func (s *Server) LogTail(program string) string { return s.tail(program + ".log") }
 
 // tail is the end of one of the server's logs, for an error message.
 func (s *Server) tail(name string) string {
@@ -332,27 +444,18 @@ func (s *Server) tail(name string) string {
 	return string(data)
 }
 
-// Stop stops the API server, then etcd, and removes the directory.
+// Stop stops the scheduler, the API server, then etcd, and removes the directory.
 func (s *Server) Stop() {
-	for _, cmd := range []*exec.Cmd{s.kube, s.etcd} {
-		if cmd == nil || cmd.Process == nil {
+	for _, p := range []*process{s.scheduler, s.kube, s.etcd} {
+		if p == nil {
 			continue
 		}
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() {
-			if cmd == s.kube {
-				<-s.exited
-			} else {
-				_ = cmd.Wait()
-			}
-			close(done)
-		}()
+		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case <-done:
+		case <-p.exited:
 		case <-time.After(stopTimeout):
-			_ = cmd.Process.Kill()
-			<-done
+			_ = p.cmd.Process.Kill()
+			<-p.exited
 		}
 	}
 	_ = os.RemoveAll(s.dir)
@@ -377,17 +480,47 @@ func (s *Server) Client(t testing.TB, user string) *kubernetes.Clientset {
 // Kubeconfig writes a kubeconfig of user for a program the test runs, and returns its path.
 func (s *Server) Kubeconfig(t testing.TB, user string) string {
 	t.Helper()
+	path := filepath.Join(t.TempDir(), "kubeconfig")
+	if err := s.writeKubeconfig(user, path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func (s *Server) writeKubeconfig(user, path string) error {
 	c := s.Config(user)
 	cfg := clientcmdapi.NewConfig()
 	cfg.Clusters["test"] = &clientcmdapi.Cluster{Server: c.Host, CertificateAuthorityData: s.caPEM}
 	cfg.AuthInfos[user] = &clientcmdapi.AuthInfo{Token: c.BearerToken}
 	cfg.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: user}
 	cfg.CurrentContext = "test"
-	path := filepath.Join(t.TempDir(), "kubeconfig")
-	if err := clientcmd.WriteToFile(*cfg, path); err != nil {
-		t.Fatal(err)
+	return clientcmd.WriteToFile(*cfg, path)
+}
+
+// DeleteClaim deletes a pod's ResourceClaim once the pod is gone, as kube-controller-manager's
+// resourceclaim controller would finish it (it does not run here): it empties the claim's reservedFor
+// and clears its allocation, which frees the devices for the scheduler, removes the finalizer the
+// scheduler added at allocation, then deletes it. The pod must be deleted first: a claim still
+// reserved for a live pod is the controller's to keep.
+func DeleteClaim(ctx context.Context, client kubernetes.Interface, namespace, name string) error {
+	claims := client.ResourceV1().ResourceClaims(namespace)
+	claim, err := claims.Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return err
 	}
-	return path
+	if claim.Status.Allocation != nil || len(claim.Status.ReservedFor) > 0 {
+		claim.Status.Allocation, claim.Status.ReservedFor = nil, nil
+		if claim, err = claims.UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
+	}
+	if i := slices.Index(claim.Finalizers, resourcev1.Finalizer); i >= 0 {
+		claim.Finalizers = slices.Delete(claim.Finalizers, i, i+1)
+		if _, err := claims.Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
+	}
+	return claims.Delete(ctx, name, metav1.DeleteOptions{})
 }
 
 // Event is one audit log entry, the fields the tests read.

@@ -1,0 +1,201 @@
+package dra_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
+
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakesidecar"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func fakeNode(ctx context.Context, t *testing.T, node string, opts dra.Options) (*fakesidecar.Server, *migclient.Client, *fakekubelet.Node) {
+	t.Helper()
+	s := kubeapi.Get(t)
+	fake, socket := fakesidecar.Start(t, "GPU-a", "GPU-b")
+	c, err := migclient.New(ctx, socket, migclient.Options{CallTimeout: 5 * time.Second, AllocateTimeout: 5 * time.Second,
+		Backoff: migclient.Backoff{Initial: time.Millisecond, Max: 5 * time.Millisecond}, AllowSimulatedBackend: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	opts.NodeName = node
+	return fake, c, fakekubelet.Start(ctx, t, s, c, opts)
+}
+
+// instance is the fake's instance with that MIG UUID.
+func instance(t *testing.T, fake *fakesidecar.Server, mig string) fakesidecar.Instance {
+	t.Helper()
+	for _, in := range fake.Instances() {
+		if in.MigUUID == mig {
+			return in
+		}
+	}
+	t.Fatalf("no instance %s", mig)
+	return fakesidecar.Instance{}
+}
+
+func warmFirst(name string) func([]resourceapi.Device) bool {
+	return func(ds []resourceapi.Device) bool {
+		for _, d := range ds {
+			if d.Name == name {
+				return *d.Attributes[dra.AttrWarm].BoolValue
+			}
+		}
+		return false
+	}
+}
+
+func cdiMIG(t *testing.T, cdi []string) string {
+	t.Helper()
+	if len(cdi) != 1 {
+		t.Fatalf("CDI devices %v, want one", cdi)
+	}
+	_, mig, ok := strings.Cut(cdi[0], "=")
+	if !ok {
+		t.Fatalf("CDI device %q is not qualified", cdi[0])
+	}
+	return mig
+}
+
+func TestAFakeKubeletPreparesAClaimTwiceUnpreparesItToAWarmDeviceAndRefusesAForeignOne(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-k", dra.Options{})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	pool := dra.PoolName("node-k", 0)
+
+	claim := node.Claim(ctx, t, "default", "one", [2]string{pool, "gpu0-2g-20gb-at4"})
+	first, err := node.Prepare(ctx, claim)
+	if err != nil || first.GetError() != "" {
+		t.Fatalf("prepare: %+v %v", first, err)
+	}
+	mig := cdiMIG(t, fakekubelet.CDIDevices(first))
+	in := instance(t, fake, mig)
+	if in.State != pb.InstanceState_ACTIVE || in.GPU != "GPU-a" || in.Profile != "2g.20gb" || in.Start != 4 ||
+		in.Owner == nil || in.Owner.ClaimUID != string(claim.UID) {
+		t.Fatalf("the prepared instance: %+v", in)
+	}
+	if d := first.GetDevices()[0]; d.GetPoolName() != pool || d.GetDeviceName() != "gpu0-2g-20gb-at4" || d.GetRequestNames()[0] != "gpu" {
+		t.Fatalf("the prepared device: %+v", d)
+	}
+	again, err := node.Prepare(ctx, claim)
+	if err != nil || cdiMIG(t, fakekubelet.CDIDevices(again)) != mig || len(fake.Instances()) != 1 {
+		t.Fatalf("a repeated prepare: %+v %v, instances %+v", again, err, fake.Instances())
+	}
+
+	// A device of another node's pool, and a device this plugin never published: per-claim errors, nothing created.
+	for i, pair := range [][2]string{{"node-other-gpu0", "gpu0-2g-20gb-at0"}, {pool, "gpu0-9g-90gb-at0"}} {
+		other := node.Claim(ctx, t, "default", []string{"foreign", "unknown"}[i], pair)
+		got, err := node.Prepare(ctx, other)
+		if err != nil || !strings.Contains(got.GetError(), "not one this plugin publishes") || len(got.GetDevices()) != 0 {
+			t.Fatalf("prepare of %v: %+v %v", pair, got, err)
+		}
+	}
+	if len(fake.Instances()) != 1 {
+		t.Fatalf("a refused claim changed the table: %+v", fake.Instances())
+	}
+
+	if err := node.Unprepare(ctx, claim); err != nil {
+		t.Fatal(err)
+	}
+	if in := instance(t, fake, mig); in.State != pb.InstanceState_IDLE {
+		t.Fatalf("after unprepare: %+v", in)
+	}
+	if err := node.Unprepare(ctx, claim); err != nil {
+		t.Fatalf("a repeated unprepare: %v", err)
+	}
+	// Republished: the IDLE instance's device is warm, and first of its pool.
+	devices := node.Devices(ctx, t, warmFirst("gpu0-2g-20gb-at4"))
+	if devices[0].Name != "gpu0-2g-20gb-at4" {
+		t.Fatalf("the warm device is not first: %s", devices[0].Name)
+	}
+
+	// A fault turns it cold, never advertised as warm again, and kubelet's health watch reads its
+	// device Unhealthy.
+	watch := node.WatchHealth(ctx, t)
+	fake.Fault(mig, 79)
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return !warmFirst("gpu0-2g-20gb-at4")(ds) })
+	for unhealthy := false; !unhealthy; {
+		resp, err := watch.Recv()
+		if err != nil {
+			t.Fatalf("health watch: %v", err)
+		}
+		for _, h := range resp.GetDevices() {
+			unhealthy = unhealthy || h.GetDevice().GetPoolName() == pool && h.GetDevice().GetDeviceName() == "gpu0-2g-20gb-at4" &&
+				h.GetHealth() == drahealth.HealthStatus_UNHEALTHY
+		}
+	}
+	if pool, device, ok := node.Driver.ResolveHealth(&pb.InstanceHealthUpdate{GpuUuid: "GPU-a", Profile: "2g.20gb",
+		Placement: &pb.Placement{Start: 4, Size: 2}}); !ok || pool != "node-k-gpu0" || device != "gpu0-2g-20gb-at4" {
+		t.Fatalf("ResolveHealth: %s %s %v", pool, device, ok)
+	}
+}
+
+func TestRecoveryReleasesTheInstancesOfClaimsGoneOrMovedAndKeepsTheOthers(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, c, node := fakeNode(ctx, t, "node-r", dra.Options{})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	pool := dra.PoolName("node-r", 1)
+	prepare := func(name, device string) (*resourceapi.ResourceClaim, string) {
+		claim := node.Claim(ctx, t, "default", name, [2]string{pool, device})
+		got, err := node.Prepare(ctx, claim)
+		if err != nil || got.GetError() != "" {
+			t.Fatalf("prepare %s: %+v %v", name, got, err)
+		}
+		return claim, cdiMIG(t, fakekubelet.CDIDevices(got))
+	}
+	_, kept := prepare("kept", "gpu1-1g-10gb-at0")
+	deleted, deletedMIG := prepare("deleted", "gpu1-1g-10gb-at1")
+	moved, movedMIG := prepare("moved", "gpu1-1g-10gb-at2")
+	// A pod's instance on the same GPU: recovery never looks at it.
+	pod, err := c.Allocate(ctx, migclient.AllocateRequest{Pod: migclient.PodRef{UID: "pod-1"}, ContainerName: "main",
+		Devices: []migclient.DeviceRequest{{GPUUUID: "GPU-b", Profile: "1g.10gb", Placement: migclient.Placement{Start: 6, Size: 1}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The plugin is down; meanwhile a claim is deleted and another reallocated to another node.
+	node.Stop()
+	if err := node.Admin.ResourceV1().ResourceClaims("default").Delete(ctx, deleted.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// An allocation is immutable: the scheduler deallocates, then allocates anew.
+	allocation := moved.Status.Allocation
+	moved.Status.Allocation = nil
+	moved, err = node.Admin.ResourceV1().ResourceClaims("default").UpdateStatus(ctx, moved, metav1.UpdateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	allocation.Devices.Results[0].Pool = "node-elsewhere-gpu1"
+	moved.Status.Allocation = allocation
+	if _, err := node.Admin.ResourceV1().ResourceClaims("default").UpdateStatus(ctx, moved, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	restarted, err := dra.New(c, node.Admin, dra.Options{NodeName: "node-r"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = restarted.Close() }()
+	if err := restarted.Sync(ctx); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]pb.InstanceState{kept: pb.InstanceState_ACTIVE, deletedMIG: pb.InstanceState_IDLE,
+		movedMIG: pb.InstanceState_IDLE, pod.Devices[0].MigUUID: pb.InstanceState_ACTIVE}
+	for mig, state := range want {
+		if got := instance(t, fake, mig).State; got != state {
+			t.Errorf("%s: %s, want %s", mig, got, state)
+		}
+	}
+}

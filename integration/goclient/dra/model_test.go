@@ -1,0 +1,176 @@
+package dra_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func TestMain(m *testing.M) { os.Exit(kubeapi.Main(m)) }
+
+// simProfiles are a board's profiles as the sidecar's simulator (and so DiscoverProfiles on it)
+// lists them, from the export the hardware-truth test keeps current.
+func simProfiles(t *testing.T, board string) []migclient.Profile {
+	t.Helper()
+	raw, err := os.ReadFile("../hwtruth/testdata/sim-tables.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var tables map[string]struct {
+		Profiles []struct {
+			Name          string     `json:"name"`
+			SliceCount    uint32     `json:"slice_count"`
+			InstanceCount uint32     `json:"instance_count"`
+			MemoryMB      uint64     `json:"memory_mb"`
+			Placements    [][]uint32 `json:"placements"`
+		} `json:"profiles"`
+	}
+	if err := json.Unmarshal(raw, &tables); err != nil {
+		t.Fatal(err)
+	}
+	var out []migclient.Profile
+	for _, p := range tables[board].Profiles {
+		mp := migclient.Profile{Name: p.Name, SliceCount: p.SliceCount, InstanceCount: p.InstanceCount, MemoryMB: p.MemoryMB}
+		for _, pl := range p.Placements {
+			mp.Placements = append(mp.Placements, migclient.Placement{Start: pl[0], Size: pl[1]})
+		}
+		out = append(out, mp)
+	}
+	if len(out) == 0 {
+		t.Fatalf("no profiles for %s", board)
+	}
+	return out
+}
+
+// sliceObjects are the ResourceSlices the helper's controller would write for the model.
+func sliceObjects(node string, res map[string][]resourceapi.ResourceSliceSpec) []*resourceapi.ResourceSlice {
+	var out []*resourceapi.ResourceSlice
+	for pool, specs := range res {
+		for i, spec := range specs {
+			spec.Driver = dra.DefaultDriverName
+			spec.NodeName = ptr.To(node)
+			spec.Pool = resourceapi.ResourcePool{Name: pool, Generation: 1, ResourceSliceCount: int64(len(specs))}
+			out = append(out, &resourceapi.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("%s-%d", pool, i)}, Spec: spec})
+		}
+	}
+	return out
+}
+
+func specs(m *dra.Model) map[string][]resourceapi.ResourceSliceSpec {
+	out := map[string][]resourceapi.ResourceSliceSpec{}
+	for pool, p := range m.Resources().Pools {
+		for _, s := range p.Slices {
+			out[pool] = append(out[pool], resourceapi.ResourceSliceSpec{Devices: s.Devices, SharedCounters: s.SharedCounters})
+		}
+	}
+	return out
+}
+
+func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *testing.T) {
+	ctx := context.Background()
+	profiles := simProfiles(t, "h100-80gb")
+	warm := map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 3, Size: 1}}: true}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: profiles}, {Index: 1, UUID: "GPU-1", Profiles: profiles}}, warm)
+
+	byPool := specs(m)
+	if len(byPool) != 2 {
+		t.Fatalf("pools %v, want node-m-gpu0 and node-m-gpu1", byPool)
+	}
+	gpu0 := byPool["node-m-gpu0"]
+	if len(gpu0) != 2 || len(gpu0[0].SharedCounters) != 1 || len(gpu0[0].Devices) != 0 || len(gpu0[1].SharedCounters) != 0 {
+		t.Fatalf("gpu0's slices: want one of counters, then one of devices: %+v", gpu0)
+	}
+	set := gpu0[0].SharedCounters[0]
+	media := set.Counters["media-extensions"].Value
+	if set.Name != "gpu0" || len(set.Counters) != 9 || media.Value() != 1 {
+		t.Fatalf("gpu0's counters: want memory-slice-0..7 and media-extensions: %+v", set)
+	}
+	devices := gpu0[1].Devices
+	if len(devices) != 25 {
+		t.Fatalf("gpu0 has %d devices, want one per (profile, placement) of an H100: 25", len(devices))
+	}
+	first := devices[0]
+	if first.Name != "gpu0-1g-10gb-at3" || !*first.Attributes[dra.AttrWarm].BoolValue || *devices[1].Attributes[dra.AttrWarm].BoolValue {
+		t.Fatalf("the warm 1g.10gb at 3 must come first, alone warm: %s, then %s", first.Name, devices[1].Name)
+	}
+	me, ok := m.Lookup("node-m-gpu0", "gpu0-1g-10gb-me-at3")
+	if !ok || me.Profile != "1g.10gb+me" || me.Placement != (migclient.Placement{Start: 3, Size: 1}) {
+		t.Fatalf("gpu0-1g-10gb-me-at3: %+v %v", me, ok)
+	}
+	if _, ok := m.Lookup("node-m-gpu1", "gpu0-1g-10gb-at3"); ok {
+		t.Fatal("a device of gpu0 found in gpu1's pool")
+	}
+
+	s := kubeapi.Get(t)
+	admin := s.Client(t, kubeapi.AdminUser)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-m"}}
+	if _, err := admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, slice := range sliceObjects("node-m", byPool) {
+		if _, err := admin.ResourceV1().ResourceSlices().Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("slice %s refused: %v", slice.Name, err)
+		}
+	}
+	// Stored as sent: with DRAPartitionableDevices off the server would drop the counters silently.
+	stored, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-gpu0-1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := stored.Spec.Devices[0].ConsumesCounters; len(got) != 1 || got[0].CounterSet != "gpu0" || len(got[0].Counters) != 1 {
+		t.Fatalf("the warm device's consumesCounters came back as %+v", got)
+	}
+	if counters, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-gpu0-0", metav1.GetOptions{}); err != nil ||
+		len(counters.Spec.SharedCounters) != 1 || len(counters.Spec.SharedCounters[0].Counters) != 9 {
+		t.Fatalf("the counter slice came back as %+v (%v)", counters, err)
+	}
+
+	fakekubelet.EnsureClass(ctx, t, admin)
+	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "small"},
+		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu",
+			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: dra.DefaultDriverName}}}}}}
+	claim, err = admin.ResourceV1().ResourceClaims("default").Create(ctx, claim, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+		Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: dra.DefaultDriverName, Pool: "node-m-gpu0", Device: first.Name}}}}
+	if _, err := admin.ResourceV1().ResourceClaims("default").UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		t.Fatalf("the allocation of %s refused: %v", first.Name, err)
+	}
+}
+
+func TestEveryBoardsSlicesKeepTheServersLimits(t *testing.T) {
+	for _, board := range []string{"a100-40gb", "a30", "h100-80gb", "b200", "rtx-pro-6000"} {
+		m := dra.NewModel("n", []dra.GPU{{Index: 7, UUID: "GPU-7", Profiles: simProfiles(t, board)}}, nil)
+		for pool, slices := range specs(m) {
+			for i, s := range slices {
+				if len(s.Devices) > dra.MaxDevicesPerSlice {
+					t.Errorf("%s %s slice %d: %d devices", board, pool, i, len(s.Devices))
+				}
+				for _, d := range s.Devices {
+					if len(d.ConsumesCounters) > resourceapi.ResourceSliceMaxDeviceCounterConsumptionsPerDevice {
+						t.Errorf("%s %s: %d consumesCounters entries", board, d.Name, len(d.ConsumesCounters))
+					}
+				}
+				for _, set := range s.SharedCounters {
+					if len(set.Counters) > resourceapi.ResourceSliceMaxCountersPerCounterSet {
+						t.Errorf("%s: %d counters", board, len(set.Counters))
+					}
+				}
+			}
+		}
+	}
+}

@@ -1,0 +1,82 @@
+package dra
+
+import (
+	"context"
+	"time"
+
+	apiequality "k8s.io/apimachinery/pkg/api/equality"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+// Republishing, as the HAMi adapter's idle-inventory Publisher does it: the plugin asks the
+// sidecar's GetInfo (answered from memory) every Poll and rebuilds the model from GetState only
+// when the revision (which every change of the owned instances moves: an Allocate, a release, a
+// trim, a reclaim, an Xid fault) or the sidecar's incarnation moved, or Refresh passed. It hands
+// the slices to the helper only when they differ from the last ones, and at most once per
+// MinInterval, so a burst of claims costs one update of the node's slices a second and a quiet
+// node none. A new incarnation (the sidecar restarted) first runs Sync: its recovery, the GPUs
+// and profiles again, and the release of claims that went away meanwhile.
+
+// Run's periods unless set in Options.
+const (
+	DefaultPoll        = 200 * time.Millisecond
+	DefaultMinInterval = time.Second
+	DefaultRefresh     = 30 * time.Second
+)
+
+// PublishFunc hands the slices to the kubeletplugin helper (Helper.PublishResources).
+type PublishFunc func(ctx context.Context, resources resourceslice.DriverResources) error
+
+// Run publishes the model at once and then whenever it changes, until ctx is done. Errors are
+// logged and retried at the next poll.
+func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
+	var (
+		last      *resourceslice.DriverResources
+		seen      migclient.Info
+		known     bool
+		dirty     bool      // a Sync rebuilt the GPUs: publish whatever the revision says
+		next      time.Time // no publish before it
+		refreshed = time.Now()
+	)
+	tick := time.NewTicker(d.opts.Poll)
+	defer tick.Stop()
+	for {
+		info, err := d.c.GetInfo(ctx)
+		switch {
+		case err != nil:
+			d.opts.Log("republish: GetInfo: %v", err)
+		case known && (info.BootID != seen.BootID || !info.StartedAt.Equal(seen.StartedAt)):
+			d.opts.Log("the sidecar restarted (boot %s, started %s): syncing", info.BootID, info.StartedAt)
+			if err := d.Sync(ctx); err != nil {
+				d.opts.Log("sync after the sidecar's restart: %v", err)
+				break
+			}
+			seen.BootID, seen.StartedAt, dirty = info.BootID, info.StartedAt, true
+		case dirty || !known || info.Revision != seen.Revision || time.Since(refreshed) >= d.opts.Refresh:
+			if time.Now().Before(next) {
+				break
+			}
+			if err := d.refresh(ctx); err != nil {
+				d.opts.Log("republish: %v", err)
+				break
+			}
+			seen, known, dirty, refreshed = info, true, false, time.Now()
+			res := d.Model().Resources()
+			if last != nil && apiequality.Semantic.DeepEqual(*last, res) {
+				break
+			}
+			if err := publish(ctx, res); err != nil {
+				d.opts.Log("publish: %v", err)
+				break
+			}
+			last, next = &res, time.Now().Add(d.opts.MinInterval)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
