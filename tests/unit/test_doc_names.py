@@ -125,6 +125,9 @@ FOREIGN: dict[str, frozenset[str]] = {
     "go": frozenset(
         {
             "GpuInstancePlacement",
+            "NodePrepareResources",
+            "NodeUnprepareResources",
+            "NotifyRegistrationStatus",
             "GetGpuInstances",
             "ReadSpec",
             "InjectDevices",
