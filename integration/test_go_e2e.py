@@ -223,6 +223,7 @@ GO_E2E_TESTS = [
     "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
     "TestTheLazyAdapterAnswersThePR3128MethodSet",
     "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
+    "TestAnXidTurnsTheDRADeviceUnhealthyAndTheHealthStreamOutlivesASidecarRestart",
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
