@@ -267,3 +267,23 @@ func TestThePluginRecoversTheSidecarOnlyWhenToldItIsItsOnlyClient(t *testing.T) 
 		t.Fatalf("recovered %t after %+v", recovered(), fake.Recovers())
 	}
 }
+
+func TestAClaimOfTwoDevicesOnTwoGPUsIsPreparedInOneAllocateOwnedByTheClaim(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-2", dra.Options{})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	claim := node.Claim(ctx, t, "default", "pair", [2]string{dra.PoolName("node-2", 0), "gpu0-3g-40gb-at4"},
+		[2]string{dra.PoolName("node-2", 1), "gpu1-7g-80gb-at0"})
+	got, err := node.Prepare(ctx, claim)
+	if err != nil || got.GetError() != "" || len(fakekubelet.CDIDevices(got)) != 2 {
+		t.Fatalf("prepare: %+v %v", got, err)
+	}
+	for i, want := range []struct{ gpu, profile string }{{"GPU-a", "3g.40gb"}, {"GPU-b", "7g.80gb"}} {
+		in := instance(t, fake, cdiMIG(t, fakekubelet.CDIDevices(got)[i:i+1]))
+		if in.GPU != want.gpu || in.Profile != want.profile || in.Owner == nil || in.Owner.ClaimUID != string(claim.UID) ||
+			in.Owner.DeviceIndex != uint32(i) || got.GetDevices()[i].GetPoolName() != dra.PoolName("node-2", uint32(i)) {
+			t.Fatalf("device %d: %+v for %+v", i, in, got.GetDevices()[i])
+		}
+	}
+}
