@@ -109,7 +109,14 @@ func TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInsta
 	}
 	wantStates(ctx, t, c, "HAMi's release pass", map[string]pb.InstanceState{podMIG: pb.InstanceState_IDLE, claimMIG: pb.InstanceState_ACTIVE})
 
-	// The sidecar restarts; HAMi's client recovers it from its (empty) pod list: the claim's stays ACTIVE.
+	// A claim deleted without its unprepare (kubelet lost it), then the sidecar restarts; HAMi's client
+	// recovers it from its (empty) pod list: the live claim's instance stays ACTIVE, and the running
+	// plugin, seeing the sidecar's new incarnation, releases the deleted claim's.
+	lost := node.Claim(ctx, t, "default", "lost", [2]string{pool, dra.DeviceName(gpus[1].Index, "1g.10gb", 2)})
+	lostMIG := prepared(ctx, t, node, lost)
+	if err := node.Admin.ResourceV1().ResourceClaims("default").Delete(ctx, lost.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	if out, err := exec.Command("/bin/sh", "-c", env(t, "MIGSIDECAR_RESTART_CMD")).CombinedOutput(); err != nil {
 		t.Fatalf("restart: %v\n%s", err, out)
 	}
@@ -117,6 +124,13 @@ func TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInsta
 		t.Fatal(err)
 	}
 	wantStates(ctx, t, c, "after HAMi's recovery", map[string]pb.InstanceState{claimMIG: pb.InstanceState_ACTIVE})
+	for states(ctx, t, c)[lostMIG] != pb.InstanceState_IDLE {
+		if ctx.Err() != nil {
+			t.Fatalf("the plugin never released the deleted claim's %s after the sidecar's restart: %v", lostMIG, states(ctx, t, c))
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	wantStates(ctx, t, c, "after the plugin's sync", map[string]pb.InstanceState{claimMIG: pb.InstanceState_ACTIVE})
 
 	// A pod holds an instance again; the plugin's unprepare, and its recovery of a deleted claim, leave it ACTIVE.
 	podMIG = take("b")
