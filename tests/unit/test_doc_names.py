@@ -127,6 +127,9 @@ FOREIGN: dict[str, frozenset[str]] = {
     "go": frozenset(
         {
             "GpuInstancePlacement",
+            "NodePrepareResources",
+            "NodeUnprepareResources",
+            "NotifyRegistrationStatus",
             "GetGpuInstances",
             "ReadSpec",
             "InjectDevices",
