@@ -109,7 +109,7 @@ image:
 # The DRA kubelet plugin's image (deploy/dra/daemonset.yaml's dra-plugin container), of the same version.
 DRA_IMAGE ?= hami-mig-dra:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image-dra:
-	$(CONTAINER_TOOL) build -t $(DRA_IMAGE) -f Containerfile.dra .
+	$(CONTAINER_TOOL) build --target dra -t $(DRA_IMAGE) -f Containerfile .
 
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache .mypy_cache .ruff_cache
