@@ -96,7 +96,6 @@ FOREIGN: dict[str, frozenset[str]] = {
             "migProfileAllowlist",
             "newTestPlugin",
             "nodeConfiguration",
-            "nodeconfig",
             "nvidiaNodeSelector",
             "orderedMigPlacements",
             "primeMigManagerFromAnnotations",
