@@ -19,13 +19,17 @@ timed is the sidecar: the prober (one thread, blocking calls), the clients (``gr
 client a task on one event loop and one channel, not an OS thread each) and the followers (the same,
 one task a stream). They share the machine's CPUs with the sidecar, as a node's plugin does. The
 pacing of the Checks is the same in every phase, and a phase of 20 s makes 1000 of them, so a p99 is
-the tenth slowest, not one outlier.
+the tenth slowest, not one outlier. A second prober, paced the same, checks a reference server in
+every phase: grpcio's own asyncio health servicer alone in a process, which has none of the
+sidecar's work and the same machine; what moves its p99 from phase to phase is the machine (the
+clients' CPU, and whatever else runs there), not the sidecar.
 
 Printed, as ratios of this one run: the health Check's p99 under load (3) against idle (1), the
+reference server's p99 in the same phases and the Check's over it (what the sidecar adds), the
 Allocate throughput of (3) against (2), every call refused (by code and reason) in (2) and (3), the
 reuse Allocate's p50 against ALREADY_ALLOCATED's, and the 1-minute load average of the machine as
 the run started and ended. ``--runs N`` repeats the whole run N times and prints each, then the
-spread of the Check ratio. A Check past its deadline is counted and timed at the deadline. The
+Check's ratios run by run. A Check past its deadline is counted and timed at the deadline. The
 results: ``bench/README.md``.
 """
 
@@ -50,6 +54,7 @@ from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
@@ -233,9 +238,24 @@ async def followers_party(config: dict[str, Any]) -> dict[str, Any]:
     return {"ended": ended, "updates": updates}
 
 
+async def reference_party(config: dict[str, Any]) -> dict[str, Any]:
+    """grpcio's own asyncio health servicer alone, on a socket of its own, until stdin closes: the
+    same Check answered by nothing but grpc.aio, on the same machine at the same moment."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+    server.add_insecure_port(f"unix://{config['socket']}")
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+    return {}
+
+
 def party_main(name: str, config: dict[str, Any]) -> int:
     if name == "prober":
         result = prober_party(config)
+    elif name == "reference":
+        result = asyncio.run(reference_party(config))
     elif name == "clients":
         result = asyncio.run(clients_party(config))
     else:
@@ -251,6 +271,7 @@ class Phase:
     seconds: float = 0.0
     allocated: int = 0
     checks: list[float] = field(default_factory=list)
+    reference: list[float] = field(default_factory=list)  # the reference server's Checks
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     streams_ended: int = 0
 
@@ -260,8 +281,12 @@ class Phase:
 
 
 class Sidecar:
+    """The sidecar, and beside it the reference health server."""
+
     def __init__(self, root: Path, gpus: int) -> None:
         self.root, self.socket, self.hw_file = root, root / "s.sock", root / "hw.json"
+        self.reference = root / "reference.sock"
+        self.reference_server = Party("reference", {"socket": str(self.reference)})
         command = [
             sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
             "--sim-state", str(self.hw_file), "--sim-gpus", f"h100-80gb:{gpus}",
@@ -283,6 +308,7 @@ class Sidecar:
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.log.close()
+        self.reference_server.results()
 
 
 def reuse_figures(car: Sidecar, rounds: int) -> tuple[list[float], list[float]]:
@@ -309,7 +335,8 @@ def reuse_figures(car: Sidecar, rounds: int) -> tuple[list[float], list[float]]:
 
 
 def phase(car: Sidecar, args: argparse.Namespace, tag: str, *, clients: int, streams: bool) -> Phase:
-    """``seconds`` of Checks, with ``clients`` load clients and, with ``streams``, the followers."""
+    """``seconds`` of Checks, to the sidecar and to the reference server, with ``clients`` load
+    clients and, with ``streams``, the followers."""
     socket = str(car.socket)
     followers = (
         Party("followers", {"socket": socket, "shared": args.followers, "lone": args.lone_followers})
@@ -325,10 +352,13 @@ def phase(car: Sidecar, args: argparse.Namespace, tag: str, *, clients: int, str
         else None
     )
     prober = Party("prober", {"socket": socket, "every": PROBE_EVERY_S})
+    reference = Party("prober", {"socket": str(car.reference), "every": PROBE_EVERY_S})
     if load is not None:
         load.tell("go")
     time.sleep(args.seconds)
-    measured = Phase(seconds=args.seconds, checks=prober.results()["checks"])
+    measured = Phase(
+        seconds=args.seconds, checks=prober.results()["checks"], reference=reference.results()["checks"]
+    )
     if load is not None:
         done = load.results()
         measured.seconds, measured.allocated = done["seconds"], done["allocated"]
@@ -366,7 +396,13 @@ def run(args: argparse.Namespace, parent: Path | None) -> Run:
 
 
 def check_ratio(run: Run) -> float:
+    """The goal's: the Check's p99 with the load and the streams, over its p99 idle."""
     return percentile(run.streams.checks, 0.99) / percentile(run.idle.checks, 0.99)
+
+
+def own_ratio(measured: Phase) -> float:
+    """The Check's p99 over the reference server's in the same phase: what the sidecar adds."""
+    return percentile(measured.checks, 0.99) / percentile(measured.reference, 0.99)
 
 
 def rows(run: Run) -> Iterator[tuple[str, str]]:
@@ -388,6 +424,15 @@ def rows(run: Run) -> Iterator[tuple[str, str]]:
     yield (
         "health Check p99, load with streams",
         f"{load99 * 1e3:.2f} ms ({check_ratio(run):.1f}x idle; goal <= 3x)",
+    )
+    ref = [percentile(p.reference, 0.99) for p in (run.idle, run.plain, run.streams)]
+    yield (
+        "reference server's Check p99 idle / without / with",
+        " / ".join(f"{r * 1e3:.2f}" for r in ref) + f" ms ({ref[2] / ref[0]:.1f}x idle)",
+    )
+    yield (
+        "Check p99 / reference's, idle / without / with",
+        " / ".join(f"{own_ratio(p):.1f}x" for p in (run.idle, run.plain, run.streams)),
     )
     yield (
         "health Checks past 5 s (without / with streams)",
@@ -447,14 +492,15 @@ def main() -> int:
             runs["disk"] = run(args, None)
         table = {name: dict(rows(r)) for name, r in runs.items()}
         for name, r in runs.items():
-            spread[name].append(check_ratio(r))
+            spread[f"{name}, with streams / idle"].append(check_ratio(r))
+            spread[f"{name}, with streams / reference"].append(own_ratio(r.streams))
         width = max(len(k) for k in table["tmpfs"])
         title = f"run {n} of {args.runs}" if args.runs > 1 else ""
         print(f"\n{title:<{width}}  " + "  |  ".join(table))
         for key in table["tmpfs"]:
             print(f"{key:<{width}}  " + "  |  ".join(t[key] for t in table.values()), flush=True)
     if args.runs > 1:
-        print("\nhealth Check p99 with streams / idle, run by run:")
+        print("\nhealth Check p99, run by run:")
         for name, ratios in spread.items():
             print(
                 f"  {name}: "
