@@ -19,10 +19,11 @@ timed is the sidecar: the prober (one thread, blocking calls), the clients (``gr
 client a task on one event loop and one channel, not an OS thread each) and the followers (the same,
 one task a stream). They share the machine's CPUs with the sidecar, as a node's plugin does. The
 pacing of the Checks is the same in every phase, and a phase of 20 s makes 1000 of them, so a p99 is
-the tenth slowest, not one outlier. A second prober, paced the same, checks a reference server in
-every phase: grpcio's own asyncio health servicer alone in a process, which has none of the
-sidecar's work and the same machine; what moves its p99 from phase to phase is the machine (the
-clients' CPU, and whatever else runs there), not the sidecar.
+the tenth slowest, not one outlier. Each turn the prober also checks a reference server, right
+before or right after the sidecar (in turn): grpcio's own asyncio health servicer alone in a
+process, which has none of the sidecar's work and meets the machine as it is at that moment; what
+moves its p99 from phase to phase is the machine (the clients' CPU, and whatever else runs there),
+not the sidecar.
 
 Printed, as ratios of this one run: the health Check's p99 under load (3) against idle (1), the
 reference server's p99 in the same phases and the Check's over it (what the sidecar adds), the
@@ -125,11 +126,15 @@ def _lines() -> Iterator[str]:
 
 
 def prober_party(config: dict[str, Any]) -> dict[str, Any]:
-    """Health Checks ``every`` seconds apart until stdin closes, one at a time, blocking: the
-    liveness probe's own way. A Check past the probe's deadline is timed at the deadline."""
-    channel = grpc.insecure_channel(f"unix://{config['socket']}")
-    grpc.channel_ready_future(channel).result(timeout=60)
-    health: Any = health_pb2_grpc.HealthStub(channel)  # typed without its methods
+    """Every ``every`` seconds until stdin closes, a health Check to each of ``sockets``, one after
+    the other and each blocking (the liveness probe's own way), the first one first on every other
+    turn: each pair of Checks meets the machine in the same state. A Check past the probe's deadline
+    is timed at the deadline."""
+    stubs: list[Any] = []  # the health stubs, typed without their methods
+    for socket in config["sockets"]:
+        channel = grpc.insecure_channel(f"unix://{socket}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stubs.append(health_pb2_grpc.HealthStub(channel))
     check = health_pb2.HealthCheckRequest(service="")
     stop = threading.Event()
 
@@ -139,16 +144,20 @@ def prober_party(config: dict[str, Any]) -> dict[str, Any]:
 
     threading.Thread(target=until_stdin_closes, daemon=True).start()
     print("ready", flush=True)
-    timed: list[float] = []
+    timed: list[list[float]] = [[] for _ in stubs]
     every = float(config["every"])
     next_at = time.perf_counter()
+    turn = 0
     while not stop.is_set():
-        started = time.perf_counter()
-        try:
-            health.Check(check, timeout=PROBE_DEADLINE_S)
-            timed.append(time.perf_counter() - started)
-        except grpc.RpcError:
-            timed.append(PROBE_DEADLINE_S)
+        order = list(range(len(stubs)))
+        for i in order[turn % 2 :] + order[: turn % 2]:
+            started = time.perf_counter()
+            try:
+                stubs[i].Check(check, timeout=PROBE_DEADLINE_S)
+                timed[i].append(time.perf_counter() - started)
+            except grpc.RpcError:
+                timed[i].append(PROBE_DEADLINE_S)
+        turn += 1
         next_at = max(next_at + every, time.perf_counter())
         stop.wait(next_at - time.perf_counter())
     return {"checks": timed}
@@ -351,14 +360,12 @@ def phase(car: Sidecar, args: argparse.Namespace, tag: str, *, clients: int, str
         if clients
         else None
     )
-    prober = Party("prober", {"socket": socket, "every": PROBE_EVERY_S})
-    reference = Party("prober", {"socket": str(car.reference), "every": PROBE_EVERY_S})
+    prober = Party("prober", {"sockets": [socket, str(car.reference)], "every": PROBE_EVERY_S})
     if load is not None:
         load.tell("go")
     time.sleep(args.seconds)
-    measured = Phase(
-        seconds=args.seconds, checks=prober.results()["checks"], reference=reference.results()["checks"]
-    )
+    checks, reference = prober.results()["checks"]
+    measured = Phase(seconds=args.seconds, checks=checks, reference=reference)
     if load is not None:
         done = load.results()
         measured.seconds, measured.allocated = done["seconds"], done["allocated"]
