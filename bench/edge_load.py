@@ -492,15 +492,15 @@ def main() -> int:
         flush=True,
     )
     shm = Path("/dev/shm")
-    spread: dict[str, list[float]] = collections.defaultdict(list)
+    by_run: dict[str, list[float]] = collections.defaultdict(list)
     for n in range(1, args.runs + 1):
         runs = {"tmpfs": run(args, shm if shm.is_dir() else None)}
         if args.disk:
             runs["disk"] = run(args, None)
         table = {name: dict(rows(r)) for name, r in runs.items()}
         for name, r in runs.items():
-            spread[f"{name}, with streams / idle"].append(check_ratio(r))
-            spread[f"{name}, with streams / reference"].append(own_ratio(r.streams))
+            by_run[f"{name}, with streams / idle"].append(check_ratio(r))
+            by_run[f"{name}, with streams / reference"].append(own_ratio(r.streams))
         width = max(len(k) for k in table["tmpfs"])
         title = f"run {n} of {args.runs}" if args.runs > 1 else ""
         print(f"\n{title:<{width}}  " + "  |  ".join(table))
@@ -508,7 +508,7 @@ def main() -> int:
             print(f"{key:<{width}}  " + "  |  ".join(t[key] for t in table.values()), flush=True)
     if args.runs > 1:
         print("\nhealth Check p99, run by run:")
-        for name, ratios in spread.items():
+        for name, ratios in by_run.items():
             print(
                 f"  {name}: "
                 + ", ".join(f"{r:.2f}x" for r in ratios)
