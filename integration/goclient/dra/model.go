@@ -31,7 +31,9 @@ import (
 //
 // Warm devices come first: the scheduler takes the first device that fits, in slice order and
 // then device order, so a claim lands on a cached IDLE instance (REUSE: no create) whenever one
-// of its profile is free on the GPU it tries. It tries the pools by name, one GPU after the other
+// of its profile is free on the GPU it tries. Then the cold devices no IDLE instance overlaps,
+// then those over one (rank), so a claim missing the cache does not destroy a cached instance
+// while a free placement is left. It tries the pools by name, one GPU after the other
 // (gpu0 before gpu1), so the order alone prefers a warm device only within one GPU: a claim that
 // should take a warm instance on any GPU before a cold one on the first asks for it with a
 // firstAvailable list whose first subrequest selects the attribute "warm". A device is warm when
@@ -84,7 +86,7 @@ type Placed struct {
 // lookup of an allocation result's (pool, device) pair.
 type Model struct {
 	node    string
-	pools   map[string][]Device // by pool name, warm first
+	pools   map[string][]Device // by pool name, in rank order (warm first)
 	sets    map[string]resourceapi.CounterSet
 	byName  map[[2]string]Device
 	gpuByID map[string]uint32 // GPU UUID -> index
@@ -116,6 +118,35 @@ func instanceCounter(p migclient.Profile) string {
 }
 
 func counterSetName(gpuIndex uint32) string { return fmt.Sprintf("gpu%d", gpuIndex) }
+
+// idlePlacements are the placements of the IDLE instances on one GPU (every key of the warm set is one).
+func idlePlacements(gpuUUID string, warm map[Placed]bool) []migclient.Placement {
+	var out []migclient.Placement
+	for p, ok := range warm {
+		if ok && p.GPUUUID == gpuUUID {
+			out = append(out, p.Placement)
+		}
+	}
+	return out
+}
+
+// rank orders a GPU's devices by what preparing a claim on one costs the sidecar: 0 warm (a reuse,
+// no create), 1 cold on memory slices no IDLE instance holds (one create), 2 cold over an IDLE
+// instance of another profile or placement (the sidecar destroys that instance inline, then
+// creates: the slowest prepare, and the cache loses the instance). The order of RankPlacements'
+// REUSE, FREE and RECLAIM, so that a claim missing the cache takes a free placement while one is
+// left instead of one in a cached instance's way.
+func rank(d Device, idle []migclient.Placement) int {
+	if d.Warm {
+		return 0
+	}
+	for _, p := range idle {
+		if d.Placement.Start < p.Start+p.Size && p.Start < d.Placement.Start+d.Placement.Size {
+			return 2
+		}
+	}
+	return 1
+}
 
 // WarmFromState is the warm set of a GetState answer: every IDLE, healthy instance.
 func WarmFromState(st *pb.GetStateResponse) map[Placed]bool {
@@ -158,15 +189,8 @@ func NewModel(node string, gpus []GPU, warm map[Placed]bool) *Model {
 				devices = append(devices, d)
 			}
 		}
-		slices.SortStableFunc(devices, func(a, b Device) int {
-			switch {
-			case a.Warm == b.Warm:
-				return 0
-			case a.Warm:
-				return -1
-			}
-			return 1
-		})
+		idle := idlePlacements(g.UUID, warm)
+		slices.SortStableFunc(devices, func(a, b Device) int { return rank(a, idle) - rank(b, idle) })
 		m.pools[pool], m.sets[pool], m.gpuByID[g.UUID] = devices, set, g.Index
 		for _, d := range devices {
 			m.byName[[2]string{pool, d.Name}] = d

@@ -173,3 +173,33 @@ func TestEveryBoardsSlicesKeepTheServersLimits(t *testing.T) {
 		}
 	}
 }
+
+// A claim that misses the cache takes a free placement while one is left: after the warm device,
+// every device whose memory slices no IDLE instance holds comes before every device over one.
+func TestColdDevicesOnFreeMemorySlicesComeBeforeThoseOverAnIdleInstance(t *testing.T) {
+	idle := migclient.Placement{Start: 3, Size: 1}
+	warm := map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: idle}: true}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, warm)
+
+	devices := specs(m)["node-m-gpu0"][1].Devices
+	if devices[0].Name != "gpu0-1g-10gb-at3" {
+		t.Fatalf("first %s, want the warm gpu0-1g-10gb-at3", devices[0].Name)
+	}
+	over, free := 0, 0
+	for _, d := range devices[1:] {
+		start, size := *d.Attributes[dra.AttrPlacementStart].IntValue, *d.Attributes[dra.AttrPlacementSize].IntValue
+		if start < int64(idle.Start+idle.Size) && int64(idle.Start) < start+size {
+			over++
+			continue
+		}
+		free++
+		if over > 0 {
+			t.Fatalf("%s (free) comes after %d devices over the IDLE instance at 3", d.Name, over)
+		}
+	}
+	// An H100's 25 devices: the warm one, 6 over slice 3 (1g.10gb+me at 3, 1g.20gb and 2g.20gb at
+	// 2, 3g.40gb, 4g.40gb and 7g.80gb at 0), 18 clear of it.
+	if free != 18 || over != 6 {
+		t.Fatalf("%d free and %d over slice 3, want 18 and 6", free, over)
+	}
+}
