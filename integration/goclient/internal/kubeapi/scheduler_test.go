@@ -10,12 +10,12 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 )
 
@@ -79,37 +79,17 @@ func byDevice(t *testing.T, name string) placement {
 	return placement{}
 }
 
-// draNode creates the test's namespace and a Node of that name with room for pods (no kubelet runs,
-// so the test writes its status), removed when the test ends so no later pod lands there.
+// draNode creates the test's namespace, a schedulable Node of that name (removed when the test ends,
+// so no later pod lands there) and the driver's DeviceClass.
 func draNode(t *testing.T, admin kubernetes.Interface) string {
 	t.Helper()
 	name := namespace(t, admin)
 	ctx := context.Background()
-	node, err := admin.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	node.Status.Allocatable = corev1.ResourceList{corev1.ResourcePods: resource.MustParse("110"),
-		corev1.ResourceCPU: resource.MustParse("8"), corev1.ResourceMemory: resource.MustParse("64Gi")}
-	node.Status.Capacity = node.Status.Allocatable
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
-	if node, err = admin.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	// The API server's admission taints a new node not-ready; the node lifecycle controller, which
-	// does not run here, would lift it once the node reports Ready.
-	node.Spec.Taints = nil
-	if _, err := admin.CoreV1().Nodes().Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+	if err := kubeapi.SchedulableNode(ctx, admin, name); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = admin.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{}) })
-	if _, err := admin.ResourceV1().DeviceClasses().Create(ctx, &resourcev1.DeviceClass{
-		ObjectMeta: metav1.ObjectMeta{Name: deviceClass},
-		Spec: resourcev1.DeviceClassSpec{Selectors: []resourcev1.DeviceSelector{
-			{CEL: &resourcev1.CELDeviceSelector{Expression: `device.driver == "` + driver + `"`}}}},
-	}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
+	fakekubelet.EnsureClass(ctx, t, admin)
 	return name
 }
 
