@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from trace import GPUS, LOAD, MIX, Sidecar, make_trace, shipped_policy
+from trace import GPUS, LOAD, MIX, Sidecar, make_trace, percentile, shipped_policy
 
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 
@@ -53,6 +53,7 @@ class Row:
     name: str
     claims: list[dict[str, object]] = field(default_factory=list)
     created: int = 0  # GPU instances the simulated hardware created
+    destroyed: int = 0  # and destroyed (at unprepare, reclaimed in a claim's way, or trimmed)
     wall: float = 0.0
 
     @property
@@ -80,8 +81,8 @@ def find(name: str) -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-def gi_creates(hw: SimulatedHardware) -> int:
-    return sum(n for fn, n in hw.call_counts().items() if fn in OP_ALIASES["create-gi"])
+def gi_calls(hw: SimulatedHardware, op: str) -> int:
+    return sum(n for fn, n in hw.call_counts().items() if fn in OP_ALIASES[op])
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
     out = root / "results.json"
     car = Sidecar(root, state_root, scale, v.sidecar_args)
     try:
-        before = gi_creates(car.hw)
+        before = gi_calls(car.hw, "create-gi"), gi_calls(car.hw, "destroy-gi")
         env = {
             **os.environ,
             "DRA_BENCH_SOCKET": str(root / "s.sock"),
@@ -127,7 +128,8 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
             failed = f"{v.name}: the Go benchmark failed ({done.returncode})"
             raise SystemExit(f"{failed}:\n{done.stdout}\n{done.stderr}")
         row.claims = json.loads(out.read_text())
-        row.created = gi_creates(car.hw) - before
+        row.created = gi_calls(car.hw, "create-gi") - before[0]
+        row.destroyed = gi_calls(car.hw, "destroy-gi") - before[1]
     finally:
         car.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -135,14 +137,11 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
     return row
 
 
-def percentile(samples: list[float], q: float) -> float:
-    return samples[min(len(samples) - 1, int(q * len(samples)))]
-
-
 def report(rows: list[Row]) -> None:
     base = rows[0]
     header = (
-        f"{'row':<26} {'claims':>6} {'refused':>7} {'GI/claim':>8} {'warm':>6} {'mean ms':>8} {'p50 ms':>8} "
+        f"{'row':<26} {'claims':>6} {'refused':>7} {'GI/claim':>8} {'del/claim':>9} {'warm':>6} "
+        f"{'mean ms':>8} {'p50 ms':>8} "
         f"{'p99 ms':>8} {'sched p50':>9} {'mean/create':>11} {'p99/create':>10}"
     )
     print(header)
@@ -156,10 +155,22 @@ def report(rows: list[Row]) -> None:
         refused = len(r.claims) - len(prepared)
         print(
             f"{r.name:<26} {len(prepared):>6} {refused:>7} {r.created / len(prepared):>8.3f} "
-            f"{warm:>6.1%} {mean * 1e3:>8.1f} {percentile(lat, 0.5) * 1e3:>8.1f} {p99 * 1e3:>8.1f} "
+            f"{r.destroyed / len(prepared):>9.3f} {warm:>6.1%} {mean * 1e3:>8.1f} "
+            f"{percentile(lat, 0.5) * 1e3:>8.1f} {p99 * 1e3:>8.1f} "
             f"{percentile(sched, 0.5) * 1e3:>7.1f}ms {mean / statistics.fmean(base_lat):>11.2f} "
             f"{p99 / percentile(base_lat, 0.99):>10.2f}"
         )
+    print()
+    for r in rows:
+        parts = []
+        for label, on_warm in (("a warm device", True), ("a cold one", False)):
+            lat = sorted(float(str(c["prepare_s"])) for c in r.prepared if bool(c.get("warm")) == on_warm)
+            if lat:
+                parts.append(
+                    f"{len(lat)} on {label} (mean {statistics.fmean(lat) * 1e3:.1f} ms, "
+                    f"p50 {percentile(lat, 0.5) * 1e3:.1f}, p99 {percentile(lat, 0.99) * 1e3:.1f})"
+                )
+        print(f"{r.name}: {', '.join(parts)}")
 
 
 def main() -> int:
