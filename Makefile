@@ -23,7 +23,7 @@ SIM_GPUS ?= h100-80gb:2,a100-40gb:1
 PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: run-sim test check venv lint typecheck pytest go-plugins kube-binaries go-test proto image clean
+.PHONY: run-sim test check venv lint typecheck pytest go-plugins kube-binaries go-test proto image image-dra clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -105,6 +105,11 @@ CONTAINER_TOOL ?= $(shell command -v podman >/dev/null 2>&1 && echo podman || ec
 IMAGE ?= hami-mig-sidecar:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 image:
 	$(CONTAINER_TOOL) build -t $(IMAGE) -f Containerfile .
+
+# The DRA kubelet plugin's image (deploy/dra/daemonset.yaml's dra-plugin container), of the same version.
+DRA_IMAGE ?= hami-mig-dra:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+image-dra:
+	$(CONTAINER_TOOL) build --target dra -t $(DRA_IMAGE) -f Containerfile .
 
 clean:
 	rm -rf $(RUN_DIR) .pytest_cache .mypy_cache .ruff_cache

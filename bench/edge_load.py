@@ -2,27 +2,44 @@
 """The serving edge under load: health Check and Allocate throughput with following streams open (not a test).
 
 One ``python -m sidecar serve`` on ``--gpus`` simulated H100-80GB, files on /dev/shm (``--disk``
-runs everything a second time on disk and prints that table beside), recovered, then:
+runs everything a second time on disk and prints that table beside), recovered, then three phases
+of ``--seconds`` each, with a prober sending a health Check every ``PROBE_EVERY_S`` (the probe's
+5 s deadline) throughout each:
 
-1. idle: ``--checks`` health Checks, paced as under load (their p99 is the baseline), and
-   ``--rounds`` rounds of ALREADY_ALLOCATED and a reuse Allocate on one placement (their p50s);
+1. idle: nothing else (its Checks' p99 is the baseline); before it, ``--rounds`` rounds of
+   ALREADY_ALLOCATED and a reuse Allocate on one placement (their p50s);
 2. load without streams: GI create and destroy made to take ``--op-seconds`` (the simulator's
    latency knob), ``--clients`` clients each on a placement of its own, in a loop: Allocate (a GI
-   created), Release, ReclaimIdle (the GI destroyed), for ``--seconds``; a prober sends a health
-   Check every ``PROBE_EVERY_S`` with the probe's 5 s deadline, from a process of its own;
+   created), Release, ReclaimIdle (the GI destroyed);
 3. the same load with ``--followers`` following ``WatchHealth`` streams on one channel and
-   ``--lone-followers`` more, each on a channel of its own, open throughout.
+   ``--lone-followers`` more, each on a channel of its own, open throughout and read.
+
+Each party is a process of its own, so that none waits for another's interpreter lock and what is
+timed is the sidecar: the prober (one thread, blocking calls), the clients (``grpc.aio``, every
+client a task on one event loop and one channel, not an OS thread each) and the followers (the same,
+one task a stream). They share the machine's CPUs with the sidecar, as a node's plugin does. The
+pacing of the Checks is the same in every phase, and a phase of 20 s makes 1000 of them, so a p99 is
+the tenth slowest, not one outlier. Each turn the prober also checks a reference server, right
+before or right after the sidecar (in turn): grpcio's own asyncio health servicer alone in a
+process, which has none of the sidecar's work and meets the machine as it is at that moment; what
+moves its p99 from phase to phase is the machine (the clients' CPU, and whatever else runs there),
+not the sidecar.
 
 Printed, as ratios of this one run: the health Check's p99 under load (3) against idle (1), the
-Allocate throughput of (3) against (2), every call refused (by code and reason) in (2) and (3),
-and the reuse Allocate's p50 against ALREADY_ALLOCATED's. A Check past its deadline is counted and
-timed at the deadline. The results: ``bench/README.md``.
+reference server's p99 in the same phases and the Check's over it (what the sidecar adds), the
+Allocate throughput of (3) against (2), every call refused (by code and reason) in (2) and (3), the
+reuse Allocate's p50 against ALREADY_ALLOCATED's, and the 1-minute load average of the machine as
+the run started and ended. ``--runs N`` repeats the whole run N times and prints each, then the
+Check's ratios run by run. A Check past its deadline is counted and timed at the deadline. The
+results: ``bench/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import collections
+import json
 import os
 import shutil
 import statistics
@@ -38,6 +55,7 @@ from typing import Any
 
 import grpc
 from google.rpc import error_details_pb2
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
@@ -46,9 +64,10 @@ from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from sidecar.nvml.sim import SimulatedHardware
 
 PROBE_DEADLINE_S = 5.0  # the deployed liveness probe's (``hami-mig-sidecar health``)
-PROBE_EVERY_S = 0.1
+PROBE_EVERY_S = 0.02
 CALL_TIMEOUT_S = 60.0
 PLACEMENTS_1G = 7  # 1g.10gb placements of an H100-80GB
+SETTLE_S = 1.0  # after the streams open: every one past its current state
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -67,7 +86,7 @@ def allocate_request(gpu: str, pod: str, start: int) -> pb.AllocateRequest:
 
 
 def refusal(err: grpc.RpcError) -> str:
-    """``CODE`` or ``CODE/REASON`` of a failed call."""
+    """``CODE`` or ``CODE/REASON`` of a failed call (a blocking or an asyncio one)."""
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
     for detail in status.details if status is not None else ():
         info = error_details_pb2.ErrorInfo()
@@ -76,25 +95,207 @@ def refusal(err: grpc.RpcError) -> str:
     return err.code().name
 
 
+class Party:
+    """One of the bench's own processes (this file run with ``--party NAME``), talked to by lines:
+    it says ``ready`` on stdout once connected, is told when to go and to stop on stdin, and prints
+    its results as one JSON document before it exits."""
+
+    def __init__(self, name: str, config: dict[str, Any]) -> None:
+        command = [sys.executable, __file__, "--party", name, json.dumps(config)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the {name} process did not start")
+
+    def tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def results(self) -> Any:
+        """Close its stdin (stop) and read what it measured."""
+        out, _ = self.proc.communicate(timeout=CALL_TIMEOUT_S * 2)
+        if self.proc.returncode != 0:
+            raise SystemExit(f"a bench process failed ({self.proc.returncode})")
+        return json.loads(out)
+
+
+def _lines() -> Iterator[str]:
+    """stdin's lines as they come; ends when stdin closes."""
+    yield from iter(sys.stdin.readline, "")
+
+
+def prober_party(config: dict[str, Any]) -> dict[str, Any]:
+    """Every ``every`` seconds until stdin closes, a health Check to each of ``sockets``, one after
+    the other and each blocking (the liveness probe's own way), the first one first on every other
+    turn: each pair of Checks meets the machine in the same state. A Check past the probe's deadline
+    is timed at the deadline."""
+    stubs: list[Any] = []  # the health stubs, typed without their methods
+    for socket in config["sockets"]:
+        channel = grpc.insecure_channel(f"unix://{socket}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        stubs.append(health_pb2_grpc.HealthStub(channel))
+    check = health_pb2.HealthCheckRequest(service="")
+    stop = threading.Event()
+
+    def until_stdin_closes() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=until_stdin_closes, daemon=True).start()
+    print("ready", flush=True)
+    timed: list[list[float]] = [[] for _ in stubs]
+    every = float(config["every"])
+    next_at = time.perf_counter()
+    turn = 0
+    while not stop.is_set():
+        order = list(range(len(stubs)))
+        for i in order[turn % 2 :] + order[: turn % 2]:
+            started = time.perf_counter()
+            try:
+                stubs[i].Check(check, timeout=PROBE_DEADLINE_S)
+                timed[i].append(time.perf_counter() - started)
+            except grpc.RpcError:
+                timed[i].append(PROBE_DEADLINE_S)
+        turn += 1
+        next_at = max(next_at + every, time.perf_counter())
+        stop.wait(next_at - time.perf_counter())
+    return {"checks": timed}
+
+
+async def clients_party(config: dict[str, Any]) -> dict[str, Any]:
+    """``clients`` clients on one channel, each a task looping Allocate (a GI created), Release,
+    ReclaimIdle (destroyed) on a placement of its own, from ``go`` for ``seconds``."""
+    gpus: list[str] = config["gpus"]
+    allocated = 0
+    refused: collections.Counter[str] = collections.Counter()
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(f"unix://{config['socket']}") as channel:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+        stub = pb_grpc.MigSidecarStub(channel)
+
+        async def client(index: int) -> None:
+            nonlocal allocated
+            gpu = gpus[index % len(gpus)]
+            start = index // len(gpus)
+            n = 0
+            while not stop.is_set():
+                pod = f"{config['tag']}-{index}-{n}"
+                n += 1
+                try:
+                    answer = await stub.Allocate(allocate_request(gpu, pod, start), timeout=CALL_TIMEOUT_S)
+                except grpc.aio.AioRpcError as err:
+                    refused[f"Allocate {refusal(err)}"] += 1
+                    continue
+                if not stop.is_set():
+                    allocated += 1
+                release = pb.ReleaseRequest(pod_uid=pod)
+                reclaim = pb.ReclaimIdleRequest(gpu_uuid=gpu, mig_uuids=[answer.devices[0].mig_uuid])
+                for name, call, request in (
+                    ("Release", stub.Release, release),
+                    ("ReclaimIdle", stub.ReclaimIdle, reclaim),
+                ):
+                    # A refused Release or ReclaimIdle is sent again: the placement must come free.
+                    while True:
+                        try:
+                            await call(request, timeout=CALL_TIMEOUT_S)
+                            break
+                        except grpc.aio.AioRpcError as err:
+                            refused[f"{name} {refusal(err)}"] += 1
+                            if err.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                                break
+                            await asyncio.sleep(0.05)
+
+        print("ready", flush=True)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)  # go
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(client(i)) for i in range(int(config["clients"]))]
+        await asyncio.sleep(float(config["seconds"]))
+        stop.set()
+        seconds = time.perf_counter() - started
+        await asyncio.gather(*tasks)  # each ends its round: the placements come free for the next phase
+    return {"seconds": seconds, "allocated": allocated, "refused": dict(refused)}
+
+
+async def followers_party(config: dict[str, Any]) -> dict[str, Any]:
+    """``shared`` following WatchHealth streams on one channel and ``lone`` on a channel each, every
+    one read as it comes, until stdin closes; how many the sidecar ended or refused before that."""
+    target = f"unix://{config['socket']}"
+    channels = [grpc.aio.insecure_channel(target) for _ in range(1 + int(config["lone"]))]
+    for channel in channels:
+        await asyncio.wait_for(channel.channel_ready(), 60)
+    stubs = [pb_grpc.MigSidecarStub(channels[0])] * int(config["shared"])
+    stubs += [pb_grpc.MigSidecarStub(channel) for channel in channels[1:]]
+    updates = 0
+
+    async def follow(stub: pb_grpc.MigSidecarStub) -> None:
+        nonlocal updates
+        async for _ in stub.WatchHealth(pb.WatchHealthRequest(follow=True)):
+            updates += 1
+
+    tasks = [asyncio.create_task(follow(stub)) for stub in stubs]
+    await asyncio.sleep(SETTLE_S)
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    ended = sum(1 for t in tasks if t.done())
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for channel in channels:
+        await channel.close()
+    return {"ended": ended, "updates": updates}
+
+
+async def reference_party(config: dict[str, Any]) -> dict[str, Any]:
+    """grpcio's own asyncio health servicer alone, on a socket of its own, until stdin closes: the
+    same Check answered by nothing but grpc.aio, on the same machine at the same moment."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_aio.HealthServicer(), server)
+    server.add_insecure_port(f"unix://{config['socket']}")
+    await server.start()
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await server.stop(None)
+    return {}
+
+
+def party_main(name: str, config: dict[str, Any]) -> int:
+    if name == "prober":
+        result = prober_party(config)
+    elif name == "reference":
+        result = asyncio.run(reference_party(config))
+    elif name == "clients":
+        result = asyncio.run(clients_party(config))
+    else:
+        result = asyncio.run(followers_party(config))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 @dataclass
 class Phase:
-    """What one load phase measured."""
+    """What one phase measured."""
 
     seconds: float = 0.0
     allocated: int = 0
     checks: list[float] = field(default_factory=list)
-    missed_checks: int = 0
+    reference: list[float] = field(default_factory=list)  # the reference server's Checks
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    streams_ended: int = 0
 
-    def count(self, what: str) -> None:
-        with self.lock:
-            self.refused[what] += 1
+    @property
+    def missed_checks(self) -> int:
+        return sum(1 for t in self.checks if t >= PROBE_DEADLINE_S)
 
 
 class Sidecar:
+    """The sidecar, and beside it the reference health server."""
+
     def __init__(self, root: Path, gpus: int) -> None:
         self.root, self.socket, self.hw_file = root, root / "s.sock", root / "hw.json"
+        self.reference = root / "reference.sock"
+        self.reference_server = Party("reference", {"socket": str(self.reference)})
         command = [
             sys.executable, "-m", "sidecar", "serve", "--backend", "simulated",
             "--sim-state", str(self.hw_file), "--sim-gpus", f"h100-80gb:{gpus}",
@@ -104,27 +305,23 @@ class Sidecar:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HAMI_MIG_SIDECAR_")}
         self.log = (root / "sidecar.log").open("ab")
         self.proc = subprocess.Popen(command, env=env, stderr=self.log)
-        self.channel = self.connect()
+        self.channel = grpc.insecure_channel(f"unix://{self.socket}")
+        grpc.channel_ready_future(self.channel).result(timeout=60)
         self.stub = pb_grpc.MigSidecarStub(self.channel)
         self.stub.Recover(pb.RecoverRequest(), timeout=CALL_TIMEOUT_S)
         self.gpus = [g.uuid for g in self.stub.ListGpus(pb.ListGpusRequest()).gpus]
         self.hw = SimulatedHardware.open(self.hw_file)
-
-    def connect(self) -> grpc.Channel:
-        channel = grpc.insecure_channel(f"unix://{self.socket}")
-        grpc.channel_ready_future(channel).result(timeout=60)
-        return channel
 
     def stop(self) -> None:
         self.channel.close()
         self.proc.terminate()
         self.proc.wait(timeout=60)
         self.log.close()
+        self.reference_server.results()
 
 
-def idle_figures(car: Sidecar, checks: int, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """Health Check latencies, then ALREADY_ALLOCATED's and the reuse Allocate's, on an idle sidecar."""
-    timed = Prober(car.socket, checks, PROBE_EVERY_S).results()  # paced as under load: each wakes the sidecar
+def reuse_figures(car: Sidecar, rounds: int) -> tuple[list[float], list[float]]:
+    """ALREADY_ALLOCATED's latencies and the reuse Allocate's, on an idle sidecar."""
     held: list[float] = []
     reused: list[float] = []
     gpu = car.gpus[0]
@@ -143,175 +340,106 @@ def idle_figures(car: Sidecar, checks: int, rounds: int) -> tuple[list[float], l
         if answer.devices[0].outcome != pb.ALREADY_ALLOCATED:
             raise SystemExit(f"round {i}: expected ALREADY_ALLOCATED, got {answer.devices[0]}")
         car.stub.Release(pb.ReleaseRequest(pod_uid=f"r{i}"))
-    return timed, held, reused
+    return held, reused
 
 
-def client(car: Sidecar, index: int, stop: threading.Event, phase: Phase, tag: str) -> None:
-    """Allocate (a GI created), Release, ReclaimIdle (destroyed) on this client's placement until ``stop``."""
-    stub = car.stub
-    gpu = car.gpus[index % len(car.gpus)]
-    start = index // len(car.gpus)
-    n = 0
-    while not stop.is_set():
-        pod = f"{tag}-{index}-{n}"
-        n += 1
-        try:
-            answer = stub.Allocate(allocate_request(gpu, pod, start), timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as err:
-            phase.count(f"Allocate {refusal(err)}")
-            continue
-        if not stop.is_set():
-            with phase.lock:
-                phase.allocated += 1
-        release = pb.ReleaseRequest(pod_uid=pod)
-        reclaim = pb.ReclaimIdleRequest(gpu_uuid=gpu, mig_uuids=[answer.devices[0].mig_uuid])
-        for name, call, request in (
-            ("Release", stub.Release, release),
-            ("ReclaimIdle", stub.ReclaimIdle, reclaim),
-        ):
-            while True:  # a refused Release or ReclaimIdle is sent again: the placement must come free
-                try:
-                    call(request, timeout=CALL_TIMEOUT_S)
-                    break
-                except grpc.RpcError as err:
-                    phase.count(f"{name} {refusal(err)}")
-                    if err.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        break
-                    time.sleep(0.05)
-
-
-class Prober:
-    """Health Checks from a process of its own (``--probe``): in this one they would wait for the
-    interpreter lock behind the clients' threads, and time the harness, not the sidecar. A Check past
-    the probe's deadline is timed at the deadline."""
-
-    def __init__(self, socket: Path, count: int, every: float) -> None:
-        command = [sys.executable, __file__, "--probe", str(socket), str(count), str(every)]
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != "ready":
-            raise SystemExit("the prober did not start")
-
-    def results(self) -> list[float]:
-        """Stop probing (stdin closed) and the latencies, in seconds."""
-        out, _ = self.proc.communicate(timeout=120)
-        return [float(x) for x in out.split()]
-
-
-def probe_main(socket: str, count: int, every: float) -> int:
-    """The prober process: ``count`` Checks (0: until stdin closes), ``every`` seconds apart."""
-    channel = grpc.insecure_channel(f"unix://{socket}")
-    grpc.channel_ready_future(channel).result(timeout=60)
-    health: Any = health_pb2_grpc.HealthStub(channel)  # typed without its methods
-    check = health_pb2.HealthCheckRequest(service="")
-    stop = threading.Event()
-
-    def until_stdin_closes() -> None:
-        sys.stdin.read()
-        stop.set()
-
-    threading.Thread(target=until_stdin_closes, daemon=True).start()
-    print("ready", flush=True)
-    timed: list[float] = []
-    while len(timed) < count if count else not stop.wait(every):
-        started = time.perf_counter()
-        try:
-            health.Check(check, timeout=PROBE_DEADLINE_S)
-        except grpc.RpcError:
-            timed.append(PROBE_DEADLINE_S)
-            continue
-        timed.append(time.perf_counter() - started)
-    print("\n".join(f"{t:.6f}" for t in timed))
-    return 0
-
-
-@dataclass
-class Followers:
-    channels: list[grpc.Channel]
-    calls: list[Any]
-
-    def close(self) -> int:
-        """Cancel every stream; how many had ended before (the sidecar ended or refused them)."""
-        ended = sum(1 for c in self.calls if not c.is_active())
-        for c in self.calls:
-            c.cancel()
-        for ch in self.channels:
-            ch.close()
-        return ended
-
-
-def open_followers(car: Sidecar, shared: int, lone: int) -> Followers:
-    one = car.connect()
-    channels = [one] + [car.connect() for _ in range(lone)]
-    stubs = [pb_grpc.MigSidecarStub(one)] * shared + [pb_grpc.MigSidecarStub(ch) for ch in channels[1:]]
-    calls = [s.WatchHealth(pb.WatchHealthRequest(follow=True)) for s in stubs]
-    return Followers(channels, calls)
-
-
-def load(car: Sidecar, clients: int, seconds: float, tag: str) -> Phase:
-    phase = Phase()
-    stop = threading.Event()
-    threads = [threading.Thread(target=client, args=(car, i, stop, phase, tag)) for i in range(clients)]
-    prober = Prober(car.socket, 0, PROBE_EVERY_S)
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    phase.seconds = time.perf_counter() - started
-    phase.checks = prober.results()
-    phase.missed_checks = sum(1 for t in phase.checks if t >= PROBE_DEADLINE_S)
-    for t in threads:
-        t.join()
-    return phase
+def phase(car: Sidecar, args: argparse.Namespace, tag: str, *, clients: int, streams: bool) -> Phase:
+    """``seconds`` of Checks, to the sidecar and to the reference server, with ``clients`` load
+    clients and, with ``streams``, the followers."""
+    socket = str(car.socket)
+    followers = (
+        Party("followers", {"socket": socket, "shared": args.followers, "lone": args.lone_followers})
+        if streams
+        else None
+    )
+    load = (
+        Party(
+            "clients",
+            {"socket": socket, "gpus": car.gpus, "clients": clients, "seconds": args.seconds, "tag": tag},
+        )
+        if clients
+        else None
+    )
+    prober = Party("prober", {"sockets": [socket, str(car.reference)], "every": PROBE_EVERY_S})
+    if load is not None:
+        load.tell("go")
+    time.sleep(args.seconds)
+    checks, reference = prober.results()["checks"]
+    measured = Phase(seconds=args.seconds, checks=checks, reference=reference)
+    if load is not None:
+        done = load.results()
+        measured.seconds, measured.allocated = done["seconds"], done["allocated"]
+        measured.refused.update(done["refused"])
+    if followers is not None:
+        measured.streams_ended = followers.results()["ended"]
+    return measured
 
 
 @dataclass
 class Run:
-    idle_checks: list[float]
+    load_average: tuple[float, float]  # 1-minute, as the run started and ended
+    idle: Phase
     held: list[float]
     reused: list[float]
     plain: Phase
     streams: Phase
-    streams_ended: int
 
 
 def run(args: argparse.Namespace, parent: Path | None) -> Run:
+    load_before = os.getloadavg()[0]
     root = Path(tempfile.mkdtemp(prefix="hmse", dir=parent))
     car = Sidecar(root, args.gpus)
     try:
-        idle_checks, held, reused = idle_figures(car, args.checks, args.rounds)
+        held, reused = reuse_figures(car, args.rounds)
+        idle = phase(car, args, "i", clients=0, streams=False)
         car.hw.set_latency("create-gi", args.op_seconds)
         car.hw.set_latency("destroy-gi", args.op_seconds)
-        plain = load(car, args.clients, args.seconds, "p")
-        followers = open_followers(car, args.followers, args.lone_followers)
-        try:
-            time.sleep(1.0)  # every stream open and past its current state
-            streams = load(car, args.clients, args.seconds, "s")
-        finally:
-            ended = followers.close()
-        return Run(idle_checks, held, reused, plain, streams, ended)
+        plain = phase(car, args, "p", clients=args.clients, streams=False)
+        streams = phase(car, args, "s", clients=args.clients, streams=True)
+        return Run((load_before, os.getloadavg()[0]), idle, held, reused, plain, streams)
     finally:
         car.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
+def check_ratio(run: Run) -> float:
+    """The goal's: the Check's p99 with the load and the streams, over its p99 idle."""
+    return percentile(run.streams.checks, 0.99) / percentile(run.idle.checks, 0.99)
+
+
+def own_ratio(measured: Phase) -> float:
+    """The Check's p99 over the reference server's in the same phase: what the sidecar adds."""
+    return percentile(measured.checks, 0.99) / percentile(measured.reference, 0.99)
+
+
 def rows(run: Run) -> Iterator[tuple[str, str]]:
-    idle99 = percentile(run.idle_checks, 0.99)
+    idle99 = percentile(run.idle.checks, 0.99)
     load99 = percentile(run.streams.checks, 0.99)
     plain99 = percentile(run.plain.checks, 0.99)
+    yield "load average (1 min) at start / end", f"{run.load_average[0]:.2f} / {run.load_average[1]:.2f}"
+    yield (
+        "health Checks idle / without / with streams",
+        " / ".join(str(len(p.checks)) for p in (run.idle, run.plain, run.streams)),
+    )
     yield "health Check p99 idle", f"{idle99 * 1e3:.2f} ms"
     yield (
         "health Check p50 idle / without / with streams",
-        " / ".join(
-            f"{percentile(c, 0.5) * 1e3:.2f}" for c in (run.idle_checks, run.plain.checks, run.streams.checks)
-        )
+        " / ".join(f"{percentile(p.checks, 0.5) * 1e3:.2f}" for p in (run.idle, run.plain, run.streams))
         + " ms",
     )
     yield "health Check p99, load without streams", f"{plain99 * 1e3:.2f} ms ({plain99 / idle99:.1f}x idle)"
     yield (
         "health Check p99, load with streams",
-        f"{load99 * 1e3:.2f} ms ({load99 / idle99:.1f}x idle; goal <= 3x)",
+        f"{load99 * 1e3:.2f} ms ({check_ratio(run):.1f}x idle; goal <= 3x)",
+    )
+    ref = [percentile(p.reference, 0.99) for p in (run.idle, run.plain, run.streams)]
+    yield (
+        "reference server's Check p99 idle / without / with",
+        " / ".join(f"{r * 1e3:.2f}" for r in ref) + f" ms ({ref[2] / ref[0]:.1f}x idle)",
+    )
+    yield (
+        "Check p99 / reference's, idle / without / with",
+        " / ".join(f"{own_ratio(p):.1f}x" for p in (run.idle, run.plain, run.streams)),
     )
     yield (
         "health Checks past 5 s (without / with streams)",
@@ -325,10 +453,10 @@ def rows(run: Run) -> Iterator[tuple[str, str]]:
         "Allocates/s with streams",
         f"{rate_streams:.2f} ({run.streams.allocated}; {ratio:.2f}x; goal >= 0.9x)",
     )
-    for name, phase in (("without", run.plain), ("with", run.streams)):
-        refused = ", ".join(f"{k} {v}" for k, v in sorted(phase.refused.items())) or "none"
+    for name, measured in (("without", run.plain), ("with", run.streams)):
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(measured.refused.items())) or "none"
         yield f"refused, load {name} streams", refused
-    yield "streams ended by the sidecar", str(run.streams_ended)
+    yield "streams ended by the sidecar", str(run.streams.streams_ended)
     held, reused = statistics.median(run.held), statistics.median(run.reused)
     yield (
         "reuse Allocate p50 / ALREADY_ALLOCATED p50",
@@ -337,39 +465,55 @@ def rows(run: Run) -> Iterator[tuple[str, str]]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--probe"]:
-        return probe_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    if sys.argv[1:2] == ["--party"]:
+        return party_main(sys.argv[2], json.loads(sys.argv[3]))
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--gpus", type=int, default=10, help="simulated H100s (default 10: a placement per client)"
     )
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=15.0, help="each load phase (default 15)")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each phase (default 20)")
     parser.add_argument(
         "--op-seconds", type=float, default=1.0, help="each GI create and destroy (default 1)"
     )
     parser.add_argument("--followers", type=int, default=50, help="following streams on one channel")
     parser.add_argument("--lone-followers", type=int, default=20, help="following streams, a channel each")
-    parser.add_argument("--checks", type=int, default=100, help="health Checks on the idle sidecar")
     parser.add_argument("--rounds", type=int, default=100, help="reuse / ALREADY_ALLOCATED rounds")
     parser.add_argument("--disk", action="store_true", help="run again with the files on disk, side by side")
+    parser.add_argument("--runs", type=int, default=1, help="repeat the whole run (default 1)")
     args = parser.parse_args()
     if args.clients > args.gpus * PLACEMENTS_1G:
         parser.error(f"--clients {args.clients} needs at least {-(-args.clients // PLACEMENTS_1G)} GPUs")
-    shm = Path("/dev/shm")
-    runs = {"tmpfs": run(args, shm if shm.is_dir() else None)}
-    if args.disk:
-        runs["disk"] = run(args, None)
     print(
         f"{args.clients} clients on {args.gpus} simulated H100-80GB,"
         f" GI create and destroy {args.op_seconds} s, {args.seconds} s a phase,"
-        f" {args.followers}+{args.lone_followers} following streams"
+        f" {args.followers}+{args.lone_followers} following streams,"
+        f" a health Check every {PROBE_EVERY_S * 1e3:.0f} ms, {os.cpu_count()} CPUs",
+        flush=True,
     )
-    table = {name: dict(rows(r)) for name, r in runs.items()}
-    width = max(len(k) for k in table["tmpfs"])
-    print(f"{'':<{width}}  " + "  |  ".join(table))
-    for key in table["tmpfs"]:
-        print(f"{key:<{width}}  " + "  |  ".join(t[key] for t in table.values()))
+    shm = Path("/dev/shm")
+    by_run: dict[str, list[float]] = collections.defaultdict(list)
+    for n in range(1, args.runs + 1):
+        runs = {"tmpfs": run(args, shm if shm.is_dir() else None)}
+        if args.disk:
+            runs["disk"] = run(args, None)
+        table = {name: dict(rows(r)) for name, r in runs.items()}
+        for name, r in runs.items():
+            by_run[f"{name}, with streams / idle"].append(check_ratio(r))
+            by_run[f"{name}, with streams / reference"].append(own_ratio(r.streams))
+        width = max(len(k) for k in table["tmpfs"])
+        title = f"run {n} of {args.runs}" if args.runs > 1 else ""
+        print(f"\n{title:<{width}}  " + "  |  ".join(table))
+        for key in table["tmpfs"]:
+            print(f"{key:<{width}}  " + "  |  ".join(t[key] for t in table.values()), flush=True)
+    if args.runs > 1:
+        print("\nhealth Check p99, run by run:")
+        for name, ratios in by_run.items():
+            print(
+                f"  {name}: "
+                + ", ".join(f"{r:.2f}x" for r in ratios)
+                + f" (median {statistics.median(ratios):.2f}x)"
+            )
     return 0
 
 

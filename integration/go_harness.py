@@ -157,16 +157,17 @@ def go_runner_fixture(go_sidecar: Sidecar, go_binaries: GoBinaries) -> GoRunner:
     return GoRunner(go_sidecar, go_binaries.mockplugin)
 
 
-def require_kube_binaries() -> None:
-    """Skip, or fail under CI, unless ``make kube-binaries`` built etcd and kube-apiserver (the Go
-    tests against a real API server skip without them, and a skipped Go test tested nothing)."""
+def require_kube_binaries(*extra: str) -> None:
+    """Skip, or fail under CI, unless ``make kube-binaries`` built etcd and kube-apiserver, and the
+    ``extra`` programs (kube-scheduler) (the Go tests against a real API server skip without them,
+    and a skipped Go test tested nothing)."""
     go = shutil.which("go")
     gopath = subprocess.run(
         [go or "go", "env", "GOPATH"], capture_output=True, text=True, check=False
     ).stdout.strip()
     missing = [
         name
-        for name in ("etcd", "kube-apiserver")
+        for name in ("etcd", "kube-apiserver", *extra)
         if shutil.which(name) is None and not (Path(gopath) / "bin" / name).exists()
     ]
     if missing:

@@ -223,10 +223,19 @@ GO_E2E_TESTS = [
     "TestTheV210AdapterAnswersEveryCallOfHAMisPlugin",
     "TestTheLazyAdapterAnswersThePR3128MethodSet",
     "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
+    "TestAnXidTurnsTheDRADeviceUnhealthyAndTheHealthStreamOutlivesASidecarRestart",
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
+    "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
-GO_E2E_KUBEAPI = {"TestTheMockPluginRunsItsPodsThroughARealAPIServer"}
+GO_E2E_KUBEAPI = {
+    "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
+    "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
+}
+# These also run the real kube-scheduler against it.
+GO_E2E_SCHEDULER = {"TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated"}
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.
 GO_E2E_QUIET_RECONCILER = {
@@ -248,7 +257,7 @@ class TestGoEndToEndSuite:
         self, go_binaries: GoBinaries, go_runner: GoRunner, name: str
     ) -> None:
         if name in GO_E2E_KUBEAPI:
-            go_harness.require_kube_binaries()
+            go_harness.require_kube_binaries(*(["kube-scheduler"] if name in GO_E2E_SCHEDULER else []))
         if name in GO_E2E_QUIET_RECONCILER:
             go_runner.car.restart(extra_args=["--reconcile-interval", "3600"])
         if name in GO_E2E_IDLE_TTL:

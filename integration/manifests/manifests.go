@@ -16,9 +16,11 @@ import (
 
 	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/prometheus/prometheus/promql/parser"
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
@@ -30,8 +32,15 @@ import (
 const (
 	SidecarContainer = "mig-sidecar"
 	PluginContainer  = "device-plugin"
-	HealthCommand    = "health"
-	ServiceName      = "hami.migsidecar.v1.MigSidecar"
+	// The DRA kubelet plugin's container (deploy/dra/daemonset.yaml), in place of PluginContainer.
+	DRAPluginContainer = "dra-plugin"
+	// The DRA driver's name, and the directories the kubelet plugin helper serves in by default:
+	// the driver's own (dra.sock) and the kubelet's registration directory.
+	DRADriver          = "mig.hami.io"
+	DRAPluginDir       = "/var/lib/kubelet/plugins/" + DRADriver
+	DRARegistrationDir = "/var/lib/kubelet/plugins_registry"
+	HealthCommand      = "health"
+	ServiceName        = "hami.migsidecar.v1.MigSidecar"
 	// kubelet removes what it does not know from this directory: never the socket's home.
 	DevicePluginDir = "/var/lib/kubelet/device-plugins"
 	// The container runtime reads CDI specs from the node's /var/run/cdi.
@@ -75,8 +84,15 @@ type Manifest struct {
 	ServiceAccount     *corev1.ServiceAccount
 	ClusterRole        *rbacv1.ClusterRole
 	ClusterRoleBinding *rbacv1.ClusterRoleBinding
-	Kind               string
-	APIVersion         string
+	// The DRA path's objects (deploy/dra/): its class, the node restriction of its slices, the
+	// example claims and pod.
+	DeviceClass           *resourcev1.DeviceClass
+	ResourceClaimTemplate *resourcev1.ResourceClaimTemplate
+	Pod                   *corev1.Pod
+	AdmissionPolicy       *admissionregistrationv1.ValidatingAdmissionPolicy
+	AdmissionBinding      *admissionregistrationv1.ValidatingAdmissionPolicyBinding
+	Kind                  string
+	APIVersion            string
 }
 
 // DecodeFile decodes every document of a deploy/*.yaml file strictly, by its kind.
@@ -114,6 +130,16 @@ func Decode(name string, data []byte) ([]Manifest, error) {
 			m.ClusterRole, err = strict[rbacv1.ClusterRole](doc)
 		case "rbac.authorization.k8s.io/v1/ClusterRoleBinding":
 			m.ClusterRoleBinding, err = strict[rbacv1.ClusterRoleBinding](doc)
+		case "resource.k8s.io/v1/DeviceClass":
+			m.DeviceClass, err = strict[resourcev1.DeviceClass](doc)
+		case "resource.k8s.io/v1/ResourceClaimTemplate":
+			m.ResourceClaimTemplate, err = strict[resourcev1.ResourceClaimTemplate](doc)
+		case "v1/Pod":
+			m.Pod, err = strict[corev1.Pod](doc)
+		case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy":
+			m.AdmissionPolicy, err = strict[admissionregistrationv1.ValidatingAdmissionPolicy](doc)
+		case "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicyBinding":
+			m.AdmissionBinding, err = strict[admissionregistrationv1.ValidatingAdmissionPolicyBinding](doc)
 		default:
 			err = fmt.Errorf("no type known for %q", gvk)
 		}
@@ -224,18 +250,24 @@ func mountOf(spec *corev1.PodSpec, c *corev1.Container, dir string) (*corev1.Vol
 }
 
 // CheckDaemonSet returns every way ds breaks what an operator relies on; measuredMiB is the resident
-// memory of a sidecar serving 8 GPUs x 7 instances (bench/resident_memory.py).
+// memory of a sidecar serving 8 GPUs x 7 instances (bench/resident_memory.py). The sidecar's client
+// in the pod is HAMi's device plugin (PluginContainer) or the DRA kubelet plugin
+// (DRAPluginContainer), never both: one sidecar, one client per pod.
 func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
 	var errs []error
 	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
 	spec := &ds.Spec.Template.Spec
-	sidecar, plugin := container(spec, SidecarContainer), container(spec, PluginContainer)
-	if sidecar == nil || plugin == nil {
-		fail("the pod needs the containers %q and %q", SidecarContainer, PluginContainer)
+	sidecar, plugin, dra := container(spec, SidecarContainer), container(spec, PluginContainer), container(spec, DRAPluginContainer)
+	if sidecar == nil || (plugin == nil) == (dra == nil) {
+		fail("the pod needs the container %q and one of %q and %q", SidecarContainer, PluginContainer, DRAPluginContainer)
 		return errs
 	}
-
 	socket := setting(sidecar, "--socket", "HAMI_MIG_SIDECAR_SOCKET", defaultSocket)
+	if plugin == nil {
+		plugin = dra
+		errs = append(errs, checkDRAPlugin(spec, dra, socket)...)
+	}
+
 	socketDir := path.Dir(socket)
 	sMount, sHost := mountOf(spec, sidecar, socketDir)
 	pMount, pHost := mountOf(spec, plugin, socketDir)
@@ -283,6 +315,38 @@ func CheckDaemonSet(ds *appsv1.DaemonSet, measuredMiB float64) []error {
 
 	errs = append(errs, checkResources(sidecar.Resources, measuredMiB)...)
 	errs = append(errs, CheckPodReferences(spec)...)
+	return errs
+}
+
+// checkDRAPlugin: the DRA plugin serves the kubelet in the node's own plugin directories, where the
+// kubelet looks (hostPath at the same path, so the socket paths it registers are the kubelet's too),
+// knows its node, whose ResourceSlices alone it may write, dials the sidecar's socket, and, as the
+// only client of the pod's sidecar, recovers that sidecar after a restart (nothing else would: every
+// Allocate would then be refused NOT_RECOVERED).
+func checkDRAPlugin(spec *corev1.PodSpec, dra *corev1.Container, socket string) []error {
+	var errs []error
+	if got := setting(dra, "--socket", "", defaultSocket); got != socket {
+		errs = append(errs, fmt.Errorf("the %s container dials %s, the sidecar serves on %s", DRAPluginContainer, got, socket))
+	}
+	if !slices.Contains(slices.Concat(dra.Command, dra.Args), "--recover-sidecar") {
+		errs = append(errs, fmt.Errorf("the %s container is its sidecar's only client and needs --recover-sidecar, "+
+			"or no client recovers a restarted sidecar", DRAPluginContainer))
+	}
+	for _, dir := range []string{DRAPluginDir, DRARegistrationDir} {
+		if m, host := mountOf(spec, dra, dir); m == nil || path.Clean(host) != dir {
+			errs = append(errs, fmt.Errorf("the %s container must mount the node's %s at the same path (found %q)",
+				DRAPluginContainer, dir, host))
+		}
+	}
+	node := false
+	for _, e := range dra.Env {
+		if e.Name == "NODE_NAME" && e.ValueFrom != nil && e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "spec.nodeName" {
+			node = true
+		}
+	}
+	if !node {
+		errs = append(errs, fmt.Errorf("the %s container needs NODE_NAME from the pod's spec.nodeName", DRAPluginContainer))
+	}
 	return errs
 }
 
@@ -682,4 +746,98 @@ func strict[T any](doc []byte) (*T, error) {
 		return nil, err
 	}
 	return v, nil
+}
+
+// -- the DRA path's class and example claims ----------------------------------------------------------
+
+// DRAAttributes and DRACapacities are what the plugin publishes per device, under the driver's domain.
+var (
+	DRAAttributes = []string{"profile", "gpuUUID", "placementStart", "placementSize", "warm"}
+	DRACapacities = []string{"memory"}
+	driverField   = regexp.MustCompile(`device\.(attributes|capacity)\["([^"]+)"\]\.(\w+)`)
+)
+
+// CheckDRA returns every way the DRA path's objects (deploy/dra/ and its examples, decoded together)
+// miss the driver: a DeviceClass mig.hami.io that does not select the driver, a claim's request on
+// another class or on an attribute or capacity the plugin does not publish, a pod whose claim names
+// a template that is not there or that no container uses.
+func CheckDRA(docs []Manifest) []error {
+	var errs []error
+	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	templates, class := map[string]bool{}, false
+	for _, m := range docs {
+		if m.ResourceClaimTemplate != nil {
+			templates[m.ResourceClaimTemplate.Name] = true
+		}
+		if c := m.DeviceClass; c != nil && c.Name == DRADriver {
+			class = true
+			if len(c.Spec.Selectors) != 1 || c.Spec.Selectors[0].CEL == nil ||
+				strings.TrimSpace(c.Spec.Selectors[0].CEL.Expression) != `device.driver == "`+DRADriver+`"` {
+				fail("DeviceClass %s must select exactly the driver's devices", DRADriver)
+			}
+		}
+	}
+	if !class {
+		fail("no DeviceClass %s", DRADriver)
+	}
+	for _, m := range docs {
+		if t := m.ResourceClaimTemplate; t != nil {
+			for _, r := range t.Spec.Spec.Devices.Requests {
+				errs = append(errs, checkDRARequest(t.Name, r)...)
+			}
+		}
+		if p := m.Pod; p != nil {
+			used := map[string]bool{}
+			for _, c := range slices.Concat(p.Spec.InitContainers, p.Spec.Containers) {
+				for _, claim := range c.Resources.Claims {
+					used[claim.Name] = true
+				}
+			}
+			for _, rc := range p.Spec.ResourceClaims {
+				if name := rc.ResourceClaimTemplateName; name != nil && !templates[*name] {
+					fail("pod %s: claim %s names the template %s, which is not among the examples", p.Name, rc.Name, *name)
+				}
+				if !used[rc.Name] {
+					fail("pod %s: no container uses the claim %s", p.Name, rc.Name)
+				}
+			}
+		}
+	}
+	return errs
+}
+
+func checkDRARequest(template string, r resourcev1.DeviceRequest) []error {
+	type sub struct {
+		name, class string
+		selectors   []resourcev1.DeviceSelector
+	}
+	var subs []sub
+	if r.Exactly != nil {
+		subs = append(subs, sub{r.Name, r.Exactly.DeviceClassName, r.Exactly.Selectors})
+	}
+	for _, s := range r.FirstAvailable {
+		subs = append(subs, sub{r.Name + "/" + s.Name, s.DeviceClassName, s.Selectors})
+	}
+	var errs []error
+	for _, s := range subs {
+		if s.class != DRADriver {
+			errs = append(errs, fmt.Errorf("template %s, request %s: device class %q, not %s", template, s.name, s.class, DRADriver))
+		}
+		for _, sel := range s.selectors {
+			if sel.CEL == nil {
+				continue
+			}
+			for _, m := range driverField.FindAllStringSubmatch(sel.CEL.Expression, -1) {
+				known := DRAAttributes
+				if m[1] == "capacity" {
+					known = DRACapacities
+				}
+				if m[2] != DRADriver || !slices.Contains(known, m[3]) {
+					errs = append(errs, fmt.Errorf("template %s, request %s: %s %s/%s is not one the plugin publishes",
+						template, s.name, m[1], m[2], m[3]))
+				}
+			}
+		}
+	}
+	return errs
 }

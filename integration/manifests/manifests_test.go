@@ -17,7 +17,17 @@ const (
 	dashboard   = "grafana-dashboard.json"
 	dashboardCM = "grafana-dashboard-configmap.yaml"
 	podMonitor  = "podmonitor.yaml"
+	// The DRA path (deploy/dra/): its DaemonSet, RBAC, class and examples.
+	draDir       = "dra"
+	draDaemonSet = "dra/daemonset.yaml"
+	draRBAC      = "dra/rbac.yaml"
+	draClass     = "dra/deviceclass.yaml"
+	draClaims    = "dra/examples/claims.yaml"
+	draPod       = "dra/examples/pod.yaml"
 )
+
+// draFiles are the DRA path's manifests, as names under deploy/.
+var draFiles = []string{draDaemonSet, draRBAC, draClass, draClaims, draPod}
 
 func read(t *testing.T, name string) string {
 	t.Helper()
@@ -66,6 +76,19 @@ func checkAll(t *testing.T, name, text string) []error {
 		return []error{err}
 	}
 	var errs []error
+	if strings.HasPrefix(name, draDir+"/") { // the DRA path's objects are checked together
+		all := docs
+		for _, other := range draFiles {
+			if other != name {
+				more, err := Decode(other, []byte(read(t, other)))
+				if err != nil {
+					t.Fatal(err)
+				}
+				all = append(all, more...)
+			}
+		}
+		errs = append(errs, CheckDRA(all)...)
+	}
 	for _, m := range docs {
 		switch {
 		case m.DaemonSet != nil:
@@ -73,7 +96,8 @@ func checkAll(t *testing.T, name, text string) []error {
 		case m.PromRule != nil:
 			errs = append(errs, CheckRules(m.PromRule)...)
 		case m.PodMonitor != nil:
-			errs = append(errs, CheckPodMonitor(m.PodMonitor, standalone(t))...)
+			errs = append(errs, CheckPodMonitor(m.PodMonitor, standalone(t, daemonSet))...)
+			errs = append(errs, CheckPodMonitor(m.PodMonitor, standalone(t, draDaemonSet))...)
 		case m.ConfigMap != nil:
 			errs = append(errs, CheckDashboardConfigMap(m.ConfigMap, []byte(read(t, dashboard)))...)
 		}
@@ -81,26 +105,34 @@ func checkAll(t *testing.T, name, text string) []error {
 	return errs
 }
 
-// standalone is the DaemonSet of deploy/daemonset.yaml, which the PodMonitor must scrape too.
-func standalone(t *testing.T) *appsv1.DaemonSet {
+// standalone is the DaemonSet of deploy/daemonset.yaml or deploy/dra/daemonset.yaml, which the
+// PodMonitor must scrape too.
+func standalone(t *testing.T, name string) *appsv1.DaemonSet {
 	t.Helper()
-	docs, err := Decode(daemonSet, []byte(read(t, daemonSet)))
+	docs, err := Decode(name, []byte(read(t, name)))
 	if err != nil || len(docs) != 1 || docs[0].DaemonSet == nil {
-		t.Fatalf("%s: %v", daemonSet, err)
+		t.Fatalf("%s: %v", name, err)
 	}
 	return docs[0].DaemonSet
 }
 
 func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
-	files, err := filepath.Glob(filepath.Join(deployDir, "*"))
-	if err != nil {
-		t.Fatal(err)
+	var files []string
+	for _, dir := range []string{".", draDir, draDir + "/examples"} {
+		matched, err := filepath.Glob(filepath.Join(deployDir, dir, "*"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, matched...)
 	}
 	seen := map[string]bool{}
 	for _, file := range files {
-		name := filepath.Base(file)
+		name, err := filepath.Rel(deployDir, file)
+		if err != nil {
+			t.Fatal(err)
+		}
 		if info, err := os.Stat(file); err == nil && info.IsDir() {
-			continue // helm/ (the post-renderer, postrender_test.go), tests/ (promtool's)
+			continue // helm/ (the post-renderer, postrender_test.go), tests/ (promtool's), dra/ (above)
 		}
 		if !strings.HasSuffix(name, ".yaml") && !strings.HasSuffix(name, ".json") {
 			t.Errorf("%s: not a manifest this check knows (.yaml, .json)", name)
@@ -111,7 +143,7 @@ func TestEveryManifestDecodesStrictlyAndPassesItsChecks(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
-	for _, name := range []string{daemonSet, rules, dashboard, dashboardCM, podMonitor} {
+	for _, name := range append([]string{daemonSet, rules, dashboard, dashboardCM, podMonitor}, draFiles...) {
 		if !seen[name] {
 			t.Errorf("deploy/%s is missing", name)
 		}
@@ -126,7 +158,7 @@ func TestTheMeasuredFigureIsOnTheBenchmarksPrintedLine(t *testing.T) {
 
 // Each broken copy of a good file must fail, with an error that says why.
 func TestBrokenCopiesFail(t *testing.T) {
-	ds, rule, dash := read(t, daemonSet), read(t, rules), read(t, dashboard)
+	ds, rule, dash, dra := read(t, daemonSet), read(t, rules), read(t, dashboard), read(t, draDaemonSet)
 	cases := []struct {
 		name, file, text, want string
 	}{
@@ -185,6 +217,39 @@ func TestBrokenCopiesFail(t *testing.T) {
 		{"a mount of a volume the pod does not have", daemonSet,
 			broken(t, ds, "              mountPath: /var/run/cdi\n", "              mountPath: /var/run/cdi\n            - name: nowhere\n              mountPath: /nowhere\n"),
 			"which the pod does not have"},
+		{"the DRA plugin without the kubelet's registration directory", draDaemonSet,
+			broken(t, dra, "            - name: registration-dir\n              mountPath: /var/lib/kubelet/plugins_registry\n", ""),
+			"plugins_registry at the same path"},
+		{"the DRA plugin's directory somewhere the kubelet does not look", draDaemonSet,
+			broken(t, dra, "            path: /var/lib/kubelet/plugins/mig.hami.io\n", "            path: /var/lib/hami/dra\n"),
+			"plugins/mig.hami.io at the same path"},
+		{"the DRA plugin not knowing its node", draDaemonSet,
+			broken(t, dra, "fieldPath: spec.nodeName", "fieldPath: metadata.name"), "NODE_NAME"},
+		{"the DRA plugin beside HAMi's device plugin in one pod", draDaemonSet,
+			broken(t, dra, "        - name: mig-sidecar\n", "        - name: device-plugin\n          image: projecthami/hami:latest\n        - name: mig-sidecar\n"),
+			"one of"},
+		{"the DRA plugin not mounting the socket directory", draDaemonSet,
+			broken(t, dra, "            - name: mig-sidecar-socket\n              mountPath: /var/lib/hami/mig-sidecar\n            - name: plugin-dir\n",
+				"            - name: plugin-dir\n"),
+			"both containers must mount the socket directory"},
+		{"the DRA plugin leaving its sidecar unrecovered after a restart", draDaemonSet,
+			broken(t, dra, `, "--recover-sidecar"]`, `]`), "needs --recover-sidecar"},
+		{"the DRA plugin dialling another socket", draDaemonSet,
+			broken(t, dra, `args: ["--socket", "/var/lib/hami/mig-sidecar/sidecar.sock"`, `args: ["--socket", "/var/lib/hami/mig-sidecar/dra.sock"`),
+			"the sidecar serves on"},
+		{"the DRA sidecar with a surge", draDaemonSet, broken(t, dra, "maxSurge: 0", "maxSurge: 1"), "two sidecars"},
+		{"a DeviceClass selecting another driver", draClass,
+			broken(t, read(t, draClass), `device.driver == "mig.hami.io"`, `device.driver == "gpu.nvidia.com"`), "exactly the driver's devices"},
+		{"a claim on an attribute the plugin does not publish", draClaims,
+			broken(t, read(t, draClaims), `device.attributes["mig.hami.io"].warm`, `device.attributes["mig.hami.io"].idle`), "mig.hami.io/idle"},
+		{"a claim on another device class", draClaims,
+			broken(t, read(t, draClaims), "deviceClassName: mig.hami.io", "deviceClassName: gpu.nvidia.com"), "not mig.hami.io"},
+		{"a misspelt field of a claim", draClaims,
+			broken(t, read(t, draClaims), "firstAvailable:", "firstAvaliable:"), "unknown field"},
+		{"a pod naming a template that is not there", draPod,
+			broken(t, read(t, draPod), "resourceClaimTemplateName: mig-1g-10gb-warm-first", "resourceClaimTemplateName: mig-warm"), "not among the examples"},
+		{"a pod whose container does not use its claim", draPod,
+			broken(t, read(t, draPod), "      resources:\n        claims:\n          - name: gpu\n", ""), "no container uses"},
 		{"an unknown key in the dashboard", dashboard,
 			broken(t, dash, `"legendFormat"`, `"legend"`), "unknown field"},
 		{"a panel query that does not parse", dashboard,

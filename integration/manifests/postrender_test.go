@@ -199,7 +199,7 @@ func TestThePostRendererLeavesOtherDaemonSetsAlone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := standalone(t)
+	before := standalone(t, daemonSet)
 	after := docs[0].DaemonSet
 	if len(after.Spec.Template.Spec.Containers) != len(before.Spec.Template.Spec.Containers) ||
 		len(after.Spec.Template.Spec.Volumes) != len(before.Spec.Template.Spec.Volumes) {

@@ -52,7 +52,6 @@ MAX_DEVICES = 64
 MAX_ACTIVE = 1024
 MAX_ALLOWED_PROFILES = 256
 QUOTE_CHARS = 64
-_OWNER = "pod,claim"  # the field an Allocate's owner error names: both, as exactly one is wanted
 DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 

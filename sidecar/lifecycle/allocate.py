@@ -23,7 +23,15 @@ from sidecar.lifecycle.validate import Validated, validate
 from sidecar.model import placement
 from sidecar.model.advice import GpuView
 from sidecar.model.decision import AlreadyHeld, Busy, Conflict, Create, Decision, Reuse, decide
-from sidecar.model.domain import AllocatedDevice, AllocateRequest, AllocateResult, InstanceRef, Outcome, State
+from sidecar.model.domain import (
+    AllocatedDevice,
+    AllocateRequest,
+    AllocateResult,
+    InstanceRef,
+    Outcome,
+    OwnerKind,
+    State,
+)
 from sidecar.model.errors import (
     InstanceInUse,
     KeyConflict,
@@ -81,7 +89,9 @@ class Allocator:
             # keys differ, so the decisions hold until each device is applied.
             decisions = [self.decide_from_table(v) for v in validated]
             held = [isinstance(d, AlreadyHeld) for d in decisions]
-            self.observe([v for v, h in zip(validated, held, strict=True) if not h])
+            self.observe(
+                [v for v, h in zip(validated, held, strict=True) if not h and v.key.kind is OwnerKind.POD]
+            )
             # The mode is read once under the lock, by the GPUs of devices that need hardware (a
             # SetMigMode(disable) may have finished before the locks: MIG_DISABLED, not an NVML error
             # later). Its answer replaces the GPU facts: a mode change may renumber the device, and
@@ -123,7 +133,8 @@ class Allocator:
     def observe(self, validated: Sequence[Validated]) -> None:
         """Teach the idle policy where the scheduler placed each device (``idle_policy.Choices``),
         from the table as it is before this Allocate changes it, over the GPUs whose profiles the
-        inventory has read (no NVML call)."""
+        inventory has read (no NVML call). Pods' devices only: HAMi's scheduler is the one it learns;
+        kube-scheduler places a claim's from the DRA plugin's slices, which list IDLE instances."""
         if not validated:
             return
         ctx = self.ctx

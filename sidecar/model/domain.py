@@ -52,7 +52,7 @@ class ObjectRef(msgspec.Struct, frozen=True):
 
 
 class PodRef(ObjectRef, frozen=True):
-    pass
+    """A pod, the owner HAMi's device plugin names."""
 
 
 class OwnerKind(enum.StrEnum):

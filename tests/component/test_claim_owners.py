@@ -29,7 +29,7 @@ from sidecar.model.domain import (
 )
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.model.ownership import OwnershipRecord
-from sidecar.nvml.port import XidEvent
+from sidecar.nvml.port import Placement, XidEvent
 
 CREATE_GI = "nvmlDeviceCreateGpuInstanceWithPlacement"
 SMALL: Dev = (0, "1g.10gb", 0, 1)
@@ -265,3 +265,14 @@ class TestAClaimsInstanceSurvivesARestart:
         before = world.everything()
         assert world.lifecycle.sync_active(world.lifecycle.generation, [listed]) == ([], [])
         assert world.everything() == before
+
+
+class TestTheIdlePolicyLearnsFromPodsOnly:
+    def test_a_claims_allocate_teaches_it_nothing_a_pods_does(self, world: World) -> None:
+        # kube-scheduler places a claim from slices that list IDLE instances; what the idle policy
+        # learns is HAMi's scheduler, which cannot see them.
+        world.allocate_claim("claim-a", SMALL)
+        assert not world.ctx.choices.chosen
+
+        world.allocate("pod-a", OTHER)
+        assert dict(world.ctx.choices.chosen) == {("1g.10gb", Placement(1, 1)): 1}

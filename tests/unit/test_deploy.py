@@ -42,8 +42,8 @@ def env_value(container: str, name: str) -> str | None:
     return match.group(1) if match else None
 
 
-# The standalone example and the Helm post-renderer's patch of the chart's DaemonSet.
-POD_FILES = ("daemonset.yaml", "helm/sidecar-patch.yaml")
+# The standalone example, the Helm post-renderer's patch of the chart's DaemonSet, and the DRA path's pod.
+POD_FILES = ("daemonset.yaml", "helm/sidecar-patch.yaml", "dra/daemonset.yaml")
 
 
 @pytest.mark.parametrize("pod_file", POD_FILES)

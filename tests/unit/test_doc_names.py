@@ -86,6 +86,7 @@ FOREIGN: dict[str, frozenset[str]] = {
             "ReleaseNodeLock",
             "annotateMigRuntimeInfo",
             "devicePluginForResource",
+            "filterdevices",
             "fitInDevices",
             "getAllocateResponse",
             "kubernetesAllocatedMigGPUs",
@@ -94,6 +95,8 @@ FOREIGN: dict[str, frozenset[str]] = {
             "migInstance",
             "migProfileAllowlist",
             "newTestPlugin",
+            "nodeConfiguration",
+            "nvidiaNodeSelector",
             "orderedMigPlacements",
             "primeMigManagerFromAnnotations",
             "runMigAnnotationReconciler",
@@ -123,6 +126,9 @@ FOREIGN: dict[str, frozenset[str]] = {
     "go": frozenset(
         {
             "GpuInstancePlacement",
+            "NodePrepareResources",
+            "NodeUnprepareResources",
+            "NotifyRegistrationStatus",
             "GetGpuInstances",
             "ReadSpec",
             "InjectDevices",

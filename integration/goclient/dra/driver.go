@@ -146,14 +146,13 @@ func (d *Driver) waitRecovered(ctx context.Context) error {
 		if err == nil && info.Recovered {
 			return nil
 		}
-		if err != nil && ctx.Err() != nil {
-			return err
-		}
 		d.opts.Log("waiting for the sidecar's recovery by its other client (HAMi's device plugin): %v", err)
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("the sidecar is not recovered (run with --recover-sidecar when the plugin is its only client): %w", ctx.Err())
 		case <-time.After(wait):
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("the sidecar is not recovered (run with --recover-sidecar when the plugin is its only client): %w", ctx.Err())
 		}
 		wait = min(2*wait, 2*time.Second)
 	}

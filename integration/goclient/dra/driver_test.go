@@ -199,3 +199,91 @@ func TestRecoveryReleasesTheInstancesOfClaimsGoneOrMovedAndKeepsTheOthers(t *tes
 		}
 	}
 }
+
+func TestDestroyAtUnprepareLeavesNoInstanceBehindAndNoDeviceWarm(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-d", dra.Options{DestroyAtUnprepare: true})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	claim := node.Claim(ctx, t, "default", "per-claim", [2]string{dra.PoolName("node-d", 0), "gpu0-1g-10gb-at2"})
+	if got, err := node.Prepare(ctx, claim); err != nil || got.GetError() != "" || len(fake.Instances()) != 1 {
+		t.Fatalf("prepare: %+v %v, instances %+v", got, err, fake.Instances())
+	}
+	if err := node.Unprepare(ctx, claim); err != nil {
+		t.Fatal(err)
+	}
+	if err := node.Unprepare(ctx, claim); err != nil {
+		t.Fatalf("a repeated unprepare: %v", err)
+	}
+	if in := fake.Instances(); len(in) != 0 {
+		t.Fatalf("after unprepare the table holds %+v, want nothing", in)
+	}
+	if m := node.Driver.Model(); m == nil {
+		t.Fatal("no model")
+	} else if d, _ := m.Lookup(dra.PoolName("node-d", 0), "gpu0-1g-10gb-at2"); d.Warm {
+		t.Fatal("a destroyed instance's device is warm")
+	}
+}
+
+func TestThePluginRecoversTheSidecarOnlyWhenToldItIsItsOnlyClient(t *testing.T) {
+	ctx := context.Background()
+	fake, socket := fakesidecar.Start(t, "GPU-a")
+	fake.Unrecover()
+	sync := func(opts dra.Options, list migclient.ListActiveFunc, within time.Duration) error {
+		c, err := migclient.New(ctx, socket, migclient.Options{CallTimeout: time.Second, ListActive: list, AllowSimulatedBackend: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = c.Close() }()
+		d, err := dra.New(c, nil, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = d.Close() }()
+		sctx, cancel := context.WithTimeout(ctx, within)
+		defer cancel()
+		return d.Sync(sctx)
+	}
+	recovered := func() bool {
+		info, err := fake.GetInfo(ctx, &pb.GetInfoRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return info.GetRecovered()
+	}
+
+	// Beside HAMi's plugin: it waits for HAMi's recovery, and gives up only with its context.
+	if err := sync(dra.Options{NodeName: "n"}, nil, 500*time.Millisecond); err == nil || !strings.Contains(err.Error(), "--recover-sidecar") {
+		t.Fatalf("Sync of an unrecovered sidecar: %v", err)
+	}
+	if recovered() {
+		t.Fatal("the plugin recovered a sidecar it shares")
+	}
+	// Alone: it recovers it with no pod.
+	if err := sync(dra.Options{NodeName: "n", RecoverSidecar: true}, dra.RecoverNoPods, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if !recovered() || len(fake.Recovers()) != 1 || len(fake.Recovers()[0].GetActive()) != 0 {
+		t.Fatalf("recovered %t after %+v", recovered(), fake.Recovers())
+	}
+}
+
+func TestAClaimOfTwoDevicesOnTwoGPUsIsPreparedInOneAllocateOwnedByTheClaim(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-2", dra.Options{})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	claim := node.Claim(ctx, t, "default", "pair", [2]string{dra.PoolName("node-2", 0), "gpu0-3g-40gb-at4"},
+		[2]string{dra.PoolName("node-2", 1), "gpu1-7g-80gb-at0"})
+	got, err := node.Prepare(ctx, claim)
+	if err != nil || got.GetError() != "" || len(fakekubelet.CDIDevices(got)) != 2 {
+		t.Fatalf("prepare: %+v %v", got, err)
+	}
+	for i, want := range []struct{ gpu, profile string }{{"GPU-a", "3g.40gb"}, {"GPU-b", "7g.80gb"}} {
+		in := instance(t, fake, cdiMIG(t, fakekubelet.CDIDevices(got)[i:i+1]))
+		if in.GPU != want.gpu || in.Profile != want.profile || in.Owner == nil || in.Owner.ClaimUID != string(claim.UID) ||
+			in.Owner.DeviceIndex != uint32(i) || got.GetDevices()[i].GetPoolName() != dra.PoolName("node-2", uint32(i)) {
+			t.Fatalf("device %d: %+v for %+v", i, in, got.GetDevices()[i])
+		}
+	}
+}

@@ -57,8 +57,8 @@ type HealthOptions struct {
 	// (DefaultHealthRefresh when 0). The kubelet is told that a health holds for three of them.
 	Refresh time.Duration
 	// Backoff paces the re-dials of the sidecar after a failed or ended stream (from 100 ms,
-	// doubling, up to 5 s, when its Duration is 0). It restarts from Duration once a re-read
-	// succeeds.
+	// doubling, up to 5 s, when its Duration is 0). It starts over after a stream that lasted
+	// longer than its Cap.
 	Backoff wait.Backoff
 	// Now is the clock of the last_updated_time sent (time.Now when nil).
 	Now func() time.Time
@@ -151,27 +151,34 @@ func (h *Health) NodeWatchResources(_ *drahealth.NodeWatchResourcesRequest, stre
 }
 
 // follow hands the loop a whole re-read, then the follow stream's updates, and dials both again
-// with backoff whenever the stream ends, until ctx is done.
+// with backoff whenever the stream ends, until ctx is done. The backoff starts over after a stream
+// that lasted past its cap: a stream that keeps failing at once (or ends at once) is dialled ever
+// more slowly, even though each whole re-read before it succeeds.
 func (h *Health) follow(ctx context.Context, events chan<- healthEvent) {
 	backoff := h.opts.Backoff
 	for ctx.Err() == nil {
-		if err := h.followOnce(ctx, events, func() { backoff = h.opts.Backoff }); err != nil && ctx.Err() == nil {
-			select {
-			case <-ctx.Done():
-			case <-time.After(backoff.Step()):
-			}
+		start := time.Now()
+		err := h.followOnce(ctx, events)
+		if ctx.Err() != nil || err == nil {
+			return
+		}
+		if time.Since(start) > max(h.opts.Backoff.Cap, h.opts.Backoff.Duration) {
+			backoff = h.opts.Backoff
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(backoff.Step()):
 		}
 	}
 }
 
-// followOnce is one dial: the whole set, then the follow stream until it ends. reset is called once
-// the sidecar answered.
-func (h *Health) followOnce(ctx context.Context, events chan<- healthEvent, reset func()) error {
+// followOnce is one dial: the whole set, then the follow stream until it ends (an error) or ctx
+// is done (nil).
+func (h *Health) followOnce(ctx context.Context, events chan<- healthEvent) error {
 	whole, err := h.read(ctx)
 	if err != nil {
 		return err
 	}
-	reset()
 	if !send(ctx, events, healthEvent{whole: true, updates: whole}) {
 		return nil
 	}

@@ -19,22 +19,25 @@ import (
 // allocation result back.
 //
 // One pool per GPU, named PoolName(node, index), of two slices: the first holds only the shared
-// counters of counter set "gpu<index>" (the API server refuses counters and devices in one slice),
-// one counter per memory slice ("memory-slice-<k>", value 1; names may not hold dots), plus one
-// for the profiles NVML allows fewer instances of than they have placements (instanceCounter). The slices after it hold one device per
-// (profile, placement) DiscoverProfiles lists, named DeviceName(index, profile, start), each
-// consuming the memory slices its placement covers (and its profile's instance counter) in one
-// consumesCounters entry: two devices whose placements overlap can never both be allocated, which
-// is exactly NVML's rule, so the scheduler never hands out a placement the sidecar must refuse.
-// At most MaxDevicesPerSlice devices per slice, the server's limit for devices that consume
-// counters.
+// counters of counter set "gpu<index>" (the API server refuses counters and devices in one
+// slice), one counter per memory slice ("memory-slice-<k>", value 1; names may not hold dots),
+// plus one for the profiles NVML allows fewer instances of than they have placements
+// (instanceCounter). The slices after it hold one device per (profile, placement) DiscoverProfiles
+// lists, named DeviceName(index, profile, start), each consuming the memory slices its placement
+// covers (and its profile's instance counter) in one consumesCounters entry: two devices whose
+// placements overlap can never both be allocated, which is exactly NVML's rule, so the scheduler
+// never hands out a placement the sidecar must refuse. At most MaxDevicesPerSlice devices per
+// slice, the server's limit for devices that consume counters.
 //
 // Warm devices come first: the scheduler takes the first device that fits, in slice order and
 // then device order, so a claim lands on a cached IDLE instance (REUSE: no create) whenever one
-// of its profile is free. A device is warm when an IDLE, healthy instance of exactly its profile
-// sits exactly at its placement (WarmFromState); a FAULTED instance is never warm (the sidecar
-// turns a faulted IDLE instance ERROR and destroys it), so no slice invites a claim onto it. The
-// attribute "warm" says the same, for a claim's firstAvailable list or a selector to prefer.
+// of its profile is free on the GPU it tries. It tries the pools by name, one GPU after the other
+// (gpu0 before gpu1), so the order alone prefers a warm device only within one GPU: a claim that
+// should take a warm instance on any GPU before a cold one on the first asks for it with a
+// firstAvailable list whose first subrequest selects the attribute "warm". A device is warm when
+// an IDLE, healthy instance of exactly its profile sits exactly at its placement (WarmFromState);
+// a FAULTED instance is never warm (the sidecar turns a faulted IDLE instance ERROR and destroys
+// it), so no slice invites a claim onto it.
 
 // MaxDevicesPerSlice is the API server's limit on counter-consuming devices in one ResourceSlice
 // (resource.k8s.io/v1 ResourceSliceMaxDevicesWithAdvancedFeatures).

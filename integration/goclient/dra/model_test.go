@@ -13,7 +13,6 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
-	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
@@ -137,7 +136,7 @@ func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *
 		t.Fatalf("the counter slice came back as %+v (%v)", counters, err)
 	}
 
-	fakekubelet.EnsureClass(ctx, t, admin)
+	kubeapi.DeviceClass(ctx, t, admin, dra.DefaultDriverName, dra.DefaultDriverName)
 	claim := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Namespace: "default", Name: "small"},
 		Spec: resourceapi.ResourceClaimSpec{Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu",
 			Exactly: &resourceapi.ExactDeviceRequest{DeviceClassName: dra.DefaultDriverName}}}}}}

@@ -13,7 +13,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
@@ -52,7 +51,7 @@ type result struct {
 	Refused   bool    `json:"refused"`             // the scheduler found no device for it
 	Device    string  `json:"device,omitempty"`    // the device the scheduler allocated
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
-	ScheduleS float64 `json:"schedule_s"`          // pod created to pod bound (or reported unschedulable)
+	ScheduleS float64 `json:"schedule_s"`          // claim and pod created to pod bound (or reported unschedulable)
 	PrepareS  float64 `json:"prepare_s,omitempty"` // NodePrepareResources
 }
 
@@ -78,9 +77,6 @@ func BenchmarkClaimTrace(b *testing.B) {
 	ctx := context.Background()
 	s := kubeapi.GetWithScheduler(b)
 	admin := s.Client(b, kubeapi.AdminUser)
-	if err := kubeapi.SchedulableNode(ctx, admin, node); err != nil {
-		b.Fatal(err)
-	}
 	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}},
 		metav1.CreateOptions{}); err != nil {
 		b.Fatal(err)
@@ -93,6 +89,7 @@ func BenchmarkClaimTrace(b *testing.B) {
 	defer func() { _ = c.Close() }()
 	n := fakekubelet.Start(ctx, b, s, c, dra.Options{NodeName: node, RecoverSidecar: true,
 		DestroyAtUnprepare: os.Getenv(envDestroy) == "1"})
+	kubeapi.ReadyNode(ctx, b, admin, node)
 
 	var events []event
 	for i, cl := range trace {
@@ -167,22 +164,11 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 	r := result{UID: cl.UID, Profile: cl.Profile}
 	admin := n.Admin
 	selector := fmt.Sprintf(`device.attributes[%q].%s == %q`, dra.DefaultDriverName, dra.AttrProfile, cl.Profile)
-	rc := &resourceapi.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: cl.UID}, Spec: resourceapi.ResourceClaimSpec{
-		Devices: resourceapi.DeviceClaim{Requests: []resourceapi.DeviceRequest{{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
-			DeviceClassName: dra.DefaultDriverName,
-			Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: selector}}}}}}}}}
-	if _, err := admin.ResourceV1().ResourceClaims(namespace).Create(ctx, rc, metav1.CreateOptions{}); err != nil {
-		b.Fatal(err)
-	}
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: cl.UID}, Spec: corev1.PodSpec{
-		ResourceClaims: []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &cl.UID}},
-		Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/main",
-			Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "gpu"}},
-				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("10m")}}}}}}
+	request := resourceapi.DeviceRequest{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+		DeviceClassName: dra.DefaultDriverName,
+		Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: selector}}}}}
 	start := time.Now()
-	if _, err := admin.CoreV1().Pods(namespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		b.Fatal(err)
-	}
+	kubeapi.PodWithClaim(b, admin, namespace, cl.UID, request)
 	bound := false
 	err := wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, waitFor, true, func(ctx context.Context) (bool, error) {
 		got, err := admin.CoreV1().Pods(namespace).Get(ctx, cl.UID, metav1.GetOptions{})

@@ -40,7 +40,7 @@ func Start(ctx context.Context, t testing.TB, s *kubeapi.Server, c *migclient.Cl
 		metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
 	}
-	EnsureClass(ctx, t, admin)
+	kubeapi.DeviceClass(ctx, t, admin, dra.DefaultDriverName, dra.DefaultDriverName)
 	// Unix socket paths are short (108 bytes): not under t.TempDir, whose name holds the test's.
 	dir, err := os.MkdirTemp("", "dra")
 	if err != nil {
@@ -69,18 +69,6 @@ func Start(ctx context.Context, t testing.TB, s *kubeapi.Server, c *migclient.Cl
 	t.Cleanup(n.Stop)
 	n.Kubelet = Register(ctx, t, filepath.Join(dir, "reg"), d.DriverName())
 	return n
-}
-
-// EnsureClass creates the DeviceClass the deploy manifests define, unless it exists: every device
-// of the driver.
-func EnsureClass(ctx context.Context, t testing.TB, cs kubernetes.Interface) {
-	t.Helper()
-	class := &resourceapi.DeviceClass{ObjectMeta: metav1.ObjectMeta{Name: dra.DefaultDriverName},
-		Spec: resourceapi.DeviceClassSpec{Selectors: []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{
-			Expression: `device.driver == "` + dra.DefaultDriverName + `"`}}}}}
-	if _, err := cs.ResourceV1().DeviceClasses().Create(ctx, class, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		t.Fatal(err)
-	}
 }
 
 // Stop stops the plugin (as a restart's first half); idempotent.

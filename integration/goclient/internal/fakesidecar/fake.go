@@ -356,7 +356,7 @@ func (s *Server) ListGpus(context.Context, *pb.ListGpusRequest) (*pb.ListGpusRes
 	return out, nil
 }
 
-// DiscoverProfiles is the RPC of that name, over the fake's table.
+// DiscoverProfiles is the RPC of that name, over the fake's table (only the allowed profiles, if named).
 func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesRequest) (*pb.DiscoverProfilesResponse, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -365,7 +365,9 @@ func (s *Server) DiscoverProfiles(_ context.Context, req *pb.DiscoverProfilesReq
 	}
 	names := make([]string, 0, len(profiles))
 	for n := range profiles {
-		names = append(names, n)
+		if len(req.GetAllowedProfiles()) == 0 || slices.Contains(req.GetAllowedProfiles(), n) {
+			names = append(names, n)
+		}
 	}
 	sort.Strings(names)
 	out := &pb.DiscoverProfilesResponse{}

@@ -21,7 +21,7 @@
 // from the ResourceSlices a test or a DRA plugin publishes and binds the pods. What a test must know,
 // established by scheduler_test.go against this version:
 //   - Nothing else runs. A Node needs its status written (allocatable pods, cpu, memory) and the
-//     not-ready taint that admission gives a new node removed (SchedulableNode). A pod names a ResourceClaim the test
+//     not-ready taint that admission gives a new node removed. A pod names a ResourceClaim the test
 //     created: a ResourceClaimTemplate needs kube-controller-manager to create the pod's claim. A
 //     bound pod is deleted with a grace period of 0 (no kubelet confirms it), and its claim with
 //     DeleteClaim, which frees its devices as the resourceclaim controller would.
@@ -59,10 +59,7 @@ import (
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -498,30 +495,6 @@ func (s *Server) writeKubeconfig(user, path string) error {
 	cfg.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: user}
 	cfg.CurrentContext = "test"
 	return clientcmd.WriteToFile(*cfg, path)
-}
-
-// SchedulableNode makes Node name (created if absent) one the scheduler places pods on, as a kubelet
-// and the node lifecycle controller would, neither of which runs here: room for 110 pods, 8 CPUs and
-// 64 GiB in its status, Ready, and without the not-ready taint that admission gives a new node.
-func SchedulableNode(ctx context.Context, client kubernetes.Interface, name string) error {
-	nodes := client.CoreV1().Nodes()
-	node, err := nodes.Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		node, err = nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
-	}
-	if err != nil {
-		return err
-	}
-	node.Status.Allocatable = corev1.ResourceList{corev1.ResourcePods: resource.MustParse("110"),
-		corev1.ResourceCPU: resource.MustParse("8"), corev1.ResourceMemory: resource.MustParse("64Gi")}
-	node.Status.Capacity = node.Status.Allocatable
-	node.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
-	if node, err = nodes.UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
-		return err
-	}
-	node.Spec.Taints = nil
-	_, err = nodes.Update(ctx, node, metav1.UpdateOptions{})
-	return err
 }
 
 // DeleteClaim deletes a pod's ResourceClaim once the pod is gone, as kube-controller-manager's

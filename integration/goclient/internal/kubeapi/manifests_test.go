@@ -17,6 +17,7 @@ import (
 
 	authorizationv1 "k8s.io/api/authorization/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -25,6 +26,7 @@ import (
 	"k8s.io/client-go/discovery/cached/memory"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
 	"sigs.k8s.io/yaml"
 
@@ -136,6 +138,19 @@ func (a *applier) apply(obj *unstructured.Unstructured, dryRun bool) error {
 	return err
 }
 
+// install applies obj for the test and deletes it when the test ends.
+func (a *applier) install(t *testing.T, obj *unstructured.Unstructured) {
+	t.Helper()
+	if err := a.apply(obj, false); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		gvk := obj.GroupVersionKind()
+		mapping, _ := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+		_ = a.dyn.Resource(mapping.Resource).Namespace(obj.GetNamespace()).Delete(context.Background(), obj.GetName(), metav1.DeleteOptions{})
+	})
+}
+
 // crds installs the PodMonitor and PrometheusRule CRDs from prometheus-operator's module (the module
 // cache has it after the first download) and waits until the server serves them.
 func crds(t *testing.T, a *applier) {
@@ -210,12 +225,13 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 	crds(t, a)
 	manifests := map[string][]byte{}
 	for _, name := range []string{"deploy/rbac.yaml", "deploy/daemonset.yaml", "deploy/grafana-dashboard-configmap.yaml",
-		"deploy/podmonitor.yaml", "deploy/prometheus-rules.yaml"} {
+		"deploy/podmonitor.yaml", "deploy/prometheus-rules.yaml", draRBAC, draDaemonSet, draClass, draClaims, draPod} {
 		manifests[name] = file(t, name)
 	}
 	t.Run("deploy", func(t *testing.T) {
 		for name, data := range manifests {
 			objs := objects(t, name, data)
+			inExamples(objs)
 			a.namespaces(t, objs)
 			for _, obj := range objs {
 				if err := a.apply(obj, true); err != nil {
@@ -244,9 +260,15 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 		{"a DaemonSet whose selector misses its pods' labels", "deploy/daemonset.yaml",
 			"      labels:\n        app.kubernetes.io/name: hami-mig-sidecar-standalone", "      labels:\n        app.kubernetes.io/name: other", "does not match template"},
 		{"a ConfigMap with a key a file cannot have", "deploy/grafana-dashboard-configmap.yaml", "hami-mig-sidecar.json:", "hami mig sidecar.json:", "a valid config key"},
+		{"a claim whose CEL does not compile", draClaims, `.profile == "2g.20gb"`, `.profile = "2g.20gb"`, "compilation failed"},
+		{"a claim comparing a quantity with a number", draClaims, `.memory.compareTo(quantity("20Gi")) >= 0`, `.memory >= 20`, "no matching overload"},
+		{"a DeviceClass with a misspelt selector", draClass, "    - cel:", "    - cell:", "field not declared in schema"},
+		{"a node-restriction policy whose CEL does not compile", draRBAC, `variables.userNode != ""`, `variables.userNode !== ""`, "compilation failed"},
 	} {
 		var errs []string
-		for _, obj := range objects(t, c.file, broken(t, manifests[c.file], c.old, c.new)) {
+		objs := objects(t, c.file, broken(t, manifests[c.file], c.old, c.new))
+		inExamples(objs)
+		for _, obj := range objs {
 			if err := a.apply(obj, true); err != nil {
 				errs = append(errs, err.Error())
 			}
@@ -258,12 +280,33 @@ func TestEveryManifestPassesAServerSideDryRun(t *testing.T) {
 	}
 }
 
-// allowed asks the server whether a ServiceAccount's user may make one request.
+// The DRA path's manifests (deploy/dra/), its examples applied in exampleNamespace as a user would.
+const (
+	draRBAC          = "deploy/dra/rbac.yaml"
+	draDaemonSet     = "deploy/dra/daemonset.yaml"
+	draClass         = "deploy/dra/deviceclass.yaml"
+	draClaims        = "deploy/dra/examples/claims.yaml"
+	draPod           = "deploy/dra/examples/pod.yaml"
+	exampleNamespace = "dra-examples"
+)
+
+// inExamples puts the namespaced objects that name no namespace (the examples) in exampleNamespace.
+func inExamples(objs []*unstructured.Unstructured) {
+	for _, obj := range objs {
+		if obj.GetNamespace() == "" && (obj.GetKind() == "ResourceClaimTemplate" || obj.GetKind() == "Pod") {
+			obj.SetNamespace(exampleNamespace)
+		}
+	}
+}
+
+// allowed asks the server whether a ServiceAccount's user may make one request; resource is
+// spelt as kubectl auth can-i spells it ("pods", "resourceclaims.resource.k8s.io").
 func allowed(t *testing.T, admin kubernetes.Interface, user, verb, resource string) bool {
 	t.Helper()
+	resource, group, _ := strings.Cut(resource, ".")
 	review := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{
 		User: user, Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + kubeapi.PluginNamespace, "system:authenticated"},
-		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: verb, Resource: resource}}}
+		ResourceAttributes: &authorizationv1.ResourceAttributes{Verb: verb, Group: group, Resource: resource}}}
 	got, err := admin.AuthorizationV1().SubjectAccessReviews().Create(context.Background(), review, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -291,9 +334,7 @@ func checkRBAC(t *testing.T, manifests []byte, user string) {
 	for _, obj := range objects(t, "the RBAC", manifests) {
 		switch obj.GetKind() {
 		case "ServiceAccount", "ClusterRole", "ClusterRoleBinding":
-			if err := a.apply(obj, false); err != nil {
-				t.Fatal(err)
-			}
+			a.install(t, obj)
 			if obj.GetKind() == "ClusterRole" {
 				role = &rbacv1.ClusterRole{}
 				data, _ := json.Marshal(obj.Object)
@@ -301,11 +342,6 @@ func checkRBAC(t *testing.T, manifests []byte, user string) {
 					t.Fatal(err)
 				}
 			}
-			t.Cleanup(func() {
-				gvk := obj.GroupVersionKind()
-				mapping, _ := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
-				_ = a.dyn.Resource(mapping.Resource).Namespace(obj.GetNamespace()).Delete(context.Background(), obj.GetName(), metav1.DeleteOptions{})
-			})
 		}
 	}
 	if role == nil {
@@ -389,5 +425,110 @@ func update(t *testing.T, admin kubernetes.Interface, role *rbacv1.ClusterRole) 
 	current.Rules = role.Rules
 	if _, err := admin.RbacV1().ClusterRoles().Update(context.Background(), current, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// draUser is deploy/dra/rbac.yaml's ServiceAccount, as a pod's token on node authenticates it: the
+// token names the node (the user's extra authentication.kubernetes.io/node-name; "" for a token
+// that names none). The admin impersonates it, extra included.
+func draUser(t *testing.T, s *kubeapi.Server, node string) *kubernetes.Clientset {
+	t.Helper()
+	cfg := s.Config(kubeapi.AdminUser)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: draAccount,
+		Groups: []string{"system:serviceaccounts", "system:serviceaccounts:" + kubeapi.PluginNamespace, "system:authenticated"}}
+	if node != "" {
+		cfg.Impersonate.Extra = map[string][]string{"authentication.kubernetes.io/node-name": {node}}
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cs
+}
+
+const draAccount = "system:serviceaccount:" + kubeapi.PluginNamespace + ":hami-mig-dra"
+
+// deviceSlice is the device slice of one GPU's pool on node, as the plugin publishes it.
+func deviceSlice(node string) *resourcev1.ResourceSlice {
+	profile := "1g.10gb"
+	return &resourcev1.ResourceSlice{
+		ObjectMeta: metav1.ObjectMeta{Name: node + "-gpu0-devices"},
+		Spec: resourcev1.ResourceSliceSpec{Driver: "mig.hami.io", NodeName: &node,
+			Pool: resourcev1.ResourcePool{Name: node + "-gpu0", Generation: 1, ResourceSliceCount: 1},
+			Devices: []resourcev1.Device{{Name: "gpu0-1g-10gb-at0",
+				Attributes: map[resourcev1.QualifiedName]resourcev1.DeviceAttribute{"profile": {StringValue: &profile}}}}},
+	}
+}
+
+// TestTheDRAPluginsRBACLetsItWriteOnlyItsOwnNodesSlices applies deploy/dra/rbac.yaml and acts as its
+// ServiceAccount from a pod on node-a: it creates, updates and deletes node-a's ResourceSlice and
+// reads claims and its Node, while a slice of node-b, one of no node, and any slice written with a
+// token that names no node are refused by the policy with its message; what the kubelet plugin
+// helper never does (writing claims, pods or nodes) is not granted.
+func TestTheDRAPluginsRBACLetsItWriteOnlyItsOwnNodesSlices(t *testing.T) {
+	s := kubeapi.Get(t)
+	admin := s.Client(t, kubeapi.AdminUser)
+	a := newApplier(t, s)
+	for _, obj := range objects(t, draRBAC, file(t, draRBAC)) {
+		a.install(t, obj)
+	}
+	ctx := context.Background()
+	onA, noNode := draUser(t, s, "node-a").ResourceV1().ResourceSlices(), draUser(t, s, "").ResourceV1().ResourceSlices()
+
+	// The policy takes effect once the server has loaded it: until then node-b's slice goes through.
+	var refusal error
+	for deadline := time.Now().Add(60 * time.Second); refusal == nil; time.Sleep(100 * time.Millisecond) {
+		if _, refusal = onA.Create(ctx, deviceSlice("node-b"), metav1.CreateOptions{}); refusal == nil {
+			_ = admin.ResourceV1().ResourceSlices().Delete(ctx, "node-b-gpu0-devices", metav1.DeleteOptions{})
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the node restriction never refused a slice of another node")
+		}
+	}
+	if !strings.Contains(refusal.Error(), "hami-mig-dra on node node-a may not write a ResourceSlice of node node-b") {
+		t.Fatalf("node-b's slice from node-a: %v", refusal)
+	}
+
+	own, err := onA.Create(ctx, deviceSlice("node-a"), metav1.CreateOptions{})
+	if err != nil {
+		t.Fatalf("node-a's slice from node-a: %v", err)
+	}
+	own.Spec.Pool.Generation = 2
+	if own, err = onA.Update(ctx, own, metav1.UpdateOptions{}); err != nil || own.Spec.Pool.Generation != 2 {
+		t.Fatalf("update of node-a's slice from node-a: %v", err)
+	}
+	if _, err := noNode.Create(ctx, deviceSlice("node-c"), metav1.CreateOptions{}); err == nil ||
+		!strings.Contains(err.Error(), "only with a pod's token, which names its node") {
+		t.Fatalf("a slice written with a token that names no node: %v", err)
+	}
+	if err := noNode.Delete(ctx, own.Name, metav1.DeleteOptions{}); err == nil {
+		t.Fatal("a token that names no node deleted node-a's slice")
+	}
+	unowned := deviceSlice("node-a")
+	unowned.Name, unowned.Spec.NodeName, unowned.Spec.AllNodes = "cluster-wide", nil, new(true)
+	if _, err := onA.Create(ctx, unowned, metav1.CreateOptions{}); err == nil || !strings.Contains(err.Error(), "of no node") {
+		t.Fatalf("a slice of no node from node-a: %v", err)
+	}
+	if err := onA.Delete(ctx, own.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatalf("delete of node-a's slice from node-a: %v", err)
+	}
+	if got, err := admin.ResourceV1().ResourceSlices().List(ctx, metav1.ListOptions{}); err != nil || len(got.Items) != 0 {
+		t.Fatalf("slices left: %v %v", got, err)
+	}
+
+	for _, c := range []struct {
+		verb, resource string
+		want           bool
+	}{
+		{"list", "resourceclaims.resource.k8s.io", true},
+		{"watch", "resourceslices.resource.k8s.io", true},
+		{"get", "nodes", true},
+		{"update", "resourceclaims.resource.k8s.io", false},
+		{"patch", "nodes", false},
+		{"create", "pods", false},
+	} {
+		if got := allowed(t, admin, draAccount, c.verb, c.resource); got != c.want {
+			t.Errorf("%s %s: allowed %v, want %v", c.verb, c.resource, got, c.want)
+		}
 	}
 }

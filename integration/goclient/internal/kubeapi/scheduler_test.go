@@ -15,7 +15,6 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 )
 
@@ -24,7 +23,6 @@ const (
 	driver      = "mig.hami.io"
 	deviceClass = "mig.hami.io"
 	gpuIndex    = 0
-	settle      = 2 * time.Minute // how long a pod may take to be scheduled on a loaded machine
 )
 
 // placement is one (profile, placement) of an H100-80GB: memory slices [start, start+size).
@@ -79,17 +77,15 @@ func byDevice(t *testing.T, name string) placement {
 	return placement{}
 }
 
-// draNode creates the test's namespace, a schedulable Node of that name (removed when the test ends,
-// so no later pod lands there) and the driver's DeviceClass.
+// draNode creates the test's namespace and a Node of that name with room for pods (no kubelet runs,
+// so the test writes its status), removed when the test ends so no later pod lands there.
 func draNode(t *testing.T, admin kubernetes.Interface) string {
 	t.Helper()
 	name := namespace(t, admin)
 	ctx := context.Background()
-	if err := kubeapi.SchedulableNode(ctx, admin, name); err != nil {
-		t.Fatal(err)
-	}
+	kubeapi.ReadyNode(ctx, t, admin, name)
 	t.Cleanup(func() { _ = admin.CoreV1().Nodes().Delete(ctx, name, metav1.DeleteOptions{}) })
-	fakekubelet.EnsureClass(ctx, t, admin)
+	kubeapi.DeviceClass(ctx, t, admin, deviceClass, driver)
 	return name
 }
 
@@ -160,67 +156,13 @@ func warmFirst(profile string) resourcev1.DeviceRequest {
 		{Name: "any", DeviceClassName: deviceClass, Selectors: profileIs(profile)}}}
 }
 
-// podWithClaim creates a ResourceClaim with request and a pod using it, neither bound nor allocated:
-// the scheduler does both. A ResourceClaimTemplate would need kube-controller-manager, which does not
-// run here, to create the pod's claim.
-func podWithClaim(t *testing.T, admin kubernetes.Interface, ns, name string, request resourcev1.DeviceRequest) {
-	t.Helper()
-	ctx := context.Background()
-	claim := &resourcev1.ResourceClaim{ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: resourcev1.ResourceClaimSpec{Devices: resourcev1.DeviceClaim{Requests: []resourcev1.DeviceRequest{request}}}}
-	if _, err := admin.ResourceV1().ResourceClaims(ns).Create(ctx, claim, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.PodSpec{
-		ResourceClaims: []corev1.PodResourceClaim{{Name: "gpu", ResourceClaimName: &name}},
-		Containers: []corev1.Container{{Name: "main", Image: "registry.invalid/main",
-			Resources: corev1.ResourceRequirements{Claims: []corev1.ResourceClaim{{Name: "gpu"}},
-				Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("100m")}}}}}}
-	if _, err := admin.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	// No kubelet deletes a bound pod once it is marked deleted, so it is deleted at once.
-	t.Cleanup(func() {
-		_ = admin.CoreV1().Pods(ns).Delete(ctx, name, *metav1.NewDeleteOptions(0))
-	})
-}
-
-// bound waits for the scheduler to bind pod name to node and returns its claim's allocated
-// devices (pool/device) with the request each is for.
-func bound(t *testing.T, s *kubeapi.Server, ns, name, node string) []resourcev1.DeviceRequestAllocationResult {
-	t.Helper()
-	admin := s.Client(t, kubeapi.AdminUser)
-	ctx := context.Background()
-	var pod *corev1.Pod
-	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, settle, true, func(ctx context.Context) (bool, error) {
-		var err error
-		pod, err = admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		return err == nil && pod.Spec.NodeName != "", err
-	})
-	if err != nil {
-		t.Fatalf("pod %s not scheduled: %v (status %+v); the scheduler's log ends:\n%s", name, err, pod.Status.Conditions, s.LogTail("kube-scheduler"))
-	}
-	if pod.Spec.NodeName != node {
-		t.Fatalf("pod %s bound to %s, want %s", name, pod.Spec.NodeName, node)
-	}
-	claim, err := admin.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if claim.Status.Allocation == nil || !slices.ContainsFunc(claim.Status.ReservedFor,
-		func(r resourcev1.ResourceClaimConsumerReference) bool { return r.UID == pod.UID }) {
-		t.Fatalf("pod %s bound but its claim is not allocated and reserved for it: %+v", name, claim.Status)
-	}
-	return claim.Status.Allocation.Devices.Results
-}
-
 // unschedulable waits for the scheduler to report pod name as not fitting anywhere, and checks that
 // its claim holds nothing.
 func unschedulable(t *testing.T, admin kubernetes.Interface, ns, name string) {
 	t.Helper()
 	ctx := context.Background()
 	var pod *corev1.Pod
-	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, settle, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, kubeapi.Settle, true, func(ctx context.Context) (bool, error) {
 		var err error
 		pod, err = admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
 		return err == nil && slices.ContainsFunc(pod.Status.Conditions, func(c corev1.PodCondition) bool {
@@ -264,8 +206,8 @@ func TestSchedulerAllocatesMIGDevicesWithoutOverlappingMemorySlices(t *testing.T
 	used := map[int]string{}
 	for i, profile := range []string{"3g.40gb", "2g.20gb", "1g.10gb"} {
 		name := fmt.Sprintf("fits-%d", i)
-		podWithClaim(t, admin, node, name, claimFor(profile))
-		got := byDevice(t, device(t, node, bound(t, s, node, name, node)).Device)
+		kubeapi.PodWithClaim(t, admin, node, name, claimFor(profile))
+		got := byDevice(t, device(t, node, s.Bound(t, node, name, node).Status.Allocation.Devices.Results).Device)
 		if got.profile != profile {
 			t.Fatalf("%s asked for %s and got %s", name, profile, got.device())
 		}
@@ -280,7 +222,7 @@ func TestSchedulerAllocatesMIGDevicesWithoutOverlappingMemorySlices(t *testing.T
 	if len(used) != 7 || used[7] != "" {
 		t.Fatalf("memory slices used: %v", used)
 	}
-	podWithClaim(t, admin, node, "no-fit", claimFor("1g.10gb"))
+	kubeapi.PodWithClaim(t, admin, node, "no-fit", claimFor("1g.10gb"))
 	unschedulable(t, admin, node, "no-fit")
 
 	ctx := context.Background()
@@ -290,7 +232,7 @@ func TestSchedulerAllocatesMIGDevicesWithoutOverlappingMemorySlices(t *testing.T
 	if err := kubeapi.DeleteClaim(ctx, admin, node, "fits-1"); err != nil {
 		t.Fatal(err)
 	}
-	if got := device(t, node, bound(t, s, node, "no-fit", node)).Device; got != "gpu0-1g-10gb-at4" {
+	if got := device(t, node, s.Bound(t, node, "no-fit", node).Status.Allocation.Devices.Results).Device; got != "gpu0-1g-10gb-at4" {
 		t.Fatalf("no-fit got %s once the 2g.20gb at 4 was deleted; want gpu0-1g-10gb-at4", got)
 	}
 }
@@ -308,8 +250,8 @@ func TestSchedulerTakesTheFirstFittingDeviceInSliceOrder(t *testing.T) {
 	for i, want := range []string{"gpu0-1g-10gb-at6", "gpu0-1g-10gb-at5", "gpu0-2g-20gb-at2"} {
 		profile := byDevice(t, want).profile
 		name := fmt.Sprintf("first-%d", i)
-		podWithClaim(t, admin, node, name, claimFor(profile))
-		if got := device(t, node, bound(t, s, node, name, node)).Device; got != want {
+		kubeapi.PodWithClaim(t, admin, node, name, claimFor(profile))
+		if got := device(t, node, s.Bound(t, node, name, node).Status.Allocation.Devices.Results).Device; got != want {
 			t.Fatalf("%s (%s) got %s; the first fitting device in slice order is %s", name, profile, got, want)
 		}
 	}
@@ -330,8 +272,8 @@ func TestFirstAvailablePrefersAWarmDevice(t *testing.T) {
 		{"gpu0-1g-10gb-at0", "gpu/any"},
 	} {
 		name := fmt.Sprintf("warm-first-%d", i)
-		podWithClaim(t, admin, node, name, warmFirst("1g.10gb"))
-		got := device(t, node, bound(t, s, node, name, node))
+		kubeapi.PodWithClaim(t, admin, node, name, warmFirst("1g.10gb"))
+		got := device(t, node, s.Bound(t, node, name, node).Status.Allocation.Devices.Results)
 		if got.Device != want.device || got.Request != want.request {
 			t.Fatalf("%s got %s for request %s, want %s for %s", name, got.Device, got.Request, want.device, want.request)
 		}
