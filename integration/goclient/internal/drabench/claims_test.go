@@ -1,0 +1,229 @@
+package drabench_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"sort"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+)
+
+func TestMain(m *testing.M) { os.Exit(kubeapi.Main(m)) }
+
+// The environment bench/dra_claims.py runs the benchmark with.
+const (
+	envSocket  = "DRA_BENCH_SOCKET"  // the sidecar's socket
+	envTrace   = "DRA_BENCH_TRACE"   // the trace, a JSON list of claims
+	envOut     = "DRA_BENCH_OUT"     // where the results go, as JSON
+	envDestroy = "DRA_BENCH_DESTROY" // "1": the plugin destroys a claim's instances at unprepare
+	node       = "bench-node"
+	namespace  = "bench"
+	waitFor    = 2 * time.Minute // the longest a pod may take to be scheduled, a loaded machine's
+)
+
+// claim is one claim of the trace: it arrives and leaves at trace times (only their order matters).
+type claim struct {
+	UID     string  `json:"uid"`
+	Profile string  `json:"profile"`
+	Arrive  float64 `json:"arrive"`
+	Leave   float64 `json:"leave"`
+}
+
+// result is what became of one claim.
+type result struct {
+	UID       string  `json:"uid"`
+	Profile   string  `json:"profile"`
+	Refused   bool    `json:"refused"`             // the scheduler found no device for it
+	Device    string  `json:"device,omitempty"`    // the device the scheduler allocated
+	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
+	ScheduleS float64 `json:"schedule_s"`          // claim and pod created to pod bound (or reported unschedulable)
+	PrepareS  float64 `json:"prepare_s,omitempty"` // NodePrepareResources
+}
+
+type event struct {
+	at     float64
+	arrive bool
+	claim  int
+}
+
+func BenchmarkClaimTrace(b *testing.B) {
+	socket, tracePath, out := os.Getenv(envSocket), os.Getenv(envTrace), os.Getenv(envOut)
+	if socket == "" || tracePath == "" || out == "" {
+		b.Skipf("bench/dra_claims.py runs this with %s, %s and %s", envSocket, envTrace, envOut)
+	}
+	data, err := os.ReadFile(tracePath)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var trace []claim
+	if err := json.Unmarshal(data, &trace); err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	s := kubeapi.GetWithScheduler(b)
+	admin := s.Client(b, kubeapi.AdminUser)
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: namespace}},
+		metav1.CreateOptions{}); err != nil {
+		b.Fatal(err)
+	}
+	c, err := migclient.New(ctx, socket, migclient.Options{CallTimeout: time.Minute, AllocateTimeout: time.Minute,
+		AllowSimulatedBackend: true, ListActive: dra.RecoverNoPods})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	n := fakekubelet.Start(ctx, b, s, c, dra.Options{NodeName: node, RecoverSidecar: true,
+		DestroyAtUnprepare: os.Getenv(envDestroy) == "1"})
+	kubeapi.ReadyNode(ctx, b, admin, node)
+
+	var events []event
+	for i, cl := range trace {
+		events = append(events, event{cl.Arrive, true, i}, event{cl.Leave, false, i})
+	}
+	sort.SliceStable(events, func(i, j int) bool { return events[i].at < events[j].at })
+	results := make([]result, len(trace))
+	live := map[int]*resourceapi.ResourceClaim{}
+	b.ResetTimer()
+	for range b.N {
+		for _, e := range events {
+			cl := trace[e.claim]
+			if !e.arrive {
+				if prepared, ok := live[e.claim]; ok {
+					leave(ctx, b, n, prepared)
+					delete(live, e.claim)
+				}
+				continue
+			}
+			warm := settled(ctx, b, n, c)
+			r, prepared := arrive(ctx, b, n, s, cl, warm)
+			results[e.claim] = r
+			if prepared != nil {
+				live[e.claim] = prepared
+			}
+		}
+		for _, i := range slices.Sorted(maps.Keys(live)) {
+			leave(ctx, b, n, live[i])
+			delete(live, i)
+		}
+	}
+	b.StopTimer()
+	encoded, err := json.MarshalIndent(results, "", " ")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := os.WriteFile(out, encoded, 0o600); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// settled waits until the node's slices show as warm exactly the IDLE instances the sidecar
+// reports, and returns the published devices' warmth by name.
+func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client) map[string]bool {
+	b.Helper()
+	warm := map[string]bool{}
+	n.Devices(ctx, b, func(devices []resourceapi.Device) bool {
+		st, err := c.GetState(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		want := dra.WarmFromState(st)
+		got := map[dra.Placed]bool{}
+		clear(warm)
+		for _, d := range devices {
+			if a := d.Attributes[dra.AttrWarm].BoolValue; a != nil && *a {
+				start, size := d.Attributes[dra.AttrPlacementStart].IntValue, d.Attributes[dra.AttrPlacementSize].IntValue
+				got[dra.Placed{GPUUUID: *d.Attributes[dra.AttrGPUUUID].StringValue, Profile: *d.Attributes[dra.AttrProfile].StringValue,
+					Placement: migclient.Placement{Start: uint32(*start), Size: uint32(*size)}}] = true
+				warm[d.Name] = true
+			}
+		}
+		return len(devices) > 0 && maps.Equal(got, want)
+	})
+	return warm
+}
+
+// arrive creates cl's claim and pod, waits for the scheduler, and prepares the claim as kubelet
+// would; the claim is nil when the scheduler refused it (its pod and claim are deleted then).
+func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.Server, cl claim, warm map[string]bool) (result, *resourceapi.ResourceClaim) {
+	b.Helper()
+	r := result{UID: cl.UID, Profile: cl.Profile}
+	admin := n.Admin
+	selector := fmt.Sprintf(`device.attributes[%q].%s == %q`, dra.DefaultDriverName, dra.AttrProfile, cl.Profile)
+	request := resourceapi.DeviceRequest{Name: "gpu", Exactly: &resourceapi.ExactDeviceRequest{
+		DeviceClassName: dra.DefaultDriverName,
+		Selectors:       []resourceapi.DeviceSelector{{CEL: &resourceapi.CELDeviceSelector{Expression: selector}}}}}
+	start := time.Now()
+	kubeapi.PodWithClaim(b, admin, namespace, cl.UID, request)
+	bound := false
+	err := wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, waitFor, true, func(ctx context.Context) (bool, error) {
+		got, err := admin.CoreV1().Pods(namespace).Get(ctx, cl.UID, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		bound = got.Spec.NodeName != ""
+		return bound || slices.ContainsFunc(got.Status.Conditions, func(c corev1.PodCondition) bool {
+			return c.Type == corev1.PodScheduled && c.Reason == corev1.PodReasonUnschedulable
+		}), nil
+	})
+	r.ScheduleS = time.Since(start).Seconds()
+	if err != nil {
+		b.Fatalf("claim %s (%s): the scheduler neither bound nor refused its pod: %v; its log ends:\n%s", cl.UID, cl.Profile, err,
+			s.LogTail("kube-scheduler"))
+	}
+	if !bound {
+		r.Refused = true
+		remove(ctx, b, admin, cl.UID)
+		return r, nil
+	}
+	allocated, err := admin.ResourceV1().ResourceClaims(namespace).Get(ctx, cl.UID, metav1.GetOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	if allocated.Status.Allocation == nil || len(allocated.Status.Allocation.Devices.Results) != 1 {
+		b.Fatalf("claim %s: bound but allocated %+v", cl.UID, allocated.Status.Allocation)
+	}
+	r.Device = allocated.Status.Allocation.Devices.Results[0].Device
+	r.Warm = warm[r.Device]
+	start = time.Now()
+	answer, err := n.Prepare(ctx, allocated)
+	r.PrepareS = time.Since(start).Seconds()
+	if err != nil || answer.GetError() != "" || len(fakekubelet.CDIDevices(answer)) != 1 {
+		b.Fatalf("prepare claim %s (%s on %s): %v %v", cl.UID, cl.Profile, r.Device, err, answer)
+	}
+	return r, allocated
+}
+
+// leave unprepares a claim and deletes its pod and the claim.
+func leave(ctx context.Context, b *testing.B, n *fakekubelet.Node, prepared *resourceapi.ResourceClaim) {
+	b.Helper()
+	if err := n.Unprepare(ctx, prepared); err != nil {
+		b.Fatal(err)
+	}
+	remove(ctx, b, n.Admin, prepared.Name)
+}
+
+// remove deletes pod name at once (no kubelet confirms it) and then its claim.
+func remove(ctx context.Context, b *testing.B, admin kubernetes.Interface, name string) {
+	b.Helper()
+	if err := admin.CoreV1().Pods(namespace).Delete(ctx, name, *metav1.NewDeleteOptions(0)); err != nil {
+		b.Fatal(err)
+	}
+	if err := kubeapi.DeleteClaim(ctx, admin, namespace, name); err != nil {
+		b.Fatal(err)
+	}
+}

@@ -1,0 +1,16 @@
+// Package drabench is the Go half of bench/dra_claims.py, which starts the sidecar and runs
+// BenchmarkClaimTrace (go test -bench, never part of make test): a claim trace through the real
+// kube-scheduler and the DRA kubelet plugin (package dra), with NodePrepareResources and
+// NodeUnprepareResources called as kubelet calls them.
+//
+// Each arrival of the trace is a ResourceClaim for one device of its profile (a CEL selector on
+// the profile attribute, no preference for warm devices: the slice order alone brings a claim to
+// an IDLE instance) and a pod using it; the scheduler binds the pod and allocates the claim, then
+// the claim is prepared and the time of NodePrepareResources is the claim-prepare latency. A pod
+// the scheduler reports unschedulable is deleted with its claim and counted as refused. Each
+// departure unprepares the claim and deletes the pod and the claim, as kubelet and
+// kube-controller-manager would. Events run in trace order, one at a time; before each arrival the
+// benchmark waits until the published slices show as warm exactly the IDLE instances the sidecar
+// reports, so a claim sees the cache as the plugin republished it and the result does not depend
+// on how fast the machine replays (a lag in republishing is not measured here).
+package drabench
