@@ -131,21 +131,22 @@ func idlePlacements(gpuUUID string, warm map[Placed]bool) []migclient.Placement 
 }
 
 // rank orders a GPU's devices by what preparing a claim on one costs the sidecar: 0 warm (a reuse,
-// no create), 1 cold on memory slices no IDLE instance holds (one create), 2 cold over an IDLE
-// instance of another profile or placement (the sidecar destroys that instance inline, then
-// creates: the slowest prepare, and the cache loses the instance). The order of RankPlacements'
-// REUSE, FREE and RECLAIM, so that a claim missing the cache takes a free placement while one is
-// left instead of one in a cached instance's way.
+// no create), 1 cold on memory slices no IDLE instance holds (one create), then cold over n IDLE
+// instances, 1+n (the sidecar destroys each inline before it creates: the slowest prepares, and
+// the cache loses them). The order of RankPlacements' REUSE, FREE and RECLAIM, so that a claim
+// missing the cache takes a free placement while one is left, and else the one in the fewest
+// cached instances' way.
 func rank(d Device, idle []migclient.Placement) int {
 	if d.Warm {
 		return 0
 	}
+	r := 1
 	for _, p := range idle {
 		if d.Placement.Start < p.Start+p.Size && p.Start < d.Placement.Start+d.Placement.Size {
-			return 2
+			r++
 		}
 	}
-	return 1
+	return r
 }
 
 // WarmFromState is the warm set of a GetState answer: every IDLE, healthy instance.

@@ -203,3 +203,25 @@ func TestColdDevicesOnFreeMemorySlicesComeBeforeThoseOverAnIdleInstance(t *testi
 		t.Fatalf("%d free and %d over slice 3, want 18 and 6", free, over)
 	}
 }
+
+// Among the devices over IDLE instances, those over fewer come first: each is a destroy on the
+// prepare's path.
+func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
+	warm := map[dra.Placed]bool{
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 0, Size: 1}}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 1, Size: 1}}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 4, Size: 1}}: true,
+	}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, warm)
+
+	var order []string
+	for _, d := range specs(m)["node-m-gpu0"][1].Devices {
+		if *d.Attributes[dra.AttrProfile].StringValue == "3g.40gb" {
+			order = append(order, d.Name)
+		}
+	}
+	// 3g.40gb at 4 covers one IDLE instance (at 4), at 0 two (at 0 and 1).
+	if len(order) != 2 || order[0] != "gpu0-3g-40gb-at4" {
+		t.Fatalf("3g.40gb devices in order %v, want the one over one IDLE instance (at4) first", order)
+	}
+}
