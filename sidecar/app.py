@@ -210,7 +210,7 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     port = LayoutRecordingPort(MeteredPort(backend.port, metrics, liveness))
     cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
-    ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
+    ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting, liveness.clock))
     lifecycle = Lifecycle(ctx)
     recovery = Recoverer(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
     idle = None

@@ -71,10 +71,23 @@ def memory_slices(profiles: Sequence[GpuInstanceProfile]) -> int:
     return max((p.end for prof in profiles for p in prof.placements), default=0)
 
 
-def foreign(ctx: LifecycleContext, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
-    """The foreign GIs of the layout view; the first call for a GPU lists it (under its lock)."""
+class NotListedError(Exception):
+    """A GPU's foreign view was asked for without listing (``gpu_view(list_missing=False)``) and
+    there is none yet."""
+
+
+def foreign(
+    ctx: LifecycleContext, gpu_uuid: str, *, list_missing: bool = True
+) -> tuple[ForeignInstance, ...]:
+    """The foreign GIs of the layout view; the first call for a GPU lists it (under its lock), or,
+    with ``list_missing`` False, raises NotListedError: a caller that holds another GPU's lock must not
+    take this one's out of order."""
     cached = ctx.inventory.foreign_view(gpu_uuid, ctx.table.on_gpu(gpu_uuid))
-    return refresh_foreign(ctx, gpu_uuid) if cached is None else cached
+    if cached is not None:
+        return cached
+    if not list_missing:
+        raise NotListedError(gpu_uuid)
+    return refresh_foreign(ctx, gpu_uuid)
 
 
 def refresh_foreign(ctx: LifecycleContext, gpu_uuid: str) -> tuple[ForeignInstance, ...]:
@@ -107,13 +120,16 @@ def refresh_layout(ctx: LifecycleContext) -> list[str]:
     return listed
 
 
-def gpu_view(ctx: LifecycleContext, gpu_uuid: str, *, busy: Collection[str] = ()) -> GpuView:
-    """The GPU's view; ``busy`` names MIG UUIDs of IDLE instances known to run processes."""
+def gpu_view(
+    ctx: LifecycleContext, gpu_uuid: str, *, busy: Collection[str] = (), list_missing: bool = True
+) -> GpuView:
+    """The GPU's view; ``busy`` names MIG UUIDs of IDLE instances known to run processes.
+    ``list_missing`` as for ``foreign``."""
     return GpuView(
         gpu_uuid=gpu_uuid,
         memory_slices=memory_slices(ctx.inventory.profiles(gpu_uuid)),
         owned=tuple(owned_instance(r, busy=r.mig_uuid in busy) for r in ctx.table.on_gpu(gpu_uuid)),
-        foreign=foreign(ctx, gpu_uuid),
+        foreign=foreign(ctx, gpu_uuid, list_missing=list_missing),
         holds=operator_holds(ctx, gpu_uuid),
         pending=tuple(r for r in pending_reservations(ctx) if r.gpu_uuid == gpu_uuid),
     )

@@ -4,8 +4,10 @@
 applies the answer through the recorded teardown (IDLE -> DELETING -> CI and GI destroyed -> CDI spec
 removed -> record deleted), so a crash anywhere in a trim leaves what recovery finishes like any
 reclaim. One instance at a time, each under its GPU lock, and the decision is taken again under that
-lock just before the destroy: an Allocate that reused the instance, a pending reservation that came
-meanwhile, or a process found running on it (one NVML call per victim) each spare it. ACTIVE, ERROR,
+lock just before the destroy, over the other GPUs' views as last listed (listing one would take its
+lock inside this one, out of ``locks``' order): an Allocate that reused the instance, a pending
+reservation that came meanwhile, or a process found running on it (one NVML call per victim) each
+spare it. ACTIVE, ERROR,
 CREATING/DELETING and foreign instances are never candidates (``idle_policy.trimmable``), so the lock
 is held for one destroy at most and an Allocate on that GPU waits for that one only.
 
@@ -157,7 +159,10 @@ class IdleTrimmer:
         with self.ctx.locks.gpu(chosen.gpu_uuid):
             if self._reserved:
                 gpu_views.refresh_foreign(self.ctx, chosen.gpu_uuid)  # a foreign GI may have come since
-            again = self._decide(gpus, busy)
+            try:  # the other GPUs' views as listed: their locks sort anywhere around this one's
+                again = self._decide(gpus, busy, list_missing=False)
+            except gpu_views.NotListedError:  # a view forgotten since (Recover, a mode change): decide again
+                return None
             if not again or again[0] != chosen:
                 return None
             record = self.ctx.table.get(record_name(chosen.gpu_uuid, chosen.instance.placement))
@@ -173,11 +178,16 @@ class IdleTrimmer:
                 self.ctx.choices.cleared(chosen.gpu_uuid, chosen.instance.placement)
         return Trimmed(ref, str(chosen.cause))
 
-    def _decide(self, gpus: list[str], busy: set[str]) -> list[Trim]:
+    def _decide(self, gpus: list[str], busy: set[str], *, list_missing: bool = True) -> list[Trim]:
         """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
-        then what is in a blind scheduler's way (``in_the_way``), then the node's reserve."""
+        then what is in a blind scheduler's way (``in_the_way``), then the node's reserve.
+
+        Under a GPU lock ``list_missing`` is False: a GPU never listed raises ``NotListedError`` instead
+        of taking its lock, which may sort before the one held (the deadlock this once was)."""
         s = self.settings
-        views: list[GpuView] = [gpu_views.gpu_view(self.ctx, g, busy=busy) for g in gpus]
+        views: list[GpuView] = [
+            gpu_views.gpu_view(self.ctx, g, busy=busy, list_missing=list_missing) for g in gpus
+        ]
         pending = gpu_views.pending_reservations(self.ctx)
         reserve = {}
         if wanted := self._reserved:

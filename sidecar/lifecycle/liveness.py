@@ -10,6 +10,15 @@ stuck. A GPU lock that must block does so inside ``waiting``, whose time is left
 every call the waiting thread registered; a lock held by a hung NVML call still shows, as that call
 is registered and its age grows. A restart there would cancel the healthy queue and fix nothing.
 
+A wait can also never end with no NVML call running at all: two threads each holding the lock the
+other waits for (``locks`` refuses the acquires that make such a circle, but a wait that never ends
+must be seen whatever its cause). So the waits are kept too, with the lock waited for, and a wait is
+stuck when it has lasted past the threshold and nothing along its chain has moved for as long: the
+lock has not changed hands, and its holder (or, when the holder itself waits for a lock, that lock's
+holder, and so on) has begun or ended no registered call. A queue of healthy creates moves the lock
+every few seconds; a holder working through many short NVML calls under one lock makes progress at
+each; a circle of waiters, or a holder blocked outside any registered call, makes none.
+
 The threshold (``--stuck-threshold``, 300 s by default) is far above the slowest NVML call a healthy
 node makes. ``clock`` is injected so tests move time instead of sleeping.
 """
@@ -17,11 +26,25 @@ node makes. ``clock`` is injected so tests move time instead of sleeping.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 PARTS = ("nvml", "reconciler")
+_MAX_THREADS = 1024  # progress stamps kept before those older than the threshold are dropped
+LOCK_WAIT = "lock-wait"  # the part ``stuck`` names for a wait that never ends
+
+
+class Waited(Protocol):
+    """What a lock waited for tells (``locks.GpuLock``): its holder's thread and when it last moved."""
+
+    @property
+    def owner(self) -> int | None: ...
+
+    @property
+    def changed(self) -> float: ...
 
 
 class _Entry:
@@ -50,6 +73,13 @@ class Liveness:
         self._tokens = itertools.count()
         self._running: dict[int, _Entry] = {}
         self._mine = threading.local()  # the tokens this thread has registered, innermost last
+        self._progress: dict[int, float] = {}  # thread ident -> when it last began or ended a call
+        self._waits: dict[int, tuple[float, Waited]] = {}  # thread ident -> (since, the lock it waits for)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock of the ages, for the locks' ``changed`` stamps."""
+        return self._clock
 
     def running(self, part: str) -> _Running:
         """Register one call of ``part`` ("nvml" or "reconciler") for as long as the block runs.
@@ -58,10 +88,11 @@ class Liveness:
         through it, and a generator-based one costs several times what it guards."""
         return _Running(self, part)
 
-    def waiting(self) -> _Waiting:
-        """The block waits (for a lock) instead of working: its time is not in the age of the calls
-        this thread has registered. Nested waits of one thread count once."""
-        return _Waiting(self)
+    def waiting(self, lock: Waited | None = None) -> _Waiting:
+        """The block waits (for ``lock``) instead of working: its time is not in the age of the calls
+        this thread has registered. Nested waits of one thread count once. A wait for a lock is kept
+        for ``stuck`` until the block ends."""
+        return _Waiting(self, lock)
 
     def oldest(self) -> dict[str, float]:
         """Seconds the oldest running call of each part has worked, its waits for locks left out
@@ -85,9 +116,38 @@ class Liveness:
         return mine
 
     def stuck(self) -> tuple[str, float] | None:
-        """(part, seconds) of the oldest call running longer than the threshold; None when none is."""
+        """(part, seconds) of the oldest call running longer than the threshold, else (``LOCK_WAIT``,
+        seconds) of the longest wait for a lock past the threshold along whose chain nothing moved
+        for as long; None when neither is."""
         part, age = max(self.oldest().items(), key=lambda item: item[1])
-        return (part, age) if age > self.threshold_s else None
+        if age > self.threshold_s:
+            return (part, age)
+        waited = self.stalled_wait()
+        return (LOCK_WAIT, waited) if waited is not None else None
+
+    def stalled_wait(self) -> float | None:
+        """Seconds of the longest wait for a lock past the threshold with no progress along its
+        chain for the threshold (module docstring); None when there is none."""
+        with self._lock:
+            now = self._clock()
+            waits = dict(self._waits)
+            progress = dict(self._progress)
+        longest: float | None = None
+        for since, lock in waits.values():
+            if now - since <= self.threshold_s:
+                continue
+            moved, owner, seen = lock.changed, lock.owner, set[int]()
+            while owner is not None and owner not in seen:
+                seen.add(owner)
+                moved = max(moved, progress.get(owner, -math.inf))
+                next_wait = waits.get(owner)
+                if next_wait is None:
+                    break
+                moved = max(moved, next_wait[0], next_wait[1].changed)
+                owner = next_wait[1].owner
+            if now - moved > self.threshold_s:
+                longest = max(longest or 0.0, now - since)
+        return longest
 
 
 class _Running:
@@ -107,25 +167,39 @@ class _Running:
         started = live._clock()
         with live._lock:
             live._running[token] = _Entry(self._part, started)
+            live._progress[threading.get_ident()] = started
 
     def __exit__(self, *exc: object) -> None:
         live = self._liveness
         live._tokens_of_thread().remove(self._token)
         with live._lock:
             del live._running[self._token]
+            now = live._progress[threading.get_ident()] = live._clock()
+            if len(live._progress) > _MAX_THREADS:  # threads come and go: forget the long quiet ones
+                for ident in [i for i, t in live._progress.items() if now - t > live.threshold_s]:
+                    del live._progress[ident]
 
 
 class _Waiting:
-    """``Liveness.waiting``: pauses the age of the calling thread's registered calls."""
+    """``Liveness.waiting``: pauses the age of the calling thread's registered calls and keeps the
+    wait for its lock."""
 
-    __slots__ = ("_liveness", "_paused")
+    __slots__ = ("_kept", "_liveness", "_lock", "_paused")
 
-    def __init__(self, liveness: Liveness) -> None:
+    def __init__(self, liveness: Liveness, lock: Waited | None) -> None:
         self._liveness = liveness
+        self._lock = lock
+        self._kept = False
         self._paused: list[_Entry] = []
 
     def __enter__(self) -> None:
         live = self._liveness
+        if self._lock is not None:
+            me = threading.get_ident()
+            with live._lock:
+                if me not in live._waits:
+                    live._waits[me] = (live._clock(), self._lock)
+                    self._kept = True
         mine = live._tokens_of_thread()
         if not mine:
             return
@@ -138,9 +212,13 @@ class _Waiting:
                     self._paused.append(entry)
 
     def __exit__(self, *exc: object) -> None:
+        live = self._liveness
+        if self._kept:
+            with live._lock:
+                live._waits.pop(threading.get_ident(), None)
+            self._kept = False
         if not self._paused:
             return
-        live = self._liveness
         with live._lock:
             now = live._clock()
             for entry in self._paused:

@@ -4,6 +4,7 @@ ERROR, busy or foreign one."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -309,3 +310,39 @@ class TestMetrics:
         assert metrics.registry.get_sample_value("hami_mig_sidecar_idle_instances", gpu) == 1
         trims = metrics.registry.get_sample_value("hami_mig_sidecar_idle_trims_total", {"cause": "max_idle"})
         assert trims == 1
+
+
+class TestLockOrder:
+    def test_a_view_forgotten_between_the_decision_and_the_lock_is_not_listed_under_that_lock(
+        self, world: World
+    ) -> None:
+        """A Recover forgets every GPU's layout view. When it does so after the round decided and
+        before the trim takes the victim's lock, the decision taken again under that lock must not
+        list the other GPUs: one whose lock sorts first would be taken out of order (a deadlock
+        against a multi-GPU Allocate or a Recover, refused by ``locks`` as LockOrderError). It is
+        decided again outside the lock instead, and the trim still happens in the same round."""
+        h100s = sorted((world.uuid(i), i) for i in (0, 1))
+        (first_uuid, first), (_, last) = h100s
+        world.allocate("pod-a", (first, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (first, "3g.40gb", 4, 4))  # no 3g.40gb fits on the first H100
+        world.allocate("pod-d", (last, "1g.10gb", 0, 1))
+        blocker = idle_instance(world, "pod-c", (last, "2g.20gb", 4, 2))
+        forgot: list[bool] = []
+
+        def clock() -> float:
+            # Read by each decision after it has gathered its views: the first time outside any
+            # GPU lock, a Recover lands there.
+            caller = sys._getframe(1).f_code.co_name
+            if caller == "_decide" and not world.ctx.locks.held() and not forgot:
+                world.ctx.inventory.forget_foreign()
+                forgot.append(True)
+            return FAR_FUTURE
+
+        trimmer = IdleTrimmer(world.ctx, IdleSettings(reserve=("3g.40gb",)), clock=clock)
+        trimmed = trimmer.run_once()
+
+        assert forgot == [True]
+        assert [t.ref.identity.mig_uuid for t in trimmed if t.ref.identity] == [blocker.mig_uuid]
+        assert gone(world, blocker)
+        assert world.ctx.inventory.foreign_view(first_uuid, world.ctx.table.on_gpu(first_uuid)) == ()
+        world.assert_consistent()

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -129,3 +131,43 @@ def test_creates_queued_on_one_gpu_keep_health_serving_and_a_hung_create_does_no
         "the reuse the hang held up done",
         lambda: [r["state"] for r in car.records().values()] == ["ACTIVE"] * 7,
     )
+
+
+def test_a_wait_for_a_gpu_lock_whose_holder_makes_no_progress_fails_the_probe_until_it_moves(
+    sidecar_factory: SidecarFactory, tmp_path: Path
+) -> None:
+    """A holder blocked outside any NVML call: the node's ``/proc/devices`` (read for every CDI spec
+    written under the GPU lock) is made a FIFO nobody writes, as a hung file system would leave a
+    read. No call's age grows, so only the second Allocate's wait for that GPU's lock shows it: past
+    the threshold the probe fails (kubelet would restart the container and Recover take over). Once
+    the read returns, both Allocates complete and the probe passes again."""
+    car = sidecar_factory(extra_args=["--stuck-threshold", "2"], sim_gpus="h100-80gb:1")
+    car.recover()
+    devices = car.sim_state.with_name(car.sim_state.name + ".proc") / "devices"
+    content = devices.read_text()
+    fifo = tmp_path / "devices.fifo"
+    os.mkfifo(fifo)
+    os.link(fifo, tmp_path / "devices.held")
+    fifo.replace(devices)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(allocate_one, car, "pod-1", 0, "1g.10gb", 0, 1)
+        # Its CREATING record: it holds the GPU's lock (no ``sim`` call here, which would rewrite
+        # the simulator's /proc files).
+        wait_for(car, "the first Allocate under the lock", lambda: bool(car.records()))
+        second = pool.submit(allocate_one, car, "pod-2", 0, "1g.10gb", 1, 1)
+        wait_for(car, "health NOT_SERVING", lambda: car.health_status() == NOT_SERVING)
+        assert probe(car)[0] == 1
+        stuck = car.log_event("stuck: health NOT_SERVING")
+        assert stuck["part"] == "lock-wait"
+        assert stuck["seconds"] >= 2
+        assert not first.done()
+        assert not second.done()
+        regular = tmp_path / "devices.txt"
+        regular.write_text(content)
+        regular.replace(devices)
+        (tmp_path / "devices.held").write_text(content)  # the blocked read returns
+        devices_out = [first.result(), second.result()]
+    wait_for(car, "health SERVING", lambda: car.health_status() == SERVING)
+    assert probe(car)[0] == 0
+    assert [d.placement.start for d in devices_out] == [0, 1]
+    assert sorted(r["state"] for r in car.records().values()) == ["ACTIVE", "ACTIVE"]

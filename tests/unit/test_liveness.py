@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from sidecar.lifecycle.liveness import Liveness
-from sidecar.lifecycle.locks import Locks
+from sidecar.lifecycle.locks import LockOrderError, Locks
+from sidecar.model.domain import AllocationKey
 
 
 class Clock:
@@ -107,51 +108,185 @@ def test_nested_waits_count_once_and_a_wait_outside_any_call_changes_nothing() -
         assert live.oldest()["reconciler"] == 1
 
 
-def test_a_round_blocked_on_a_gpu_lock_is_waiting_not_stuck() -> None:
-    """The GPU lock blocks inside ``waiting``: a round queued behind a long, healthy create (here a
-    thread holding the lock, its NVML call not registered) is not stuck however long it waits."""
-    clock = Clock()
-    live = Liveness(5, clock)
-    locks = Locks(live.waiting)
-    held, release, blocked = threading.Event(), threading.Event(), threading.Event()
-    ages: list[dict[str, float]] = []
+class _Blocked:
+    """A thread holding GPU-a (its NVML calls driven by the test) and a round blocked on it."""
 
-    def holder() -> None:
-        with locks.gpu("GPU-a"):
-            held.set()
-            release.wait()
+    def __init__(self, live: Liveness, locks: Locks) -> None:
+        self.live, self.locks = live, locks
+        self.held, self.release, self.blocked = threading.Event(), threading.Event(), threading.Event()
+        self.calls: list[threading.Event] = []  # each set: the holder makes one registered call
+        self.called = threading.Semaphore(0)
+        self.ages: list[dict[str, float]] = []
+        self.threads = [threading.Thread(target=self._holder, daemon=True)]
 
-    def round_() -> None:
-        with live.running("reconciler"):
-            blocked.set()
-            with locks.gpu("GPU-a"):
-                ages.append(live.oldest())
+    def _holder(self) -> None:
+        with self.locks.gpu("GPU-a"):
+            self.held.set()
+            while not self.release.is_set():
+                if self.calls:
+                    self.calls.pop()
+                    with self.live.running("nvml"):
+                        pass
+                    self.called.release()
+                threading.Event().wait(0.001)
 
-    first = threading.Thread(target=holder, daemon=True)
-    first.start()
-    held.wait()
-    second = threading.Thread(target=round_, daemon=True)
-    second.start()
-    try:
-        blocked.wait()
+    def _round(self) -> None:
+        with self.live.running("reconciler"):
+            self.blocked.set()
+            with self.locks.gpu("GPU-a"):
+                self.ages.append(self.live.oldest())
+
+    def __enter__(self) -> _Blocked:
+        self.threads[0].start()
+        self.held.wait()
+        self.threads.append(threading.Thread(target=self._round, daemon=True))
+        self.threads[1].start()
+        self.blocked.wait()
         for _ in range(3000):  # until the round reaches the blocking acquire (a bound, not a timing)
-            if live.waiting_count():
+            if self.live.waiting_count():
                 break
             threading.Event().wait(0.01)
-        assert live.waiting_count() == 1
-        clock.now += 100
+        assert self.live.waiting_count() == 1
+        return self
+
+    def holder_calls(self) -> None:
+        self.calls.append(threading.Event())
+        self.called.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release.set()
+        for thread in self.threads:
+            thread.join()
+
+
+def test_a_round_blocked_behind_a_holder_that_makes_progress_is_waiting_not_stuck() -> None:
+    """The GPU lock blocks inside ``waiting``: a round queued behind a long, healthy holder (one that
+    keeps making NVML calls) is not stuck however long it waits."""
+    clock = Clock()
+    live = Liveness(5, clock)
+    locks = Locks(live.waiting, clock)
+    with _Blocked(live, locks) as blocked:
+        for _ in range(20):
+            clock.now += 4
+            blocked.holder_calls()
+            assert live.stuck() is None
+    assert blocked.ages == [{"nvml": 0.0, "reconciler": 0.0}]
+
+
+def test_a_wait_whose_holder_makes_no_progress_is_stuck_past_the_threshold() -> None:
+    """No NVML call runs, so no call's age grows: the wait itself is what is stuck, once neither the
+    lock nor its holder has moved for the threshold."""
+    clock = Clock()
+    live = Liveness(5, clock)
+    locks = Locks(live.waiting, clock)
+    with _Blocked(live, locks) as blocked:
+        clock.now += 5
         assert live.stuck() is None
+        clock.now += 1
+        assert live.stuck() == ("lock-wait", 6)
+        blocked.holder_calls()  # the holder moves: the wait is healthy again for a threshold
+        assert live.stuck() is None
+        clock.now += 6
+        assert live.stuck() == ("lock-wait", 12)
+    assert live.stuck() is None
+
+
+class _Lock:
+    def __init__(self, owner: int | None, changed: float) -> None:
+        self.owner, self.changed = owner, changed
+
+
+def test_a_circle_of_waits_is_stuck_past_the_threshold() -> None:
+    """Two threads, each waiting for the lock the other holds (what ``locks`` refuses to let happen,
+    built here from the locks' two fields): nothing along either chain moves."""
+    clock = Clock()
+    live = Liveness(5, clock)
+    ident: dict[int, int] = {}
+    started, waiting, done = threading.Barrier(3), threading.Barrier(3), threading.Event()
+    lock_of: dict[int, _Lock] = {}
+
+    def waiter(index: int) -> None:
+        ident[index] = threading.get_ident()
+        started.wait()
+        started.wait()  # the test has built the two locks
+        with live.waiting(lock_of[index]):
+            waiting.wait()
+            done.wait()
+
+    threads = [threading.Thread(target=waiter, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    lock_of[0] = _Lock(owner=ident[1], changed=clock.now)  # thread 0 waits for what thread 1 holds
+    lock_of[1] = _Lock(owner=ident[0], changed=clock.now)
+    started.wait()
+    waiting.wait()
+    try:
+        clock.now += 5
+        assert live.stuck() is None
+        clock.now += 1
+        assert live.stuck() == ("lock-wait", 6)
     finally:
-        release.set()
-        first.join()
-        second.join()
-    assert ages == [{"nvml": 0.0, "reconciler": 0.0}]
+        done.set()
+        for thread in threads:
+            thread.join()
+    assert live.stuck() is None
 
 
 def test_a_gpu_lock_is_reentrant_and_uncontended_takes_no_wait() -> None:
     clock = Clock()
     live = Liveness(5, clock)
-    locks = Locks(live.waiting)
+    locks = Locks(live.waiting, clock)
     with live.running("reconciler"), locks.gpu("GPU-a"), locks.gpu("GPU-a"), locks.gpus(["GPU-a", "GPU-b"]):
         clock.now += 6
         assert live.stuck() == ("reconciler", 6)
+
+
+class TestTheLockOrderIsChecked:
+    """Every acquire checks the one order: a lock taken out of it raises before it blocks, so a
+    path that would deadlock against another fails in any test that takes it."""
+
+    def test_a_gpu_lock_that_sorts_before_a_held_one_is_refused(self) -> None:
+        locks = Locks()
+        with locks.gpu("GPU-b"), pytest.raises(LockOrderError, match="GPU-a"):
+            locks.gpu("GPU-a").__enter__()
+        assert locks.held() == []
+        with locks.gpu("GPU-a"), locks.gpu("GPU-b"):  # the order itself is fine
+            assert locks.held() == ["GPU-a", "GPU-b"]
+
+    def test_several_gpus_taken_together_while_holding_a_later_one_are_refused(self) -> None:
+        locks = Locks()
+        with locks.gpu("GPU-b"), pytest.raises(LockOrderError), locks.gpus(["GPU-a", "GPU-b"]):
+            pass
+        assert locks.held() == []
+
+    def test_re_entering_a_held_lock_is_not_out_of_order(self) -> None:
+        locks = Locks()
+        with locks.gpus(["GPU-a", "GPU-b"]), locks.gpu("GPU-a"), locks.gpu("GPU-b"):
+            assert locks.held() == ["GPU-a", "GPU-b", "GPU-a", "GPU-b"]
+        assert locks.held() == []
+
+    def test_claiming_keys_while_holding_a_gpu_lock_is_refused(self) -> None:
+        locks = Locks()
+        key = AllocationKey("pod-uid", 0, 0)
+        with locks.gpu("GPU-a"), pytest.raises(LockOrderError, match="claimed"), locks.claim([key]):
+            pass
+        with locks.claim([key]), locks.gpu("GPU-a"):  # keys first, then GPUs
+            pass
+
+    def test_each_thread_has_its_own_order(self) -> None:
+        locks = Locks()
+        errors: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                with locks.gpu("GPU-a"):
+                    pass
+            except BaseException as exc:  # noqa: BLE001 - reported to the test's thread
+                errors.append(exc)
+
+        with locks.gpu("GPU-b"):
+            thread = threading.Thread(target=other)
+            thread.start()
+            thread.join()
+        assert errors == []
