@@ -112,6 +112,13 @@ def test_no_module_imports_itself_through_others() -> None:
     assert circles(import_graph()) == []
 
 
+def test_no_module_is_past_500_lines() -> None:
+    long = {
+        str(p.relative_to(REPO)): n for p in sources() if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
+
+
 # -- the checker sees what it is there to see -------------------------------------------------------
 
 
