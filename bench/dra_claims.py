@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Claims through the real kube-scheduler and the DRA plugin: warm reuse vs create-per-claim (not a test).
 
-The trace is ``trace.py``'s (seeded Poisson arrivals, exponential lifetimes, 50 % 1g.10gb, 30 % 2g.20gb,
-20 % 3g.40gb on 8 simulated H100-80GB at ``--load`` of the memory slices), each pod a ResourceClaim for
-one device of its profile. It is replayed once per row, in one run, each time on a fresh sidecar with
-the simulator's latency model of ``trace.py`` (GI create 0.8 s, CI create 0.2 s, CI destroy 0.2 s, GI
-destroy 0.4 s, every other call 1 ms; ``--scale`` shrinks it):
+The trace is ``trace_workload.py``'s (seeded Poisson arrivals, exponential lifetimes, 50 % 1g.10gb,
+30 % 2g.20gb, 20 % 3g.40gb on 8 simulated H100-80GB at ``--load`` of the memory slices), each pod a
+ResourceClaim for one device of its profile. It is replayed once per row, in one run, each time on a
+fresh sidecar with the simulator's latency model of ``trace_workload.py`` (GI create 0.8 s, CI create
+0.2 s, CI destroy 0.2 s, GI destroy 0.4 s, every other call 1 ms; ``--scale`` shrinks it):
 
 - ``create-per-claim``: the plugin destroys a claim's instances at unprepare (its
   ``DestroyAtUnprepare``), what NVIDIA's DRA driver does with dynamic MIG; the sidecar's background
@@ -38,7 +38,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from trace import GPUS, LOAD, MIX, Sidecar, make_trace, percentile, shipped_policy
+from trace import percentile, shipped_policy
+
+from trace_run import Sidecar
+from trace_workload import GPUS, LOAD, MIX, make_trace
 
 from sidecar.nvml.sim import OP_ALIASES, SimulatedHardware
 

@@ -23,10 +23,10 @@ import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from trace import GPUS, LOAD, MIX, MODEL_S, OTHER_S, Pod, make_trace
 
 from msgspec.structs import replace
 from trace_state import MEMORY_SLICES
+from trace_workload import GPUS, LOAD, MIX, MODEL_S, OTHER_S, Pod, make_trace
 
 from sidecar.model.advice import Cost, GpuView, OwnedInstance, RankedPlacement, rank_placements
 from sidecar.model.domain import State

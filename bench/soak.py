@@ -29,7 +29,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from trace import set_latency_model
 from typing import Any
 
 import grpc
@@ -38,6 +37,7 @@ from grpc_status import rpc_status
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from hami.migsidecar.v1 import migsidecar_pb2_grpc as pb_grpc
 from restartable import CHANNEL_OPTIONS, TIMEOUT_S, Sidecar
+from trace_workload import set_latency_model
 
 from sidecar.nvml.sim import SimulatedHardware
 

@@ -24,7 +24,6 @@ from sidecar.nvml.sim.cabi import KIND_GPU, as_int, gpu_of, handle, handle_value
 from sidecar.nvml.sim.state import XID_ALL, XIDS_KEPT, SimError, SimXid, StateView
 
 if TYPE_CHECKING:
-    from sidecar.nvml.sim.library import SimulatedLibrary
     from sidecar.nvml.sim.store import StateStore
 
 KIND_EVENT_SET = 5
@@ -111,12 +110,13 @@ def raise_xid(
     return serial
 
 
-def wait(library: SimulatedLibrary, event_set: Any, data: Any, timeout_ms: Any) -> int:
-    """``nvmlEventSetWait_v2``: counted once, polled outside the lock until an Xid or the timeout."""
+def wait(store: StateStore, event_set: Any, data: Any, timeout_ms: Any) -> int:
+    """``nvmlEventSetWait_v2`` on ``store``'s state: counted once, polled outside the lock until an Xid
+    or the timeout."""
     deadline = time.monotonic() + as_int(timeout_ms) / 1000
     call: str | None = WAIT_SYMBOL
     while True:
-        with library.store.query(call=call) as q:
+        with store.query(call=call) as q:
             call = None  # the polls after the first are the driver's own waiting, not calls
             try:
                 found = _event_set(event_set)

@@ -51,14 +51,14 @@ class _CFunction:
 class _WaitFunction:
     """``nvmlEventSetWait_v2`` (``events.wait``), with the attributes pynvml assigns."""
 
-    def __init__(self, library: SimulatedLibrary) -> None:
+    def __init__(self, store: StateStore) -> None:
         self.__name__ = events.WAIT_SYMBOL
         self.restype: Any = None
         self.argtypes: Any = None
-        self._library = library
+        self._store = store
 
     def __call__(self, *args: Any) -> Any:
-        return events.wait(self._library, *args)
+        return events.wait(self._store, *args)
 
 
 class SimulatedLibrary:
@@ -72,7 +72,7 @@ class SimulatedLibrary:
         for symbol, impl in FUNCTIONS.items():
             setattr(self, symbol, _CFunction(self, symbol, impl))
         # Waits for events outside the store's lock, polling: not one access like the others.
-        setattr(self, events.WAIT_SYMBOL, _WaitFunction(self))
+        setattr(self, events.WAIT_SYMBOL, _WaitFunction(store))
 
     def call(self, name: str, impl: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         started = time.perf_counter_ns()
