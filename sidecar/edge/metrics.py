@@ -42,7 +42,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from sidecar.lifecycle.faults import FaultReport
 from sidecar.lifecycle.gpu_views import last_used
-from sidecar.lifecycle.liveness import Liveness
+from sidecar.lifecycle.liveness import LOCK_WAIT, Liveness
 from sidecar.model.domain import AllocateResult, Outcome, State
 from sidecar.model.idle_policy import Cause
 from sidecar.model.ownership import OwnershipRecord
@@ -395,11 +395,13 @@ class _HealthCollector:
         busy = GaugeMetricFamily(
             f"{PREFIX}_busy_seconds",
             "Seconds the oldest running NVML call (part=nvml) or reconciler round (part=reconciler) has "
-            "worked, waits for GPU locks left out; 0 when none runs. Past --stuck-threshold the health "
-            "service answers NOT_SERVING.",
+            "worked, waits for GPU locks left out, and the longest a wait for a GPU lock has gone with "
+            "nothing moving along its chain of holders (part=lock-wait); 0 when none. Past "
+            "--stuck-threshold the health service answers NOT_SERVING.",
             labels=["part"],
         )
         ages = self._liveness.oldest() if self._liveness is not None else {}
         for part in ("nvml", "reconciler"):
             busy.add_metric([part], ages.get(part, 0.0))
+        busy.add_metric([LOCK_WAIT], self._liveness.quiet_wait() if self._liveness is not None else 0.0)
         return [recovered, busy]

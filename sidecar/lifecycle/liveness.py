@@ -117,26 +117,25 @@ class Liveness:
 
     def stuck(self) -> tuple[str, float] | None:
         """(part, seconds) of the oldest call running longer than the threshold, else (``LOCK_WAIT``,
-        seconds) of the longest wait for a lock past the threshold along whose chain nothing moved
-        for as long; None when neither is."""
+        seconds) of the wait for a lock along whose chain nothing has moved for longer than the
+        threshold; None when neither is."""
         part, age = max(self.oldest().items(), key=lambda item: item[1])
         if age > self.threshold_s:
             return (part, age)
-        waited = self.stalled_wait()
-        return (LOCK_WAIT, waited) if waited is not None else None
+        quiet = self.quiet_wait()
+        return (LOCK_WAIT, quiet) if quiet > self.threshold_s else None
 
-    def stalled_wait(self) -> float | None:
-        """Seconds of the longest wait for a lock past the threshold with no progress along its
-        chain for the threshold (module docstring); None when there is none."""
+    def quiet_wait(self) -> float:
+        """Seconds the quietest wait for a lock has gone with nothing moving along its chain (module
+        docstring): the lesser of how long it has waited and how long since the chain last moved;
+        0 when no thread waits for a lock."""
         with self._lock:
             now = self._clock()
             waits = dict(self._waits)
             progress = dict(self._progress)
-        longest: float | None = None
+        quietest = 0.0
         for since, lock in waits.values():
-            if now - since <= self.threshold_s:
-                continue
-            moved, owner, seen = lock.changed, lock.owner, set[int]()
+            moved, owner, seen = max(since, lock.changed), lock.owner, set[int]()
             while owner is not None and owner not in seen:
                 seen.add(owner)
                 moved = max(moved, progress.get(owner, -math.inf))
@@ -145,9 +144,8 @@ class Liveness:
                     break
                 moved = max(moved, next_wait[0], next_wait[1].changed)
                 owner = next_wait[1].owner
-            if now - moved > self.threshold_s:
-                longest = max(longest or 0.0, now - since)
-        return longest
+            quietest = max(quietest, now - moved)
+        return quietest
 
 
 class _Running:
