@@ -401,6 +401,7 @@ def run(args: argparse.Namespace, seed: int) -> bool:
         elapsed = time.monotonic() - started
         hw = SimulatedHardware.open(sidecar.hw_file)
         hw.clear_faults()
+        stub = pb_grpc.MigSidecarStub(sidecar.channel)  # the chaos thread may have restarted it
         generation = stub.GetInfo(pb.GetInfoRequest(), timeout=args.deadline).generation
         stub.SyncActive(
             pb.SyncActiveRequest(generation=generation, active=shared.active()), timeout=args.deadline
