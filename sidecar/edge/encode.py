@@ -191,6 +191,7 @@ def encode_state(snapshot: StateSnapshot) -> pb.GetStateResponse:
                 gpu=encode_gpu(gpu.gpu, gpu.busy),
                 instances=[encode_instance(record) for record in gpu.instances],
                 foreign=[encode_foreign(foreign) for foreign in gpu.foreign],
+                unreadable=gpu.unreadable,
             )
             for gpu in snapshot.gpus
         ],

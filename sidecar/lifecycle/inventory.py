@@ -46,6 +46,9 @@ class GpuSnapshot(msgspec.Struct, frozen=True):
     busy: bool
     instances: tuple[OwnershipRecord, ...]
     foreign: tuple[ForeignInstance, ...]
+    # Why the GPU could not be read ("" when it could): its foreign GIs are then unknown, and a
+    # client must not take any of it for free (GetState's ``GpuState.unreadable``).
+    unreadable: str = ""
 
 
 class StateSnapshot(msgspec.Struct, frozen=True):
@@ -89,6 +92,14 @@ class Inventory:
                 self._profiles[gpu_uuid] = read
             cached = read
         return list(cached)
+
+    def known_gpus(self) -> list[GpuInfo]:
+        """The GPUs of the last successful listing, by index (their MIG mode as it was then)."""
+        return sorted(self._gpus.values(), key=lambda g: g.index)
+
+    def remember(self, gpus: Sequence[GpuInfo]) -> None:
+        """A successful listing of every GPU replaces the cached one."""
+        self._gpus = {g.uuid: g for g in gpus}
 
     def profiled_gpus(self) -> list[str]:
         """The GPUs whose profile table has been read (``profiles``), by UUID."""
@@ -276,31 +287,61 @@ def snapshot(
     recovered: bool = True,
 ) -> StateSnapshot:
     """Everything GetState shows. Each GPU is read under its lock so no half-done create shows up
-    as a foreign instance; an NVML error on one GPU leaves its foreign list empty (logged).
+    as a foreign instance.
+
+    What cannot be read of one GPU costs that GPU only: a GPU whose GI listing fails, or, when the
+    listing of all GPUs fails (NVML lists them by index, so one lost GPU fails it), whose own read
+    fails, is answered ``unreadable`` with NVML's reason, its records and the facts last read, and
+    the others as usual. Only with no GPU ever listed does the whole call fail.
 
     Before the first Recover (``recovered`` False) the table is empty: the record files on disk are
     read (read only) so that each live instance a record describes is marked ``recorded_as``."""
     port = inventory.port
     unverified = {} if recovered else _records_on_disk(table)
-    with nvml_errors("list GPUs"):
-        gpus = port.gpus()
     out: list[GpuSnapshot] = []
-    for gpu in gpus:
+    for gpu, why in _gpus_each(inventory):
+        unreadable = why
         with locks.gpu(gpu.uuid):
             owned = tuple(sorted(table.on_gpu(gpu.uuid), key=lambda r: (r.placement.start, r.placement.size)))
             foreign: list[ForeignInstance] = []
-            if gpu.mig_current:
+            if gpu.mig_current and not unreadable:
                 try:
                     foreign = [_mark_recorded(f, unverified) for f in _foreign(inventory, gpu.uuid, owned)]
                 except (NvmlError, SidecarError) as exc:
                     _log.warning("cannot list foreign instances of %s: %s", gpu.uuid, exc)
+                    unreadable = f"list GPU instances of {gpu.uuid}: {exc}"
             busy = gpu_busy(port, table, gpu.uuid)
-        out.append(GpuSnapshot(gpu=gpu, busy=busy, instances=owned, foreign=tuple(foreign)))
+        out.append(
+            GpuSnapshot(gpu=gpu, busy=busy, instances=owned, foreign=tuple(foreign), unreadable=unreadable)
+        )
     return StateSnapshot(
         generation=generations.current,
         gpus=tuple(out),
         pending_cdi_removals=tuple(cdi.pending_removals()),
     )
+
+
+def _gpus_each(inventory: Inventory) -> list[tuple[GpuInfo, str]]:
+    """Every GPU with why it cannot be read ("" when it can): the listing of all when it works,
+    else each GPU last listed read on its own. NvmlFailure when neither names a GPU."""
+    try:
+        with nvml_errors("list GPUs"):
+            gpus = inventory.port.gpus()
+    except SidecarError as listing:
+        known = inventory.known_gpus()
+        if not known:
+            raise
+        _log.warning("%s: reading each GPU last listed on its own", listing)
+        out: list[tuple[GpuInfo, str]] = []
+        for info in known:
+            try:
+                with nvml_errors(f"read GPU {info.uuid}"):
+                    out.append((inventory.port.gpu(info.uuid), ""))
+            except SidecarError as exc:
+                out.append((info, str(exc)))
+        return out
+    inventory.remember(gpus)
+    return [(g, "") for g in gpus]
 
 
 def _foreign(inventory: Inventory, gpu_uuid: str, owned: Sequence[OwnershipRecord]) -> list[ForeignInstance]:

@@ -302,6 +302,24 @@ class TestBlockers:
         assert (foreign.profile, str(foreign.placement)) == ("2g.20gb", "2:2")
         assert foreign.mig_uuid is not None
 
+    def test_a_lost_gpu_costs_the_snapshot_that_gpu_only(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        world.allocate("pod-b", (1, "1g.10gb", 0, 1))
+        world.hw.create_instance(0, "2g.20gb", 2, 2)
+        world.lifecycle.snapshot()  # the GPUs are listed once while all answer
+        world.hw.lose_gpu(1)
+
+        snapshot = world.lifecycle.snapshot()
+
+        healthy, lost, other = snapshot.gpus
+        assert (healthy.unreadable, other.unreadable) == ("", "")
+        assert [str(f.placement) for f in healthy.foreign] == ["2:2"]
+        assert [str(r.placement) for r in healthy.instances] == ["0:1"]
+        assert lost.gpu.uuid == world.uuid(1)
+        assert "GPU is lost" in lost.unreadable
+        assert lost.foreign == ()
+        assert [(r.gpu_uuid, str(r.placement)) for r in lost.instances] == [(world.uuid(1), "0:1")]
+
 
 class TestValidation:
     def test_an_unknown_gpu_is_refused(self, world: World) -> None:

@@ -8,8 +8,8 @@
 // (refusing one not allocated or replaced) and publishes the ResourceSlices the plugin hands it.
 // What the plugin adds:
 //
-//   - the slices (model.go): one pool per GPU, counters for its memory slices, one device per
-//     (profile, placement), warm devices first;
+//   - the slices (model.go): one pool per node, counters for each GPU's memory slices, one device
+//     per (profile, placement), warm devices of every GPU first, none that prepare must refuse;
 //   - prepare: one sidecar Allocate per claim, owned by the claim (OWNER_KIND_CLAIM, keyed by its
 //     UID), one device per allocation result of this driver; the answer is the CDI device the
 //     sidecar wrote. A repeat is ALREADY_ALLOCATED and answers the same. The allocation result

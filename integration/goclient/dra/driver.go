@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/utils/ptr"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
@@ -28,7 +28,7 @@ const DefaultDriverName = "mig.hami.io"
 
 // Options configure a Driver.
 type Options struct {
-	// NodeName is the node the plugin runs on; its pools are PoolName(NodeName, index).
+	// NodeName is the node the plugin runs on; its pool is PoolName(NodeName).
 	NodeName string
 	// DriverName defaults to DefaultDriverName.
 	DriverName string
@@ -210,7 +210,7 @@ func (d *Driver) refresh(ctx context.Context) error {
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.model = NewModel(d.opts.NodeName, d.gpus, WarmFromState(st))
+	d.model = NewModel(d.opts.NodeName, d.gpus, ViewOf(st))
 	return nil
 }
 
@@ -236,6 +236,12 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	for _, r := range claim.Status.Allocation.Devices.Results {
 		if r.Driver != d.opts.DriverName {
 			continue
+		}
+		if ptr.Deref(r.AdminAccess, false) {
+			return nil, fmt.Errorf("claim %s/%s: request %s asks for adminAccess to %s, which a MIG device does not support: "+
+				"adminAccess shares a device with the claims that use it, and a MIG instance is created for one claim and "+
+				"held by it alone, so no instance is created for it; monitor MIG instances through the node's NVML "+
+				"(nvidia-smi, DCGM) instead", claim.Namespace, claim.Name, r.Request, r.Device)
 		}
 		dev, ok := model.Lookup(r.Pool, r.Device)
 		if !ok {
@@ -313,7 +319,8 @@ func (d *Driver) ResolveHealth(u *pb.InstanceHealthUpdate) (pool, device string,
 
 // RecoverClaims releases the instances of claims that no longer need them: every claim-owned
 // ACTIVE instance whose claim is gone from the API server, was replaced (another UID under its
-// name), or is no longer allocated a device of this driver on this node. It keeps the others: a
+// name), is no longer allocated a device of this driver on this node, or holds it with adminAccess
+// (an earlier version created an instance for such a claim: the scheduler never counted it). It keeps the others: a
 // prepared claim's pod may still run. Pod-owned instances are never looked at.
 func (d *Driver) RecoverClaims(ctx context.Context) error {
 	st, err := d.c.GetState(ctx)
@@ -362,21 +369,12 @@ func (d *Driver) claimHere(ctx context.Context, ref *pb.ClaimRef) (bool, error) 
 		return false, nil
 	}
 	for _, r := range claim.Status.Allocation.Devices.Results {
-		if r.Driver == d.opts.DriverName && ownPool(d.opts.NodeName, r.Pool) {
+		if r.Driver == d.opts.DriverName && !ptr.Deref(r.AdminAccess, false) &&
+			(r.Pool == PoolName(d.opts.NodeName) || legacyPool(d.opts.NodeName, r.Pool)) {
 			return true, nil
 		}
 	}
 	return false, nil
-}
-
-// ownPool reports whether pool is PoolName(node, i) for some GPU index i.
-func ownPool(node, pool string) bool {
-	index, ok := strings.CutPrefix(pool, node+"-gpu")
-	if !ok {
-		return false
-	}
-	_, err := strconv.ParseUint(index, 10, 32)
-	return err == nil
 }
 
 // Start is the plugin's startup: it syncs d with the sidecar (Sync), starts the kubeletplugin

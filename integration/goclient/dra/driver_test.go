@@ -73,7 +73,7 @@ func TestAFakeKubeletPreparesAClaimTwiceUnpreparesItToAWarmDeviceAndRefusesAFore
 	defer cancel()
 	fake, _, node := fakeNode(ctx, t, "node-k", dra.Options{})
 	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
-	pool := dra.PoolName("node-k", 0)
+	pool := dra.PoolName("node-k")
 
 	claim := node.Claim(ctx, t, "default", "one", [2]string{pool, "gpu0-2g-20gb-at4"})
 	first, err := node.Prepare(ctx, claim)
@@ -137,7 +137,7 @@ func TestAFakeKubeletPreparesAClaimTwiceUnpreparesItToAWarmDeviceAndRefusesAFore
 		}
 	}
 	if pool, device, ok := node.Driver.ResolveHealth(&pb.InstanceHealthUpdate{GpuUuid: "GPU-a", Profile: "2g.20gb",
-		Placement: &pb.Placement{Start: 4, Size: 2}}); !ok || pool != "node-k-gpu0" || device != "gpu0-2g-20gb-at4" {
+		Placement: &pb.Placement{Start: 4, Size: 2}}); !ok || pool != "node-k" || device != "gpu0-2g-20gb-at4" {
 		t.Fatalf("ResolveHealth: %s %s %v", pool, device, ok)
 	}
 }
@@ -147,7 +147,7 @@ func TestRecoveryReleasesTheInstancesOfClaimsGoneOrMovedAndKeepsTheOthers(t *tes
 	defer cancel()
 	fake, c, node := fakeNode(ctx, t, "node-r", dra.Options{})
 	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
-	pool := dra.PoolName("node-r", 1)
+	pool := dra.PoolName("node-r")
 	prepare := func(name, device string) (*resourceapi.ResourceClaim, string) {
 		claim := node.Claim(ctx, t, "default", name, [2]string{pool, device})
 		got, err := node.Prepare(ctx, claim)
@@ -205,7 +205,7 @@ func TestDestroyAtUnprepareLeavesNoInstanceBehindAndNoDeviceWarm(t *testing.T) {
 	defer cancel()
 	fake, _, node := fakeNode(ctx, t, "node-d", dra.Options{DestroyAtUnprepare: true})
 	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
-	claim := node.Claim(ctx, t, "default", "per-claim", [2]string{dra.PoolName("node-d", 0), "gpu0-1g-10gb-at2"})
+	claim := node.Claim(ctx, t, "default", "per-claim", [2]string{dra.PoolName("node-d"), "gpu0-1g-10gb-at2"})
 	if got, err := node.Prepare(ctx, claim); err != nil || got.GetError() != "" || len(fake.Instances()) != 1 {
 		t.Fatalf("prepare: %+v %v, instances %+v", got, err, fake.Instances())
 	}
@@ -220,7 +220,7 @@ func TestDestroyAtUnprepareLeavesNoInstanceBehindAndNoDeviceWarm(t *testing.T) {
 	}
 	if m := node.Driver.Model(); m == nil {
 		t.Fatal("no model")
-	} else if d, _ := m.Lookup(dra.PoolName("node-d", 0), "gpu0-1g-10gb-at2"); d.Warm {
+	} else if d, _ := m.Lookup(dra.PoolName("node-d"), "gpu0-1g-10gb-at2"); d.Warm {
 		t.Fatal("a destroyed instance's device is warm")
 	}
 }
@@ -273,8 +273,8 @@ func TestAClaimOfTwoDevicesOnTwoGPUsIsPreparedInOneAllocateOwnedByTheClaim(t *te
 	defer cancel()
 	fake, _, node := fakeNode(ctx, t, "node-2", dra.Options{})
 	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
-	claim := node.Claim(ctx, t, "default", "pair", [2]string{dra.PoolName("node-2", 0), "gpu0-3g-40gb-at4"},
-		[2]string{dra.PoolName("node-2", 1), "gpu1-7g-80gb-at0"})
+	claim := node.Claim(ctx, t, "default", "pair", [2]string{dra.PoolName("node-2"), "gpu0-3g-40gb-at4"},
+		[2]string{dra.PoolName("node-2"), "gpu1-7g-80gb-at0"})
 	got, err := node.Prepare(ctx, claim)
 	if err != nil || got.GetError() != "" || len(fakekubelet.CDIDevices(got)) != 2 {
 		t.Fatalf("prepare: %+v %v", got, err)
@@ -282,7 +282,7 @@ func TestAClaimOfTwoDevicesOnTwoGPUsIsPreparedInOneAllocateOwnedByTheClaim(t *te
 	for i, want := range []struct{ gpu, profile string }{{"GPU-a", "3g.40gb"}, {"GPU-b", "7g.80gb"}} {
 		in := instance(t, fake, cdiMIG(t, fakekubelet.CDIDevices(got)[i:i+1]))
 		if in.GPU != want.gpu || in.Profile != want.profile || in.Owner == nil || in.Owner.ClaimUID != string(claim.UID) ||
-			in.Owner.DeviceIndex != uint32(i) || got.GetDevices()[i].GetPoolName() != dra.PoolName("node-2", uint32(i)) {
+			in.Owner.DeviceIndex != uint32(i) || got.GetDevices()[i].GetPoolName() != dra.PoolName("node-2") {
 			t.Fatalf("device %d: %+v for %+v", i, in, got.GetDevices()[i])
 		}
 	}

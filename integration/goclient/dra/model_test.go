@@ -77,39 +77,58 @@ func specs(m *dra.Model) map[string][]resourceapi.ResourceSliceSpec {
 	return out
 }
 
+// view is the View of a warm set alone: every warm placement IDLE, nothing blocked.
+func view(warm map[dra.Placed]bool) dra.View {
+	v := dra.View{Warm: warm, Idle: map[string][]migclient.Placement{}}
+	for p := range warm {
+		v.Idle[p.GPUUUID] = append(v.Idle[p.GPUUUID], p.Placement)
+	}
+	return v
+}
+
+// devicesOf are the devices of the node's pool in publishing order, across its device slices.
+func devicesOf(m *dra.Model, node string) []resourceapi.Device {
+	var out []resourceapi.Device
+	for _, s := range specs(m)[dra.PoolName(node)] {
+		out = append(out, s.Devices...)
+	}
+	return out
+}
+
 func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *testing.T) {
 	ctx := context.Background()
 	profiles := simProfiles(t, "h100-80gb")
-	warm := map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 3, Size: 1}}: true}
-	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: profiles}, {Index: 1, UUID: "GPU-1", Profiles: profiles}}, warm)
+	warm := map[dra.Placed]bool{{GPUUUID: "GPU-1", Profile: "1g.10gb", Placement: migclient.Placement{Start: 3, Size: 1}}: true}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: profiles}, {Index: 1, UUID: "GPU-1", Profiles: profiles}}, view(warm))
 
 	byPool := specs(m)
-	if len(byPool) != 2 {
-		t.Fatalf("pools %v, want node-m-gpu0 and node-m-gpu1", byPool)
+	pool := byPool["node-m"]
+	if len(byPool) != 1 || len(pool) != 2 || len(pool[0].SharedCounters) != 2 || len(pool[0].Devices) != 0 || len(pool[1].SharedCounters) != 0 {
+		t.Fatalf("want one pool, node-m, of a slice of two counter sets, then one of devices: %+v", byPool)
 	}
-	gpu0 := byPool["node-m-gpu0"]
-	if len(gpu0) != 2 || len(gpu0[0].SharedCounters) != 1 || len(gpu0[0].Devices) != 0 || len(gpu0[1].SharedCounters) != 0 {
-		t.Fatalf("gpu0's slices: want one of counters, then one of devices: %+v", gpu0)
-	}
-	set := gpu0[0].SharedCounters[0]
+	set := pool[0].SharedCounters[0]
 	media := set.Counters["media-extensions"].Value
-	if set.Name != "gpu0" || len(set.Counters) != 9 || media.Value() != 1 {
+	if set.Name != "gpu0" || pool[0].SharedCounters[1].Name != "gpu1" || len(set.Counters) != 9 || media.Value() != 1 {
 		t.Fatalf("gpu0's counters: want memory-slice-0..7 and media-extensions: %+v", set)
 	}
-	devices := gpu0[1].Devices
-	if len(devices) != 25 {
-		t.Fatalf("gpu0 has %d devices, want one per (profile, placement) of an H100: 25", len(devices))
+	devices := pool[1].Devices
+	if len(devices) != 50 {
+		t.Fatalf("%d devices, want one per (profile, placement) of an H100, 25 per GPU", len(devices))
 	}
 	first := devices[0]
-	if first.Name != "gpu0-1g-10gb-at3" || !*first.Attributes[dra.AttrWarm].BoolValue || *devices[1].Attributes[dra.AttrWarm].BoolValue {
-		t.Fatalf("the warm 1g.10gb at 3 must come first, alone warm: %s, then %s", first.Name, devices[1].Name)
+	if first.Name != "gpu1-1g-10gb-at3" || !*first.Attributes[dra.AttrWarm].BoolValue || *devices[1].Attributes[dra.AttrWarm].BoolValue ||
+		devices[1].Name != "gpu0-1g-10gb-at0" {
+		t.Fatalf("the warm 1g.10gb at 3 of gpu1 must come first, alone warm, then gpu0's: %s, then %s", first.Name, devices[1].Name)
 	}
-	me, ok := m.Lookup("node-m-gpu0", "gpu0-1g-10gb-me-at3")
+	me, ok := m.Lookup("node-m", "gpu0-1g-10gb-me-at3")
 	if !ok || me.Profile != "1g.10gb+me" || me.Placement != (migclient.Placement{Start: 3, Size: 1}) {
 		t.Fatalf("gpu0-1g-10gb-me-at3: %+v %v", me, ok)
 	}
+	if d, ok := m.Lookup("node-m-gpu0", "gpu0-1g-10gb-at3"); !ok || d.GPUIndex != 0 {
+		t.Fatal("a device of gpu0 not found under the per-GPU pool name of earlier versions")
+	}
 	if _, ok := m.Lookup("node-m-gpu1", "gpu0-1g-10gb-at3"); ok {
-		t.Fatal("a device of gpu0 found in gpu1's pool")
+		t.Fatal("a device of gpu0 found in gpu1's pool of earlier versions")
 	}
 
 	s := kubeapi.Get(t)
@@ -124,15 +143,15 @@ func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *
 		}
 	}
 	// Stored as sent: with DRAPartitionableDevices off the server would drop the counters silently.
-	stored, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-gpu0-1", metav1.GetOptions{})
+	stored, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-1", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := stored.Spec.Devices[0].ConsumesCounters; len(got) != 1 || got[0].CounterSet != "gpu0" || len(got[0].Counters) != 1 {
+	if got := stored.Spec.Devices[0].ConsumesCounters; len(got) != 1 || got[0].CounterSet != "gpu1" || len(got[0].Counters) != 1 {
 		t.Fatalf("the warm device's consumesCounters came back as %+v", got)
 	}
-	if counters, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-gpu0-0", metav1.GetOptions{}); err != nil ||
-		len(counters.Spec.SharedCounters) != 1 || len(counters.Spec.SharedCounters[0].Counters) != 9 {
+	if counters, err := admin.ResourceV1().ResourceSlices().Get(ctx, "node-m-0", metav1.GetOptions{}); err != nil ||
+		len(counters.Spec.SharedCounters) != 2 || len(counters.Spec.SharedCounters[0].Counters) != 9 {
 		t.Fatalf("the counter slice came back as %+v (%v)", counters, err)
 	}
 
@@ -145,7 +164,7 @@ func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *
 		t.Fatal(err)
 	}
 	claim.Status.Allocation = &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
-		Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: dra.DefaultDriverName, Pool: "node-m-gpu0", Device: first.Name}}}}
+		Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: dra.DefaultDriverName, Pool: "node-m", Device: first.Name}}}}
 	if _, err := admin.ResourceV1().ResourceClaims("default").UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
 		t.Fatalf("the allocation of %s refused: %v", first.Name, err)
 	}
@@ -153,7 +172,7 @@ func TestAnH100sSlicesAreAcceptedWithTheirCountersAndAClaimAllocatedFromThem(t *
 
 func TestEveryBoardsSlicesKeepTheServersLimits(t *testing.T) {
 	for _, board := range []string{"a100-40gb", "a30", "h100-80gb", "b200", "rtx-pro-6000"} {
-		m := dra.NewModel("n", []dra.GPU{{Index: 7, UUID: "GPU-7", Profiles: simProfiles(t, board)}}, nil)
+		m := dra.NewModel("n", []dra.GPU{{Index: 7, UUID: "GPU-7", Profiles: simProfiles(t, board)}}, dra.View{})
 		for pool, slices := range specs(m) {
 			for i, s := range slices {
 				if len(s.Devices) > dra.MaxDevicesPerSlice {
@@ -179,9 +198,9 @@ func TestEveryBoardsSlicesKeepTheServersLimits(t *testing.T) {
 func TestColdDevicesOnFreeMemorySlicesComeBeforeThoseOverAnIdleInstance(t *testing.T) {
 	idle := migclient.Placement{Start: 3, Size: 1}
 	warm := map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: idle}: true}
-	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, warm)
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, view(warm))
 
-	devices := specs(m)["node-m-gpu0"][1].Devices
+	devices := devicesOf(m, "node-m")
 	if devices[0].Name != "gpu0-1g-10gb-at3" {
 		t.Fatalf("first %s, want the warm gpu0-1g-10gb-at3", devices[0].Name)
 	}
@@ -212,10 +231,10 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 1, Size: 1}}: true,
 		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 4, Size: 1}}: true,
 	}
-	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, warm)
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, view(warm))
 
 	var order []string
-	for _, d := range specs(m)["node-m-gpu0"][1].Devices {
+	for _, d := range devicesOf(m, "node-m") {
 		if *d.Attributes[dra.AttrProfile].StringValue == "3g.40gb" {
 			order = append(order, d.Name)
 		}

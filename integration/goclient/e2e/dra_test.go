@@ -97,7 +97,7 @@ func TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInsta
 
 	// The DRA plugin serves GPU 1 alone (HAMi's filterdevices leaves it out).
 	node := draNode(ctx, t, "node-x", gpus[1], dra.Options{})
-	pool := dra.PoolName("node-x", gpus[1].Index)
+	pool := dra.PoolName("node-x")
 	device := dra.DeviceName(gpus[1].Index, "1g.10gb", 0)
 	claim := node.Claim(ctx, t, "default", "shared", [2]string{pool, device})
 	claimMIG := prepared(ctx, t, node, claim)

@@ -51,10 +51,14 @@ func (c *Client) admitBackend(info Info) error {
 	case info.Backend == BackendSimulated && c.opts.AllowSimulatedBackend:
 		return nil
 	case info.Backend == BackendSimulated:
+		set := c.opts.SimulatedBackendSwitch
+		if set == "" {
+			set = "Options.AllowSimulatedBackend"
+		}
 		return &Error{
 			Op: opGetInfo, Code: codes.FailedPrecondition, Reason: ReasonSimulatedBackend, Metadata: md, Attempts: 1,
 			Message: fmt.Sprintf("the sidecar on %s runs the simulated NVML backend: it creates no real MIG instance, "+
-				"so nothing was sent; set Options.AllowSimulatedBackend only for tests and demos", c.target),
+				"so nothing was sent; set %s only for tests and demos", c.target, set),
 		}
 	default:
 		return &Error{

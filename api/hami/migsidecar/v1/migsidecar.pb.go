@@ -2352,10 +2352,14 @@ func (x *ForeignInstance) GetRecordedAs() string {
 }
 
 type GpuState struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Gpu           *Gpu                   `protobuf:"bytes,1,opt,name=gpu,proto3" json:"gpu,omitempty"`
-	Instances     []*Instance            `protobuf:"bytes,2,rep,name=instances,proto3" json:"instances,omitempty"`
-	Foreign       []*ForeignInstance     `protobuf:"bytes,3,rep,name=foreign,proto3" json:"foreign,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Gpu       *Gpu                   `protobuf:"bytes,1,opt,name=gpu,proto3" json:"gpu,omitempty"`
+	Instances []*Instance            `protobuf:"bytes,2,rep,name=instances,proto3" json:"instances,omitempty"`
+	Foreign   []*ForeignInstance     `protobuf:"bytes,3,rep,name=foreign,proto3" json:"foreign,omitempty"`
+	// Why the sidecar could not read this GPU now (NVML's error, e.g. the GPU is lost); empty when it
+	// could. Then instances are the records' alone, foreign is empty and gpu holds the facts last
+	// read: nothing of this GPU is known to be free. The other GPUs are answered as usual.
+	Unreadable    string `protobuf:"bytes,4,opt,name=unreadable,proto3" json:"unreadable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -2409,6 +2413,13 @@ func (x *GpuState) GetForeign() []*ForeignInstance {
 		return x.Foreign
 	}
 	return nil
+}
+
+func (x *GpuState) GetUnreadable() string {
+	if x != nil {
+		return x.Unreadable
+	}
+	return ""
 }
 
 type GetStateRequest struct {
@@ -3527,11 +3538,14 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x13compute_instance_id\x18\x05 \x01(\rR\x11computeInstanceId\x12\x19\n" +
 	"\bmig_uuid\x18\x06 \x01(\tR\amigUuid\x12\x1f\n" +
 	"\vrecorded_as\x18\a \x01(\tR\n" +
-	"recordedAs\"\xb0\x01\n" +
+	"recordedAs\"\xd0\x01\n" +
 	"\bGpuState\x12)\n" +
 	"\x03gpu\x18\x01 \x01(\v2\x17.hami.migsidecar.v1.GpuR\x03gpu\x12:\n" +
 	"\tinstances\x18\x02 \x03(\v2\x1c.hami.migsidecar.v1.InstanceR\tinstances\x12=\n" +
-	"\aforeign\x18\x03 \x03(\v2#.hami.migsidecar.v1.ForeignInstanceR\aforeign\"\x11\n" +
+	"\aforeign\x18\x03 \x03(\v2#.hami.migsidecar.v1.ForeignInstanceR\aforeign\x12\x1e\n" +
+	"\n" +
+	"unreadable\x18\x04 \x01(\tR\n" +
+	"unreadable\"\x11\n" +
 	"\x0fGetStateRequest\"\x96\x01\n" +
 	"\x10GetStateResponse\x12\x1e\n" +
 	"\n" +

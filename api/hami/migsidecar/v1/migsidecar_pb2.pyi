@@ -431,14 +431,16 @@ class ForeignInstance(_message.Message):
     def __init__(self, profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., gpu_instance_id: _Optional[int] = ..., has_compute_instance: _Optional[bool] = ..., compute_instance_id: _Optional[int] = ..., mig_uuid: _Optional[str] = ..., recorded_as: _Optional[str] = ...) -> None: ...
 
 class GpuState(_message.Message):
-    __slots__ = ("gpu", "instances", "foreign")
+    __slots__ = ("gpu", "instances", "foreign", "unreadable")
     GPU_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     FOREIGN_FIELD_NUMBER: _ClassVar[int]
+    UNREADABLE_FIELD_NUMBER: _ClassVar[int]
     gpu: Gpu
     instances: _containers.RepeatedCompositeFieldContainer[Instance]
     foreign: _containers.RepeatedCompositeFieldContainer[ForeignInstance]
-    def __init__(self, gpu: _Optional[_Union[Gpu, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[ForeignInstance, _Mapping]]] = ...) -> None: ...
+    unreadable: str
+    def __init__(self, gpu: _Optional[_Union[Gpu, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ..., foreign: _Optional[_Iterable[_Union[ForeignInstance, _Mapping]]] = ..., unreadable: _Optional[str] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()

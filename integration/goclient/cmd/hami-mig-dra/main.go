@@ -91,7 +91,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	copts := migclient.Options{CallTimeout: *callTimeout, AllocateTimeout: *allocateTimeout, AllowSimulatedBackend: *allowSim}
+	copts := migclient.Options{CallTimeout: *callTimeout, AllocateTimeout: *allocateTimeout, AllowSimulatedBackend: *allowSim,
+		SimulatedBackendSwitch: "--allow-simulated-backend"}
 	if *recoverSidecar {
 		copts.ListActive = dra.RecoverNoPods
 	}

@@ -28,6 +28,23 @@ func TestWithoutANodeNameTheCommandRefusesToStart(t *testing.T) {
 	}
 }
 
+// A sidecar on the simulated backend is refused, and the refusal names the flag an operator sets,
+// not the Go field behind it.
+func TestASimulatedSidecarIsRefusedNamingTheFlag(t *testing.T) {
+	s := kubeapi.Get(t)
+	fake, socket := fakesidecar.Start(t, "GPU-a")
+	fake.Unrecover()
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := run(ctx, []string{"--node-name", "node-sim", "--socket", socket, "--kubeconfig", s.Kubeconfig(t, kubeapi.AdminUser),
+		"--registry-dir", dir, "--plugin-dir", filepath.Join(dir, "plugin"), "--recover-sidecar"}, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "set --allow-simulated-backend only for tests and demos") ||
+		strings.Contains(err.Error(), "Options.") {
+		t.Fatalf("run against a simulated sidecar without the flag: %v", err)
+	}
+}
+
 // The command's flags reach the plugin: only the GPU and profile named are published, the plugin
 // registers with kubelet in the directories given, and it stops cleanly with its context.
 func TestTheCommandServesTheGPUsAndProfilesItIsGiven(t *testing.T) {

@@ -53,6 +53,9 @@ type Instance struct {
 	Xid       uint32 // the critical Xid that faulted it (Fault); 0 while healthy
 	// Claim names the claim that holds it, with Owner.ClaimUID (GetState reports it).
 	Claim *pb.ClaimRef
+	// Foreign: a GI no record owns (GetState lists it among the GPU's foreign ones); Allocate
+	// refuses a placement over it, as over any instance not IDLE.
+	Foreign bool
 }
 
 // Server is the fake. Its fields are guarded by mu; tests use the methods.
@@ -68,6 +71,7 @@ type Server struct {
 	resetNeeded map[string]bool // MIG mode changes on this GPU wait for a reset
 	modeIgnored map[string]bool // SetMigMode on this GPU answers success and changes nothing
 	instances   []*Instance
+	unreadable  map[string]string // GPU UUID -> GetState's unreadable
 	nextGI      uint32
 	recovered   bool
 	recovers    []*pb.RecoverRequest
@@ -208,6 +212,21 @@ func (s *Server) Put(in Instance) *Instance {
 	return p
 }
 
+// Unreadable makes GetState answer gpu unreadable with why, as the sidecar does for a lost GPU;
+// "" makes it readable again.
+func (s *Server) Unreadable(gpu, why string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.unreadable == nil {
+		s.unreadable = map[string]string{}
+	}
+	if why == "" {
+		delete(s.unreadable, gpu)
+		return
+	}
+	s.unreadable[gpu] = why
+}
+
 // Instances returns a copy of the table, sorted by MIG UUID.
 func (s *Server) Instances() []Instance {
 	s.mu.Lock()
@@ -323,6 +342,7 @@ func (s *Server) GetInfo(context.Context, *pb.GetInfoRequest) (*pb.GetInfoRespon
 	for _, in := range s.instances {
 		fmt.Fprintf(&table, "%+v %+v;", *in, in.Owner)
 	}
+	fmt.Fprintf(&table, "%v", s.unreadable)
 	if table.String() != s.printed {
 		s.printed = table.String()
 		s.revision++
@@ -686,8 +706,13 @@ func (s *Server) GetState(context.Context, *pb.GetStateRequest) (*pb.GetStateRes
 	defer s.mu.Unlock()
 	out := &pb.GetStateResponse{Generation: s.generation}
 	for i, g := range s.gpus {
-		gs := &pb.GpuState{Gpu: &pb.Gpu{Index: uint32(i), Uuid: g}}
+		gs := &pb.GpuState{Gpu: &pb.Gpu{Index: uint32(i), Uuid: g}, Unreadable: s.unreadable[g]}
 		for _, in := range s.instances {
+			if in.GPU == g && in.Foreign {
+				gs.Foreign = append(gs.Foreign, &pb.ForeignInstance{Profile: in.Profile, GpuInstanceId: in.GI, MigUuid: in.MigUUID,
+					Placement: &pb.Placement{Start: in.Start, Size: in.Size}})
+				continue
+			}
 			if in.GPU == g {
 				gs.Instances = append(gs.Instances, &pb.Instance{GpuUuid: g, Profile: in.Profile,
 					Placement: &pb.Placement{Start: in.Start, Size: in.Size}, MigUuid: in.MigUUID,
