@@ -82,7 +82,7 @@ type OwnershipRecord struct {
 // it; docs/porting-hami.md shows it.
 type PluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (string, bool, error)
-	Release(migUUID string) error
+	Release(owner Owner, migUUID string) error
 	AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool)
 	AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error
 	ReconcileActiveAllocations(active map[AllocationKey]struct{}) error
@@ -98,8 +98,8 @@ type PluginManager interface {
 // owner and CDIDevice are added as in PluginManager. Lazy satisfies it.
 type LazyPluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (AllocationResult, error)
-	MarkIdle(migUUID string)
-	Release(migUUID string) error
+	MarkIdle(owner Owner, migUUID string)
+	Release(owner Owner, migUUID string) error
 	AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool)
 	AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error
 	ReconcileActiveAllocations(active map[AllocationKey]struct{}) error
