@@ -1,6 +1,7 @@
 package hami
 
 import (
+	"context"
 	"errors"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -110,10 +111,28 @@ type LazyPluginManager interface {
 	Shutdown()
 }
 
-// The adapters are held to the method sets they claim.
+// NodePodsReconciler is the capability HAMi's reconcileActiveMigAllocations asks its manager for
+// by name: a manager that has it lists the node's pods itself (it needs their identity), and HAMi
+// skips its own list. Manager and Lazy have it; HAMi's in-process manager does not.
+type NodePodsReconciler interface {
+	ReconcileNodePods() error
+}
+
+// IdlePublisher is the capability HAMi's Start asks its manager for by name: a manager that has it
+// publishes the node's idle inventory annotation (schedule.IdleKey) for the scheduler while ctx
+// lasts, with patch, and removes it when ctx ends. Manager and Lazy have it.
+type IdlePublisher interface {
+	PublishIdle(ctx context.Context, patch PatchFunc, onError func(error))
+}
+
+// The adapters are held to the method sets and capabilities they claim.
 var (
-	_ PluginManager     = (*Manager)(nil)
-	_ LazyPluginManager = (*Lazy)(nil)
+	_ PluginManager      = (*Manager)(nil)
+	_ LazyPluginManager  = (*Lazy)(nil)
+	_ NodePodsReconciler = (*Manager)(nil)
+	_ NodePodsReconciler = (*Lazy)(nil)
+	_ IdlePublisher      = (*Manager)(nil)
+	_ IdlePublisher      = (*Lazy)(nil)
 )
 
 // ErrNeedsReset marks a MIG mode change that waits for a GPU reset (HAMi's errMigModeNeedsReset).
