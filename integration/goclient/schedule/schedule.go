@@ -172,6 +172,30 @@ const (
 	IdleFirst Preference = "idle-first"
 )
 
+// PreferenceKey is the setting's name in HAMi's NVIDIA device config, which errors name.
+const PreferenceKey = "migIdlePreference"
+
+// UnmarshalYAML refuses a value ParsePreference refuses, so that HAMi's config decode (gopkg.in/yaml
+// v2 or v3) fails on a misspelt preference with an error naming the key, as a test can see,
+// instead of a later fatal check.
+func (p *Preference) UnmarshalYAML(unmarshal func(any) error) error {
+	var value string
+	if err := unmarshal(&value); err != nil {
+		return fmt.Errorf("%s: %w", PreferenceKey, err)
+	}
+	return p.UnmarshalText([]byte(value))
+}
+
+// UnmarshalText is UnmarshalYAML for decoders of text (encoding/json, sigs.k8s.io/yaml).
+func (p *Preference) UnmarshalText(text []byte) error {
+	parsed, err := ParsePreference(string(text))
+	if err != nil {
+		return fmt.Errorf("%s: %w", PreferenceKey, err)
+	}
+	*p = parsed
+	return nil
+}
+
 // ParsePreference reads a configured value: "" and "policy" are WithinPolicy, "idle-first" is
 // IdleFirst; anything else is an error naming the values.
 func ParsePreference(value string) (Preference, error) {
@@ -254,8 +278,25 @@ func Rank(idle Idle, profile string, gpus []GPU, pref Preference) []GPU {
 // WithinPolicy). cost answers the Cost of the placement HAMi's own selection, with the placement
 // key, would take on a device (any value at least as high as every other for a device it would
 // not use); Fit still checks every device it meets.
+//
+// When every device costs the same (no annotation on the node, or none that a device's choice
+// touches), devices is returned as it is, with no allocation: the hot path of a node without the
+// sidecar is one cost call per device.
 func CheapestLast[D any, L comparable](devices []D, pref Preference, level func(D) L, cost func(D) uint32) []D {
 	n := len(devices)
+	if n < 2 {
+		return devices
+	}
+	first, same := cost(devices[0]), true
+	for _, d := range devices[1:] {
+		if cost(d) != first {
+			same = false
+			break
+		}
+	}
+	if same {
+		return devices
+	}
 	keys := make([]uint32, n)
 	levels := make([]L, n)
 	for i, d := range devices {

@@ -1,7 +1,9 @@
 package schedule
 
 import (
+	"encoding/json"
 	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -333,5 +335,56 @@ func TestAttachKeepsAGPUsIdleInstancesInHAMisCustomInfo(t *testing.T) {
 	}
 	if IdleOf(nil) != nil || IdleOf(map[string]any{InfoKey: "junk"}) != nil {
 		t.Fatal("IdleOf read something that is not an inventory")
+	}
+}
+
+func TestAPreferenceIsCheckedWhereTheConfigIsDecoded(t *testing.T) {
+	for _, tc := range []struct {
+		name, json string
+		want       Preference
+		fails      bool
+	}{
+		{name: "unset", json: `{}`, want: ""},
+		{name: "policy", json: `{"migIdlePreference":"policy"}`, want: WithinPolicy},
+		{name: "idle-first", json: `{"migIdlePreference":"idle-first"}`, want: IdleFirst},
+		{name: "misspelt", json: `{"migIdlePreference":"idle-frist"}`, fails: true},
+		{name: "not a string", json: `{"migIdlePreference":3}`, fails: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var cfg struct {
+				Pref Preference `json:"migIdlePreference"`
+			}
+			err := json.Unmarshal([]byte(tc.json), &cfg)
+			if (err != nil) != tc.fails || cfg.Pref != tc.want {
+				t.Fatalf("%s: %q, %v", tc.json, cfg.Pref, err)
+			}
+			if tc.fails && tc.name == "misspelt" && !strings.Contains(err.Error(), PreferenceKey) {
+				t.Fatalf("the error does not name the key: %v", err)
+			}
+			if tc.json == `{}` {
+				return
+			}
+			var viaYAML Preference // as gopkg.in/yaml's decoder calls it, with the raw value
+			raw := json.RawMessage(strings.TrimSuffix(strings.TrimPrefix(tc.json, `{"migIdlePreference":`), "}"))
+			err = viaYAML.UnmarshalYAML(func(v any) error { return json.Unmarshal(raw, v) })
+			if (err != nil) != tc.fails || viaYAML != tc.want {
+				t.Fatalf("UnmarshalYAML %s: %q, %v", raw, viaYAML, err)
+			}
+		})
+	}
+}
+
+func TestCheapestLastReturnsTheSameSliceWhenEveryDeviceCostsTheSame(t *testing.T) {
+	devices := []string{"a", "b", "c"}
+	for _, pref := range []Preference{WithinPolicy, IdleFirst} {
+		got := CheapestLast(devices, pref, func(string) int { return 0 }, func(string) uint32 { return 1 })
+		if &got[0] != &devices[0] || !reflect.DeepEqual(got, []string{"a", "b", "c"}) {
+			t.Fatalf("%s: %v, a new slice or a new order", pref, got)
+		}
+		if n := testing.AllocsPerRun(100, func() {
+			CheapestLast(devices, pref, func(string) int { return 0 }, func(string) uint32 { return 1 })
+		}); n != 0 {
+			t.Fatalf("%s: %v allocations per call", pref, n)
+		}
 	}
 }
