@@ -207,6 +207,7 @@ class TestSidecarDownWhenACallStarts:
 GO_E2E_TESTS = [
     "TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook",
     "TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease",
+    "TestALateRollbackLeavesTheNextPodsInstanceActive",
     "TestAPodStartAndStopCostAtMostOneWriteEach",
     "TestTheIdleAnnotationFollowsEveryChange",
     "TestAReleaseRacingAnAllocateKeepsTheNewAllocationActive",

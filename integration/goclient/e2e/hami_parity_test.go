@@ -120,7 +120,7 @@ func TestAnErrorInstanceAtTheExactKeyIsRetriedInsideEnsureAllocation(t *testing.
 		t.Fatalf("first Allocate: %+v %v", first, err)
 	}
 	sim(t, "fault", "destroy-gi", "UNKNOWN", "--times", "1")
-	if err := m.Release(first.MigUUID); err != nil { // a later device of the container failed
+	if err := m.Release(a, first.MigUUID); err != nil { // a later device of the container failed
 		t.Logf("undo: %v", err)
 	}
 	noFaultsLeft(t)
@@ -212,7 +212,7 @@ func TestAPendingReservationKeepsTheReconcilerOffTheErrorInstanceAtIt(t *testing
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := m.Release(res.MigUUID); err != nil {
+		if err := m.Release(owner(uid), res.MigUUID); err != nil {
 			t.Logf("undo %s: %v", uid, err)
 		}
 		broken = append(broken, res.MigUUID)

@@ -88,7 +88,8 @@ func TestTheV210AdapterAnswersEveryCallOfHAMisPlugin(t *testing.T) {
 	if _, _, err := m.EnsureAllocation(b, gpu, "1g.10gb", nvml.GpuInstancePlacement{Start: 7, Size: 1}); err == nil {
 		t.Fatal("an illegal placement was allocated")
 	}
-	if err := m.Release(migB); err != nil {
+	b.DeviceIndex = 0
+	if err := m.Release(b, migB); err != nil {
 		t.Fatal(err)
 	}
 	if uuids, _ := hardware(t); !slices.Equal(uuids, []string{migA}) {
@@ -111,7 +112,7 @@ func TestTheV210AdapterAnswersEveryCallOfHAMisPlugin(t *testing.T) {
 	if err != nil || !took || reused != migA {
 		t.Fatalf("reuse: %s %t %v", reused, took, err)
 	}
-	if err := m.Release(reused); err != nil {
+	if err := m.Release(cOwner, reused); err != nil {
 		t.Fatal(err)
 	}
 	if s := states(ctx, t, c); len(s) != 1 || s[migA] != pb.InstanceState_IDLE {
@@ -188,18 +189,18 @@ func TestTheLazyAdapterAnswersThePR3128MethodSet(t *testing.T) {
 	if err != nil || !again.Reused || again.Created || again.MigUUID != first.MigUUID {
 		t.Fatalf("reuse: %+v %v", again, err)
 	}
-	l.MarkIdle(again.MigUUID) // the allocation failed later
+	l.MarkIdle(y, again.MigUUID) // the allocation failed later
 	if s := states(ctx, t, c); len(s) != 1 || s[first.MigUUID] != pb.InstanceState_IDLE {
 		t.Fatalf("after MarkIdle: %v", s)
 	}
-	if err := l.Release(again.MigUUID); err != nil { // not ACTIVE any more: nothing to undo
+	if err := l.Release(y, again.MigUUID); err != nil { // not ACTIVE any more: nothing to undo
 		t.Fatal(err)
 	}
 	big, err := l.EnsureAllocation(y, gpu, "2g.20gb", nvml.GpuInstancePlacement{Start: 2, Size: 2})
 	if err != nil || !big.Created || !slices.Equal(big.Reclaimed, []string{first.MigUUID}) {
 		t.Fatalf("create over the idle instance: %+v %v", big, err)
 	}
-	if err := l.Release(big.MigUUID); err != nil {
+	if err := l.Release(y, big.MigUUID); err != nil {
 		t.Fatal(err)
 	}
 	if s := states(ctx, t, c); len(s) != 0 {

@@ -5,6 +5,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -57,7 +58,7 @@ func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Release(dev1); err != nil {
+	if err := m.Release(owner("a", 1), dev1); err != nil {
 		t.Fatal(err)
 	}
 	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_ACTIVE {
@@ -84,12 +85,12 @@ func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook
 		t.Fatalf("reuse: %s %t %v", reused, took, err)
 	}
 	for range 2 {
-		if err := m.Release(dev1); err != nil {
+		if err := m.Release(owner("a", 0), dev0); err != nil {
 			t.Fatal(err)
 		}
 	}
-	// Another adapter (a plugin restarted, or a second one) never handed dev0 out.
-	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), dev0, quick)
+	// Through another adapter (a plugin restarted, or a second one), a's rollback is a's too.
+	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), owner("a", 0), dev0, quick)
 	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_ACTIVE {
 		t.Fatalf("pod b's instance after Releases not its own: %v", s)
 	}
@@ -105,10 +106,10 @@ func TestKubeDialAcceptsTheSimulatorOnlyWithTheOptInAndReleasesExactlyWhatItTook
 		}
 	}
 	// b's own rollback gives it back IDLE; once more changes nothing.
-	if err := m.Release(dev0); err != nil {
+	if err := m.Release(owner("b", 0), dev0); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Release(dev0); err != nil {
+	if err := m.Release(owner("b", 0), dev0); err != nil {
 		t.Fatal(err)
 	}
 	if s := states(ctx, t, m.Client()); len(s) != 1 || s[dev0] != pb.InstanceState_IDLE {
@@ -153,7 +154,7 @@ func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *tes
 	if got, took, err := m.EnsureAllocation(owner("d"), gpu, "1g.10gb", at); err != nil || !took || got != x {
 		t.Fatalf("d: %s %t %v", got, took, err)
 	}
-	if err := m.Release(x); err != nil {
+	if err := m.Release(owner("d"), x); err != nil {
 		t.Fatal(err)
 	}
 	if s := states(ctx, t, m.Client()); s[x] != pb.InstanceState_IDLE {
@@ -163,10 +164,10 @@ func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *tes
 		t.Fatalf("e: %s %t %v", got, took, err)
 	}
 	// d's rollback again, through the same adapter and through another.
-	if err := m.Release(x); err != nil {
+	if err := m.Release(owner("d"), x); err != nil {
 		t.Fatal(err)
 	}
-	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), x, quick)
+	releaseThroughAnother(ctx, t, socket, pods.CoreV1().Pods(""), owner("d"), x, quick)
 
 	st, err := m.Client().GetState(ctx)
 	if err != nil {
@@ -188,16 +189,115 @@ func TestARolledBackInstanceHandedToAnotherPodStaysItsThroughEveryRelease(t *tes
 	}
 }
 
-// releaseThroughAnother sends migUUID's Release through a second adapter on node-1 (a plugin
-// restarted, or a second one), which never handed it out, and shuts that adapter down.
-func releaseThroughAnother(ctx context.Context, t *testing.T, socket string, pods kube.PodLister, migUUID string, opts ...kube.Option) {
+// releaseThroughAnother sends owner's Release of migUUID through a second adapter on node-1 (a
+// plugin restarted, or a second one), which never handed it out, and shuts that adapter down.
+func releaseThroughAnother(ctx context.Context, t *testing.T, socket string, pods kube.PodLister, owner hami.Owner, migUUID string, opts ...kube.Option) {
 	t.Helper()
 	other, err := kube.Dial(ctx, socket, pods, "node-1", opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer other.Shutdown()
-	if err := other.Release(migUUID); err != nil {
+	if err := other.Release(owner, migUUID); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestALateRollbackLeavesTheNextPodsInstanceActive is G1 and G2 at a real sidecar. Pod a takes X
+// (a reused IDLE instance); X goes IDLE again, by a's own rollback (G1: the rollback is then
+// repeated) or by a reconcile pass after a's pod was deleted (G2: a's rollback arrives late, for
+// the first time); pod b reuses X, through the same adapter or another one; then a's Release of
+// X, naming a, arrives. b's X stays ACTIVE, b's, and on the GPU.
+func TestALateRollbackLeavesTheNextPodsInstanceActive(t *testing.T) {
+	socket := env(t, "MIGSIDECAR_SOCKET")
+	t.Setenv(kube.AllowSimulatedEnv, "true")
+	quick := kube.WithClientOptions(migclient.Options{CallTimeout: 30 * time.Second, AllocateTimeout: 60 * time.Second})
+	for i, tc := range []struct {
+		name         string
+		undoneFirst  bool // G1: a's rollback ran before b's hand-out, and is repeated
+		otherAdapter bool // b's hand-out goes through a second adapter over the same socket
+	}{
+		{name: "G1 through the same adapter", undoneFirst: true},
+		{name: "G2 through the same adapter"},
+		{name: "G2 through another adapter", otherAdapter: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			pods := fake.NewSimpleClientset()
+			m, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Shutdown()
+			gpus, err := m.Client().ListGpus(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			gpu := int(gpus[0].Index)
+			owner := func(uid string) hami.Owner {
+				uid = fmt.Sprintf("%s-%d", uid, i)
+				return hami.Owner{PodUID: uid, PodNamespace: "e2e", PodName: "pod-" + uid, ContainerName: "main"}
+			}
+			at := nvml.GpuInstancePlacement{Start: uint32(4 + i), Size: 1}
+
+			// X is cached: pod c had it and went.
+			x, _, err := m.EnsureAllocation(owner("c"), gpu, "1g.10gb", at)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := m.Client().Release(ctx, owner("c").PodUID); err != nil {
+				t.Fatal(err)
+			}
+			if got, took, err := m.EnsureAllocation(owner("a"), gpu, "1g.10gb", at); err != nil || !took || got != x {
+				t.Fatalf("a: %s %t %v", got, took, err)
+			}
+			if tc.undoneFirst {
+				if err := m.Release(owner("a"), x); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := m.ReconcileNodePods(); err != nil { // a's pod is gone: no pod lists it
+				t.Fatal(err)
+			}
+			if s := states(ctx, t, m.Client()); s[x] != pb.InstanceState_IDLE {
+				t.Fatalf("X before b: %v", s)
+			}
+			giver := m
+			if tc.otherAdapter {
+				other, err := kube.Dial(ctx, socket, pods.CoreV1().Pods(""), "node-1", quick)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer other.Shutdown()
+				giver = other
+			}
+			if got, took, err := giver.EnsureAllocation(owner("b"), gpu, "1g.10gb", at); err != nil || !took || got != x {
+				t.Fatalf("b: %s %t %v", got, took, err)
+			}
+			if err := m.Release(owner("a"), x); err != nil { // a's rollback, late
+				t.Fatal(err)
+			}
+			st, err := m.Client().GetState(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var holder string
+			for _, g := range st.GetGpus() {
+				for _, in := range g.GetInstances() {
+					if in.GetMigUuid() == x && in.GetState() == pb.InstanceState_ACTIVE {
+						holder = in.GetOwner().GetPod().GetUid()
+					}
+				}
+			}
+			if holder != owner("b").PodUID {
+				t.Fatalf("X after a's late rollback: held by %q, want ACTIVE for %s", holder, owner("b").PodUID)
+			}
+			if uuids, _ := hardware(t); !slices.Contains(uuids, x) {
+				t.Fatalf("X is gone from the GPU: %v", uuids)
+			}
+			if _, err := m.Client().Release(ctx, owner("b").PodUID); err != nil { // leave the GPU to the next case
+				t.Fatal(err)
+			}
+		})
 	}
 }

@@ -37,8 +37,9 @@ func TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas(t *
 		t.Fatalf("device 1: %s %t %v", created, took, err)
 	}
 	// A later step failed: HAMi's rollback releases what it took, newest first.
-	for _, uuid := range []string{created, reused} {
-		if err := m.Release(uuid); err != nil {
+	for i, uuid := range []string{reused, created} {
+		owner.DeviceIndex = i
+		if err := m.Release(owner, uuid); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -49,7 +50,7 @@ func TestAReuseThenFailRollbackAfterASuccessfulAllocateLeavesTheCacheAsItWas(t *
 	if uuids, _ := hardware(t); !slices.Equal(uuids, []string{reused}) {
 		t.Fatalf("hardware after rollback: %v, want only %s", uuids, reused)
 	}
-	if err := m.Release(reused); err != nil || len(states(ctx, t, c)) != 1 {
+	if owner.DeviceIndex = 0; m.Release(owner, reused) != nil || len(states(ctx, t, c)) != 1 {
 		t.Fatalf("repeated release: %v %v", err, states(ctx, t, c))
 	}
 }

@@ -54,13 +54,13 @@ func (l *Lazy) EnsureAllocation(owner Owner, gpuIndex int, profile string, place
 }
 
 // MarkIdle is the rollback of a reused instance: Release, which undoes exactly that device for
-// the owner this adapter handed it to (a reused one goes back IDLE), and nothing when that
+// owner, the owner EnsureAllocation was given (a reused one goes back IDLE), and nothing when that
 // owner no longer holds it. HAMi's MarkIdle returns nothing; a failed undo leaves the instance
 // ACTIVE for the failed pod until the reconciler sees the pod's reservation go.
-func (l *Lazy) MarkIdle(migUUID string) { _ = l.m.Release(migUUID) }
+func (l *Lazy) MarkIdle(owner Owner, migUUID string) { _ = l.m.Release(owner, migUUID) }
 
 // Release is Manager.Release.
-func (l *Lazy) Release(migUUID string) error { return l.m.Release(migUUID) }
+func (l *Lazy) Release(owner Owner, migUUID string) error { return l.m.Release(owner, migUUID) }
 
 // AllocationRuntimeInfo is Manager.AllocationRuntimeInfo.
 func (l *Lazy) AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool) {

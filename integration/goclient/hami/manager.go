@@ -28,9 +28,7 @@ type Manager struct {
 
 	mu       sync.Mutex
 	gpus     []migclient.GPU
-	cdi      map[string]string                // MIG UUID -> CDI device name, from the Allocate answers
-	owners   map[string]migclient.DeviceOwner // MIG UUID -> to whom this adapter handed it (Release's guard)
-	undone   map[string]bool                  // MIG UUIDs this adapter rolled back: never rolled back again
+	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
 	seq      uint64
 	realized map[AllocationKey]realized
 	shutdown bool
@@ -53,8 +51,7 @@ func New(ctx context.Context, c *migclient.Client, list migclient.ListActiveFunc
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{},
-		owners: map[string]migclient.DeviceOwner{}, undone: map[string]bool{}, realized: map[AllocationKey]realized{}}, nil
+	return &Manager{ctx: ctx, c: c, list: list, gpus: gpus, cdi: map[string]string{}, realized: map[AllocationKey]realized{}}, nil
 }
 
 // NewShared is New for a client other adapters share (kube.Dial keeps one per socket, so a plugin
@@ -139,18 +136,14 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	if err != nil {
 		return migclient.AllocatedDevice{}, nil, err
 	}
-	container, err := index32("container index", owner.ContainerIndex)
-	if err != nil {
-		return migclient.AllocatedDevice{}, nil, err
-	}
-	device, err := index32("device index", owner.DeviceIndex)
+	key, err := deviceOwner(owner)
 	if err != nil {
 		return migclient.AllocatedDevice{}, nil, err
 	}
 	res, err := m.c.Allocate(m.ctx, migclient.AllocateRequest{
 		Pod:           migclient.PodRef{UID: owner.PodUID, Namespace: owner.PodNamespace, Name: owner.PodName},
-		ContainerName: owner.ContainerName, ContainerIndex: container,
-		Devices: []migclient.DeviceRequest{{DeviceIndex: device, GPUUUID: g.UUID, Profile: profile,
+		ContainerName: owner.ContainerName, ContainerIndex: key.ContainerIndex,
+		Devices: []migclient.DeviceRequest{{DeviceIndex: key.DeviceIndex, GPUUUID: g.UUID, Profile: profile,
 			Placement: migclient.Placement{Start: placement.Start, Size: placement.Size}}},
 	})
 	if err != nil {
@@ -164,14 +157,11 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 		m.unrealized(r.MigUUID)
 		m.forget(r.MigUUID)
 	}
-	key := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
+	reservation := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
 	m.mu.Lock()
 	m.cdi[d.MigUUID] = d.CDIDevice
 	m.seq++
-	if !m.undone[d.MigUUID] {
-		m.owners[d.MigUUID] = migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}
-	}
-	m.realized[key] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
+	m.realized[reservation] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
 		GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}, seq: m.seq}
 	m.mu.Unlock()
 	reclaimed := make([]string, 0, len(res.Reclaimed))
@@ -186,8 +176,6 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 func (m *Manager) forget(migUUID string) {
 	m.mu.Lock()
 	delete(m.cdi, migUUID)
-	delete(m.owners, migUUID)
-	delete(m.undone, migUUID)
 	m.mu.Unlock()
 }
 
@@ -246,44 +234,45 @@ func (m *Manager) find(match func(*pb.Instance) bool) (*pb.Instance, error) {
 	return nil, nil
 }
 
-// Release is the rollback of an EnsureAllocation that took migUUID: it undoes that one device
-// (created: destroyed; reused: IDLE again) only while the owner this adapter handed migUUID to
-// still holds it, a guard the sidecar applies under its own locks (UndoDevice). The container's
-// other devices stay as they are.
+// deviceOwner is the sidecar's key of the owner's device: pod UID, container index, device index.
+func deviceOwner(owner Owner) (migclient.DeviceOwner, error) {
+	container, err := index32("container index", owner.ContainerIndex)
+	if err != nil {
+		return migclient.DeviceOwner{}, err
+	}
+	device, err := index32("device index", owner.DeviceIndex)
+	if err != nil {
+		return migclient.DeviceOwner{}, err
+	}
+	return migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}, nil
+}
+
+// Release is the rollback of an EnsureAllocation that took migUUID for owner, the same owner
+// that call was given: it undoes that one device (created: destroyed; reused: IDLE again) only
+// while owner still holds it, a guard the sidecar applies under its own locks (UndoDevice). The
+// container's other devices stay as they are.
 //
-// A Release consumes the hand-out, and a MIG UUID this adapter rolled back is never rolled back
-// by it again: the argument is only the MIG UUID, so a repeated Release (a retried rollback) that
-// comes after the instance went IDLE and back out to another pod could not be told from that
-// pod's own rollback, and would undo a running pod. Such a later hand-out of the same MIG UUID
-// (always a reuse: a destroyed instance's MIG UUID never comes back) is released by the
-// reconciler once its pod is gone, to IDLE, which is what its undo would have done. HAMi v2.10's
-// rollback releases each device its Allocate took once, in that call, so it needs nothing more.
-// A MIG UUID this adapter never handed out (another adapter's, or its predecessor's before a
-// plugin restart) is nil with nothing sent: guessing the owner from what holds the MIG UUID now
-// is exactly the wrong undo. An error keeps the hand-out for a retry.
-func (m *Manager) Release(migUUID string) error {
+// The caller names what it undoes, so the answer never depends on what this adapter, or any
+// other, handed out since: a late or repeated Release, after the instance went IDLE and back out
+// to another pod, finds that pod holding it and changes nothing; so does one for an instance that
+// is IDLE, gone or never known. The adapter keeps no memory of hand-outs to consult. Only the same
+// owner's own later hand-out of the same MIG UUID cannot be told apart, and HAMi's deferred
+// rollback runs inside the failed Allocate, before kubelet can retry it.
+func (m *Manager) Release(owner Owner, migUUID string) error {
 	if err := m.live(); err != nil {
 		return err
 	}
-	m.mu.Lock()
-	o, ok := m.owners[migUUID]
-	if ok {
-		delete(m.owners, migUUID)
-		m.undone[migUUID] = true
-	}
-	m.mu.Unlock()
-	if !ok {
-		return nil
-	}
-	done, err := m.c.UndoDevice(m.ctx, migUUID, o)
+	key, err := deviceOwner(owner)
 	if err != nil {
-		m.mu.Lock() // no hand-out of migUUID was recorded meanwhile: undone held them off
-		m.owners[migUUID] = o
-		delete(m.undone, migUUID)
-		m.mu.Unlock()
 		return err
 	}
-	m.unrealized(migUUID)
+	done, err := m.c.UndoDevice(m.ctx, migUUID, key)
+	if err != nil {
+		return err
+	}
+	if done.Destroyed != nil || done.Idled != nil {
+		m.unrealized(migUUID)
+	}
 	if done.Destroyed != nil {
 		m.forget(migUUID)
 	}

@@ -51,9 +51,9 @@ func TestReleaseUndoesTheContainerAReusedInstanceGoesIdleACreatedOneIsDestroyed(
 	if !ok || info.MigUUID != created.MigUUID {
 		t.Fatalf("runtime info %+v %t", info, ok)
 	}
-	// HAMi's rollback: Release for each device it took. The first undoes the container.
-	for _, uuid := range []string{created.MigUUID, reused} {
-		if err := m.Release(uuid); err != nil {
+	// HAMi's rollback: Release for each device it took, naming the owner it took it for.
+	for i, uuid := range []string{reused, created.MigUUID} {
+		if err := m.Release(own("p", i), uuid); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -64,7 +64,7 @@ func TestReleaseUndoesTheContainerAReusedInstanceGoesIdleACreatedOneIsDestroyed(
 	if _, ok := m.AllocationRuntimeInfo(1, "2g.20gb", nvml.GpuInstancePlacement{Start: 2, Size: 2}); ok {
 		t.Fatal("the destroyed instance still has runtime info")
 	}
-	if err := m.Release("MIG-unknown"); err != nil {
+	if err := m.Release(own("p", 0), "MIG-unknown"); err != nil {
 		t.Fatalf("unknown MIG UUID: %v", err)
 	}
 }
@@ -173,7 +173,7 @@ func TestTheLazyExtrasAndShutdown(t *testing.T) {
 	if err := l.ReconcileActiveAllocations(nil); err != nil {
 		t.Fatal(err)
 	}
-	l.MarkIdle("MIG-unknown")
+	l.MarkIdle(own("p", 0), "MIG-unknown")
 	if _, ok := l.CDIDevice("MIG-unknown"); ok {
 		t.Fatal("a CDI device for an unknown MIG UUID")
 	}
@@ -210,7 +210,7 @@ func TestReleaseUndoesOnlyTheDeviceItsOwnerStillHolds(t *testing.T) {
 	}
 
 	// Device 1 of the container is released: device 0 stays ACTIVE for pod a.
-	if err := m.Release(dev1); err != nil {
+	if err := m.Release(own("a", 1), dev1); err != nil {
 		t.Fatal(err)
 	}
 	if st, _ := stateOf(s, dev1); st != pb.InstanceState_INSTANCE_STATE_UNSPECIFIED {
@@ -219,74 +219,78 @@ func TestReleaseUndoesOnlyTheDeviceItsOwnerStillHolds(t *testing.T) {
 	if st, holder := stateOf(s, dev0); st != pb.InstanceState_ACTIVE || holder != "a" {
 		t.Fatalf("device 0 after releasing device 1: %v %q", st, holder)
 	}
-
-	// Device 0 goes back IDLE; pod b reuses it; a repeated Release of it (a retried rollback)
-	// leaves pod b's instance alone.
-	if err := m.Release(dev0); err != nil {
+	// A Release naming the wrong device of the same container changes nothing.
+	if err := m.Release(own("a", 1), dev0); err != nil {
+		t.Fatal(err)
+	}
+	if st, holder := stateOf(s, dev0); st != pb.InstanceState_ACTIVE || holder != "a" {
+		t.Fatalf("device 0 after a Release naming device 1: %v %q", st, holder)
+	}
+	if err := m.Release(own("a", 0), dev0); err != nil {
 		t.Fatal(err)
 	}
 	if st, _ := stateOf(s, dev0); st != pb.InstanceState_IDLE {
 		t.Fatalf("device 0 after its release: %v", st)
 	}
-	s.ResetCalls()
-	if err := m.Release(dev0); err != nil {
-		t.Fatal(err)
-	}
-	if n := s.Calls()["UndoDevice"]; n != 0 {
-		t.Fatalf("a repeated Release sent %d UndoDevice", n)
-	}
-	if again, _, err := m.EnsureAllocation(own("b", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1}); err != nil || again != dev0 {
-		t.Fatal(again, err)
-	}
-	// Another adapter over the same sidecar (a second plugin, or this one restarted) never
-	// handed dev0 out: its Release changes nothing.
-	other, err := NewLazy(context.Background(), m.Client(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := other.Release(dev0); err != nil {
-		t.Fatal(err)
-	}
-	other.MarkIdle(dev0)
-	if st, holder := stateOf(s, dev0); st != pb.InstanceState_ACTIVE || holder != "b" {
-		t.Fatalf("pod b's instance after Releases that were not its own: %v %q", st, holder)
-	}
 }
 
-// TestTheSidecarGuardsAStaleOwner: an owner that no longer holds the instance (it went IDLE and
-// to another pod behind this adapter's back, through another adapter) is refused by the
-// sidecar, not by the adapter's memory.
-func TestTheSidecarGuardsAStaleOwner(t *testing.T) {
-	s, l := lazy(t)
-	m := l.Manager()
-	mig, _, err := m.EnsureAllocation(own("a", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 2, Size: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	other, err := NewLazy(context.Background(), m.Client(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := m.Client().UndoDevice(context.Background(), mig, migclient.DeviceOwner{PodUID: "a"}); err != nil {
-		t.Fatal(err)
-	}
-	s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 2, Size: 1, State: pb.InstanceState_IDLE, MigUUID: mig + "-again"})
-	if _, err := other.EnsureAllocation(own("b", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 2, Size: 1}); err != nil {
-		t.Fatal(err)
-	}
-	s.ResetCalls()
-	if err := m.Release(mig + "-again"); err != nil { // never handed out by m
-		t.Fatal(err)
-	}
-	if n := s.Calls()["UndoDevice"]; n != 0 {
-		t.Fatalf("a MIG UUID m never handed out sent %d UndoDevice", n)
-	}
-	res, err := m.Client().UndoDevice(context.Background(), mig+"-again", migclient.DeviceOwner{PodUID: "a"})
-	if err != nil || res.Skipped != migclient.UndoSkipOtherOwner {
-		t.Fatalf("a stale owner: %+v %v", res, err)
-	}
-	if st, holder := stateOf(s, mig+"-again"); st != pb.InstanceState_ACTIVE || holder != "b" {
-		t.Fatalf("pod b's instance: %v %q", st, holder)
+// TestALateRollbackLeavesTheNextPodsInstanceActive is G1 and G2, through this adapter and
+// through another one over the same sidecar: pod a's rollback of X arrives (again, or for the
+// first time) after X went IDLE and pod b reused it; b's X stays ACTIVE and b's every time.
+func TestALateRollbackLeavesTheNextPodsInstanceActive(t *testing.T) {
+	at := nvml.GpuInstancePlacement{Start: 0, Size: 1}
+	for _, tc := range []struct {
+		name string
+		// firstUndone: a's rollback ran once before b's hand-out (G1 repeats it; G2 sends it late).
+		firstUndone bool
+		// otherAdapter: b is handed X by another adapter (a second plugin, or this one restarted).
+		otherAdapter bool
+	}{
+		{name: "G1: a repeated rollback through the same adapter", firstUndone: true},
+		{name: "G2: a late first rollback through the same adapter"},
+		{name: "G2: a late first rollback, b's hand-out through another adapter", otherAdapter: true},
+		{name: "G1: a repeated rollback, b's hand-out through another adapter", firstUndone: true, otherAdapter: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, l := lazy(t)
+			m := l.Manager()
+			cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+			x, took, err := m.EnsureAllocation(own("a", 0), 0, "1g.10gb", at)
+			if err != nil || !took || x != cached.MigUUID {
+				t.Fatal(x, took, err)
+			}
+			if tc.firstUndone {
+				if err := m.Release(own("a", 0), x); err != nil {
+					t.Fatal(err)
+				}
+			} else if _, err := m.Client().UndoDevice(context.Background(), x, migclient.DeviceOwner{PodUID: "a"}); err != nil {
+				t.Fatal(err) // a's pod deleted, a reconcile pass made X IDLE
+			}
+			if st, holder := stateOf(s, x); st != pb.InstanceState_IDLE || holder != "" {
+				t.Fatalf("X before b: %v %q", st, holder)
+			}
+			giver := m
+			if tc.otherAdapter {
+				other, err := New(context.Background(), m.Client(), nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				giver = other
+			}
+			if again, took, err := giver.EnsureAllocation(own("b", 0), 0, "1g.10gb", at); err != nil || !took || again != x {
+				t.Fatal(again, took, err)
+			}
+			if err := m.Release(own("a", 0), x); err != nil {
+				t.Fatal(err)
+			}
+			l.MarkIdle(own("a", 0), x)
+			if st, holder := stateOf(s, x); st != pb.InstanceState_ACTIVE || holder != "b" {
+				t.Fatalf("b's X after a's late rollback: %v %q", st, holder)
+			}
+			if info, ok := giver.AllocationRuntimeInfo(0, "1g.10gb", at); !ok || info.MigUUID != x {
+				t.Fatalf("b's runtime identity after a's late rollback: %+v %t", info, ok)
+			}
+		})
 	}
 }
 
@@ -329,39 +333,5 @@ func TestWatchFaultsReportsTheFaultsThatStandThenEachNewOneAndNoHealthyInstance(
 	}
 	if len(got) != 0 {
 		t.Fatalf("a healthy instance was reported: %+v", <-got)
-	}
-}
-
-// TestARolledBackHandOutIsNeverReleasedAgainOntoALaterOwner: the same adapter hands the cached
-// instance to pod d, rolls it back (IDLE), hands it to pod e; a second Release of that MIG UUID
-// (d's rollback repeated) leaves e's instance ACTIVE and e's, and sends nothing.
-func TestARolledBackHandOutIsNeverReleasedAgainOntoALaterOwner(t *testing.T) {
-	s, l := lazy(t)
-	m := l.Manager()
-	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
-	at := nvml.GpuInstancePlacement{Start: 0, Size: 1}
-	x, took, err := m.EnsureAllocation(own("d", 0), 0, "1g.10gb", at)
-	if err != nil || !took || x != cached.MigUUID {
-		t.Fatal(x, took, err)
-	}
-	if err := m.Release(x); err != nil {
-		t.Fatal(err)
-	}
-	if st, holder := stateOf(s, x); st != pb.InstanceState_IDLE || holder != "" {
-		t.Fatalf("after d's rollback: %v %q", st, holder)
-	}
-	if again, took, err := m.EnsureAllocation(own("e", 0), 0, "1g.10gb", at); err != nil || !took || again != x {
-		t.Fatal(again, took, err)
-	}
-	s.ResetCalls()
-	if err := m.Release(x); err != nil {
-		t.Fatal(err)
-	}
-	l.MarkIdle(x)
-	if n := s.Calls()["UndoDevice"]; n != 0 {
-		t.Fatalf("Releases after the rollback sent %d UndoDevice", n)
-	}
-	if st, holder := stateOf(s, x); st != pb.InstanceState_ACTIVE || holder != "e" {
-		t.Fatalf("pod e's instance after d's repeated rollback: %v %q", st, holder)
 	}
 }

@@ -49,8 +49,8 @@ const (
 	DefaultRefresh     = 30 * time.Second
 )
 
-// PatchFunc writes value as the node's register.IdleKey annotation (kube.PatchIdle does it with a
-// client-go node client; HAMi can pass its util.PatchNodeAnnotations in one line).
+// PatchFunc writes value as the node's register.IdleKey annotation, and removes the annotation when
+// value is "" (kube.PatchIdle does both with a client-go node client).
 type PatchFunc func(ctx context.Context, value string) error
 
 // Publisher keeps the node's register.IdleKey annotation in step with the sidecar's IDLE
@@ -121,6 +121,39 @@ func (p *Publisher) Publish(ctx context.Context) (bool, error) {
 	return true, nil
 }
 
+// remove takes the annotation off the node once Run's ctx is done (a context of its own, which
+// keeps ctx's values), unless this Publisher never wrote it.
+func (p *Publisher) remove(ctx context.Context, onError func(error)) {
+	p.mu.Lock()
+	written := p.written != ""
+	p.mu.Unlock()
+	if !written {
+		return
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), RemoveTimeout)
+	defer cancel()
+	if err := p.patch(rctx, ""); err != nil {
+		if onError != nil {
+			onError(fmt.Errorf("remove %s: %w", register.IdleKey, err))
+		}
+		return
+	}
+	p.mu.Lock()
+	p.written = ""
+	p.mu.Unlock()
+}
+
+// PublishIdle runs a Publisher of the sidecar's IDLE instances with patch until ctx is done
+// (IdlePublisher): HAMi's Start calls it in a goroutine of its own.
+func (m *Manager) PublishIdle(ctx context.Context, patch PatchFunc, onError func(error)) {
+	NewPublisher(m.c, patch).Run(ctx, onError)
+}
+
+// PublishIdle is Manager.PublishIdle.
+func (l *Lazy) PublishIdle(ctx context.Context, patch PatchFunc, onError func(error)) {
+	l.m.PublishIdle(ctx, patch, onError)
+}
+
 // moved reports whether the owned instances changed, or the sidecar restarted, since the last
 // pass (true when there was none or GetInfo fails: then GetState decides).
 func (p *Publisher) moved(ctx context.Context) bool {
@@ -141,11 +174,16 @@ func (p *Publisher) wait() time.Duration {
 	return max(0, p.MinInterval-time.Since(p.patched))
 }
 
+// RemoveTimeout bounds the patch that removes the annotation when Run stops.
+const RemoveTimeout = 5 * time.Second
+
 // Run publishes at once, then after every change the sidecar reports (checked every Poll), at
-// most one patch per MinInterval, and at least every Refresh, until ctx is done. Errors are passed
-// to onError (nil ignores them) and the pass is retried at the next tick: the annotation is
-// advice, and the plugin must not stop for it.
+// most one patch per MinInterval, and at least every Refresh, until ctx is done; then it removes
+// the annotation (within RemoveTimeout), so that a node whose publisher stopped steers the
+// scheduler no more. Errors are passed to onError (nil ignores them) and the pass is retried at the
+// next tick: the annotation is advice, and the plugin must not stop for it.
 func (p *Publisher) Run(ctx context.Context, onError func(error)) {
+	defer p.remove(ctx, onError)
 	poll, refresh := time.NewTicker(p.Poll), time.NewTicker(p.Refresh)
 	defer poll.Stop()
 	defer refresh.Stop()

@@ -1,6 +1,7 @@
 package hami
 
 import (
+	"context"
 	"errors"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
@@ -82,7 +83,7 @@ type OwnershipRecord struct {
 // it; docs/porting-hami.md shows it.
 type PluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (string, bool, error)
-	Release(migUUID string) error
+	Release(owner Owner, migUUID string) error
 	AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool)
 	AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error
 	ReconcileActiveAllocations(active map[AllocationKey]struct{}) error
@@ -98,8 +99,8 @@ type PluginManager interface {
 // owner and CDIDevice are added as in PluginManager. Lazy satisfies it.
 type LazyPluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (AllocationResult, error)
-	MarkIdle(migUUID string)
-	Release(migUUID string) error
+	MarkIdle(owner Owner, migUUID string)
+	Release(owner Owner, migUUID string) error
 	AllocationRuntimeInfo(gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (RuntimeInfo, bool)
 	AdoptAllocation(gpuIndex int, profile, migUUID string, placement nvml.GpuInstancePlacement, gpuInstanceID, computeInstanceID uint32) error
 	ReconcileActiveAllocations(active map[AllocationKey]struct{}) error
@@ -110,10 +111,28 @@ type LazyPluginManager interface {
 	Shutdown()
 }
 
-// The adapters are held to the method sets they claim.
+// NodePodsReconciler is the capability HAMi's reconcileActiveMigAllocations asks its manager for
+// by name: a manager that has it lists the node's pods itself (it needs their identity), and HAMi
+// skips its own list. Manager and Lazy have it; HAMi's in-process manager does not.
+type NodePodsReconciler interface {
+	ReconcileNodePods() error
+}
+
+// IdlePublisher is the capability HAMi's Start asks its manager for by name: a manager that has it
+// publishes the node's idle inventory annotation (schedule.IdleKey) for the scheduler while ctx
+// lasts, with patch, and removes it when ctx ends. Manager and Lazy have it.
+type IdlePublisher interface {
+	PublishIdle(ctx context.Context, patch PatchFunc, onError func(error))
+}
+
+// The adapters are held to the method sets and capabilities they claim.
 var (
-	_ PluginManager     = (*Manager)(nil)
-	_ LazyPluginManager = (*Lazy)(nil)
+	_ PluginManager      = (*Manager)(nil)
+	_ LazyPluginManager  = (*Lazy)(nil)
+	_ NodePodsReconciler = (*Manager)(nil)
+	_ NodePodsReconciler = (*Lazy)(nil)
+	_ IdlePublisher      = (*Manager)(nil)
+	_ IdlePublisher      = (*Lazy)(nil)
 )
 
 // ErrNeedsReset marks a MIG mode change that waits for a GPU reset (HAMi's errMigModeNeedsReset).

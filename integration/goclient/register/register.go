@@ -25,13 +25,12 @@ import (
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/schedule"
 )
 
-// Placement is HAMi's {start,size}.
-type Placement struct {
-	Start uint32 `json:"start"`
-	Size  uint32 `json:"size"`
-}
+// Placement is HAMi's {start,size}. It is schedule.Placement, the scheduler's type of the idle
+// annotation's placements, so that the plugin side writes exactly what the scheduler decodes.
+type Placement = schedule.Placement
 
 // MigProfile is one profile of a GPU as HAMi publishes it.
 type MigProfile struct {
@@ -119,21 +118,11 @@ func OrderProfiles(ctx context.Context, r Ranker, gpuUUID string, profiles []Mig
 	return out, first
 }
 
-// IdleKey is the node annotation, this project's own, that lists the idle instances the sidecar
-// caches, for HAMi's scheduler (package schedule reads it; hami.Publisher writes it). Its value is
-// a JSON object from GPU UUID to that GPU's idle instances:
-//
-//	{"GPU-…":[{"profile":"1g.10gb","placement":{"start":3,"size":1},"migUUID":"MIG-…"}]}
-//
-// A GPU without idle instances is absent; an empty object means none anywhere.
-const IdleKey = "hami.io/mig-sidecar-idle-instances"
+// IdleKey is schedule.IdleKey, the idle inventory annotation, kept here for the plugin side.
+const IdleKey = schedule.IdleKey
 
-// IdleInstance is one entry of IdleKey.
-type IdleInstance struct {
-	Profile   string    `json:"profile"`
-	Placement Placement `json:"placement"`
-	MigUUID   string    `json:"migUUID"`
-}
+// IdleInstance is schedule.IdleInstance, one entry of IdleKey.
+type IdleInstance = schedule.IdleInstance
 
 // EncodeIdle writes the IdleKey value, each GPU's entries sorted by placement start so that an
 // unchanged inventory yields an unchanged annotation (no needless node patch).

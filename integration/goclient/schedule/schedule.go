@@ -1,5 +1,5 @@
 // Package schedule lets HAMi's scheduler send a MIG request to the IDLE instance the sidecar
-// caches for it, from the node's idle-inventory annotation (register.IdleKey).
+// caches for it, from the node's idle-inventory annotation (IdleKey).
 //
 // Why it is needed: HAMi's scheduler counts as occupied only the slices of pods' reservations
 // (hami.io/vgpu-mig-allocations), so an IDLE instance looks free to it, and it chooses by its own
@@ -44,49 +44,74 @@
 // an IDLE instance only when it is exactly there.
 //
 // docs/porting-hami.md, "The scheduler", shows where HAMi calls these functions.
+//
+// The package is all HAMi's scheduler imports of this repository: the annotation's key, its
+// types and its decoder live here, with the keys, and it imports nothing but the standard
+// library (no gRPC, no client). The plugin side (package register, hami.Publisher) writes the
+// annotation with these same types.
 package schedule
 
 import (
 	"encoding/json"
 	"fmt"
 	"sort"
-
-	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/register"
 )
 
-// Idle is the decoded register.IdleKey annotation: per GPU UUID, its IDLE instances.
-type Idle map[string][]register.IdleInstance
+// IdleKey is the node annotation, this project's own, that lists the idle instances the sidecar
+// caches, for HAMi's scheduler (this package reads it; hami.Publisher writes it, and removes it
+// when it stops). Its value is a JSON object from GPU UUID to that GPU's idle instances:
+//
+//	{"GPU-…":[{"profile":"1g.10gb","placement":{"start":3,"size":1},"migUUID":"MIG-…"}]}
+//
+// A GPU without idle instances is absent; an empty object means none anywhere.
+const IdleKey = "hami.io/mig-sidecar-idle-instances"
 
-// DecodeIdle reads a register.IdleKey value. The empty string (no annotation) is no inventory
-// and no error; a value that does not decode answers nil with the error, which a scheduler logs
-// and otherwise ignores: without the inventory it keeps HAMi's order.
+// Placement is HAMi's {start,size} of a MIG placement.
+type Placement struct {
+	Start uint32 `json:"start"`
+	Size  uint32 `json:"size"`
+}
+
+// IdleInstance is one entry of IdleKey.
+type IdleInstance struct {
+	Profile   string    `json:"profile"`
+	Placement Placement `json:"placement"`
+	MigUUID   string    `json:"migUUID"`
+}
+
+// Idle is the decoded IdleKey annotation: per GPU UUID, its IDLE instances.
+type Idle map[string][]IdleInstance
+
+// DecodeIdle reads an IdleKey value. The empty string (no annotation) is no inventory and no
+// error; a value that does not decode answers nil with the error, which a scheduler logs and
+// otherwise ignores: without the inventory it keeps HAMi's order.
 func DecodeIdle(value string) (Idle, error) {
 	if value == "" {
 		return nil, nil
 	}
 	var idle Idle
 	if err := json.Unmarshal([]byte(value), &idle); err != nil {
-		return nil, fmt.Errorf("decode %s: %w", register.IdleKey, err)
+		return nil, fmt.Errorf("decode %s: %w", IdleKey, err)
 	}
 	return idle, nil
 }
 
-// Placement is any type with register.Placement's fields and tags, HAMi's device.MigPlacement
-// among them, so that HAMi passes and gets back its own slices with no conversion code.
-type Placement interface {
+// AnyPlacement is any type with Placement's fields and tags, HAMi's device.MigPlacement among
+// them, so that HAMi passes and gets back its own slices with no conversion code.
+type AnyPlacement interface {
 	~struct {
 		Start uint32 `json:"start"`
 		Size  uint32 `json:"size"`
 	}
 }
 
-func overlaps(a, b register.Placement) bool {
+func overlaps(a, b Placement) bool {
 	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
 }
 
 // cost is the placement key of one candidate: 0 for the exact IDLE instance of profile, else 1
 // plus the IDLE slices the candidate overwrites (each IDLE instance under it is destroyed whole).
-func cost(idle []register.IdleInstance, profile string, p register.Placement) uint32 {
+func cost(idle []IdleInstance, profile string, p Placement) uint32 {
 	var overwritten uint32
 	for _, in := range idle {
 		if in.Placement == p && in.Profile == profile {
@@ -103,12 +128,12 @@ func cost(idle []register.IdleInstance, profile string, p register.Placement) ui
 // 0 when an IDLE instance of profile sits exactly at p, 1 when p overwrites no IDLE slice, else 1
 // plus the IDLE slices it overwrites (each IDLE instance under p is destroyed whole). Lower is
 // better.
-func Cost[P Placement](idle []register.IdleInstance, profile string, p P) uint32 {
-	return cost(idle, profile, register.Placement(p))
+func Cost[P AnyPlacement](idle []IdleInstance, profile string, p P) uint32 {
+	return cost(idle, profile, Placement(p))
 }
 
 // Reuses reports whether p is exactly where an IDLE instance of profile sits (Cost 0).
-func Reuses[P Placement](idle []register.IdleInstance, profile string, p P) bool {
+func Reuses[P AnyPlacement](idle []IdleInstance, profile string, p P) bool {
 	return Cost(idle, profile, p) == 0
 }
 
@@ -116,17 +141,17 @@ func Reuses[P Placement](idle []register.IdleInstance, profile string, p P) bool
 // IDLE instance of profile first, then by the fewest IDLE slices overwritten, HAMi's order on ties.
 // idle is that GPU's entry of the annotation (nil keeps the order). The result is a new slice with
 // the same elements; HAMi's conflict check can run before or after it, as the order is stable.
-func Placements[P Placement](idle []register.IdleInstance, profile string, placements []P) []P {
+func Placements[P AnyPlacement](idle []IdleInstance, profile string, placements []P) []P {
 	out := append([]P(nil), placements...)
 	if len(idle) == 0 {
 		return out
 	}
-	costs := make(map[register.Placement]uint32, len(out))
+	costs := make(map[Placement]uint32, len(out))
 	for _, p := range out {
-		costs[register.Placement(p)] = cost(idle, profile, register.Placement(p))
+		costs[Placement(p)] = cost(idle, profile, Placement(p))
 	}
 	sort.SliceStable(out, func(i, j int) bool {
-		return costs[register.Placement(out[i])] < costs[register.Placement(out[j])]
+		return costs[Placement(out[i])] < costs[Placement(out[j])]
 	})
 	return out
 }
@@ -146,6 +171,30 @@ const (
 	// spread an emptier one: the most creations saved, the policy kept only among equals.
 	IdleFirst Preference = "idle-first"
 )
+
+// PreferenceKey is the setting's name in HAMi's NVIDIA device config, which errors name.
+const PreferenceKey = "migIdlePreference"
+
+// UnmarshalYAML refuses a value ParsePreference refuses, so that HAMi's config decode (gopkg.in/yaml
+// v2 or v3) fails on a misspelt preference with an error naming the key, as a test can see,
+// instead of a later fatal check.
+func (p *Preference) UnmarshalYAML(unmarshal func(any) error) error {
+	var value string
+	if err := unmarshal(&value); err != nil {
+		return fmt.Errorf("%s: %w", PreferenceKey, err)
+	}
+	return p.UnmarshalText([]byte(value))
+}
+
+// UnmarshalText is UnmarshalYAML for decoders of text (encoding/json, sigs.k8s.io/yaml).
+func (p *Preference) UnmarshalText(text []byte) error {
+	parsed, err := ParsePreference(string(text))
+	if err != nil {
+		return fmt.Errorf("%s: %w", PreferenceKey, err)
+	}
+	*p = parsed
+	return nil
+}
 
 // ParsePreference reads a configured value: "" and "policy" are WithinPolicy, "idle-first" is
 // IdleFirst; anything else is an error naming the values.
@@ -189,7 +238,7 @@ func byKey(n int, pref Preference, tie func(i, j int) bool, key func(i int) uint
 type GPU struct {
 	UUID       string
 	Level      float64
-	Placements []register.Placement
+	Placements []Placement
 }
 
 // noCandidate is the GPU key of a GPU without a candidate placement: after every other.
@@ -229,8 +278,25 @@ func Rank(idle Idle, profile string, gpus []GPU, pref Preference) []GPU {
 // WithinPolicy). cost answers the Cost of the placement HAMi's own selection, with the placement
 // key, would take on a device (any value at least as high as every other for a device it would
 // not use); Fit still checks every device it meets.
+//
+// When every device costs the same (no annotation on the node, or none that a device's choice
+// touches), devices is returned as it is, with no allocation: the hot path of a node without the
+// sidecar is one cost call per device.
 func CheapestLast[D any, L comparable](devices []D, pref Preference, level func(D) L, cost func(D) uint32) []D {
 	n := len(devices)
+	if n < 2 {
+		return devices
+	}
+	first, same := cost(devices[0]), true
+	for _, d := range devices[1:] {
+		if cost(d) != first {
+			same = false
+			break
+		}
+	}
+	if same {
+		return devices
+	}
 	keys := make([]uint32, n)
 	levels := make([]L, n)
 	for i, d := range devices {
@@ -264,7 +330,7 @@ func Attach(info map[string]any, idle Idle, uuid string) map[string]any {
 }
 
 // IdleOf is what Attach kept in info: the GPU's IDLE instances, nil when none.
-func IdleOf(info map[string]any) []register.IdleInstance {
-	list, _ := info[InfoKey].([]register.IdleInstance)
+func IdleOf(info map[string]any) []IdleInstance {
+	list, _ := info[InfoKey].([]IdleInstance)
 	return list
 }

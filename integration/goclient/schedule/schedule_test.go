@@ -1,23 +1,23 @@
 package schedule
 
 import (
+	"encoding/json"
 	"reflect"
+	"strings"
 	"testing"
-
-	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/register"
 )
 
-func at(start, size uint32) register.Placement { return register.Placement{Start: start, Size: size} }
+func at(start, size uint32) Placement { return Placement{Start: start, Size: size} }
 
-func idleAt(profile string, start, size uint32) register.IdleInstance {
-	return register.IdleInstance{Profile: profile, Placement: at(start, size), MigUUID: "MIG-" + profile}
+func idleAt(profile string, start, size uint32) IdleInstance {
+	return IdleInstance{Profile: profile, Placement: at(start, size), MigUUID: "MIG-" + profile}
 }
 
 // The 1g.10gb and 2g.20gb placements of an H100-80GB in the order HAMi v2.10 tries them
 // (orderedMigPlacements: 1g from the top, 2g from the bottom).
 var (
-	oneG = []register.Placement{at(6, 1), at(5, 1), at(4, 1), at(3, 1), at(2, 1), at(1, 1), at(0, 1)}
-	twoG = []register.Placement{at(0, 2), at(2, 2), at(4, 2)}
+	oneG = []Placement{at(6, 1), at(5, 1), at(4, 1), at(3, 1), at(2, 1), at(1, 1), at(0, 1)}
+	twoG = []Placement{at(0, 2), at(2, 2), at(4, 2)}
 )
 
 func uuids(gpus []GPU) []string {
@@ -37,9 +37,9 @@ func TestRankIdleFirst(t *testing.T) {
 		profile    string
 		gpus       []GPU // HAMi's candidates, in HAMi's order
 		wantGPUs   []string
-		wantFirst  register.Placement // the placement HAMi takes on the first GPU
-		wantOnGPU  string             // and the full order there, when set
-		wantPlaces []register.Placement
+		wantFirst  Placement // the placement HAMi takes on the first GPU
+		wantOnGPU  string    // and the full order there, when set
+		wantPlaces []Placement
 	}{
 		{
 			name:    "no annotation: HAMi's order, untouched",
@@ -67,7 +67,7 @@ func TestRankIdleFirst(t *testing.T) {
 			wantGPUs: []string{"GPU-5", "GPU-7", "GPU-6", "GPU-4"}, wantFirst: at(2, 1),
 			wantOnGPU: "GPU-6",
 			// 4 and 5 would overwrite the IDLE 2g.20gb: after every free placement, top first as HAMi has it.
-			wantPlaces: []register.Placement{at(6, 1), at(3, 1), at(2, 1), at(1, 1), at(0, 1), at(5, 1), at(4, 1)},
+			wantPlaces: []Placement{at(6, 1), at(3, 1), at(2, 1), at(1, 1), at(0, 1), at(5, 1), at(4, 1)},
 		},
 		{
 			name: "two GPUs hold one: both go first, in HAMi's order",
@@ -78,7 +78,7 @@ func TestRankIdleFirst(t *testing.T) {
 			profile:  "2g.20gb",
 			gpus:     []GPU{{UUID: "GPU-1", Placements: twoG}, {UUID: "GPU-2", Placements: twoG}, {UUID: "GPU-0", Placements: twoG}},
 			wantGPUs: []string{"GPU-2", "GPU-0", "GPU-1"}, wantFirst: at(2, 2),
-			wantOnGPU: "GPU-0", wantPlaces: []register.Placement{at(4, 2), at(0, 2), at(2, 2)},
+			wantOnGPU: "GPU-0", wantPlaces: []Placement{at(4, 2), at(0, 2), at(2, 2)},
 		},
 		{
 			// The annotation still names GPU-6's IDLE 1g.10gb at 5, but a reservation has taken
@@ -88,10 +88,10 @@ func TestRankIdleFirst(t *testing.T) {
 			profile: "1g.10gb",
 			gpus: []GPU{
 				{UUID: "GPU-7", Placements: oneG},
-				{UUID: "GPU-6", Placements: []register.Placement{at(6, 1), at(4, 1), at(3, 1)}},
+				{UUID: "GPU-6", Placements: []Placement{at(6, 1), at(4, 1), at(3, 1)}},
 			},
 			wantGPUs: []string{"GPU-7", "GPU-6"}, wantFirst: at(6, 1),
-			wantOnGPU: "GPU-6", wantPlaces: []register.Placement{at(6, 1), at(4, 1), at(3, 1)},
+			wantOnGPU: "GPU-6", wantPlaces: []Placement{at(6, 1), at(4, 1), at(3, 1)},
 		},
 		{
 			// A 1g.20gb sits at 4:2, where a 2g.20gb would go: not a reuse, and taking it would
@@ -101,7 +101,7 @@ func TestRankIdleFirst(t *testing.T) {
 			profile:  "2g.20gb",
 			gpus:     []GPU{{UUID: "GPU-0", Placements: twoG}, {UUID: "GPU-1", Placements: twoG}},
 			wantGPUs: []string{"GPU-0", "GPU-1"}, wantFirst: at(0, 2),
-			wantOnGPU: "GPU-1", wantPlaces: []register.Placement{at(0, 2), at(2, 2), at(4, 2)},
+			wantOnGPU: "GPU-1", wantPlaces: []Placement{at(0, 2), at(2, 2), at(4, 2)},
 		},
 		{
 			// Spread meets GPU-0 first, but every 2g.20gb placement there overwrites IDLE slices;
@@ -117,7 +117,7 @@ func TestRankIdleFirst(t *testing.T) {
 				{UUID: "GPU-2", Placements: twoG}, {UUID: "GPU-0", Placements: twoG}, {UUID: "GPU-1", Placements: twoG},
 			},
 			wantGPUs: []string{"GPU-1", "GPU-0", "GPU-2"}, wantFirst: at(0, 2),
-			wantOnGPU: "GPU-2", wantPlaces: []register.Placement{at(4, 2), at(0, 2), at(2, 2)},
+			wantOnGPU: "GPU-2", wantPlaces: []Placement{at(4, 2), at(0, 2), at(2, 2)},
 		},
 		{
 			// No free placement on the GPU: the one that overwrites the fewest IDLE slices first.
@@ -129,7 +129,7 @@ func TestRankIdleFirst(t *testing.T) {
 			profile:  "2g.20gb",
 			gpus:     []GPU{{UUID: "GPU-0", Placements: twoG}},
 			wantGPUs: []string{"GPU-0"}, wantFirst: at(2, 2),
-			wantOnGPU: "GPU-0", wantPlaces: []register.Placement{at(2, 2), at(0, 2), at(4, 2)},
+			wantOnGPU: "GPU-0", wantPlaces: []Placement{at(2, 2), at(0, 2), at(4, 2)},
 		},
 	}
 	for _, tc := range cases {
@@ -163,7 +163,7 @@ func TestRankIdleFirst(t *testing.T) {
 }
 
 func TestRankLeavesHAMisSlicesAsTheyWere(t *testing.T) {
-	given := append([]register.Placement(nil), twoG...)
+	given := append([]Placement(nil), twoG...)
 	Rank(Idle{"GPU-0": {idleAt("2g.20gb", 4, 2)}}, "2g.20gb", []GPU{{UUID: "GPU-0", Placements: given}}, IdleFirst)
 	if !reflect.DeepEqual(given, twoG) {
 		t.Fatalf("the caller's placements became %v", given)
@@ -178,16 +178,16 @@ type hamiPlacement struct {
 }
 
 func TestPlacementsTakesAndReturnsTheCallersType(t *testing.T) {
-	got := Placements([]register.IdleInstance{idleAt("3g.40gb", 0, 4)}, "3g.40gb",
+	got := Placements([]IdleInstance{idleAt("3g.40gb", 0, 4)}, "3g.40gb",
 		[]hamiPlacement{{Start: 4, Size: 4}, {Start: 0, Size: 4}})
 	want := []hamiPlacement{{Start: 0, Size: 4}, {Start: 4, Size: 4}}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("got %v, want %v", got, want)
 	}
-	if !Reuses([]register.IdleInstance{idleAt("3g.40gb", 0, 4)}, "3g.40gb", got[0]) || Reuses(nil, "3g.40gb", got[0]) {
+	if !Reuses([]IdleInstance{idleAt("3g.40gb", 0, 4)}, "3g.40gb", got[0]) || Reuses(nil, "3g.40gb", got[0]) {
 		t.Fatal("Reuses disagrees with the placement key")
 	}
-	idle := []register.IdleInstance{idleAt("1g.10gb", 0, 1), idleAt("2g.20gb", 2, 2)}
+	idle := []IdleInstance{idleAt("1g.10gb", 0, 1), idleAt("2g.20gb", 2, 2)}
 	for p, want := range map[hamiPlacement]uint32{{0, 1}: 0, {4, 4}: 1, {0, 4}: 4, {0, 2}: 2} {
 		if got := Cost(idle, "1g.10gb", p); got != want {
 			t.Fatalf("Cost of %v: %d, want %d", p, got, want)
@@ -229,7 +229,7 @@ func TestWithinPolicyKeepsTheGPUThePolicyChooses(t *testing.T) {
 		gpus      []GPU
 		within    []string
 		first     []string
-		wantFirst register.Placement // on the first GPU under WithinPolicy
+		wantFirst Placement // on the first GPU under WithinPolicy
 	}{
 		{
 			name: "binpack: the busy GPU it fills, not the empty one with the IDLE instance",
@@ -303,27 +303,24 @@ func TestParsePreference(t *testing.T) {
 	}
 }
 
-func TestTheAnnotationTheRegisterHelperWritesDecodesToTheSameInventory(t *testing.T) {
-	inventory := map[string][]register.IdleInstance{
-		"GPU-a": {idleAt("1g.10gb", 3, 1), idleAt("2g.20gb", 0, 2)},
-		"GPU-b": {idleAt("3g.40gb", 4, 4)},
-	}
-	value, err := register.EncodeIdle(inventory)
-	if err != nil {
-		t.Fatal(err)
-	}
-	idle, err := DecodeIdle(value)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(idle) != 2 || len(idle["GPU-a"]) != 2 || idle["GPU-b"][0] != idleAt("3g.40gb", 4, 4) {
-		t.Fatalf("decoded %v from %s", idle, value)
-	}
-	if got, err := DecodeIdle(""); got != nil || err != nil {
-		t.Fatalf("no annotation: %v, %v", got, err)
-	}
-	if got, err := DecodeIdle(`{"GPU-a":[{"profile":`); got != nil || err == nil {
-		t.Fatalf("a broken value: %v, %v", got, err)
+func TestDecodeIdle(t *testing.T) {
+	for _, tc := range []struct {
+		name, value string
+		want        Idle
+		fails       bool
+	}{
+		{name: "no annotation", value: ""},
+		{name: "none idle", value: "{}", want: Idle{}},
+		{name: "one GPU", value: `{"GPU-a":[{"profile":"1g.10gb","placement":{"start":3,"size":1},"migUUID":"MIG-x"}]}`,
+			want: Idle{"GPU-a": {{Profile: "1g.10gb", Placement: Placement{Start: 3, Size: 1}, MigUUID: "MIG-x"}}}},
+		{name: "a broken value", value: `{"GPU-a":[{"profile":`, fails: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, err := DecodeIdle(tc.value)
+			if (err != nil) != tc.fails || !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("DecodeIdle(%q) = %v, %v", tc.value, got, err)
+			}
+		})
 	}
 }
 
@@ -338,5 +335,56 @@ func TestAttachKeepsAGPUsIdleInstancesInHAMisCustomInfo(t *testing.T) {
 	}
 	if IdleOf(nil) != nil || IdleOf(map[string]any{InfoKey: "junk"}) != nil {
 		t.Fatal("IdleOf read something that is not an inventory")
+	}
+}
+
+func TestAPreferenceIsCheckedWhereTheConfigIsDecoded(t *testing.T) {
+	for _, tc := range []struct {
+		name, json string
+		want       Preference
+		fails      bool
+	}{
+		{name: "unset", json: `{}`, want: ""},
+		{name: "policy", json: `{"migIdlePreference":"policy"}`, want: WithinPolicy},
+		{name: "idle-first", json: `{"migIdlePreference":"idle-first"}`, want: IdleFirst},
+		{name: "misspelt", json: `{"migIdlePreference":"idle-frist"}`, fails: true},
+		{name: "not a string", json: `{"migIdlePreference":3}`, fails: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var cfg struct {
+				Pref Preference `json:"migIdlePreference"`
+			}
+			err := json.Unmarshal([]byte(tc.json), &cfg)
+			if (err != nil) != tc.fails || cfg.Pref != tc.want {
+				t.Fatalf("%s: %q, %v", tc.json, cfg.Pref, err)
+			}
+			if tc.fails && tc.name == "misspelt" && !strings.Contains(err.Error(), PreferenceKey) {
+				t.Fatalf("the error does not name the key: %v", err)
+			}
+			if tc.json == `{}` {
+				return
+			}
+			var viaYAML Preference // as gopkg.in/yaml's decoder calls it, with the raw value
+			raw := json.RawMessage(strings.TrimSuffix(strings.TrimPrefix(tc.json, `{"migIdlePreference":`), "}"))
+			err = viaYAML.UnmarshalYAML(func(v any) error { return json.Unmarshal(raw, v) })
+			if (err != nil) != tc.fails || viaYAML != tc.want {
+				t.Fatalf("UnmarshalYAML %s: %q, %v", raw, viaYAML, err)
+			}
+		})
+	}
+}
+
+func TestCheapestLastReturnsTheSameSliceWhenEveryDeviceCostsTheSame(t *testing.T) {
+	devices := []string{"a", "b", "c"}
+	for _, pref := range []Preference{WithinPolicy, IdleFirst} {
+		got := CheapestLast(devices, pref, func(string) int { return 0 }, func(string) uint32 { return 1 })
+		if &got[0] != &devices[0] || !reflect.DeepEqual(got, []string{"a", "b", "c"}) {
+			t.Fatalf("%s: %v, a new slice or a new order", pref, got)
+		}
+		if n := testing.AllocsPerRun(100, func() {
+			CheapestLast(devices, pref, func(string) int { return 0 }, func(string) uint32 { return 1 })
+		}); n != 0 {
+			t.Fatalf("%s: %v allocations per call", pref, n)
+		}
 	}
 }
