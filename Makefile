@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 GO     ?= go
 GOBIN  := $(shell $(GO) env GOPATH 2>/dev/null)/bin
-GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdischema) $(wildcard integration/manifests)
+GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdischema) $(wildcard integration/manifests) $(wildcard integration/drivercdi)
 
 RUN_DIR  := $(CURDIR)/.run
 SIM_GPUS ?= h100-80gb:2,a100-40gb:1
