@@ -209,7 +209,12 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     # times each call once (``nvml.metered``), the backend makes the pynvml call, mapping its errors
     # and retrying transient codes (``nvml.pynvml_backend`` over ``nvml.calls``).
     port = LayoutRecordingPort(MeteredPort(backend.port, metrics, liveness))
-    cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
+    cdi = CdiSpecs(
+        config.cdi_dir,
+        kind=config.cdi_kind,
+        proc_root=backend.proc_root,
+        dev_root=backend.driver_root or config.driver_root,
+    )
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
     ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
     lifecycle = Lifecycle(ctx)
