@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"sync"
 
@@ -29,6 +30,7 @@ type Manager struct {
 	mu       sync.Mutex
 	gpus     []migclient.GPU
 	cdi      map[string]string                // MIG UUID -> CDI device name, from the Allocate answers
+	driver   []string                         // the driver's CDI names, from the last Allocate answer
 	owners   map[string]migclient.DeviceOwner // MIG UUID -> to whom this adapter handed it (Release's guard)
 	undone   map[string]bool                  // MIG UUIDs this adapter rolled back: never rolled back again
 	seq      uint64
@@ -167,6 +169,7 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	key := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
 	m.mu.Lock()
 	m.cdi[d.MigUUID] = d.CDIDevice
+	m.driver = res.DriverCDIDevices
 	m.seq++
 	if !m.undone[d.MigUUID] {
 		m.owners[d.MigUUID] = migclient.DeviceOwner{PodUID: owner.PodUID, ContainerIndex: container, DeviceIndex: device}
@@ -464,6 +467,18 @@ func (m *Manager) refresh() error {
 	m.gpus = fresh
 	m.mu.Unlock()
 	return nil
+}
+
+// DriverCDIDevices are the CDI names of the node's driver (its libraries, nvidia-smi, control
+// device nodes and hooks) that a container given any of the sidecar's devices needs once beside
+// their CDIDevice names: an instance's spec holds its device nodes only, and HAMi's mig mode under
+// a CDI strategy returns before any mount or env strategy. They come with every Allocate answer, so
+// the EnsureAllocation calls of HAMi's Allocate have brought them before updateResponseForCDI asks.
+// Empty from a sidecar that publishes no driver spec; the in-process manager answers nil.
+func (m *Manager) DriverCDIDevices() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.driver)
 }
 
 // CDIDevice is the CDI device name the sidecar wrote for migUUID, for the container under the
