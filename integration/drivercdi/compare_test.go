@@ -73,11 +73,18 @@ func TestWhatTheSidecarHandsOutIsWhatNvcdiGives(t *testing.T) {
 		t.Fatalf("the sidecar's CDI names (%v) give a container something else than nvcdi's spec:\n%s", names, diff)
 	}
 	got := describe(sidecar)
+	// What a CUDA process needs: the parent GPU's node, the GI and CI capability nodes, the control
+	// nodes, libcuda.so.<version> with libcuda.so.1 made by the hooks (create-symlinks for libcuda.so,
+	// ldconfig in update-ldcache for the SONAME), and nvidia-smi.
 	for _, want := range []string{"dev /dev/nvidia" + strconv.Itoa(mig.gpuMinor) + " ", "dev /dev/nvidiactl ", "dev /dev/nvidia-uvm ",
-		"dev /dev/nvidia-uvm-tools ", "/libcuda.so.", "/nvidia-smi "} {
+		"dev /dev/nvidia-uvm-tools ", "mount /usr/lib/x86_64-linux-gnu/libcuda.so.", "libcuda.so.1::/usr/lib/x86_64-linux-gnu/libcuda.so]",
+		"update-ldcache --folder /usr/lib/x86_64-linux-gnu]", "mount /usr/bin/nvidia-smi "} {
 		if !slices.ContainsFunc(got, func(line string) bool { return strings.Contains(line, want) }) {
 			t.Errorf("the container gets no %q:\n%s", want, strings.Join(got, "\n"))
 		}
+	}
+	if caps := slices.DeleteFunc(slices.Clone(got), func(line string) bool { return !strings.HasPrefix(line, "dev /dev/nvidia-caps/") }); len(caps) != 2 {
+		t.Errorf("capability nodes %v, want the GI's and the CI's", caps)
 	}
 	t.Logf("the container gets (%d entries):\n%s", len(got), strings.Join(got, "\n"))
 }
