@@ -213,7 +213,7 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
         config.cdi_dir,
         kind=config.cdi_kind,
         proc_root=backend.proc_root,
-        dev_root=backend.driver_root or config.driver_root,
+        dev_root=backend.driver_root or config.driver.root,
     )
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
     ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting))
@@ -275,18 +275,18 @@ def publish_driver_spec(config: ServeConfig, backend: nvml.Backend) -> tuple[str
     and nothing (the instances' specs alone give device nodes, not the driver). A command that runs
     and fails, a spec that names no driver, a file that cannot be written: ``StartupError``, since
     every container handed out would lack the driver."""
-    if config.cdi_dir is None or not config.driver_cdi_command:
+    if config.cdi_dir is None or not config.driver.command:
         return ()
-    command = driver_cdi.find_command(config.driver_cdi_command)
+    command = driver_cdi.find_command(config.driver.command)
     if command is None:
         event(log, logging.WARNING, "driver cdi command not found: containers get no driver from CDI",
-              command=config.driver_cdi_command)  # fmt: skip
+              command=config.driver.command)  # fmt: skip
         return ()
-    root = backend.driver_root or config.driver_root
-    host_root = None if backend.driver_root is not None else config.host_driver_root
+    root = backend.driver_root or config.driver.root
+    host_root = None if backend.driver_root is not None else config.driver.host_root
     kind = driver_cdi.driver_kind(config.cdi_kind)
     try:
-        data = driver_cdi.generate(command, root, host_root, config.nvidia_cdi_hook_path, kind)
+        data = driver_cdi.generate(command, root, host_root, config.driver.hook_path, kind)
         summary = driver_cdi.check(data, kind, root, host_root)
         path = driver_cdi.publish(config.cdi_dir, kind, data)
     except (driver_cdi.DriverSpecError, StateWriteFailed, ValueError) as exc:

@@ -27,8 +27,8 @@ from sidecar.model.domain import PROFILE_NAME_RE
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
 from sidecar.nvml.port import XID_APPLICATION_ERRORS
+from sidecar.store import cdi_format, driver_cdi
 from sidecar.store.cdi import DEFAULT_KIND
-from sidecar.store.cdi_format import parse_kind
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
 
@@ -41,8 +41,6 @@ DEFAULT_RESERVE_WINDOW_S = 3600.0  # a profile nobody asked for in an hour is no
 RESERVE_AUTO = "auto"
 RESERVE_OFF = "off"
 DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
-DEFAULT_DRIVER_CDI_COMMAND = "hami-mig-driver-cdi"
-DEFAULT_NVIDIA_CDI_HOOK_PATH = "/usr/bin/nvidia-cdi-hook"
 DEFAULT_XID_IGNORE = ",".join(str(x) for x in sorted(XID_APPLICATION_ERRORS))  # the device plugin's
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
@@ -115,38 +113,6 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "CDI kind (vendor/class) of the spec files; a kind of its own so no other tool writes its names.",
         default=DEFAULT_KIND,
         metavar="VENDOR/CLASS",
-    ),
-    FlagSpec(
-        "--driver-cdi-command",
-        "driver_cdi_command",
-        "The command that prints the CDI spec of the node's driver (libraries, binaries, control nodes, "
-        "hooks), run once at startup; its device's name is handed out beside each instance's. Empty: "
-        "none (containers get the instances' device nodes only). Not found on PATH: a warning, and none.",
-        default=DEFAULT_DRIVER_CDI_COMMAND,
-        metavar="COMMAND",
-    ),
-    FlagSpec(
-        "--driver-root",
-        "driver_root",
-        "Where the node's NVIDIA driver is seen from here: / for a host-installed driver, "
-        "/run/nvidia/driver for the GPU Operator's (HAMi's chart value nvidiaDriverRoot). The simulated "
-        "backend has a driver root of its own.",
-        default="/",
-        metavar="DIR",
-    ),
-    FlagSpec(
-        "--host-driver-root",
-        "host_driver_root",
-        "--driver-root as the node's container runtime sees it, when this container mounts it elsewhere.",
-        metavar="DIR",
-    ),
-    FlagSpec(
-        "--nvidia-cdi-hook-path",
-        "nvidia_cdi_hook_path",
-        "nvidia-cdi-hook's path on the node, named by the driver spec's hooks (HAMi's chart value "
-        "nvidiaHookPath).",
-        default=DEFAULT_NVIDIA_CDI_HOOK_PATH,
-        metavar="PATH",
     ),
     FlagSpec(
         "--backend",
@@ -270,6 +236,7 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         default=DEFAULT_XID_IGNORE,
         metavar="XID,...",
     ),
+    *(FlagSpec(*row) for row in driver_cdi.FLAGS),
 )
 
 
@@ -302,10 +269,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: Path = DEFAULT_STATE_DIR
     cdi_dir: Path | None = DEFAULT_CDI_DIR
     cdi_kind: str = DEFAULT_KIND
-    driver_cdi_command: str = DEFAULT_DRIVER_CDI_COMMAND
-    driver_root: Path = Path("/")
-    host_driver_root: Path | None = None  # None: driver_root
-    nvidia_cdi_hook_path: str = DEFAULT_NVIDIA_CDI_HOOK_PATH
+    driver: driver_cdi.DriverSettings = driver_cdi.DriverSettings()
     backend: Literal["nvml", "simulated"] = "nvml"
     sim_state: Path | None = None
     sim_gpus: tuple[SimGpu, ...] = ()
@@ -468,13 +432,6 @@ def _path(raw: str | None, where: str) -> Path:
     return Path(raw).expanduser()
 
 
-def _absolute(raw: str | None, where: str) -> str:
-    path = (raw or "").strip()
-    if not path.startswith("/"):
-        raise ConfigError(f"{where}: {raw!r} is not an absolute path (a CDI hook's path must be)")
-    return path
-
-
 def _rank(where: str) -> int:
     """How explicit a setting's origin is: a flag (2) beats the environment (1) beats a default (0)."""
     if where.startswith("--"):
@@ -506,7 +463,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
 
     cdi_kind = (raw["cdi_kind"] or "").strip()
     try:
-        parse_kind(cdi_kind)  # the rules CdiSpecs applies, so nothing that passes here fails there
+        cdi_format.parse_kind(cdi_kind)  # the rules CdiSpecs applies, so nothing that passes here fails there
     except ValueError as exc:
         raise ConfigError(
             f"{origin['cdi_kind']}: {exc}; want VENDOR/CLASS, each starting with a letter and ending with a "
@@ -541,12 +498,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         state_dir=_path(raw["state_dir"], origin["state_dir"]),
         cdi_dir=cdi_dir,
         cdi_kind=cdi_kind,
-        driver_cdi_command=(raw["driver_cdi_command"] or "").strip(),
-        driver_root=_path(raw["driver_root"], origin["driver_root"]),
-        host_driver_root=_path(raw["host_driver_root"], origin["host_driver_root"])
-        if raw["host_driver_root"]
-        else None,
-        nvidia_cdi_hook_path=_absolute(raw["nvidia_cdi_hook_path"], origin["nvidia_cdi_hook_path"]),
+        driver=driver_cdi.settings(raw, origin, ConfigError),
         backend="simulated" if backend == "simulated" else "nvml",
         sim_state=sim_state,
         sim_gpus=sim_gpus,

@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
@@ -33,6 +34,28 @@ from sidecar.model.errors import StateWriteFailed
 from sidecar.store.cdi_format import parse_kind
 from sidecar.store.durable import TEMP_MARKER, atomic_write
 
+DEFAULT_COMMAND = "hami-mig-driver-cdi"
+DEFAULT_HOOK_PATH = "/usr/bin/nvidia-cdi-hook"
+# serve's settings of the driver spec (``sidecar.config`` makes them flags), as ``FlagSpec``'s fields:
+# flag, dest, help, default (None: unset), switch, metavar.
+FLAGS = (
+    ("--driver-cdi-command", "driver_cdi_command",
+     "The command that prints the CDI spec of the node's driver (libraries, binaries, control nodes, hooks), "
+     "run once at startup; its device's name is handed out beside each instance's. Empty: none (containers "
+     "get the instances' device nodes only). Not found on PATH: a warning, and none.",
+     DEFAULT_COMMAND, False, "COMMAND"),
+    ("--driver-root", "driver_root",
+     "Where the node's NVIDIA driver is seen from here: / for a host-installed driver, /run/nvidia/driver "
+     "for the GPU Operator's (HAMi's chart value nvidiaDriverRoot). The simulated backend has its own.",
+     "/", False, "DIR"),
+    ("--host-driver-root", "host_driver_root",
+     "--driver-root as the node's container runtime sees it, when this container mounts it elsewhere.",
+     None, False, "DIR"),
+    ("--nvidia-cdi-hook-path", "nvidia_cdi_hook_path",
+     "nvidia-cdi-hook's path on the node, named by the driver spec's hooks (HAMi's chart value "
+     "nvidiaHookPath).",
+     DEFAULT_HOOK_PATH, False, "PATH"),
+)  # fmt: skip
 DEVICE_NAME = "common"
 KIND_SUFFIX = "-driver"
 FILE_MODE = 0o644
@@ -41,6 +64,29 @@ COMMAND_TIMEOUT_S = 120.0  # nvcdi walks the driver root; seconds on a real node
 # What a container needs to run CUDA and see its GPU; a spec without them is no driver.
 REQUIRED_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 _LIBCUDA_RE = re.compile(r"libcuda\.so\.[0-9]+\.[0-9.]+")
+
+
+class DriverSettings(msgspec.Struct, frozen=True):
+    """The validated ``FLAGS``."""
+
+    command: str = DEFAULT_COMMAND  # "": no driver spec
+    root: Path = Path("/")
+    host_root: Path | None = None  # None: ``root``
+    hook_path: str = DEFAULT_HOOK_PATH
+
+
+def settings(
+    raw: Mapping[str, str | None], origin: Mapping[str, str], error: type[Exception]
+) -> DriverSettings:
+    """``FLAGS`` from the resolved text of each and where it came from; ``error`` for a bad one."""
+    root = (raw["driver_root"] or "").strip()
+    hook = (raw["nvidia_cdi_hook_path"] or "").strip()
+    host = (raw["host_driver_root"] or "").strip()
+    for dest, value in (("driver_root", root), ("nvidia_cdi_hook_path", hook), ("host_driver_root", host)):
+        if (value or dest != "host_driver_root") and not value.startswith("/"):
+            raise error(f"{origin[dest]}: {raw[dest]!r} is not an absolute path")
+    command = (raw["driver_cdi_command"] or "").strip()
+    return DriverSettings(command, Path(root), Path(host) if host else None, hook)
 
 
 class DriverSpecError(RuntimeError):
