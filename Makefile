@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 GO     ?= go
 GOBIN  := $(shell $(GO) env GOPATH 2>/dev/null)/bin
-GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdischema) $(wildcard integration/manifests)
+GO_MODULES := api $(wildcard integration/goclient) $(wildcard integration/cdischema) $(wildcard integration/manifests) $(wildcard integration/drivercdi)
 
 RUN_DIR  := $(CURDIR)/.run
 SIM_GPUS ?= h100-80gb:2,a100-40gb:1
@@ -33,12 +33,20 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-run-sim: venv
+# With Go, run-sim builds hami-mig-driver-cdi too, so the simulated node's driver (a fake driver root
+# beside the state file) gets its CDI device like a real node's; without Go the sidecar runs without it.
+DRIVER_CDI := $(if $(shell command -v $(GO) 2>/dev/null),$(RUN_DIR)/bin/hami-mig-driver-cdi)
+
+run-sim: venv $(DRIVER_CDI)
 	mkdir -p $(RUN_DIR)
 	$(BIN)/hami-mig-sidecar serve --backend simulated \
 	  --sim-state $(RUN_DIR)/hw.json --sim-gpus $(SIM_GPUS) \
 	  --state-dir $(RUN_DIR)/state --cdi-dir $(RUN_DIR)/cdi \
+	  --driver-cdi-command "$(DRIVER_CDI)" \
 	  --socket $(RUN_DIR)/sidecar.sock --metrics-address 127.0.0.1:9408
+
+$(RUN_DIR)/bin/hami-mig-driver-cdi: integration/drivercdi/go.mod integration/drivercdi/go.sum $(wildcard integration/drivercdi/*.go integration/drivercdi/cmd/*/*.go)
+	cd integration/drivercdi && CGO_ENABLED=1 CGO_CFLAGS="-O2 -Wno-deprecated-declarations" $(GO) build -o $@ ./cmd/hami-mig-driver-cdi
 
 test: lint typecheck go-plugins go-test pytest
 

@@ -55,6 +55,7 @@ from sidecar.lifecycle.xid_watch import XidWatcher
 from sidecar.model.errors import StateWriteFailed
 from sidecar.nvml.metered import MeteredPort
 from sidecar.nvml.port import NvmlError
+from sidecar.store import driver_cdi
 from sidecar.store.cdi import CdiSpecs
 from sidecar.store.records import BOOT_ID_PATH, RecordStore, StateDirLocked
 
@@ -208,7 +209,12 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     # times each call once (``nvml.metered``), the backend makes the pynvml call, mapping its errors
     # and retrying transient codes (``nvml.pynvml_backend`` over ``nvml.calls``).
     port = LayoutRecordingPort(MeteredPort(backend.port, metrics, liveness))
-    cdi = CdiSpecs(config.cdi_dir, kind=config.cdi_kind, proc_root=backend.proc_root)
+    cdi = CdiSpecs(
+        config.cdi_dir,
+        kind=config.cdi_kind,
+        proc_root=backend.proc_root,
+        dev_root=backend.driver_root or config.driver.root,
+    )
     # The one context, given once to each of its users; a wait for a GPU lock is not stuck work.
     ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting, liveness.clock))
     lifecycle = Lifecycle(ctx)
@@ -227,6 +233,7 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
         cdi_enabled=cdi.enabled,
         adopt_existing=config.adopt_existing,
         started_at=dt.datetime.now(dt.UTC),
+        driver_cdi_devices=publish_driver_spec(config, backend),
     )
     servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
     watcher = None
@@ -259,6 +266,45 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     if idle is not None:
         servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
     return app
+
+
+def publish_driver_spec(config: ServeConfig, backend: nvml.Backend) -> tuple[str, ...]:
+    """Write the CDI spec of the node's driver (``sidecar.store.driver_cdi``); return its device's name.
+
+    Nothing with CDI disabled or no command configured; a command that is not installed is a warning
+    and nothing (the instances' specs alone give device nodes, not the driver). A command that runs
+    and fails, a spec that names no driver, a file that cannot be written: ``StartupError``, since
+    every container handed out would lack the driver."""
+    if config.cdi_dir is None or not config.driver.command:
+        return ()
+    command = driver_cdi.find_command(config.driver.command)
+    if command is None:
+        event(log, logging.WARNING, "driver cdi command not found: containers get no driver from CDI",
+              command=config.driver.command)  # fmt: skip
+        return ()
+    root = backend.driver_root or config.driver.root
+    host_root = None if backend.driver_root is not None else config.driver.host_root
+    kind = driver_cdi.driver_kind(config.cdi_kind)
+    try:
+        data = driver_cdi.generate(command, root, host_root, config.driver.hook_path, kind)
+        summary = driver_cdi.check(data, kind, root, host_root)
+        path = driver_cdi.publish(config.cdi_dir, kind, data)
+    except (driver_cdi.DriverSpecError, StateWriteFailed, ValueError) as exc:
+        raise StartupError(f"cannot publish the driver's CDI spec: {exc}") from exc
+    event(
+        log,
+        logging.WARNING if summary.missing_nodes else logging.INFO,
+        "driver cdi spec written",
+        file=str(path),
+        device=summary.name,
+        driver_root=summary.driver_root,
+        libcuda=summary.libcuda,
+        mounts=summary.mounts,
+        hooks=summary.hooks,
+        device_nodes=list(summary.device_nodes),
+        missing_nodes=list(summary.missing_nodes),
+    )
+    return (summary.name,)
 
 
 def log_xid(report: FaultReport) -> None:

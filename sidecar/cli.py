@@ -452,7 +452,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
         print(f"hami-mig-sidecar probe: {exc}", file=sys.stderr)
         return EXIT_FAILED
     try:
-        return probe.run(args.json)
+        roots = (str(backend.driver_root),) if backend.driver_root is not None else probe.DRIVER_ROOTS
+        return probe.run(args.json, driver_roots=roots)
     finally:
         backend.close()
 

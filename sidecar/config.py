@@ -27,8 +27,8 @@ from sidecar.model.domain import PROFILE_NAME_RE
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
 from sidecar.nvml.port import XID_APPLICATION_ERRORS
+from sidecar.store import cdi_format, driver_cdi
 from sidecar.store.cdi import DEFAULT_KIND
-from sidecar.store.cdi_format import parse_kind
 
 ENV_PREFIX = "HAMI_MIG_SIDECAR_"
 
@@ -236,6 +236,7 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         default=DEFAULT_XID_IGNORE,
         metavar="XID,...",
     ),
+    *(FlagSpec(*row) for row in driver_cdi.FLAGS),
 )
 
 
@@ -268,6 +269,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: Path = DEFAULT_STATE_DIR
     cdi_dir: Path | None = DEFAULT_CDI_DIR
     cdi_kind: str = DEFAULT_KIND
+    driver: driver_cdi.DriverSettings = driver_cdi.DriverSettings()
     backend: Literal["nvml", "simulated"] = "nvml"
     sim_state: Path | None = None
     sim_gpus: tuple[SimGpu, ...] = ()
@@ -461,7 +463,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
 
     cdi_kind = (raw["cdi_kind"] or "").strip()
     try:
-        parse_kind(cdi_kind)  # the rules CdiSpecs applies, so nothing that passes here fails there
+        cdi_format.parse_kind(cdi_kind)  # the rules CdiSpecs applies, so nothing that passes here fails there
     except ValueError as exc:
         raise ConfigError(
             f"{origin['cdi_kind']}: {exc}; want VENDOR/CLASS, each starting with a letter and ending with a "
@@ -496,6 +498,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         state_dir=_path(raw["state_dir"], origin["state_dir"]),
         cdi_dir=cdi_dir,
         cdi_kind=cdi_kind,
+        driver=driver_cdi.settings(raw, origin, ConfigError),
         backend="simulated" if backend == "simulated" else "nvml",
         sim_state=sim_state,
         sim_gpus=sim_gpus,

@@ -88,6 +88,8 @@ class ServerInfo(msgspec.Struct, frozen=True):
     cdi_enabled: bool
     adopt_existing: bool
     started_at: dt.datetime
+    # The driver's CDI device(s), named in every Allocate answer that hands out a device.
+    driver_cdi_devices: tuple[str, ...] = ()
 
 
 # -- errors -------------------------------------------------------------------------------------------
@@ -278,6 +280,8 @@ class MigSidecarServicer:
                     self.on_change()
             message = encode.encode_allocated(result)
             message.generation = self.lifecycle.generation
+            if result.devices:
+                message.driver_cdi_devices.extend(self.info.driver_cdi_devices)
             return message
 
         return await self._handle("Allocate", context, answer)

@@ -26,6 +26,7 @@ class Backend:
     proc_root: Path  # /proc, or the simulated hardware's fake tree
     kind: str  # "nvml" or "simulated"
     xids: XidEvents | None = None  # critical Xid events of its GPUs (None: this backend has none)
+    driver_root: Path | None = None  # the simulated node's fake driver root (None: the node's, configured)
     _closers: tuple[Callable[[], None], ...] = field(default=(), repr=False)
 
     def close(self) -> None:
@@ -62,6 +63,8 @@ def open_backend(
     if kind != "simulated":
         raise BackendUnavailableError(f"unknown NVML backend {kind!r}; expected one of {', '.join(KINDS)}")
 
+    import shutil  # noqa: PLC0415
+
     from sidecar.nvml import sim as simulated  # noqa: PLC0415
     from sidecar.nvml.profiles import parse_gpus  # noqa: PLC0415
 
@@ -74,21 +77,30 @@ def open_backend(
                 raise BackendUnavailableError(
                     "an in-memory simulated backend needs sim_gpus, e.g. h100-80gb:2"
                 )
-            import shutil  # noqa: PLC0415 - the port's package stays free of file I/O at import time
-            import tempfile  # noqa: PLC0415
+            import tempfile  # noqa: PLC0415 - the port's package stays free of file I/O at import time
 
             tmp = Path(tempfile.mkdtemp(prefix="sim-proc-"))
             closers.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
             hardware = simulated.SimulatedHardware.create(parse_gpus(sim_gpus), proc_root=tmp)
     except (OSError, ValueError) as exc:
         raise BackendUnavailableError(f"cannot open the simulated hardware: {exc}") from exc
-    simulated.install(hardware)
-    port = PynvmlBackend(retry_wait=retry_wait)
     proc_root = hardware.proc_root
     assert proc_root is not None  # both stores above have a /proc tree
+    from sidecar.nvml.sim import driver_root  # noqa: PLC0415
+
+    fake_driver = proc_root.with_suffix(".driver")  # <state>.driver beside <state>.proc
+    if sim_state is None:
+        closers.append(lambda: shutil.rmtree(fake_driver, ignore_errors=True))
+    try:
+        driver_root.build(fake_driver, [gpu.minor for gpu in hardware.state().gpus])
+    except OSError as exc:
+        raise BackendUnavailableError(f"cannot build the simulated driver root {fake_driver}: {exc}") from exc
+    simulated.install(hardware)
+    port = PynvmlBackend(retry_wait=retry_wait)
     return Backend(
         port=port,
         proc_root=proc_root,
+        driver_root=fake_driver,
         kind="simulated",
         xids=PynvmlXidEvents(),
         _closers=(port.close, simulated.uninstall, *closers),

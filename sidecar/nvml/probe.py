@@ -9,6 +9,11 @@ ways (``nvmlComputeInstanceGetInfo().device`` and the MIG device walk). Then the
 ``static_tables_agree`` checks what the adapter's caches assume: GPUs of one name and total memory
 answer the same static tables (board part number and PCI IDs are printed to tell boards apart).
 
+It also reports the driver root: the first of ``/`` (a host-installed driver) and
+``/run/nvidia/driver`` (the GPU Operator's) under which the driver's ``libcuda.so.<version>`` is, the
+version NVML reports; ``--driver-root`` of ``serve`` takes that directory (the simulated node's is its
+fake root).
+
 ``python -m sidecar.nvml.probe --json`` runs it from the installed project, with the model diff.
 Copied alone where only pynvml is installed, ``python probe.py --json`` reads the same tables and
 skips the diff, with a note. CI profiles can only be read from a GI, so a GPU without GIs shows no
@@ -21,6 +26,7 @@ import argparse
 import json
 import sys
 from ctypes import byref, c_uint
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -201,7 +207,28 @@ def static_tables_agree(gpus: list[dict[str, Any]]) -> dict[str, bool]:
     return out
 
 
-def collect() -> dict[str, Any]:
+DRIVER_ROOTS = ("/", "/run/nvidia/driver")
+LIBRARY_DIRS = (
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "lib/x86_64-linux-gnu",
+    "lib64",
+    "usr/lib",
+)
+
+
+def find_driver_root(version: str, roots: tuple[str, ...] = DRIVER_ROOTS) -> dict[str, str | None]:
+    """The first root holding ``libcuda.so.<version>`` in a library directory, and that file's path."""
+    for root in roots:
+        for directory in LIBRARY_DIRS:
+            path = Path(root) / directory / f"libcuda.so.{version}"
+            if path.is_file():
+                return {"root": root, "libcuda": str(path)}
+    return {"root": None, "libcuda": None}
+
+
+def collect(driver_roots: tuple[str, ...] = DRIVER_ROOTS) -> dict[str, Any]:
     """Everything the probe reads, as plain JSON-able data. Call with NVML initialised."""
     gpus = []
     for index in range(pynvml.nvmlDeviceGetCount()):
@@ -222,8 +249,10 @@ def collect() -> dict[str, Any]:
                 "instances": instances,
             }
         )
+    version = _text(pynvml.nvmlSystemGetDriverVersion())
     return {
-        "driver": _text(pynvml.nvmlSystemGetDriverVersion()),
+        "driver": version,
+        "driver_root": find_driver_root(version, driver_roots),
         "gpus": gpus,
         "static_tables_agree": static_tables_agree(gpus),
     }
@@ -287,6 +316,11 @@ def diff(doc: dict[str, Any]) -> list[str]:
 def render(doc: dict[str, Any]) -> str:
     """The tables as text, one line per profile, placement list and instance."""
     lines = [f"driver {doc['driver']}"]
+    found = doc.get("driver_root", {})
+    if found.get("root"):
+        lines.append(f"driver root {found['root']} ({found['libcuda']})")
+    else:
+        lines.append(f"driver root: no libcuda.so.{doc['driver']} under {' or '.join(DRIVER_ROOTS)}")
     for g in doc["gpus"]:
         lines.append(f"GPU {g['index']} {g['uuid']} {g['name']} {g['memory_mb']} MiB MIG {g['mig_mode']}")
         board = g.get("board", {})
@@ -324,10 +358,10 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(as_json: bool, out: Any = None) -> int:
+def run(as_json: bool, out: Any = None, driver_roots: tuple[str, ...] = DRIVER_ROOTS) -> int:
     """Read (NVML already initialised), print, and diff; exit 0 whatever the diff says."""
     out = out if out is not None else sys.stdout
-    doc = collect()
+    doc = collect(driver_roots)
     try:
         doc["diff_against_model"] = diff(doc)
     except ImportError as exc:  # run alone, without the project: the reading is still worth having

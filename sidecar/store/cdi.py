@@ -17,7 +17,12 @@ lacks them, and ``/dev/nvidia-caps/nvidia-cap<N>`` usually does not exist on the
 ``nvidia-modprobe`` creates those nodes, and only when something asks); the runtime creates the nodes
 inside the container from these numbers. Majors come from ``<proc>/devices``; the cap minors and modes
 from the GI and CI ``access`` files. ``DeviceFileMode`` there is decimal (256 = 0o400) and goes into
-``fileMode`` as the same number, which is how the CDI JSON encodes a Go ``os.FileMode``.
+``fileMode`` as the same number, which is how the CDI JSON encodes a Go ``os.FileMode``. The GPU's
+node and ``/dev/nvidiactl`` carry the mode of the node under the driver root when it is there (a
+runtime reads it from the host node of NVIDIA's spec, so a container gets the same either way).
+
+An instance's spec is its device nodes only; the driver (libraries, binaries, the other control
+nodes, hooks) is one device of its own for the whole node (``sidecar.store.driver_cdi``).
 
 Files are written atomically (temp name not ending in .json, fsync, rename, fsync dir) with mode 0644,
 as bytes that depend only on the inputs, so "identical" is a byte comparison. A crash inside a write
@@ -114,15 +119,21 @@ class CdiSpecs:
     """The CDI files of this sidecar's kind in one directory, plus the queue of failed removals."""
 
     def __init__(
-        self, directory: Path | None, kind: str = DEFAULT_KIND, proc_root: Path = Path("/proc")
+        self,
+        directory: Path | None,
+        kind: str = DEFAULT_KIND,
+        proc_root: Path = Path("/proc"),
+        dev_root: Path | None = None,
     ) -> None:
         """``directory`` None = CDI disabled (legacy mode).
 
-        ``proc_root`` is ``/proc`` or the simulator's tree. ValueError for a kind that breaks the CDI
-        vendor/class rules. Does no I/O."""
+        ``proc_root`` is ``/proc`` or the simulator's tree; ``dev_root`` the driver root whose ``dev``
+        holds the GPU nodes (None: the nodes' modes are not read). ValueError for a kind that breaks
+        the CDI vendor/class rules. Does no I/O."""
         self.directory = directory
         self.kind = kind
         self.proc_root = proc_root
+        self.dev_root = dev_root
         self.vendor, self.cls = parse_kind(kind)
         self.cdi_version = minimum_cdi_version(kind)
         # ``atomic_write``'s temp name for a ``spec_path``: ``.<stem><TEMP_MARKER><random hex>``.
@@ -191,15 +202,27 @@ class CdiSpecs:
             raise StateWriteFailed(
                 f"reading device numbers for the CDI spec of {identity.mig_uuid} failed: {exc}"
             ) from exc
+        gpu_node, ctl_node = f"/dev/nvidia{gpu_minor}", "/dev/nvidiactl"
         nodes = (
-            DeviceNode(f"/dev/nvidia{gpu_minor}", "c", nvidia, gpu_minor),
-            DeviceNode("/dev/nvidiactl", "c", nvidia, NVIDIACTL_MINOR),
+            DeviceNode(gpu_node, "c", nvidia, gpu_minor, self._node_mode(gpu_node)),
+            DeviceNode(ctl_node, "c", nvidia, NVIDIACTL_MINOR, self._node_mode(ctl_node)),
             DeviceNode(f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "c", caps_major, gi_minor, gi_mode),
             DeviceNode(f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "c", caps_major, ci_minor, ci_mode),
         )
         spec = Spec(self.cdi_version, self.kind, (Device(identity.mig_uuid, ContainerEdits(nodes)),))
         # Struct fields encode in declaration order, so equal inputs give equal bytes.
         return msgspec.json.format(ENCODER.encode(spec), indent=2) + b"\n"
+
+    def _node_mode(self, path: str) -> int | None:
+        """The permission bits of the node at ``path`` under the driver root, as the container gets
+        them from NVIDIA's spec (whose runtime reads them from the node); None when it is not there."""
+        if self.dev_root is None:
+            return None
+        try:
+            info = (self.dev_root / path.lstrip("/")).stat()
+        except OSError:
+            return None
+        return stat.S_IMODE(info.st_mode) if stat.S_ISCHR(info.st_mode) else None
 
     def ensure(self, gpu_minor: int, identity: Identity) -> str:
         """Write the spec unless an identical valid one exists; return the qualified device name.

@@ -96,6 +96,25 @@ def test_the_probe_command_prints_json_with_an_empty_diff(
     assert doc["diff_against_model"] == []
     assert doc["gpus"][0]["instances"][0]["cis"][0]["profile_id"] == 7
     assert doc["gpus"][0]["instances"][0]["placement"] == [2, 2]
+    # The driver root it found: the simulated node's fake one, holding the version NVML reports.
+    root = state.with_name(state.name + ".driver")
+    assert doc["driver_root"] == {
+        "root": str(root),
+        "libcuda": f"{root}/usr/lib/x86_64-linux-gnu/libcuda.so.{doc['driver']}",
+    }
+
+
+def test_a_node_without_the_driver_s_libcuda_reports_no_driver_root(tmp_path: Path) -> None:
+    found = probe.find_driver_root("580.65.06", (str(tmp_path),))
+    assert found == {"root": None, "libcuda": None}
+    lib = tmp_path / "run" / "nvidia" / "driver" / "usr" / "lib64"
+    lib.mkdir(parents=True)
+    (lib / "libcuda.so.580.65.06").write_bytes(b"")
+    operator = str(tmp_path / "run" / "nvidia" / "driver")
+    assert probe.find_driver_root("580.65.06", (str(tmp_path), operator)) == {
+        "root": operator,
+        "libcuda": f"{lib}/libcuda.so.580.65.06",
+    }
 
 
 def test_the_text_table_lists_every_profile(node: SimulatedHardware) -> None:

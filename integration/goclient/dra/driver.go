@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -217,6 +218,12 @@ func (d *Driver) refresh(ctx context.Context) error {
 // PrepareResourceClaims implements kubeletplugin.DRAPlugin: one sidecar Allocate per claim, keyed
 // by the claim's UID, with one device per allocation result of this driver; the answer is the CDI
 // device the sidecar wrote for each. A repeat answers the same devices (ALREADY_ALLOCATED).
+//
+// An instance's CDI device holds its device nodes only; the node's driver (libraries, nvidia-smi,
+// control nodes, hooks) is the sidecar's driver device, which a container must get once however
+// many of the claim's instances it uses: hooks named twice run twice. It comes as one more device
+// entry with no request names, which the kubelet hands to every container that uses the claim (an
+// entry without request names belongs to all of the claim's requests), beside the instances'.
 func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
 	for _, claim := range claims {
@@ -268,6 +275,10 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 		}
 		devices = append(devices, kubeletplugin.Device{Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
 			CDIDeviceIDs: []string{cdi}})
+	}
+	if len(res.DriverCDIDevices) > 0 {
+		devices = append(devices, kubeletplugin.Device{PoolName: results[0].Pool, DeviceName: results[0].Device,
+			CDIDeviceIDs: slices.Clone(res.DriverCDIDevices)})
 	}
 	return devices, nil
 }

@@ -2,6 +2,7 @@ package dra_test
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -285,5 +286,39 @@ func TestAClaimOfTwoDevicesOnTwoGPUsIsPreparedInOneAllocateOwnedByTheClaim(t *te
 			in.Owner.DeviceIndex != uint32(i) || got.GetDevices()[i].GetPoolName() != dra.PoolName("node-2") {
 			t.Fatalf("device %d: %+v for %+v", i, in, got.GetDevices()[i])
 		}
+	}
+}
+
+func TestAPreparedClaimGivesEachContainerTheDriversCDIDeviceOnceBesideItsInstances(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-3", dra.Options{})
+	const driver = "k8s.hami.io/mig-driver=common"
+	fake.SetDriverCDIDevices(driver)
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	claim := node.Claim(ctx, t, "default", "two", [2]string{dra.PoolName("node-3"), "gpu0-1g-10gb-at0"},
+		[2]string{dra.PoolName("node-3"), "gpu0-1g-10gb-at1"})
+	got, err := node.Prepare(ctx, claim)
+	if err != nil || got.GetError() != "" {
+		t.Fatalf("prepare: %+v %v", got, err)
+	}
+	for _, request := range []string{"", "gpu"} {
+		names := fakekubelet.ContainerCDIDevices(got, request)
+		var instances, drivers int
+		for _, name := range names {
+			switch {
+			case name == driver:
+				drivers++
+			case strings.HasPrefix(name, "k8s.device-plugin.nvidia.com/dynamic-mig=MIG-"):
+				instances++
+			}
+		}
+		if instances != 2 || drivers != 1 || len(names) != 3 {
+			t.Fatalf("a container using request %q gets %v: want both instances and the driver once", request, names)
+		}
+	}
+	again, err := node.Prepare(ctx, claim) // a repeat answers the same (ALREADY_ALLOCATED)
+	if err != nil || !slices.Equal(fakekubelet.ContainerCDIDevices(again, ""), fakekubelet.ContainerCDIDevices(got, "")) {
+		t.Fatalf("repeat: %+v %v", again, err)
 	}
 }

@@ -160,6 +160,9 @@ func (l *Lazy) DisableIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int, 
 	return disabled, nil
 }
 
+// DriverCDIDevices is Manager.DriverCDIDevices.
+func (l *Lazy) DriverCDIDevices() []string { return l.m.DriverCDIDevices() }
+
 // CDIDevice is Manager.CDIDevice.
 func (l *Lazy) CDIDevice(migUUID string) (string, bool) { return l.m.CDIDevice(migUUID) }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 	"sync"
 
@@ -29,6 +30,7 @@ type Manager struct {
 	mu       sync.Mutex
 	gpus     []migclient.GPU
 	cdi      map[string]string // MIG UUID -> CDI device name, from the Allocate answers
+	driver   []string          // the driver's CDI names, from the last Allocate answer
 	seq      uint64
 	realized map[AllocationKey]realized
 	shutdown bool
@@ -160,6 +162,7 @@ func (m *Manager) allocate(owner Owner, gpuIndex int, profile string, placement 
 	reservation := AllocationKey{GPUIndex: gpuIndex, Profile: profile, Start: placement.Start, Size: placement.Size}
 	m.mu.Lock()
 	m.cdi[d.MigUUID] = d.CDIDevice
+	m.driver = res.DriverCDIDevices
 	m.seq++
 	m.realized[reservation] = realized{info: RuntimeInfo{MigUUID: d.MigUUID, Profile: d.Profile, Placement: placement,
 		GIID: d.GPUInstanceID, CIID: d.ComputeInstanceID}, seq: m.seq}
@@ -453,6 +456,18 @@ func (m *Manager) refresh() error {
 	m.gpus = fresh
 	m.mu.Unlock()
 	return nil
+}
+
+// DriverCDIDevices are the CDI names of the node's driver (its libraries, nvidia-smi, control
+// device nodes and hooks) that a container given any of the sidecar's devices needs once beside
+// their CDIDevice names: an instance's spec holds its device nodes only, and HAMi's mig mode under
+// a CDI strategy returns before any mount or env strategy. They come with every Allocate answer, so
+// the EnsureAllocation calls of HAMi's Allocate have brought them before updateResponseForCDI asks.
+// Empty from a sidecar that publishes no driver spec; the in-process manager answers nil.
+func (m *Manager) DriverCDIDevices() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return slices.Clone(m.driver)
 }
 
 // CDIDevice is the CDI device name the sidecar wrote for migUUID, for the container under the

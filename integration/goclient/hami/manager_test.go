@@ -335,3 +335,42 @@ func TestWatchFaultsReportsTheFaultsThatStandThenEachNewOneAndNoHealthyInstance(
 		t.Fatalf("a healthy instance was reported: %+v", <-got)
 	}
 }
+
+// updateResponseForCDI's lines in docs/porting-hami.md: every device of the container by its CDI
+// name, then the driver's names once, for a created and for a reused (IDLE) instance alike.
+func TestTheCDINamesOfAContainerAreItsDevicesAndTheDriverOnce(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	if names := m.DriverCDIDevices(); len(names) != 0 {
+		t.Fatalf("driver CDI names before any Allocate: %v", names)
+	}
+	const driver = "k8s.hami.io/mig-driver=common"
+	s.SetDriverCDIDevices(driver)
+	cached := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	reused, _, err := m.EnsureAllocation(own("p", 0), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 0, Size: 1})
+	if err != nil || reused != cached.MigUUID {
+		t.Fatalf("reuse: %s %v", reused, err)
+	}
+	created, _, err := m.EnsureAllocation(own("p", 1), 0, "1g.10gb", nvml.GpuInstancePlacement{Start: 1, Size: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var devices []string
+	var migDevices bool
+	for _, id := range []string{reused, created} {
+		if name, ok := m.CDIDevice(id); ok {
+			devices = append(devices, name)
+			migDevices = true
+		}
+	}
+	if migDevices {
+		devices = append(devices, m.DriverCDIDevices()...)
+	}
+	want := []string{"k8s.device-plugin.nvidia.com/dynamic-mig=" + reused, "k8s.device-plugin.nvidia.com/dynamic-mig=" + created, driver}
+	if !slices.Equal(devices, want) {
+		t.Fatalf("the container's CDI names %v, want %v", devices, want)
+	}
+	if names := l.DriverCDIDevices(); !slices.Equal(names, []string{driver}) {
+		t.Fatalf("Lazy.DriverCDIDevices %v", names)
+	}
+}

@@ -77,8 +77,8 @@ type OwnershipRecord struct {
 
 // PluginManager is the method set HAMi v2.10's device plugin calls on its MIG manager
 // (MigInstanceManager in pkg/device-plugin/nvidiadevice/nvinternal/plugin, release-v2.10), with
-// two additions: EnsureAllocation's first argument, the owner, and CDIDevice, which the
-// in-process manager answers with ("", false). HAMi declares the same interface over its own
+// three additions: EnsureAllocation's first argument, the owner, CDIDevice, which the in-process
+// manager answers with ("", false), and DriverCDIDevices, which it answers with nil. HAMi declares the same interface over its own
 // names (which are aliases of the types above), so Manager and MigInstanceManager both satisfy
 // it; docs/porting-hami.md shows it.
 type PluginManager interface {
@@ -89,6 +89,7 @@ type PluginManager interface {
 	ReconcileActiveAllocations(active map[AllocationKey]struct{}) error
 	ResetIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int, error)
 	CDIDevice(migUUID string) (string, bool)
+	DriverCDIDevices() []string
 	Shutdown()
 }
 
@@ -96,7 +97,7 @@ type PluginManager interface {
 // EnsureAllocation answers an AllocationResult, a failed allocation gives reused instances back
 // with MarkIdle, the reconciler also calls RetryErrorAllocations, startup calls
 // RestoreAllocations (and DisableIdleGPUs in hami-core mode) instead of ResetIdleGPUs. The
-// owner and CDIDevice are added as in PluginManager. Lazy satisfies it.
+// owner, CDIDevice and DriverCDIDevices are added as in PluginManager. Lazy satisfies it.
 type LazyPluginManager interface {
 	EnsureAllocation(owner Owner, gpuIndex int, profile string, placement nvml.GpuInstancePlacement) (AllocationResult, error)
 	MarkIdle(owner Owner, migUUID string)
@@ -108,6 +109,7 @@ type LazyPluginManager interface {
 	RestoreAllocations(deviceCount int, inUse map[int]struct{}, owned map[string]OwnershipRecord, adoptExisting bool) error
 	DisableIdleGPUs(deviceCount int, inUse map[int]struct{}) ([]int, error)
 	CDIDevice(migUUID string) (string, bool)
+	DriverCDIDevices() []string
 	Shutdown()
 }
 

@@ -84,7 +84,8 @@ func allocateResult(req AllocateRequest, resp *pb.AllocateResponse) (AllocateRes
 	if len(byIndex) != len(req.Devices) {
 		return invalid("asked for %d devices, got %d", len(req.Devices), len(byIndex))
 	}
-	out := AllocateResult{Devices: make([]AllocatedDevice, 0, len(req.Devices)), Reclaimed: instanceRefsFromPB(resp.GetReclaimed())}
+	out := AllocateResult{Devices: make([]AllocatedDevice, 0, len(req.Devices)), Reclaimed: instanceRefsFromPB(resp.GetReclaimed()),
+		DriverCDIDevices: resp.GetDriverCdiDevices()}
 	for _, want := range req.Devices {
 		got, ok := byIndex[want.DeviceIndex]
 		if !ok {

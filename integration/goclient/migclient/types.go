@@ -111,6 +111,10 @@ type AllocateResult struct {
 	Devices []AllocatedDevice
 	// Reclaimed lists IDLE instances destroyed because they overlapped a requested placement.
 	Reclaimed []InstanceRef
+	// DriverCDIDevices are the CDI names the container needs once beside the devices' CDIDevice:
+	// the node's driver (libraries, binaries, control device nodes, hooks). Empty when the sidecar
+	// publishes no driver spec (CDI disabled, or a sidecar that predates it).
+	DriverCDIDevices []string
 }
 
 // SyncResult reports what a SyncActive changed.

@@ -15,6 +15,8 @@ from sidecar.nvml.sim.state import SimState
 # -- the fake /proc tree ------------------------------------------------------------------------------
 
 NVIDIA_CAPS_MAJOR = 508
+NVIDIA_FRONTEND_MAJOR = 195
+NVIDIA_UVM_MAJOR = 509
 _DEVICES = """Character devices:
   1 mem
   4 /dev/vc/0
@@ -23,10 +25,10 @@ _DEVICES = """Character devices:
   5 /dev/console
  10 misc
 136 pts
-195 nvidia-frontend
+{frontend} nvidia-frontend
 226 drm
 {caps} nvidia-caps
-509 nvidia-uvm
+{uvm} nvidia-uvm
 
 Block devices:
   7 loop
@@ -50,7 +52,10 @@ def _atomic_text(path: Path, text: str) -> None:
 
 def write_proc_static(root: Path, state: SimState) -> None:
     """Files that do not follow the instance layout: /proc/devices, mig/config and monitor, mig-minors."""
-    _atomic_text(root / "devices", _DEVICES.format(caps=NVIDIA_CAPS_MAJOR))
+    _atomic_text(
+        root / "devices",
+        _DEVICES.format(caps=NVIDIA_CAPS_MAJOR, frontend=NVIDIA_FRONTEND_MAJOR, uvm=NVIDIA_UVM_MAJOR),
+    )
     caps = root / "driver" / "nvidia" / "capabilities"
     _atomic_text(caps / "mig" / "config", _cap_file(1, CONFIG_MODE))
     _atomic_text(caps / "mig" / "monitor", _cap_file(2, ACCESS_MODE))

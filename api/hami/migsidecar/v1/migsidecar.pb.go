@@ -898,9 +898,16 @@ type AllocateResponse struct {
 	Reclaimed []*InstanceRef `protobuf:"bytes,2,rep,name=reclaimed,proto3" json:"reclaimed,omitempty"`
 	// The sidecar's generation when it answered (as GetInfo's): a fence for a later SyncActive whose
 	// pod list is taken after this answer arrived, without another GetInfo.
-	Generation    uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Generation uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
+	// CDI names the container also needs, once whatever the number of devices: the node's driver
+	// (its libraries and binaries, /dev/nvidiactl and the nvidia-uvm nodes, the nvidia-cdi-hook hooks,
+	// the environment), as NVIDIA's CDI library builds it for the node's driver root, e.g.
+	// "k8s.hami.io/mig-driver=common". Hand them to the runtime beside each device's cdi_device: an
+	// instance's spec holds its device nodes only. Empty when CDI is disabled, when the sidecar runs
+	// without its driver spec, and from a sidecar that predates the field.
+	DriverCdiDevices []string `protobuf:"bytes,4,rep,name=driver_cdi_devices,json=driverCdiDevices,proto3" json:"driver_cdi_devices,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *AllocateResponse) Reset() {
@@ -952,6 +959,13 @@ func (x *AllocateResponse) GetGeneration() uint64 {
 		return x.Generation
 	}
 	return 0
+}
+
+func (x *AllocateResponse) GetDriverCdiDevices() []string {
+	if x != nil {
+		return x.DriverCdiDevices
+	}
+	return nil
 }
 
 type ReleaseRequest struct {
@@ -3409,13 +3423,14 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\tplacement\x18\x03 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\x12\x19\n" +
 	"\bmig_uuid\x18\x04 \x01(\tR\amigUuid\x12&\n" +
 	"\x0fgpu_instance_id\x18\x05 \x01(\rR\rgpuInstanceId\x12.\n" +
-	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\"\xb0\x01\n" +
+	"\x13compute_instance_id\x18\x06 \x01(\rR\x11computeInstanceId\"\xde\x01\n" +
 	"\x10AllocateResponse\x12=\n" +
 	"\adevices\x18\x01 \x03(\v2#.hami.migsidecar.v1.AllocatedDeviceR\adevices\x12=\n" +
 	"\treclaimed\x18\x02 \x03(\v2\x1f.hami.migsidecar.v1.InstanceRefR\treclaimed\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
-	"generation\"F\n" +
+	"generation\x12,\n" +
+	"\x12driver_cdi_devices\x18\x04 \x03(\tR\x10driverCdiDevices\"F\n" +
 	"\x0eReleaseRequest\x12\x17\n" +
 	"\apod_uid\x18\x01 \x01(\tR\x06podUid\x12\x1b\n" +
 	"\tclaim_uid\x18\x02 \x01(\tR\bclaimUid\"N\n" +

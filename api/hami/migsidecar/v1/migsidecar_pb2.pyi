@@ -173,14 +173,16 @@ class InstanceRef(_message.Message):
     def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("devices", "reclaimed", "generation")
+    __slots__ = ("devices", "reclaimed", "generation", "driver_cdi_devices")
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_CDI_DEVICES_FIELD_NUMBER: _ClassVar[int]
     devices: _containers.RepeatedCompositeFieldContainer[AllocatedDevice]
     reclaimed: _containers.RepeatedCompositeFieldContainer[InstanceRef]
     generation: int
-    def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
+    driver_cdi_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, devices: _Optional[_Iterable[_Union[AllocatedDevice, _Mapping]]] = ..., reclaimed: _Optional[_Iterable[_Union[InstanceRef, _Mapping]]] = ..., generation: _Optional[int] = ..., driver_cdi_devices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pod_uid", "claim_uid")

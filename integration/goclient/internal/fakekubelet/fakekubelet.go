@@ -100,6 +100,19 @@ func CDIDevices(r *drapb.NodePrepareResourceResponse) []string {
 	return out
 }
 
+// ContainerCDIDevices are the CDI names the kubelet hands a container that uses the claim's request
+// (all of the claim's when request is ""): the devices answered for that request, and those answered
+// with no request names, which belong to every request of the claim.
+func ContainerCDIDevices(r *drapb.NodePrepareResourceResponse, request string) []string {
+	var out []string
+	for _, d := range r.GetDevices() {
+		if request == "" || len(d.GetRequestNames()) == 0 || slices.Contains(d.GetRequestNames(), request) {
+			out = append(out, d.GetCdiDeviceIds()...)
+		}
+	}
+	return out
+}
+
 // WatchHealth opens NodeWatchResources, kubelet's watch of the plugin's device health, on the
 // plugin's endpoint; it fails the test unless the plugin registered that service.
 func (k *Kubelet) WatchHealth(ctx context.Context, t testing.TB) drahealth.DRAResourceHealth_NodeWatchResourcesClient {

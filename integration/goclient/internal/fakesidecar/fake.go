@@ -80,6 +80,7 @@ type Server struct {
 	overloaded  int
 	generation  uint64                          // the fence: one more at every activation and every idle
 	revision    uint64                          // GetInfo's: one more whenever the table read differently
+	driverCDI   []string                        // AllocateResponse.driver_cdi_devices (SetDriverCDIDevices)
 	printed     string                          // the table as the last GetInfo read it
 	calls       map[string]int                  // RPCs received, by method name
 	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
@@ -498,7 +499,18 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 			ComputeInstanceId: got.CI, CdiDevice: "k8s.device-plugin.nvidia.com/dynamic-mig=" + got.MigUUID, Outcome: outcome})
 	}
 	out.Generation = s.generation
+	if len(out.Devices) > 0 {
+		out.DriverCdiDevices = append([]string(nil), s.driverCDI...)
+	}
 	return out, nil
+}
+
+// SetDriverCDIDevices makes every later Allocate answer these CDI names of the node's driver, as a
+// sidecar that publishes its driver spec does.
+func (s *Server) SetDriverCDIDevices(names ...string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.driverCDI = append([]string(nil), names...)
 }
 
 // UndoAllocate is the RPC of that name, over the fake's table.
