@@ -40,7 +40,8 @@ from sidecar import nvml
 from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
 from sidecar.edge.metrics import Metrics
-from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.edge.server import SidecarServer
+from sidecar.edge.servicer import MigSidecarServicer, ServerInfo
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.faults import FaultReport
