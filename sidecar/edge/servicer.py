@@ -42,6 +42,7 @@ from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.recover import Recoverer
 from sidecar.model.domain import AllocationKey
 from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
+from sidecar.model.names import quote_clipped
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class MigSidecarServicer:
 
         def refuse() -> NoReturn:
             raise InvalidRequest(
-                f"{method}: the request body does not decode: {decode.quote_clipped(why, 200)}",
+                f"{method}: the request body does not decode: {quote_clipped(why, 200)}",
                 {"field": ""},
             )
 
@@ -198,7 +199,7 @@ class MigSidecarServicer:
             known = {profile.name for profile in profiles}
             unknown = sorted(set(requested) - known)
             if unknown:
-                listed = ", ".join(decode.quote_clipped(name) for name in unknown[:UNKNOWN_SHOWN])
+                listed = ", ".join(quote_clipped(name) for name in unknown[:UNKNOWN_SHOWN])
                 more = f" and {len(unknown) - UNKNOWN_SHOWN} more" if len(unknown) > UNKNOWN_SHOWN else ""
                 raise UnknownProfile(
                     f"GPU {gpu_uuid} has no profile {listed}{more}",
