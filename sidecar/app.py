@@ -229,7 +229,7 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
         adopt_existing=config.adopt_existing,
         started_at=dt.datetime.now(dt.UTC),
     )
-    servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
+    servicer = MigSidecarServicer(lifecycle, recovery, info, metrics, max_followers=config.max_followers)
     watcher = None
     if backend.xids is not None:
 

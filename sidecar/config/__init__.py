@@ -26,6 +26,7 @@ import msgspec
 from sidecar.config.flags import (
     BACKENDS,
     DEFAULT_CDI_DIR,
+    DEFAULT_MAX_FOLLOWERS,
     DEFAULT_RECONCILE_INTERVAL_S,
     DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_SOCKET,
@@ -87,6 +88,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     stuck_threshold_s: float = DEFAULT_STUCK_THRESHOLD_S
+    max_followers: int = DEFAULT_MAX_FOLLOWERS
     idle: IdleSettings = IdleSettings()
     xid_ignore: tuple[int, ...] = tuple(int(x) for x in DEFAULT_XID_IGNORE.split(","))
 
@@ -139,6 +141,13 @@ def _count(raw: str | None, where: str) -> int:
     if not text.isdigit():
         raise ConfigError(f"{where}: {raw!r} is not a count (a whole number, 0 or more)")
     return int(text)
+
+
+def _at_least_one(raw: str | None, where: str) -> int:
+    count = _count(raw, where)
+    if count < 1:
+        raise ConfigError(f"{where}: {raw!r} must be at least 1")
+    return count
 
 
 def parse_xids(text: str, where: str) -> tuple[int, ...]:
@@ -303,6 +312,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         shutdown_grace_s=_seconds(raw["shutdown_grace"], origin["shutdown_grace"]),
         stuck_threshold_s=_seconds(raw["stuck_threshold"], origin["stuck_threshold"]),
         idle=_idle_settings(raw, origin),
+        max_followers=_at_least_one(raw["max_followers"], origin["max_followers"]),
         xid_ignore=parse_xids(raw["xid_ignore"] or DEFAULT_XID_IGNORE, origin["xid_ignore"]),
     )
 

@@ -29,6 +29,10 @@ DEFAULT_RESERVE_WINDOW_S = 3600.0  # a profile nobody asked for in an hour is no
 RESERVE_AUTO = "auto"
 RESERVE_OFF = "off"
 DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI create takes seconds)
+# About 21 MiB of following streams at most, at about 42 KiB each (``sidecar.edge.health_feed``): the
+# sidecar stays far under half the shipped 256 Mi limit with every one open. Its clients follow with one
+# stream each (the HAMi adapter) or one per kubelet health stream (the DRA plugin): a handful.
+DEFAULT_MAX_FOLLOWERS = 512
 DEFAULT_XID_IGNORE = ",".join(str(x) for x in sorted(XID_APPLICATION_ERRORS))  # the device plugin's
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
@@ -206,6 +210,14 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "NOT_SERVING (the liveness probe then restarts the container; a restart is crash-safe).",
         default=str(DEFAULT_STUCK_THRESHOLD_S),
         metavar="SECONDS",
+    ),
+    FlagSpec(
+        "--max-followers",
+        "max_followers",
+        "WatchHealth streams that may follow at once; the next is refused RESOURCE_EXHAUSTED (reason "
+        "OVERLOADED) and the Go clients retry it with backoff. Each costs about 42 KiB of memory.",
+        default=str(DEFAULT_MAX_FOLLOWERS),
+        metavar="N",
     ),
     FlagSpec(
         "--xid-ignore",

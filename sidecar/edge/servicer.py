@@ -41,7 +41,14 @@ from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.logs import event
 from sidecar.lifecycle.recover import Recoverer
 from sidecar.model.domain import AllocationKey
-from sidecar.model.errors import InvalidRequest, SidecarError, UnknownGpu, UnknownProfile, nvml_errors
+from sidecar.model.errors import (
+    InvalidRequest,
+    Overloaded,
+    SidecarError,
+    UnknownGpu,
+    UnknownProfile,
+    nvml_errors,
+)
 from sidecar.model.names import quote_clipped
 
 log = logging.getLogger(__name__)
@@ -104,6 +111,7 @@ class MigSidecarServicer:
         metrics: Metrics,
         on_recovered: Callable[[], None] = lambda: None,
         *,
+        max_followers: int,
         workers: int = DEFAULT_WORKERS,
     ) -> None:
         self.lifecycle = lifecycle
@@ -115,7 +123,7 @@ class MigSidecarServicer:
         self.on_change: Callable[[], None] = lambda: None
         # Called with a GPU whose MIG mode a SetMigMode left enabled (the Xid watcher watches it too).
         self.on_mig_enabled: Callable[[str], None] = lambda _gpu_uuid: None
-        self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
+        self.health_feed = HealthFeed(lifecycle.instances, max_followers)  # WatchHealth's streams
         self.admission = Admission(workers)  # the threads the blocking calls run on, and their bound
 
     async def refuse_undecodable(self, method: str, why: str, context: Context) -> NoReturn:
@@ -296,9 +304,15 @@ class MigSidecarServicer:
         self, request: pb.WatchHealthRequest, context: Context
     ) -> AsyncIterator[pb.InstanceHealthUpdate]:
         """Not through ``_handle``: a following stream lives as long as its client, holds no worker
-        thread, and shutdown ends it (``HealthFeed.close``) instead of waiting for it."""
-        async for update in self.health_feed.serve(bool(request.follow), context):
-            yield update
+        thread, and shutdown ends it (``HealthFeed.close``) instead of waiting for it. A follower past
+        the bound is refused as a call past admission is (OVERLOADED), with its ErrorInfo."""
+        try:
+            async for update in self.health_feed.serve(bool(request.follow), context):
+                yield update
+        except Overloaded as err:
+            self.metrics.observe_rpc("WatchHealth", grpc.StatusCode.RESOURCE_EXHAUSTED.name, 0.0)
+            event(log, logging.INFO, "rpc failed", method="WatchHealth", reason=err.reason, error=err.message)
+            await context.abort_with_status(rpc_status.to_status(error_status(err)))
 
     async def GetState(  # noqa: N802
         self, request: pb.GetStateRequest, context: Context
