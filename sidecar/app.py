@@ -40,7 +40,8 @@ from sidecar import nvml
 from sidecar.config import ServeConfig
 from sidecar.edge import unixsocket
 from sidecar.edge.metrics import Metrics
-from sidecar.edge.server import MigSidecarServicer, ServerInfo, SidecarServer
+from sidecar.edge.server import SidecarServer
+from sidecar.edge.servicer import MigSidecarServicer, ServerInfo
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.facade import Lifecycle
 from sidecar.lifecycle.faults import FaultReport
@@ -235,7 +236,7 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
         started_at=dt.datetime.now(dt.UTC),
         driver_cdi_devices=publish_driver_spec(config, backend),
     )
-    servicer = MigSidecarServicer(lifecycle, recovery, info, metrics)
+    servicer = MigSidecarServicer(lifecycle, recovery, info, metrics, max_followers=config.max_followers)
     watcher = None
     if backend.xids is not None:
 

@@ -204,7 +204,7 @@ func volume(spec *corev1.PodSpec, name string) *corev1.Volume {
 }
 
 // setting is what the sidecar reads for a flag: the flag in args, else its environment variable, else
-// the default (the order of sidecar/config.py).
+// the default (the order of sidecar/config).
 func setting(c *corev1.Container, flag, env, fallback string) string {
 	args := slices.Concat(c.Command, c.Args)
 	for i, arg := range args {

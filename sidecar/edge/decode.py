@@ -1,20 +1,17 @@
 """Request protos -> validated domain values: what the gRPC edge lets through, and nothing more.
 
 A malformed request never reaches the lifecycle: every check here raises ``InvalidRequest``
-(INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. Names are held to
-Kubernetes' own limits, because a name is stored in a record and repeated in every GetState: a pod
-UID of at most 128 bytes, a namespace that is a DNS label (at most 63), a pod name of at most 253
-bytes and a container name of at most 63. A claim (an Allocate or Release of a DRA kubelet plugin,
-``OwnerKind.CLAIM``) is held to the same: its uid as strict as a pod's, its namespace a DNS label, its
-name a DNS subdomain (at most 253), and each device's request a DRA request name. An Allocate names
-exactly one of pod and claim, a Release exactly one of pod_uid and claim_uid. Error messages quote
-an input through ``quote_clipped``, so an answer never grows with the request (a client's header
-limit would turn it into a reasonless RESOURCE_EXHAUSTED).
+(INVALID_ARGUMENT ``INVALID_REQUEST``) before anything is read or written. The names of an owner
+(uids, namespaces, pod, container and claim names, a claim's request names) are held to the one rule
+of ``sidecar.model.names``, which the record decoder applies to every stored owner too, so whatever
+this lets through can be read back and released. An Allocate names exactly one of pod and claim, a
+Release exactly one of pod_uid and claim_uid. Error messages quote an input through
+``quote_clipped``, so an answer never grows with the request (a client's header limit would turn it
+into a reasonless RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
@@ -22,8 +19,6 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 from sidecar.model.domain import (
     GPU_UUID_RE,
     MIG_UUID_RE,
-    POD_UID_RE,
-    REQUEST_NAME_RE,
     ActiveAllocation,
     AllocateRequest,
     ClaimRef,
@@ -35,34 +30,27 @@ from sidecar.model.domain import (
     Reservation,
 )
 from sidecar.model.errors import InvalidRequest
+from sidecar.model.names import (
+    claim_name_fault,
+    container_name_fault,
+    fits,
+    namespace_fault,
+    pod_name_fault,
+    quote_clipped,
+    request_name_fault,
+    too_long,
+    uid_fault,
+)
 from sidecar.nvml.port import Placement
 
-MAX_POD_UID_BYTES = 128
-MAX_NAMESPACE_BYTES = 63
-MAX_POD_NAME_BYTES = 253
-MAX_CONTAINER_NAME_BYTES = 63
-MAX_CLAIM_NAME_BYTES = 253
-MAX_REQUEST_NAME_BYTES = 127  # two DNS labels and the "/" between them
 MAX_PROFILE_BYTES = 64  # the longest NVML profile name is a fifth of this
 # Counts of the repeated fields. A node holds at most 8 GPUs of 7 MIG devices each (56 instances):
 # one container asks for at most that many devices, and a pod list names each live instance once plus
 # at most one pending reservation per placement. The bounds leave room far past that, and with the
-# name limits above they bound the largest valid request (``limits.MAX_REQUEST_BYTES``).
+# name limits (``sidecar.model.names``) they bound the largest valid request (``limits.MAX_REQUEST_BYTES``).
 MAX_DEVICES = 64
 MAX_ACTIVE = 1024
 MAX_ALLOWED_PROFILES = 256
-QUOTE_CHARS = 64
-DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-def quote_clipped(value: str, limit: int = QUOTE_CHARS) -> str:
-    """``value`` quoted as ``ascii()`` does (no control or non-ASCII bytes reach a message), cut to
-    about ``limit`` characters with its full length said, so a quote never grows with the input."""
-    quoted = ascii(value)
-    if len(quoted) <= limit:
-        return quoted
-    return f"{quoted[:limit]}... ({len(value)} characters)"
 
 
 def require(condition: bool, message: str, **metadata: str) -> None:
@@ -74,17 +62,6 @@ def require(condition: bool, message: str, **metadata: str) -> None:
 
 def _invalid(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, {"field": field})
-
-
-def _fits(value: str, limit: int) -> bool:
-    """Whether ``value`` is at most ``limit`` bytes in UTF-8 (no character passes 4 bytes)."""
-    return len(value) <= limit // 4 or len(value.encode()) <= limit
-
-
-def _too_long(value: str, limit: int, what: str, field: str) -> InvalidRequest:
-    return _invalid(
-        f"{what} is {len(value.encode())} bytes, more than {limit}: {quote_clipped(value)}", field
-    )
 
 
 def placement(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Placement:
@@ -108,8 +85,8 @@ def gpu_uuid(value: str, where: str) -> str:
 def profile_name(value: str, where: str, field: str) -> str:
     if not value:
         raise _invalid(f"{where}: profile is missing", field)
-    if not _fits(value, MAX_PROFILE_BYTES):
-        raise _too_long(value, MAX_PROFILE_BYTES, f"{where}: profile", field)
+    if not fits(value, MAX_PROFILE_BYTES):
+        raise _invalid(f"{where}: {too_long(value, MAX_PROFILE_BYTES, 'profile')}", field)
     return value
 
 
@@ -119,50 +96,35 @@ def reservation(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> 
     return Reservation(gpu, profile, placement(message, where))
 
 
+def _check(fault: str, where: str, field: str) -> None:
+    if fault:
+        raise _invalid(f"{where}: {fault}", field)
+
+
 def pod_uid(value: str, where: str, field: str, what: str = "pod") -> str:
     """A pod's uid, or (``what`` "claim") a claim's, held to the same rule."""
-    if not value:
-        raise _invalid(f"{where}: {what} uid is missing", field)
-    if not _fits(value, MAX_POD_UID_BYTES):
-        raise _too_long(value, MAX_POD_UID_BYTES, f"{where}: {what} uid", field)
-    if not POD_UID_RE.fullmatch(value):
-        raise _invalid(f"{where}: {quote_clipped(value)} is not a {what} UID", field)
-    return value
-
-
-def namespace(value: str, where: str, what: str) -> str:
-    """An empty namespace is "not told" (grpcurl, older clients); a given one must be a real one."""
-    field = f"{where}.{what}.namespace"
-    if not _fits(value, MAX_NAMESPACE_BYTES):
-        raise _too_long(value, MAX_NAMESPACE_BYTES, f"{where}: {what} namespace", field)
-    if value and not DNS_LABEL_RE.fullmatch(value):
-        raise _invalid(f"{where}: {what} namespace {quote_clipped(value)} is not a DNS label", field)
+    _check(uid_fault(value, what), where, field)
     return value
 
 
 def pod(message: pb.PodRef, has_pod: bool, where: str) -> PodRef:
     uid = pod_uid(message.uid if has_pod else "", where, f"{where}.pod.uid")
-    space, name = namespace(message.namespace, where, "pod"), message.name
-    if not _fits(name, MAX_POD_NAME_BYTES):
-        raise _too_long(name, MAX_POD_NAME_BYTES, f"{where}: pod name", f"{where}.pod.name")
-    return PodRef(uid, space, name)
+    _check(namespace_fault(message.namespace, "pod"), where, f"{where}.pod.namespace")
+    _check(pod_name_fault(message.name), where, f"{where}.pod.name")
+    return PodRef(uid, message.namespace, message.name)
 
 
 def claim(message: pb.ClaimRef, where: str) -> ClaimRef:
     """A ResourceClaim: its uid as strict as a pod's; namespace and name, when told, Kubernetes'
     own (a DNS label, a DNS subdomain)."""
     uid = pod_uid(message.uid, where, f"{where}.claim.uid", "claim")
-    space, name, field = namespace(message.namespace, where, "claim"), message.name, f"{where}.claim.name"
-    if not _fits(name, MAX_CLAIM_NAME_BYTES):
-        raise _too_long(name, MAX_CLAIM_NAME_BYTES, f"{where}: claim name", field)
-    if name and not DNS_SUBDOMAIN_RE.fullmatch(name):
-        raise _invalid(f"{where}: claim name {quote_clipped(name)} is not a DNS subdomain", field)
-    return ClaimRef(uid, space, name)
+    _check(namespace_fault(message.namespace, "claim"), where, f"{where}.claim.namespace")
+    _check(claim_name_fault(message.name), where, f"{where}.claim.name")
+    return ClaimRef(uid, message.namespace, message.name)
 
 
 def request_name(value: str, for_claim: bool, where: str) -> str:
-    """The claim's request a device answers: required with a claim, a DRA request name (a DNS
-    label, or two joined by "/" for a subrequest); empty with a pod."""
+    """The claim's request a device answers: required with a claim; empty with a pod."""
     field = f"{where}.request"
     if not for_claim:
         if value:
@@ -170,21 +132,12 @@ def request_name(value: str, for_claim: bool, where: str) -> str:
                 f"{where}: request {quote_clipped(value)} is set, but a pod's device names none", field
             )
         return ""
-    if not value:
-        raise _invalid(f"{where}: request is missing (a claim's device names the request it answers)", field)
-    if not _fits(value, MAX_REQUEST_NAME_BYTES) or not REQUEST_NAME_RE.fullmatch(value):
-        raise _invalid(
-            f"{where}: {quote_clipped(value)} is not a DRA request name (a DNS label, or two joined by /)",
-            field,
-        )
+    _check(request_name_fault(value), where, field)
     return value
 
 
 def container_name(value: str, where: str) -> str:
-    if not _fits(value, MAX_CONTAINER_NAME_BYTES):
-        raise _too_long(
-            value, MAX_CONTAINER_NAME_BYTES, f"{where}: container name", f"{where}.container_name"
-        )
+    _check(container_name_fault(value), where, f"{where}.container_name")
     return value
 
 

@@ -9,6 +9,14 @@ client watches again (it gets the current state first, so it misses nothing). A 
 ``follow`` ends after the current state, like a GetState. A client that goes away cancels its
 stream's task, which ends it at once. Shutdown ends every stream (``close``) before the server
 stops, as a stream would otherwise last out the grace period.
+
+Followers are bounded as calls are (``admission``): at most ``max_followers`` follow at once, and the
+next one is refused at once with ``Overloaded`` (RESOURCE_EXHAUSTED, reason OVERLOADED, metadata
+``method`` WatchHealth), which the Go client and the DRA plugin's health service retry with backoff.
+Each following stream costs the sidecar about 42 KiB of resident memory with a connection of its own
+(its connection, its task, its backlog while empty), so the bound is what keeps a local client that
+opens streams without end inside the container's memory limit (``docs/operations.md`` gives the
+numbers).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import encode
 from sidecar.edge.wire import Context
+from sidecar.model.errors import Overloaded
 from sidecar.model.ownership import OwnershipRecord
 
 QUEUE_SIZE = 1024  # updates a following stream may lag behind before it is ended
@@ -39,11 +48,17 @@ class _Follower:
 
 
 class HealthFeed:
-    def __init__(self, instances: Callable[[], Sequence[OwnershipRecord]]) -> None:
+    def __init__(self, instances: Callable[[], Sequence[OwnershipRecord]], max_followers: int) -> None:
         self._instances = instances
+        self.max_followers = max_followers
         self._followers: set[_Follower] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+
+    @property
+    def following(self) -> int:
+        """The streams that follow now."""
+        return len(self._followers)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """The loop the streams are served on (the server's, once it starts)."""
@@ -72,11 +87,18 @@ class HealthFeed:
             follower.wake.set()
 
     async def serve(self, follow: bool, context: Context) -> AsyncIterator[pb.InstanceHealthUpdate]:
-        """The updates of one ``WatchHealth`` call."""
+        """The updates of one ``WatchHealth`` call; ``Overloaded`` before any when ``max_followers``
+        streams follow already."""
         follower = _Follower()
         if follow:
             if self._closed:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "WatchHealth: the sidecar is shutting down")
+            if len(self._followers) >= self.max_followers:
+                raise Overloaded(
+                    f"WatchHealth: {self.max_followers} streams follow already; nothing was done,"
+                    " retry with backoff",
+                    {"method": "WatchHealth", "followers": str(self.max_followers)},
+                )
             self._followers.add(follower)
         try:
             for record in sorted(self._instances(), key=lambda r: r.name):

@@ -1,6 +1,7 @@
 """The sizes the edge bounds: the largest request it accepts, and how large an error may grow.
 
-The largest request is computed from what ``decode`` lets through.
+The largest request is computed from what ``decode`` lets through (and the name limits of
+``sidecar.model.names``).
 
 Every field of every request is bounded by ``decode`` (name lengths in bytes, counts of repeated
 fields, integer widths), so the largest valid request of each RPC is a fixed message: this module
@@ -17,6 +18,7 @@ from google.protobuf.message import Message
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
 from sidecar.edge import decode
+from sidecar.model import names
 
 _U32 = 2**32 - 1
 _U64 = 2**64 - 1
@@ -30,16 +32,16 @@ def _placement() -> pb.Placement:
 
 def _pod() -> pb.PodRef:
     return pb.PodRef(
-        uid="u" * decode.MAX_POD_UID_BYTES,
-        namespace="n" * decode.MAX_NAMESPACE_BYTES,
-        name="p" * decode.MAX_POD_NAME_BYTES,
+        uid="u" * names.MAX_POD_UID_BYTES,
+        namespace="n" * names.MAX_NAMESPACE_BYTES,
+        name="p" * names.MAX_POD_NAME_BYTES,
     )
 
 
 def _active() -> pb.ActiveAllocation:
     return pb.ActiveAllocation(
         pod=_pod(),
-        container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
+        container_name="c" * names.MAX_CONTAINER_NAME_BYTES,
         container_index=_U32,
         device_index=_U32,
         gpu_uuid=_GPU,
@@ -59,7 +61,7 @@ def largest_requests() -> dict[str, Message]:
     active = [_active() for _ in range(decode.MAX_ACTIVE)]
     for_pod = pb.AllocateRequest(
         pod=_pod(),
-        container_name="c" * decode.MAX_CONTAINER_NAME_BYTES,
+        container_name="c" * names.MAX_CONTAINER_NAME_BYTES,
         container_index=_U32,
         devices=[device] * decode.MAX_DEVICES,
     )
@@ -67,9 +69,9 @@ def largest_requests() -> dict[str, Message]:
     label = "r" * 63
     for_claim = pb.AllocateRequest(
         claim=pb.ClaimRef(
-            uid="u" * decode.MAX_POD_UID_BYTES,
-            namespace="n" * decode.MAX_NAMESPACE_BYTES,
-            name="c" * decode.MAX_CLAIM_NAME_BYTES,
+            uid="u" * names.MAX_POD_UID_BYTES,
+            namespace="n" * names.MAX_NAMESPACE_BYTES,
+            name="c" * names.MAX_CLAIM_NAME_BYTES,
         ),
         devices=[pb.DeviceRequest(request=f"{label}/{label}")] * decode.MAX_DEVICES,
     )

@@ -5,7 +5,7 @@ destroy one before its create. This decision moves that destroy off the pod's cr
 over plain values (the ``advice`` module's ``GpuView`` per GPU, the clock reading ``now``); the caller
 destroys what it returns through the same recorded, crash-safe teardown as any reclaim. Three causes
 and one that comes with the reserve, each off unless set (``IdleSettings()`` trims nothing;
-``serve``'s own default is the ``auto`` reserve, ``config.py``):
+``serve``'s own default is the ``auto`` reserve, ``sidecar.config.flags``):
 
 * ``ttl`` — an instance idle for longer than ``ttl_s`` seconds;
 * ``max_idle`` — more than ``max_idle_per_gpu`` IDLE instances on one GPU: the least recently used go

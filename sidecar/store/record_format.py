@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from sidecar.model.names import owner_fault
 from sidecar.model.ownership import OwnershipRecord, record_name
 
 RECORD_VERSION = 1
@@ -163,14 +164,15 @@ def decode_record(name: str, path: Path, data: bytes) -> OwnershipRecord:
 def _out_of_range(record: OwnershipRecord) -> str:
     """Why a value of ``record`` is out of its range ("" when none is): a generation outside
     ``0..MAX_GENERATION`` would overflow the contract's uint64 once the lifecycle counts past it;
-    an Xid outside ``0..MAX_XID`` is none NVML's 64-bit event data can carry; an owner that is
-    neither a pod's nor a claim's (``Owner.inconsistency``) could be released by neither."""
+    an Xid outside ``0..MAX_XID`` is none NVML's 64-bit event data can carry; an owner that no request
+    could have named (``names.owner_fault``: neither a pod's nor a claim's, or a name the edge refuses)
+    could be released by no call."""
     for field in ("activated_generation", "idled_generation"):
         value = getattr(record, field)
         if not 0 <= value <= MAX_GENERATION:
             return f"{field} {value} is out of range 0..{MAX_GENERATION}"
     if not 0 <= record.xid <= MAX_XID:
         return f"xid {record.xid} is out of range 0..{MAX_XID}"
-    if record.owner is not None and (why := record.owner.inconsistency()):
+    if record.owner is not None and (why := owner_fault(record.owner)):
         return f"owner: {why}"
     return ""

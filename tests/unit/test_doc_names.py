@@ -8,10 +8,10 @@ sorts each span by its shape, with one rule per shape:
 
 - ``make X``: ``X`` is a target in the ``Makefile``.
 - ``--flag`` (a first word starting with two dashes): the flag appears as a quoted string in a Python
-  file of the repository (``sidecar/config.py``'s table, ``sidecar/cli.py``, a ``bench/`` script's parser)
-  or as a Go ``flag`` name.
-- ``HAMI_MIG_SIDECAR_X``: the environment twin of a flag ``--x`` (``sidecar/config.py``'s rule), or a
-  variable a source file spells out (``HAMI_MIG_SIDECAR_CRASH_AT``).
+  file of the repository (``sidecar/config/flags.py``'s table, ``sidecar/cli.py``, a ``bench/`` script's
+  parser) or as a Go ``flag`` name.
+- ``HAMI_MIG_SIDECAR_X``: the environment twin of a flag ``--x`` (``sidecar/config/flags.py``'s rule), or
+  a variable a source file spells out (``HAMI_MIG_SIDECAR_CRASH_AT``).
 - a relative path (ends in a file extension, or starts with a folder the repository has; no spaces or
   placeholders): the file or directory exists at the root, beside the document, or as the tail of a
   tracked path (``model/hami_takeover.py`` is ``sidecar/model/hami_takeover.py``).

@@ -70,7 +70,7 @@ def test_no_caller_reads_a_part_through_the_facade() -> None:
 
 def test_the_callers_are_the_edge_the_wiring_and_the_tests() -> None:
     paths = {str(p.relative_to(REPO)) for p in callers()}
-    assert {"sidecar/edge/server.py", "sidecar/app.py", "tests/component/lifecycle_world.py"} <= paths
+    assert {"sidecar/edge/servicer.py", "sidecar/app.py", "tests/component/lifecycle_world.py"} <= paths
     assert not any(p.startswith("sidecar/lifecycle/") for p in paths)
 
 

@@ -23,7 +23,8 @@ package dra
 // FAULTED instance stays so.
 //
 // Each kubelet stream has its own follow stream to the sidecar, so watchers are independent; the
-// follow stream is dialled again with backoff when it ends (the sidecar restarted, or ended a
+// follow stream is dialled again with backoff when it ends (the sidecar restarted, refused it
+// RESOURCE_EXHAUSTED OVERLOADED as it had as many followers as it admits, or ended a
 // stream that fell behind) and closed when the kubelet's stream ends.
 
 import (

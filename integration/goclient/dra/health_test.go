@@ -198,6 +198,21 @@ func TestEveryKubeletWatcherGetsTheChangesAndEndingOneClosesItsSidecarStream(t *
 	waitFollowing(t, s, 0)
 }
 
+func TestTheWatchBacksOffFromASidecarWithAsManyFollowersAsItAdmits(t *testing.T) {
+	s := startSidecar(t)
+	hit := put(s, 0)
+	s.fake.RefuseFollowers(3) // RESOURCE_EXHAUSTED OVERLOADED, as past the sidecar's --max-followers
+	k := kubelet{serveHealth(t, NewHealth(s.client(t), resolve, HealthOptions{Refresh: time.Hour}))}
+	w := k.watch(t)
+	w.until(t, "the opening", func(h map[string]string) bool { return h[dev0] == "Healthy" })
+	waitFollowing(t, s, 1) // admitted once the sidecar has a place again
+	if n := s.fake.RefusedFollowers(); n != 3 {
+		t.Fatalf("the sidecar refused %d following streams, want 3 before the one admitted", n)
+	}
+	s.fake.Fault(hit.MigUUID, 79) // a refresh of an hour: only the follow stream tells it
+	w.until(t, "the fault", func(h map[string]string) bool { return strings.Contains(h[dev0], "Xid 79") })
+}
+
 // waitFollowing waits until the sidecar has n following WatchHealth streams.
 func waitFollowing(t *testing.T, s *sidecar, n int) {
 	t.Helper()

@@ -3,6 +3,7 @@ package hami
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -333,6 +334,52 @@ func TestWatchFaultsReportsTheFaultsThatStandThenEachNewOneAndNoHealthyInstance(
 	}
 	if len(got) != 0 {
 		t.Fatalf("a healthy instance was reported: %+v", <-got)
+	}
+}
+
+// TestWatchFaultsBacksOffFromASidecarWithAsManyFollowersAsItAdmits: the sidecar refuses the
+// first three following streams RESOURCE_EXHAUSTED OVERLOADED; the watch opens them again with
+// backoff, gets the standing fault once admitted, and follows from then on.
+func TestWatchFaultsBacksOffFromASidecarWithAsManyFollowersAsItAdmits(t *testing.T) {
+	s, l := lazy(t)
+	m := l.Manager()
+	old := s.Put(fakesidecar.Instance{GPU: "GPU-a", Profile: "1g.10gb", Start: 0, Size: 1, State: pb.InstanceState_IDLE})
+	fresh := s.Put(fakesidecar.Instance{GPU: "GPU-b", Profile: "2g.20gb", Start: 2, Size: 2, State: pb.InstanceState_IDLE})
+	s.Fault(old.MigUUID, 48)
+	s.RefuseFollowers(3)
+
+	got := make(chan string, 8)
+	ctx, cancel := context.WithCancel(context.Background())
+	watcher, err := New(ctx, m.Client(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- watcher.WatchFaults(func(mig string, xid uint32) { got <- fmt.Sprint(mig, xid) }) }()
+
+	select {
+	case f := <-got:
+		if f != fmt.Sprint(old.MigUUID, 48) {
+			t.Fatalf("the standing fault: %s", f)
+		}
+	case err := <-done:
+		t.Fatalf("the watch ended before it was admitted: %v", err)
+	}
+	if n := s.RefusedFollowers(); n != 3 {
+		t.Fatalf("the sidecar refused %d following streams, want 3 before the one admitted", n)
+	}
+	for deadline := time.Now().Add(10 * time.Second); s.Following() == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the watch never followed") // a bound on waiting, not a timing assertion
+		}
+	}
+	s.Fault(fresh.MigUUID, 79)
+	if f := <-got; f != fmt.Sprint(fresh.MigUUID, 79) {
+		t.Fatalf("the new fault: %s", f)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatalf("a cancelled watch: %v", err)
 	}
 }
 

@@ -27,9 +27,23 @@ type HealthUpdate struct {
 
 // WatchHealth calls fn with the health of every owned instance as it stands and, with follow,
 // then with every change, until ctx is done (nil is returned then), the stream ends or fails.
-// The stream is not retried: a caller that follows watches again after an error, and its
+// A stream the sidecar refuses because as many follow as it admits (RESOURCE_EXHAUSTED
+// OVERLOADED, sent before any update) is opened again with the calls' backoff until ctx is done;
+// any other failure is not retried: a caller that follows watches again after an error, and its
 // opening updates say the health as it stands then, so nothing is missed.
 func (c *Client) WatchHealth(ctx context.Context, follow bool, fn func(HealthUpdate)) error {
+	for attempt := 1; ; attempt++ {
+		err := c.watchHealth(ctx, follow, fn)
+		if !IsReason(err, ReasonOverloaded) {
+			return err
+		}
+		if !c.pause(ctx, attempt) {
+			return nil // the caller ended the watch while it waited for a place
+		}
+	}
+}
+
+func (c *Client) watchHealth(ctx context.Context, follow bool, fn func(HealthUpdate)) error {
 	if err := c.checkBackend(ctx, "WatchHealth"); err != nil {
 		return err
 	}

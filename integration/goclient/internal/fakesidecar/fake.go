@@ -76,15 +76,17 @@ type Server struct {
 	recovered   bool
 	recovers    []*pb.RecoverRequest
 	// Unavailable, when > 0, makes that many next mutating calls answer UNAVAILABLE NVML_ERROR.
-	unavailable int
-	overloaded  int
-	generation  uint64                          // the fence: one more at every activation and every idle
-	revision    uint64                          // GetInfo's: one more whenever the table read differently
-	driverCDI   []string                        // AllocateResponse.driver_cdi_devices (SetDriverCDIDevices)
-	printed     string                          // the table as the last GetInfo read it
-	calls       map[string]int                  // RPCs received, by method name
-	watchers    []chan *pb.InstanceHealthUpdate // following WatchHealth streams
-	conns       int                             // client connections open now
+	unavailable   int
+	overloaded    int
+	refuseFollow  int                             // following WatchHealth streams still to refuse OVERLOADED
+	refusedFollow int                             // following WatchHealth streams refused so far
+	generation    uint64                          // the fence: one more at every activation and every idle
+	revision      uint64                          // GetInfo's: one more whenever the table read differently
+	driverCDI     []string                        // AllocateResponse.driver_cdi_devices (SetDriverCDIDevices)
+	printed       string                          // the table as the last GetInfo read it
+	calls         map[string]int                  // RPCs received, by method name
+	watchers      []chan *pb.InstanceHealthUpdate // following WatchHealth streams
+	conns         int                             // client connections open now
 }
 
 // profiles is the fake's profile table: name -> size and legal starts (an 8-slice GPU).
@@ -290,6 +292,21 @@ func (s *Server) OverloadNext(n int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.overloaded = n
+}
+
+// RefuseFollowers makes the next n following WatchHealth streams answer RESOURCE_EXHAUSTED
+// OVERLOADED, as the sidecar refuses a follower past --max-followers (nothing sent).
+func (s *Server) RefuseFollowers(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.refuseFollow = n
+}
+
+// RefusedFollowers is the number of following WatchHealth streams refused so far.
+func (s *Server) RefusedFollowers() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.refusedFollow
 }
 
 // gate is the check every mutating call passes first; the caller holds mu.
@@ -821,6 +838,13 @@ func healthOf(in *Instance, current bool) *pb.InstanceHealthUpdate {
 func (s *Server) WatchHealth(req *pb.WatchHealthRequest, stream pb.MigSidecar_WatchHealthServer) error {
 	s.mu.Lock()
 	s.calls["WatchHealth"]++
+	if req.GetFollow() && s.refuseFollow > 0 {
+		s.refuseFollow--
+		s.refusedFollow++
+		s.mu.Unlock()
+		return fail(codes.ResourceExhausted, "OVERLOADED", "WatchHealth: 512 streams follow already",
+			map[string]string{"method": "WatchHealth", "followers": "512"})
+	}
 	opening := make([]*pb.InstanceHealthUpdate, 0, len(s.instances))
 	for _, in := range s.instances {
 		opening = append(opening, healthOf(in, true))
