@@ -67,42 +67,13 @@ from sidecar.store.cdi_format import (
     parse_kind,
 )
 from sidecar.store.durable import TEMP_MARKER, atomic_write, fsync_dir
+from sidecar.store.proc_nodes import read_access_file, read_char_majors
 
 DEFAULT_KIND = "k8s.hami.io/mig"
 PATH_LOCK_STRIPES = 64
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 NVIDIACTL_MINOR = 255
-
-
-def read_char_majors(proc_root: Path) -> dict[str, int]:
-    """Driver name -> major from the "Character devices:" section of ``<proc>/devices``.
-
-    The block section reuses numbers for other drivers, so it is cut off."""
-    majors: dict[str, int] = {}
-    in_char = False
-    for line in (proc_root / "devices").read_text().splitlines():
-        stripped = line.strip()
-        if stripped.endswith(":"):
-            in_char = stripped == "Character devices:"
-            continue
-        fields = stripped.split()
-        if in_char and len(fields) == 2 and fields[0].isdigit():
-            majors.setdefault(fields[1], int(fields[0]))
-    return majors
-
-
-def read_access_file(path: Path) -> tuple[int, int]:
-    """(DeviceFileMinor, DeviceFileMode) of a MIG capability ``access`` file; both decimal."""
-    values: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        key, sep, value = line.partition(":")
-        if sep:
-            values[key.strip()] = value.strip()
-    try:
-        return int(values["DeviceFileMinor"]), int(values["DeviceFileMode"])
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"{path} has no DeviceFileMinor/DeviceFileMode: {exc}") from exc
 
 
 class ForeignSpecFile(StateWriteFailed):
