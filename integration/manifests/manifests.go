@@ -421,7 +421,7 @@ func CheckPodMonitor(pm *monitoringv1.PodMonitor, ds *appsv1.DaemonSet) []error 
 	if !found {
 		errs = append(errs, errors.New("no endpoint scrapes a named port of the mig-sidecar container"))
 	}
-	return errs
+	return append(errs, checkDRAMetricsEndpoint(pm, ds)...)
 }
 
 func relabelsInstanceToNode(configs []monitoringv1.RelabelConfig) bool {
