@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -40,6 +41,9 @@ func TestASimulatedSidecarIsRefusedNamingTheFlag(t *testing.T) {
 	}
 	t.Logf("the command says: %v", err)
 }
+
+// operatorMetric is a metric of the plugin as the operator's files name it.
+var operatorMetric = regexp.MustCompile(`\bhami_mig_dra_[a-z0-9_]+\b`)
 
 func freeAddress(t *testing.T) string {
 	t.Helper()
@@ -193,6 +197,23 @@ func TestTheCommandServesItsMetricsAfterRealPrepares(t *testing.T) {
 	cold, _ := value(families, dra.MetricPublishedDevices, map[string]string{"warm": "false"})
 	if int(warm+cold) != len(devices) {
 		t.Errorf("published devices: %v warm + %v not, want %d in all", warm, cold, len(devices))
+	}
+	// Every metric of the plugin that the alerts and the dashboard read is one it serves.
+	for _, file := range []string{"../../../../deploy/prometheus-rules.yaml", "../../../../deploy/grafana-dashboard.json"} {
+		text, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		named := operatorMetric.FindAllString(string(text), -1)
+		if len(named) == 0 {
+			t.Errorf("%s names none of the plugin's metrics", file)
+		}
+		for _, name := range named {
+			family := strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(name, "_bucket"), "_count"), "_sum")
+			if _, ok := families[family]; !ok {
+				t.Errorf("%s reads %s, which the plugin does not serve", file, name)
+			}
+		}
 	}
 	if t.Failed() {
 		for name, f := range families {
