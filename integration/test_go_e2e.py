@@ -226,12 +226,14 @@ GO_E2E_TESTS = [
     "TestAnXidOnAnInstanceReachesTheClientsHealthStream",
     "TestAnXidTurnsTheDRADeviceUnhealthyAndTheHealthStreamOutlivesASidecarRestart",
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestTheDRAPluginsMetricsCountTheSidecarsAnswersToRealPrepares",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
 GO_E2E_KUBEAPI = {
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestTheDRAPluginsMetricsCountTheSidecarsAnswersToRealPrepares",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
 }

@@ -44,8 +44,10 @@ const (
 	// kubelet removes what it does not know from this directory: never the socket's home.
 	DevicePluginDir = "/var/lib/kubelet/device-plugins"
 	// The container runtime reads CDI specs from the node's /var/run/cdi.
-	CDIDir          = "/var/run/cdi"
-	MetricPrefix    = "hami_mig_sidecar_"
+	CDIDir       = "/var/run/cdi"
+	MetricPrefix = "hami_mig_sidecar_"
+	// The DRA kubelet plugin's own metrics (its --metrics-address).
+	DRAMetricPrefix = "hami_mig_dra_"
 	defaultSocket   = "/var/lib/hami/mig-sidecar/sidecar.sock"
 	defaultStateDir = "/var/run/hami/dynamic-mig-state"
 )
@@ -59,6 +61,7 @@ var (
 		"HamiMigSidecarNvmlErrors",
 		"HamiMigSidecarNotRecovered",
 		"HamiMigSidecarIdleOlderThanTtl",
+		"HamiMigDraPrepareFailures",
 	}
 	RequiredPanels = []string{
 		"Instances by state",
@@ -66,6 +69,8 @@ var (
 		"Creations and reclaims per minute",
 		"Allocate latency by outcome",
 		"NVML errors by operation",
+		"DRA prepares by result",
+		"DRA prepare latency",
 	}
 )
 
@@ -421,7 +426,7 @@ func CheckPodMonitor(pm *monitoringv1.PodMonitor, ds *appsv1.DaemonSet) []error 
 	if !found {
 		errs = append(errs, errors.New("no endpoint scrapes a named port of the mig-sidecar container"))
 	}
-	return errs
+	return append(errs, checkDRAMetricsEndpoint(pm, ds)...)
 }
 
 func relabelsInstanceToNode(configs []monitoringv1.RelabelConfig) bool {
@@ -563,11 +568,11 @@ func checkExpr(where, expr string) []error {
 	}
 	for _, name := range names {
 		// up: the scrape's own series, what the target-down alert reads.
-		if strings.HasPrefix(name, MetricPrefix) || name == "up" {
+		if strings.HasPrefix(name, MetricPrefix) || strings.HasPrefix(name, DRAMetricPrefix) || name == "up" {
 			return nil
 		}
 	}
-	return []error{fmt.Errorf("%s: names no %s* metric", where, MetricPrefix)}
+	return []error{fmt.Errorf("%s: names no %s* or %s* metric", where, MetricPrefix, DRAMetricPrefix)}
 }
 
 // -- PrometheusRule -----------------------------------------------------------------------------------

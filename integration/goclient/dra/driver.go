@@ -53,6 +53,8 @@ type Options struct {
 	Log func(format string, args ...any)
 	// Health tunes the health service (HealthOptions; the zero value is the default).
 	Health HealthOptions
+	// Metrics records the plugin's prepares, unprepares and publishes (NewMetrics); nil: none.
+	Metrics *Metrics
 }
 
 // Driver is the DRA kubelet plugin: the kubeletplugin.DRAPlugin the helper serves, backed by
@@ -227,7 +229,9 @@ func (d *Driver) refresh(ctx context.Context) error {
 func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
 	out := make(map[types.UID]kubeletplugin.PrepareResult, len(claims))
 	for _, claim := range claims {
+		done := d.opts.Metrics.prepareStarted()
 		devices, err := d.prepare(ctx, claim)
+		done(err)
 		out[claim.UID] = kubeletplugin.PrepareResult{Devices: devices, Err: err}
 	}
 	return out, nil
@@ -266,6 +270,7 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	if err != nil {
 		return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)
 	}
+	d.opts.Metrics.allocated(res)
 	devices := make([]kubeletplugin.Device, 0, len(results))
 	for i, r := range results {
 		cdi := res.Devices[i].CDIDevice
@@ -289,6 +294,7 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 	out := make(map[types.UID]error, len(claims))
 	for _, claim := range claims {
 		out[claim.UID] = d.release(ctx, string(claim.UID))
+		d.opts.Metrics.unprepared(out[claim.UID])
 	}
 	return out, nil
 }
@@ -317,6 +323,9 @@ func (d *Driver) release(ctx context.Context, claimUID string) error {
 // gRPC servers) are logged; one the helper cannot recover from goes to Options.Fatal.
 func (d *Driver) HandleError(_ context.Context, err error, msg string) {
 	d.opts.Log("%s: %v", msg, err)
+	if errors.Is(err, kubeletplugin.ErrRecoverable) { // the helper's writes of the slices
+		d.opts.Metrics.republishFailed(republishStagePublish)
+	}
 	if !errors.Is(err, kubeletplugin.ErrRecoverable) && d.opts.Fatal != nil {
 		d.opts.Fatal(fmt.Errorf("%s: %w", msg, err))
 	}

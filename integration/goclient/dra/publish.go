@@ -47,10 +47,12 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 		switch {
 		case err != nil:
 			d.opts.Log("republish: GetInfo: %v", err)
+			d.opts.Metrics.republishFailed(republishStageInfo)
 		case known && (info.BootID != seen.BootID || !info.StartedAt.Equal(seen.StartedAt)):
 			d.opts.Log("the sidecar restarted (boot %s, started %s): syncing", info.BootID, info.StartedAt)
 			if err := d.Sync(ctx); err != nil {
 				d.opts.Log("sync after the sidecar's restart: %v", err)
+				d.opts.Metrics.republishFailed(republishStageSync)
 				break
 			}
 			seen.BootID, seen.StartedAt, dirty = info.BootID, info.StartedAt, true
@@ -60,6 +62,7 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 			}
 			if err := d.refresh(ctx); err != nil {
 				d.opts.Log("republish: %v", err)
+				d.opts.Metrics.republishFailed(republishStageState)
 				break
 			}
 			seen, known, dirty, refreshed = info, true, false, time.Now()
@@ -69,8 +72,10 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 			}
 			if err := publish(ctx, res); err != nil {
 				d.opts.Log("publish: %v", err)
+				d.opts.Metrics.republishFailed(republishStagePublish)
 				break
 			}
+			d.opts.Metrics.published(res)
 			last, next = &res, time.Now().Add(d.opts.MinInterval)
 		}
 		select {

@@ -42,7 +42,8 @@ func (c *Client) getInfo(ctx context.Context) (Info, error) {
 }
 
 // admitBackend fails closed on a sidecar this client must not use: a simulated one unless
-// Options.AllowSimulatedBackend, or one naming a backend this client does not know.
+// Options.AllowSimulatedBackend (the refusal names Options.AllowSimulatedSetting), or one naming a
+// backend this client does not know.
 func (c *Client) admitBackend(info Info) error {
 	md := map[string]string{"backend": info.Backend, "sidecar_version": info.SidecarVersion, "boot_id": info.BootID}
 	switch {
@@ -51,14 +52,10 @@ func (c *Client) admitBackend(info Info) error {
 	case info.Backend == BackendSimulated && c.opts.AllowSimulatedBackend:
 		return nil
 	case info.Backend == BackendSimulated:
-		set := c.opts.SimulatedBackendSwitch
-		if set == "" {
-			set = "Options.AllowSimulatedBackend"
-		}
 		return &Error{
 			Op: opGetInfo, Code: codes.FailedPrecondition, Reason: ReasonSimulatedBackend, Metadata: md, Attempts: 1,
 			Message: fmt.Sprintf("the sidecar on %s runs the simulated NVML backend: it creates no real MIG instance, "+
-				"so nothing was sent; set %s only for tests and demos", c.target, set),
+				"so nothing was sent; set %s only for tests and demos", c.target, c.allowSimulatedSetting()),
 		}
 	default:
 		return &Error{
@@ -81,4 +78,12 @@ func (c *Client) checkBackend(ctx context.Context, op string) error {
 		e.Op = opGetInfo + " (needed by " + op + ")"
 	}
 	return err
+}
+
+// allowSimulatedSetting names what allows a simulated backend, as Options.AllowSimulatedSetting says.
+func (c *Client) allowSimulatedSetting() string {
+	if c.opts.AllowSimulatedSetting != "" {
+		return c.opts.AllowSimulatedSetting
+	}
+	return "Options.AllowSimulatedBackend"
 }

@@ -73,9 +73,10 @@ type Options struct {
 	// another device. Without it, every call to such a sidecar fails with SIMULATED_BACKEND.
 	// Tests, demos and the mock plugin set it.
 	AllowSimulatedBackend bool
-	// SimulatedBackendSwitch names, in the SIMULATED_BACKEND refusal, how the operator sets
-	// AllowSimulatedBackend: a command's flag ("--allow-simulated-backend"); empty names this field.
-	SimulatedBackendSwitch string
+	// AllowSimulatedSetting is what the SIMULATED_BACKEND refusal tells the operator to set, in the
+	// words of the program built on this client: a command's flag ("--allow-simulated-backend"), an
+	// environment variable. Empty: "Options.AllowSimulatedBackend", for a program's own code.
+	AllowSimulatedSetting string
 	// DialOptions are appended to the client's own (tests, interceptors).
 	DialOptions []grpc.DialOption
 }

@@ -71,6 +71,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	allowSim := fs.Bool("allow-simulated-backend", false, "accept a sidecar on simulated GPUs (tests and demos)")
 	callTimeout := fs.Duration("call-timeout", 10*time.Second, "deadline of each sidecar call but Allocate")
 	allocateTimeout := fs.Duration("allocate-timeout", 60*time.Second, "deadline of a claim's Allocate, retries included")
+	metricsAddress := fs.String("metrics-address", "", "host:port to serve the plugin's Prometheus metrics on, at /metrics (default: none)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
@@ -92,7 +93,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	copts := migclient.Options{CallTimeout: *callTimeout, AllocateTimeout: *allocateTimeout, AllowSimulatedBackend: *allowSim,
-		SimulatedBackendSwitch: "--allow-simulated-backend"}
+		AllowSimulatedSetting: "--allow-simulated-backend"}
 	if *recoverSidecar {
 		copts.ListActive = dra.RecoverNoPods
 	}
@@ -105,9 +106,13 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	logger := log.New(stderr, "hami-mig-dra: ", log.LstdFlags)
+	metrics, err := serveMetrics(ctx, *metricsAddress, logger)
+	if err != nil {
+		return err
+	}
 	d, err := dra.New(c, kube, dra.Options{
 		NodeName: *node, DriverName: *driver, GPUs: list(*gpus), Profiles: list(*profiles), MinInterval: *minInterval,
-		DestroyAtUnprepare: *destroy, RecoverSidecar: *recoverSidecar, Fatal: cancel, Log: logger.Printf,
+		DestroyAtUnprepare: *destroy, RecoverSidecar: *recoverSidecar, Fatal: cancel, Log: logger.Printf, Metrics: metrics,
 	})
 	if err != nil {
 		return err

@@ -107,6 +107,7 @@ func run(args []string, out io.Writer) error {
 		MaxAttempts:           cfg.maxAttempts,
 		ListActive:            list,
 		AllowSimulatedBackend: cfg.allowSimulated,
+		AllowSimulatedSetting: "--allow-simulated-backend",
 	})
 	if err != nil {
 		return err

@@ -3,6 +3,7 @@ package kube
 import (
 	"context"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -53,7 +54,9 @@ func TestDialRefusesASimulatedSidecarUnlessTheOptInIsGiven(t *testing.T) {
 	_, socket := fakesidecar.Start(t, "GPU-a") // the fake reports the simulated backend
 	cs := node(t)
 	t.Setenv(AllowSimulatedEnv, "")
-	if _, err := Dial(context.Background(), socket, cs.CoreV1().Pods(""), "node-1", quick()); !migclient.IsReason(err, migclient.ReasonSimulatedBackend) {
+	// The refusal names the opt-in as HAMi's operator sets it, not the client's Go field.
+	if _, err := Dial(context.Background(), socket, cs.CoreV1().Pods(""), "node-1", quick()); !migclient.IsReason(err, migclient.ReasonSimulatedBackend) ||
+		!strings.Contains(err.Error(), "set "+AllowSimulatedEnv+"=true only") {
 		t.Fatalf("without the opt-in: %v", err)
 	}
 	t.Setenv(AllowSimulatedEnv, "yes please")

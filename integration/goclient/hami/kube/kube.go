@@ -182,7 +182,7 @@ func connect(ctx context.Context, socket string, opts migclient.Options) (*migcl
 // options are the client options of a Dial: the client's defaults, the pod list of nodeName,
 // the opt-ins given and the one in the environment.
 func options(pods PodLister, nodeName string, opts []Option) (migclient.Options, error) {
-	o := migclient.Options{ListActive: NodeAllocations(pods, nodeName)}
+	o := migclient.Options{ListActive: NodeAllocations(pods, nodeName), AllowSimulatedSetting: AllowSimulatedEnv + "=true"}
 	for _, opt := range opts {
 		opt(&o)
 	}
