@@ -15,8 +15,9 @@ Ctrl-C).
 ``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
 for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
 while an NVML call or reconciler round is stuck) for liveness, ``hami.migsidecar.v1.MigSidecar``
-(SERVING once recovered) for readiness. It asks on the health listener beside ``--socket``
-(``unixsocket.health_socket``), where a flood of connections on the socket itself cannot starve it.
+(SERVING once recovered) for readiness. It asks on the health listener beside ``--socket`` (beside
+the socket a symlink leads to; ``unixsocket.health_socket``), where a flood of connections on the
+socket itself cannot starve it.
 
 Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not SERVING, 2 bad usage
 (unknown method, a request that does not parse, a ``--field`` the response does not have).
@@ -25,6 +26,7 @@ Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -239,7 +241,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    socket = resolve_socket("health", str(health_socket(Path(args.socket))), args.socket_trouble)
+    given = Path(args.socket)
+    with contextlib.suppress(OSError):  # the listener is beside the socket a symlink leads to
+        given = given.resolve(strict=True)
+    socket = resolve_socket("health", str(health_socket(given)), args.socket_trouble)
     if socket is None:
         return EXIT_FAILED
     with grpc.insecure_channel(f"unix://{socket}") as channel:
