@@ -10,7 +10,9 @@ Order matters and is the point of this module:
 3. build CDI specs, lifecycle, recovery, reconciler and the gRPC server, every dependency passed in;
    sweep the CDI temp files a crash inside a write left (the lock says no write of ours runs);
 4. only while holding the lock: remove a stale socket file (one that no process answers on: a
-   sidecar of another state directory may be serving there), bind, chmod 0660;
+   sidecar of another state directory may be serving there), bind, chmod 0660; the same for the
+   health listener's socket beside it (``sidecar.edge.descriptors``, which ``serve`` raised the
+   descriptor limit for before step 1);
 5. health: ``""`` SERVING, the MigSidecar service NOT_SERVING until the first successful ``Recover``,
    which also starts the reconciler (before recovery the table does not describe the hardware).
 
@@ -38,7 +40,7 @@ from types import FrameType
 
 from sidecar import nvml
 from sidecar.config import ServeConfig
-from sidecar.edge import unixsocket
+from sidecar.edge import descriptors, unixsocket
 from sidecar.edge.metrics import Metrics
 from sidecar.edge.server import SidecarServer
 from sidecar.edge.servicer import MigSidecarServicer, ServerInfo
@@ -119,6 +121,7 @@ class Application:
         self._recovered_lock = threading.Lock()
         self._reconciler_started = False
         self._socket_bound = False
+        self.max_connections = config.max_connections  # what the descriptor limit leaves of it: ``start``
 
     def on_recovered(self) -> None:
         """Called after every successful Recover: health turns SERVING, the reconciler and the Xid
@@ -132,25 +135,35 @@ class Application:
                 self._reconciler_started = True
 
     def start(self) -> None:
-        """Bind the socket (the state lock is already held) and the optional metrics endpoint."""
-        socket = self.config.socket
+        """Bind the socket and the health listener's beside it (the state lock is already held), each
+        holding a bounded number of connections (``sidecar.edge.descriptors``), and the optional
+        metrics endpoint."""
+        sockets = (self.config.socket, unixsocket.health_socket(self.config.socket))
         try:
-            self._clear_socket_path(socket)
+            self.max_connections = descriptors.connection_cap(self.config.max_connections)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from exc
+        try:
+            for socket in sockets:
+                self._clear_socket_path(socket)
         except OSError as exc:
             # A parent that is a file, a read-only or foreign-owned directory: a setup error to report.
             raise StartupError(f"cannot prepare the socket path {socket}: {exc}") from exc
-        previous = os.umask(0o117)  # the socket is born 0660; the chmod below makes it explicit
+        previous = os.umask(0o117)  # the sockets are born 0660; the chmod below makes it explicit
         try:
-            self.server.start(str(socket))
+            self.server.start(str(sockets[0]), str(sockets[1]), self.max_connections)
         except RuntimeError as exc:
-            raise StartupError(f"cannot bind the gRPC socket {socket}: {exc}") from exc
+            with contextlib.suppress(FileNotFoundError):
+                sockets[1].unlink()  # cleared above: a file there now is the health listener's
+            raise StartupError(f"cannot bind the gRPC sockets {', '.join(map(str, sockets))}: {exc}") from exc
         finally:
             os.umask(previous)
         self._socket_bound = True
-        try:
-            socket.chmod(0o660)
-        except OSError as exc:
-            raise StartupError(f"cannot set mode 0660 on the socket {socket}: {exc}") from exc
+        for socket in sockets:
+            try:
+                socket.chmod(0o660)
+            except OSError as exc:
+                raise StartupError(f"cannot set mode 0660 on the socket {socket}: {exc}") from exc
         if self.config.metrics_address is not None:
             address = self.config.metrics_address
             try:
@@ -194,8 +207,9 @@ class Application:
             self._reconciler_started = False
         self.metrics.close()
         if self._socket_bound:
-            with contextlib.suppress(FileNotFoundError):
-                self.config.socket.unlink()
+            for socket in (self.config.socket, unixsocket.health_socket(self.config.socket)):
+                with contextlib.suppress(FileNotFoundError):
+                    socket.unlink()
             self._socket_bound = False
         self.backend.close()
         self.records.close()
@@ -400,6 +414,7 @@ def serve(
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+    limit = descriptors.raise_soft_limit()
     try:
         app = open_app(config, open_backend)
     except StartupError as exc:
@@ -416,6 +431,11 @@ def serve(
         logging.INFO,
         "serving",
         socket=str(config.socket),
+        health_socket=str(unixsocket.health_socket(config.socket)),
+        max_connections=app.max_connections,
+        descriptor_limit=limit.soft,
+        descriptor_hard_limit=limit.hard,
+        descriptor_limit_was=limit.was,
         backend=app.backend.kind,
         state_dir=str(config.state_dir),
         cdi_dir=str(config.cdi_dir) if config.cdi_dir is not None else "",

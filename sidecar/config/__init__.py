@@ -26,6 +26,7 @@ import msgspec
 from sidecar.config.flags import (
     BACKENDS,
     DEFAULT_CDI_DIR,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_FOLLOWERS,
     DEFAULT_RECONCILE_INTERVAL_S,
     DEFAULT_SHUTDOWN_GRACE_S,
@@ -43,6 +44,7 @@ from sidecar.config.flags import (
     add_serve_flags,
     env_name,
 )
+from sidecar.edge import unixsocket
 from sidecar.model.domain import PROFILE_NAME_RE
 from sidecar.model.idle_policy import IdleSettings
 from sidecar.nvml import profiles
@@ -90,6 +92,7 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     stuck_threshold_s: float = DEFAULT_STUCK_THRESHOLD_S
     max_followers: int = DEFAULT_MAX_FOLLOWERS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     idle: IdleSettings = IdleSettings()
     xid_ignore: tuple[int, ...] = tuple(int(x) for x in DEFAULT_XID_IGNORE.split(","))
 
@@ -252,11 +255,12 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
 
     # gRPC needs unix:///absolute/path; a relative --socket is taken relative to the working directory.
     socket = _path(raw["socket"], origin["socket"]).absolute()
-    if len(str(socket).encode()) > MAX_SOCKET_PATH_BYTES:
-        raise ConfigError(
-            f"{origin['socket']}: socket path {socket} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
-            "the limit of a Unix socket address"
-        )
+    for path in (socket, unixsocket.health_socket(socket)):  # the health listener's beside it
+        if len(str(path).encode()) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(
+                f"{origin['socket']}: socket path {path} is longer than {MAX_SOCKET_PATH_BYTES} bytes, "
+                "the limit of a Unix socket address"
+            )
 
     no_cdi = _switch(raw["no_cdi"], origin["no_cdi"])
     if no_cdi and _rank(origin["cdi_dir"]) == _rank(origin["no_cdi"]):
@@ -315,6 +319,7 @@ def _validate(raw: Mapping[str, str | None], origin: Mapping[str, str]) -> Serve
         stuck_threshold_s=_seconds(raw["stuck_threshold"], origin["stuck_threshold"]),
         idle=_idle_settings(raw, origin),
         max_followers=_at_least_one(raw["max_followers"], origin["max_followers"]),
+        max_connections=_at_least_one(raw["max_connections"], origin["max_connections"]),
         xid_ignore=parse_xids(raw["xid_ignore"] or DEFAULT_XID_IGNORE, origin["xid_ignore"]),
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from sidecar.edge import descriptors
 from sidecar.nvml import profiles
 from sidecar.nvml.port import XID_APPLICATION_ERRORS
 from sidecar.store import driver_cdi
@@ -34,6 +35,9 @@ DEFAULT_STUCK_THRESHOLD_S = 300.0  # far above the slowest NVML call (a GI creat
 # sidecar stays far under half the shipped 256 Mi limit with every one open. Its clients follow with one
 # stream each (the HAMi adapter) or one per kubelet health stream (the DRA plugin): a handful.
 DEFAULT_MAX_FOLLOWERS = 512
+# Twice the followers' bound, so that every follower may have a connection of its own; the clients
+# themselves hold a handful (one channel of the HAMi adapter, a few of the DRA plugin, a CLI's).
+DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_XID_IGNORE = ",".join(str(x) for x in sorted(XID_APPLICATION_ERRORS))  # the device plugin's
 
 # sun_path is 108 bytes including the terminating NUL; gRPC refuses longer paths with an opaque error.
@@ -218,6 +222,16 @@ SERVE_FLAGS: tuple[FlagSpec, ...] = (
         "WatchHealth streams that may follow at once; the next is refused RESOURCE_EXHAUSTED (reason "
         "OVERLOADED) and the Go clients retry it with backoff. Each costs about 42 KiB of memory.",
         default=str(DEFAULT_MAX_FOLLOWERS),
+        metavar="N",
+    ),
+    FlagSpec(
+        "--max-connections",
+        "max_connections",
+        "Connections the socket holds at once; a further one is closed as soon as it is accepted (the "
+        "client sees UNAVAILABLE and retries). Fewer where the file descriptor limit leaves less: "
+        f"{descriptors.RESERVED} descriptors stay for the sidecar's own files and "
+        f"{descriptors.HEALTH_CONNECTIONS} for the health listener the probes ask on, beside the socket.",
+        default=str(DEFAULT_MAX_CONNECTIONS),
         metavar="N",
     ),
     FlagSpec(

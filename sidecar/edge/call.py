@@ -15,7 +15,9 @@ Ctrl-C).
 ``health [--service NAME]`` asks ``grpc.health.v1.Health/Check`` and prints the status; exit 0 only
 for SERVING. The probes of ``deploy/daemonset.yaml`` run it: service ``""`` (the process: NOT_SERVING
 while an NVML call or reconciler round is stuck) for liveness, ``hami.migsidecar.v1.MigSidecar``
-(SERVING once recovered) for readiness.
+(SERVING once recovered) for readiness. It asks on the health listener beside ``--socket`` (beside
+the socket a symlink leads to; ``unixsocket.health_socket``), where a flood of connections on the
+socket itself cannot starve it.
 
 Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not SERVING, 2 bad usage
 (unknown method, a request that does not parse, a ``--field`` the response does not have).
@@ -24,12 +26,15 @@ Exit codes: 0 answered (SERVING for ``health``), 1 refused, unreachable or not S
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sidecar.edge.unixsocket import health_socket
 
 if TYPE_CHECKING:
     from google.protobuf.message import Message
@@ -236,10 +241,13 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc  # noqa: PLC0415
     from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: PLC0415
 
-    target = _connect("health", args)
-    if target is None:
+    given = Path(args.socket)
+    with contextlib.suppress(OSError):  # the listener is beside the socket a symlink leads to
+        given = given.resolve(strict=True)
+    socket = resolve_socket("health", str(health_socket(given)), args.socket_trouble)
+    if socket is None:
         return EXIT_FAILED
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
         try:
             # Any: the typed stubs of grpcio-health-checking declare HealthStub without its methods.
             stub: Any = health_pb2_grpc.HealthStub(channel)
@@ -288,7 +296,8 @@ def register(commands: Any, socket_flag: dict[str, Any], socket_trouble: Callabl
         help="exit 0 if the sidecar's health service answers SERVING (the probes' command)",
         description="Ask grpc.health.v1.Health/Check and print the status; exit 0 for SERVING, 1 otherwise. "
         "Service '' (the default) is the process: NOT_SERVING while an NVML call or a reconciler round has "
-        "run past --stuck-threshold. hami.migsidecar.v1.MigSidecar is SERVING once a Recover succeeded.",
+        "run past --stuck-threshold. hami.migsidecar.v1.MigSidecar is SERVING once a Recover succeeded. "
+        "It asks on the health listener the sidecar serves beside --socket, PATH.health.",
     )
     health.add_argument("--socket", **socket_flag)
     health.add_argument(

@@ -25,6 +25,11 @@ succeeded; both answer NOT_SERVING while an NVML call or a reconciler round has 
 stuck threshold (its waits for GPU locks behind healthy calls left out; ``sidecar.lifecycle.liveness``;
 evaluated at every Check, which is what the probes call), and SERVING again once it returned — and
 server reflection, so ``grpcurl`` works without the .proto file.
+
+The health service is served a second time, alone, by a second server on the same loop with the
+same servicer, on a socket of its own where the probes ask: each socket holds a bounded number of
+connections, so that a flood of them on the main socket never leaves the probe without a place or a
+file descriptor (``descriptors``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from hami.migsidecar.v1 import migsidecar_pb2 as pb
 
+from sidecar.edge.descriptors import HEALTH_CONNECTIONS
 from sidecar.edge.limits import MAX_REQUEST_BYTES
 from sidecar.edge.servicer import MigSidecarServicer
 from sidecar.edge.wire import Context, register
@@ -50,6 +56,7 @@ from sidecar.lifecycle.logs import event
 log = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["MigSidecar"].full_name
+HEALTH_REQUEST_BYTES = 1024  # a HealthCheckRequest is a service name; the health listener reads no more
 
 _T = TypeVar("_T")
 
@@ -70,7 +77,8 @@ class _CheckedHealth(health_aio.HealthServicer):
 
 
 class SidecarServer:
-    """The gRPC server on one Unix socket: MigSidecar, health and reflection, on an event loop.
+    """The gRPC server on the Unix socket, MigSidecar, health and reflection, and the health listener
+    beside it, on an event loop.
 
     The loop runs on a thread of its own (the main thread waits for signals, ``sidecar.app``); the
     servicer's admission lets GPUs proceed in parallel, and the lifecycle serializes per GPU.
@@ -87,6 +95,7 @@ class SidecarServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
 
     def mark_recovered(self) -> None:
         """Health follows recovery from now on (called from a worker thread, by ``Recover``)."""
@@ -115,33 +124,55 @@ class SidecarServer:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
-    def start(self, socket_path: str) -> None:
-        """Bind ``unix://socket_path`` and start answering. Raises RuntimeError if the bind fails."""
+    def start(self, socket_path: str, health_socket_path: str, max_connections: int) -> None:
+        """Bind ``unix://socket_path``, holding at most ``max_connections`` connections, and the health
+        listener on ``unix://health_socket_path``, and start answering. RuntimeError if a bind fails."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="edge", daemon=True)
         self._thread.start()
         try:
-            self._on_loop(self._start(socket_path))
+            self._on_loop(self._start(socket_path, health_socket_path, max_connections))
         except BaseException:
+            self._on_loop(self._discard())
             self._end_loop()
             raise
 
-    async def _start(self, socket_path: str) -> None:
+    async def _start(self, socket_path: str, health_socket_path: str, max_connections: int) -> None:
         loop = asyncio.get_running_loop()
         self.servicer.health_feed.bind(loop)
         self._server = grpc.aio.server(
-            # Exactly what the largest valid request needs (``limits``); above it the transport
-            # answers RESOURCE_EXHAUSTED before any handler runs.
-            options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+            options=[
+                # Exactly what the largest valid request needs (``limits``); above it the transport
+                # answers RESOURCE_EXHAUSTED before any handler runs.
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+                # Past it grpc closes a new connection as soon as it has accepted it (``descriptors``).
+                ("grpc.max_allowed_incoming_connections", max_connections),
+            ],
         )
         register(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
+        self._health_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", HEALTH_REQUEST_BYTES),
+                ("grpc.max_allowed_incoming_connections", HEALTH_CONNECTIONS),
+            ],
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
         await self._refresh_health()
+        self._health_server.add_insecure_port(f"unix://{health_socket_path}")
         self._server.add_insecure_port(f"unix://{socket_path}")
+        await self._health_server.start()
         await self._server.start()
+
+    async def _discard(self) -> None:
+        """Stop what a failed start made (a server may hold a bound socket before it starts)."""
+        for server in (self._server, self._health_server):
+            if server is not None:
+                await server.stop(None)
+        self._server = self._health_server = None
 
     def stop(self, grace_s: float) -> None:
         """Refuse new calls, answer in-flight ones that finish within ``grace_s`` and cancel the rest
@@ -155,8 +186,8 @@ class SidecarServer:
     async def _stop(self, grace_s: float) -> None:
         await self.health.enter_graceful_shutdown()
         self.servicer.health_feed.close()  # following WatchHealth streams end now, not at the grace
-        if self._server is not None:
-            await self._server.stop(grace_s)
+        servers = [server for server in (self._server, self._health_server) if server is not None]
+        await asyncio.gather(*(server.stop(grace_s) for server in servers))
 
     def _end_loop(self) -> None:
         assert self._loop is not None

@@ -3,6 +3,10 @@
 Serving uses it before it removes a socket file (a Python gRPC server silently takes over a path, and
 a second sidecar with the same ``--socket`` but another ``--state-dir`` holds no lock that would keep
 it out); ``status`` uses it to say in one line why it cannot ask.
+
+Beside the main socket the sidecar serves its health service alone on a second one, ``health_socket``
+of it (``sidecar.edge.descriptors`` says why); ``hami-mig-sidecar health`` derives it the same way,
+so the probes name only ``--socket``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ import stat
 from pathlib import Path
 
 PROBE_TIMEOUT_S = 2.0
+HEALTH_SUFFIX = ".health"
+
+
+def health_socket(socket: Path) -> Path:
+    """The health listener's socket beside ``socket``: ``sidecar.sock`` -> ``sidecar.sock.health``."""
+    return socket.with_name(socket.name + HEALTH_SUFFIX)
 
 
 class Probe(enum.Enum):

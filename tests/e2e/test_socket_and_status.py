@@ -3,6 +3,7 @@ one line why it cannot ask. Real ``serve`` processes on the simulated backend.""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -30,7 +31,12 @@ class TestALiveSocketIsNeverTaken:
     def test_a_socket_nobody_answers_on_is_still_replaced(self, sidecar: Sidecar) -> None:
         sidecar.kill9()
         sidecar.restart()
-        assert sidecar.log_event("removed stale socket")["socket"] == str(sidecar.socket)
+        removed = [
+            json.loads(line)["socket"]
+            for line in sidecar.log_text().splitlines()
+            if line.startswith("{") and json.loads(line)["msg"] == "removed stale socket"
+        ]
+        assert removed == [str(sidecar.socket), f"{sidecar.socket}.health"]  # and the health listener's
 
 
 def status(car: Sidecar, *args: str) -> subprocess.CompletedProcess[str]:
@@ -96,8 +102,9 @@ def test_every_command_resolves_a_relative_socket_against_the_working_directory(
             capture_output=True, text=True, check=False, timeout=CALL_TIMEOUT_S, cwd=sidecar.root,
         )  # fmt: skip
         assert missing.returncode == 1
+        asked = "missing.sock.health" if command[0] == "health" else "missing.sock"  # its own listener
         assert missing.stderr.splitlines() == [
-            f"hami-mig-sidecar {command[0]}: no sidecar socket at {sidecar.root / 'missing.sock'}"
+            f"hami-mig-sidecar {command[0]}: no sidecar socket at {sidecar.root / asked}"
             " (is the sidecar running?)"
         ]
 

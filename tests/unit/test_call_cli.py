@@ -90,7 +90,8 @@ def test_no_socket_exits_1_in_one_line(capsys: pytest.CaptureFixture[str], tmp_p
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
         f"hami-mig-sidecar call: no sidecar socket at {socket} (is the sidecar running?)",
-        f"hami-mig-sidecar health: no sidecar socket at {socket} (is the sidecar running?)",
+        # health asks on the health listener beside the socket
+        f"hami-mig-sidecar health: no sidecar socket at {socket}.health (is the sidecar running?)",
     ]
 
 

@@ -260,3 +260,21 @@ def test_xids_ignored_by_default_are_the_device_plugins_application_errors() -> 
 def test_an_xid_list_that_is_not_one_is_refused(bad: str) -> None:
     with pytest.raises(ConfigError, match="--xid-ignore"):
         parse(["--xid-ignore", bad])
+
+
+class TestConnections:
+    def test_the_socket_holds_1024_connections_unless_told(self) -> None:
+        assert parse([]).max_connections == 1024
+        assert parse(["--max-connections", "64"]).max_connections == 64
+        assert parse([], {"HAMI_MIG_SIDECAR_MAX_CONNECTIONS": "32"}).max_connections == 32
+
+    @pytest.mark.parametrize("value", ["0", "-1", "many"])
+    def test_a_bound_below_one_is_refused(self, value: str) -> None:
+        with pytest.raises(ConfigError, match="--max-connections"):
+            parse(["--max-connections", value])
+
+    def test_a_socket_whose_health_listener_would_not_fit_an_address_is_refused(self) -> None:
+        socket = "/" + "s" * 100  # 101 bytes fit; with ".health" beside it, 108 do not
+        with pytest.raises(ConfigError, match=f"socket path {socket}.health is longer than 107 bytes"):
+            parse(["--socket", socket])
+        assert parse(["--socket", socket[:-1]]).socket == Path(socket[:-1])
