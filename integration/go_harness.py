@@ -34,7 +34,10 @@ GOCLIENT = REPO / "integration" / "goclient"
 CDISCHEMA = REPO / "integration" / "cdischema"
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
 
+from driver_cdi_build import DriverCdiBinaries, driver_cdi_binaries  # noqa: E402
 from sidecar_process import Sidecar  # noqa: E402
+
+__all__ = ["DriverCdiBinaries", "driver_cdi_binaries"]
 
 GO_TIMEOUT_S = 300.0  # building pulls nothing new but compiles grpc: slow on two shared cores
 RUN_TIMEOUT_S = 180.0
@@ -67,6 +70,9 @@ class GoRunner:
         self.request = car.root / "restart.req"
         self.done = car.root / "restart.done"
         self.restarts = 0
+        # The CDI name of the node's driver the sidecar hands out beside each instance's, once a test
+        # restarts it with --driver-cdi-command; the Go side reads it as MIGSIDECAR_DRIVER_CDI.
+        self.driver_device = ""
 
     @property
     def restart_command(self) -> str:
@@ -85,6 +91,7 @@ class GoRunner:
             "MIGSIDECAR_RESTART_CMD": self.restart_command,
             "MIGSIDECAR_SIM_CMD": self.sim_command,
             "MIGSIDECAR_MOCKPLUGIN": str(self.mockplugin),
+            **({"MIGSIDECAR_DRIVER_CDI": self.driver_device} if self.driver_device else {}),
         }
 
     def run(

@@ -26,6 +26,7 @@ SCENARIOS = GOCLIENT / "scenarios"
 go_binaries_fixture = go_harness.go_binaries_fixture
 go_sidecar_fixture = go_harness.go_sidecar_fixture
 go_runner_fixture = go_harness.go_runner_fixture
+driver_cdi_binaries = go_harness.driver_cdi_binaries
 
 
 def play(
@@ -250,6 +251,11 @@ GO_E2E_QUIET_RECONCILER = {
 # idle annotation must follow.
 GO_E2E_IDLE_TTL = {"TestTheIdleAnnotationFollowsEveryChange": ["--idle-ttl", "8"]}
 
+# Their sidecar writes the driver's CDI spec (hami-mig-driver-cdi over the simulated node's driver
+# root), whose device the DRA plugin's prepare must hand out beside each instance's.
+GO_E2E_DRIVER_CDI = {"TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated"}
+DRIVER_DEVICE = "k8s.hami.io/mig-driver=common"
+
 
 class TestGoEndToEndSuite:
     def test_the_list_names_every_test_in_the_go_e2e_binary(self, go_binaries: GoBinaries) -> None:
@@ -257,7 +263,7 @@ class TestGoEndToEndSuite:
 
     @pytest.mark.parametrize("name", GO_E2E_TESTS)
     def test_the_go_e2e_test_passes_against_a_real_sidecar(
-        self, go_binaries: GoBinaries, go_runner: GoRunner, name: str
+        self, go_binaries: GoBinaries, go_runner: GoRunner, name: str, request: pytest.FixtureRequest
     ) -> None:
         if name in GO_E2E_KUBEAPI:
             go_harness.require_kube_binaries(*(["kube-scheduler"] if name in GO_E2E_SCHEDULER else []))
@@ -265,6 +271,10 @@ class TestGoEndToEndSuite:
             go_runner.car.restart(extra_args=["--reconcile-interval", "3600"])
         if name in GO_E2E_IDLE_TTL:
             go_runner.car.restart(extra_args=GO_E2E_IDLE_TTL[name])
+        if name in GO_E2E_DRIVER_CDI:
+            driver: go_harness.DriverCdiBinaries = request.getfixturevalue("driver_cdi_binaries")
+            go_runner.car.restart(extra_args=["--driver-cdi-command", str(driver.command)])
+            go_runner.driver_device = DRIVER_DEVICE
         result = go_runner.run([str(go_binaries.e2e), "-test.run", f"^{name}$", "-test.v", "-test.count=1"])
         assert result.returncode == 0, result.stdout
         assert f"--- PASS: {name}" in result.stdout, result.stdout

@@ -5,6 +5,7 @@ package e2e
 
 import (
 	"context"
+	"os"
 	"os/exec"
 	"slices"
 	"strings"
@@ -52,6 +53,8 @@ func draNode(ctx context.Context, t *testing.T, node string, gpu migclient.GPU, 
 }
 
 // prepared is the MIG UUID of the one device kubelet got for claim (the name of its CDI device).
+// The answer holds the node driver's CDI device beside it exactly when MIGSIDECAR_DRIVER_CDI names
+// one (the test's sidecar then writes the driver's spec), and nothing else.
 func prepared(ctx context.Context, t *testing.T, n *fakekubelet.Node, claim *resourceapi.ResourceClaim) string {
 	t.Helper()
 	resp, err := n.Prepare(ctx, claim)
@@ -59,8 +62,12 @@ func prepared(ctx context.Context, t *testing.T, n *fakekubelet.Node, claim *res
 		t.Fatalf("prepare %s: %+v %v", claim.Name, resp, err)
 	}
 	cdi := fakekubelet.CDIDevices(resp)
-	if len(cdi) != 1 {
-		t.Fatalf("claim %s: CDI devices %v", claim.Name, cdi)
+	want := []string{"<instance>"}
+	if driver := os.Getenv("MIGSIDECAR_DRIVER_CDI"); driver != "" {
+		want = append(want, driver)
+	}
+	if len(cdi) != len(want) || (len(want) == 2 && cdi[1] != want[1]) {
+		t.Fatalf("claim %s: CDI devices %v, want %v", claim.Name, cdi, want)
 	}
 	_, mig, _ := strings.Cut(cdi[0], "=")
 	return mig
@@ -155,22 +162,30 @@ func profileClaim(profile string) resourceapi.DeviceRequest {
 			Expression: `device.attributes["` + dra.DefaultDriverName + `"].` + dra.AttrProfile + ` == "` + profile + `"`}}}}}
 }
 
-// resolved injects CDI device name from the sidecar's spec directory into an empty container, as
-// the container runtime does, and answers the MIG UUID the device is named for and the
-// nvidia-caps device nodes it got (the GI's and the CI's access nodes).
-func resolved(t *testing.T, name string) (string, int) {
+// injected is an empty container after the CDI devices names from the sidecar's spec directory
+// were injected into it by the reference library, as the container runtime does.
+func injected(t *testing.T, names ...string) (*cdi.Cache, *oci.Spec) {
 	t.Helper()
 	cache, err := cdi.NewCache(cdi.WithSpecDirs(env(t, "MIGSIDECAR_CDI_DIR")), cdi.WithAutoRefresh(false))
 	if err != nil {
 		t.Fatal(err)
 	}
+	spec := &oci.Spec{Process: &oci.Process{}, Linux: &oci.Linux{}}
+	if unresolved, err := cache.InjectDevices(spec, names...); err != nil || len(unresolved) != 0 {
+		t.Fatalf("inject %v: unresolved %v, %v", names, unresolved, err)
+	}
+	return cache, spec
+}
+
+// resolved injects CDI device name from the sidecar's spec directory into an empty container, as
+// the container runtime does, and answers the MIG UUID the device is named for and the
+// nvidia-caps device nodes it got (the GI's and the CI's access nodes).
+func resolved(t *testing.T, name string) (string, int) {
+	t.Helper()
+	cache, spec := injected(t, name)
 	dev := cache.GetDevice(name)
 	if dev == nil {
 		t.Fatalf("CDI device %s: no spec in the sidecar's directory names it", name)
-	}
-	spec := &oci.Spec{Process: &oci.Process{}, Linux: &oci.Linux{}}
-	if unresolved, err := cache.InjectDevices(spec, name); err != nil || len(unresolved) != 0 {
-		t.Fatalf("inject %s: unresolved %v, %v", name, unresolved, err)
 	}
 	caps := 0
 	for _, n := range spec.Linux.Devices {
@@ -181,13 +196,49 @@ func resolved(t *testing.T, name string) (string, int) {
 	return dev.Name, caps
 }
 
+// wantTheDriver fails the test unless a container given the CDI devices names gets what the
+// driver's device brings beside an instance's nodes: libcuda and nvidia-smi from the simulated
+// node's driver root, the hook linking libcuda.so.1 and, where device nodes can be made (root),
+// the control and unified-memory nodes.
+func wantTheDriver(t *testing.T, claim string, names []string) {
+	t.Helper()
+	_, spec := injected(t, names...)
+	var mounts, nodes []string
+	for _, m := range spec.Mounts {
+		mounts = append(mounts, m.Destination)
+	}
+	for _, n := range spec.Linux.Devices {
+		nodes = append(nodes, n.Path)
+	}
+	linksLibcuda1 := false
+	if spec.Hooks != nil {
+		for _, h := range spec.Hooks.CreateContainer {
+			linksLibcuda1 = linksLibcuda1 || (slices.Contains(h.Args, "create-symlinks") && strings.Contains(strings.Join(h.Args, " "), "libcuda.so.1::"))
+		}
+	}
+	libcuda := slices.ContainsFunc(mounts, func(m string) bool { return strings.Contains(m, "/libcuda.so.") })
+	if !libcuda || !slices.Contains(mounts, "/usr/bin/nvidia-smi") || !linksLibcuda1 {
+		t.Fatalf("claim %s: a container given %v gets mounts %v (libcuda %t, nvidia-smi %t) and a libcuda.so.1 link %t",
+			claim, names, mounts, libcuda, slices.Contains(mounts, "/usr/bin/nvidia-smi"), linksLibcuda1)
+	}
+	if os.Geteuid() == 0 { // the driver root's control nodes are character devices, which only root can make
+		for _, want := range []string{"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"} {
+			if !slices.Contains(nodes, want) {
+				t.Fatalf("claim %s: a container given %v gets device nodes %v, without %s", claim, names, nodes, want)
+			}
+		}
+	}
+}
+
 // The issue's end to end: pods with claims scheduled by the real kube-scheduler from the slices the
-// plugin publishes, prepared by kubelet (the fake) through the plugin, the CDI name resolving to a
-// live MIG instance; unprepared to IDLE; the next claim for the profile scheduled onto the same
-// device, now warm and first, and prepared on the same MIG UUID with no GPU instance created.
+// plugin publishes, prepared by kubelet (the fake) through the plugin, the container's CDI names
+// resolving to a live MIG instance and to the node's driver (libcuda, nvidia-smi); unprepared to
+// IDLE; the next claim for the profile scheduled onto the same device, now warm and first, and
+// prepared on the same MIG UUID, the driver's name beside it again, with no GPU instance created.
 func TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated(t *testing.T) {
 	ctx, c, _, gpus := setup(t)
 	s := kubeapi.GetWithScheduler(t)
+	driver := env(t, "MIGSIDECAR_DRIVER_CDI") // this test's sidecar writes the driver's spec
 	node := draNode(ctx, t, "node-sched", gpus[0], dra.Options{})
 	kubeapi.ReadyNode(ctx, t, node.Admin, node.Name)
 
@@ -195,11 +246,15 @@ func TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstance
 		kubeapi.PodWithClaim(t, node.Admin, "default", name, profileClaim("1g.10gb"))
 		claim := s.Bound(t, "default", name, node.Name)
 		mig := prepared(ctx, t, node, claim)
-		resp, _ := node.Prepare(ctx, claim) // kubelet asks again after its restart: the same answer
-		cdiName := fakekubelet.CDIDevices(resp)[0]
-		if named, caps := resolved(t, cdiName); named != mig || caps != 2 {
-			t.Fatalf("claim %s: CDI device %s resolves to %s with %d nvidia-caps nodes, want %s with 2", name, cdiName, named, caps, mig)
+		resp, _ := node.Prepare(ctx, claim)                   // kubelet asks again after its restart: the same answer
+		names := fakekubelet.ContainerCDIDevices(resp, "gpu") // what the pod's container gets
+		if len(names) != 2 || names[1] != driver {
+			t.Fatalf("claim %s: the container gets CDI devices %v, want its instance's and the driver's %s", name, names, driver)
 		}
+		if named, caps := resolved(t, names[0]); named != mig || caps != 2 {
+			t.Fatalf("claim %s: CDI device %s resolves to %s with %d nvidia-caps nodes, want %s with 2", name, names[0], named, caps, mig)
+		}
+		wantTheDriver(t, name, names)
 		if live, _ := hardware(t); !slices.Contains(live, mig) {
 			t.Fatalf("claim %s: %s is not on the simulated GPUs: %v", name, mig, live)
 		}

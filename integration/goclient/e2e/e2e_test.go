@@ -7,6 +7,7 @@
 //	MIGSIDECAR_RESTART_CMD  a shell command that kill -9s the sidecar and starts it again
 //	MIGSIDECAR_SIM_CMD      the simulator's `sim` command on its hardware, arguments appended
 //	MIGSIDECAR_MOCKPLUGIN   the mock plugin binary (cmd/mockplugin)
+//	MIGSIDECAR_DRIVER_CDI   the CDI name of the node's driver, where the sidecar writes its spec
 package e2e
 
 import (

@@ -51,5 +51,10 @@ func (s *Sidecar) PutIdle(gpu, profile string, start, size uint32) string {
 	return s.s.Put(fakesidecar.Instance{GPU: gpu, Profile: profile, Start: start, Size: size, State: pb.InstanceState_IDLE}).MigUUID
 }
 
+// SetDriverCDIDevices makes every later Allocate answer these CDI names of the node's driver, as
+// the sidecar answers the name of the driver's spec it wrote, which the port hands out once beside
+// the instances' names; none until it is called.
+func (s *Sidecar) SetDriverCDIDevices(names ...string) { s.s.SetDriverCDIDevices(names...) }
+
 // Count is the number of instances the double holds, in any state.
 func (s *Sidecar) Count() int { return len(s.s.Instances()) }

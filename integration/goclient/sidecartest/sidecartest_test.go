@@ -2,6 +2,7 @@ package sidecartest
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -40,5 +41,32 @@ func TestTheDoubleAnswersTheAdapterAsHAMisTestsUseIt(t *testing.T) {
 	}
 	if state, _ := sc.State("MIG-never"); state != "" {
 		t.Fatalf("an unknown MIG UUID: %s", state)
+	}
+}
+
+func TestTheDoubleAnswersTheDriversCDINamesOnceSet(t *testing.T) {
+	sc := Start(t, "GPU-a")
+	m, err := hami.Dial(context.Background(), sc.Socket, migclient.Options{CallTimeout: 5 * time.Second,
+		AllocateTimeout: 5 * time.Second, MaxAttempts: 1, AllowSimulatedBackend: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Shutdown()
+	const driver = "k8s.hami.io/mig-driver=common"
+	for i, want := range [][]string{nil, {driver}} {
+		if want != nil {
+			sc.SetDriverCDIDevices(want...)
+		}
+		owner := hami.Owner{PodUID: "p", ContainerName: "c", DeviceIndex: i}
+		mig, _, err := m.EnsureAllocation(owner, 0, "1g.10gb", nvml.GpuInstancePlacement{Start: uint32(i), Size: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name, ok := m.CDIDevice(mig); !ok || name == "" {
+			t.Fatalf("no CDI name for %s", mig)
+		}
+		if got := m.DriverCDIDevices(); !slices.Equal(got, want) {
+			t.Fatalf("after allocation %d: driver CDI names %v, want %v", i, got, want)
+		}
 	}
 }
