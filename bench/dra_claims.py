@@ -17,10 +17,15 @@ fresh sidecar with the simulator's latency model of ``trace_workload.py`` (GI cr
   their flags: the reserve at ``auto``, which also creates instances in the background and trims
   IDLE ones in the scheduler's way; its creations count too).
 
+Every claim is plain: one request for a device of its profile by a CEL selector on the ``profile``
+attribute, no list of first available subrequests, so only the slice order brings it to a warm device.
 The Go half (``integration/goclient/internal/drabench``, run as a Go benchmark) starts the API server
 and kube-scheduler of ``make kube-binaries``, the plugin through the kubeletplugin helper, and calls
 NodePrepareResources and NodeUnprepareResources as kubelet does; its package comment says how the
-trace is replayed. GPU instances created per prepared claim are counted by the simulated hardware
+trace is replayed. Before each arrival it waits for the node to settle (the slices republished, the
+trim the plugin asked for done), as the trace's arrivals, tens of seconds apart, would let it;
+``--no-settle`` sends each arrival right after the last event instead, so the republishing's and the
+trim's lag count. GPU instances created per prepared claim are counted by the simulated hardware
 (``SimulatedHardware.call_counts``), exact; the prepare latencies are wall clock, so their ratios to
 the create-per-claim row of the same run are what compare. Results: ``bench/README.md``.
 """
@@ -106,7 +111,9 @@ def variants() -> tuple[Variant, ...]:
     )
 
 
-def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base: Path) -> Row:
+def run_row(
+    v: Variant, bench: Path, trace_file: Path, scale: float, state_base: Path, *, settle: bool
+) -> Row:
     row = Row(v.name)
     root = Path(tempfile.mkdtemp(prefix="hmdra"))
     state_root = Path(tempfile.mkdtemp(prefix="hmdra", dir=state_base))
@@ -120,6 +127,7 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
             "DRA_BENCH_TRACE": str(trace_file),
             "DRA_BENCH_OUT": str(out),
             "DRA_BENCH_DESTROY": "1" if v.destroy else "0",
+            "DRA_BENCH_SETTLE": "1" if settle else "0",
         }
         started = time.perf_counter()
         done = subprocess.run(
@@ -185,6 +193,9 @@ def main() -> int:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="latency model scale (default 1, real)")
     parser.add_argument("--disk", action="store_true", help="records and CDI specs on disk, not on /dev/shm")
+    parser.add_argument(
+        "--no-settle", action="store_true", help="no wait for the node to settle before each arrival"
+    )
     args = parser.parse_args()
     missing = [b for b in BINARIES if find(b) is None]
     if missing:
@@ -207,11 +218,12 @@ def main() -> int:
             f"{args.claims} claims on {GPUS} simulated H100-80GB, seed {args.seed}, "
             f"mix {', '.join(f'{w:.0%} {p}' for p, w in MIX)}, load {args.load:.0%} of memory slices; "
             f"latency model scaled by {args.scale}; state on {'disk' if args.disk else 'tmpfs'} "
-            f"({state_base})"
+            f"({state_base}); {'no wait' if args.no_settle else 'a wait'} for the node to settle "
+            "before each arrival"
         )
         rows = []
         for v in variants():
-            rows.append(run_row(v, bench, trace_file, args.scale, state_base))
+            rows.append(run_row(v, bench, trace_file, args.scale, state_base, settle=not args.no_settle))
             print(f"  ran {v.name}: {rows[-1].wall:.0f} s", flush=True)
         print()
         report(rows)

@@ -302,6 +302,24 @@ func (m *Model) Resolve(gpuUUID, profile string, start uint32) (pool, device str
 	return "", "", false
 }
 
+// NextCold is, for each published profile, the device a claim for it that finds no warm one gets
+// next: its first offered device that is not warm, in rank order (the allocator's first fit on a
+// node without other claims in flight). The plugin names them to the sidecar (KeepFree), whose
+// background trim destroys the IDLE instances over one, so that claim creates at once instead of
+// waiting for those destroys; the slices republished then list it free (rank 1).
+func (m *Model) NextCold() []Device {
+	var out []Device
+	seen := map[string]bool{}
+	for _, d := range m.devices {
+		if d.Warm || !m.offered[d.Name] || seen[d.Profile] {
+			continue
+		}
+		seen[d.Profile] = true
+		out = append(out, d)
+	}
+	return out
+}
+
 // Resources is the model as the kubeletplugin helper publishes it: the node's pool, its counter
 // slices (ResourceSliceMaxCounterSets sets each), then the offered devices in rank order,
 // MaxDevicesPerSlice each.
