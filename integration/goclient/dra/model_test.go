@@ -244,3 +244,37 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 		t.Fatalf("3g.40gb devices in order %v, want the one over one IDLE instance (at4) first", order)
 	}
 }
+
+// The device a claim that finds no warm one gets next, per profile, is its first published device
+// that is not warm: over IDLE instances when no free one is left, and never a hidden one.
+func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
+	at := func(start, size uint32) migclient.Placement { return migclient.Placement{Start: start, Size: size} }
+	warm := map[dra.Placed]bool{
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(0, 1)}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(1, 1)}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(4, 1)}: true,
+	}
+	v := view(warm)
+	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: "foreign GPU instance 9"}}}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, v)
+
+	next := map[string]string{}
+	for _, d := range m.NextCold() {
+		if _, twice := next[d.Profile]; twice {
+			t.Fatalf("two devices for %s", d.Profile)
+		}
+		next[d.Profile] = d.Name
+	}
+	// 1g.10gb: at2, the first free one. 2g.20gb: at2, free (at0 over two IDLE instances, at4 over
+	// one, at6 hidden by the foreign GI). 3g.40gb: at0 over two IDLE instances, at4 hidden by the
+	// foreign GI. 7g.80gb: hidden, so none.
+	want := map[string]string{"1g.10gb": "gpu0-1g-10gb-at2", "2g.20gb": "gpu0-2g-20gb-at2", "3g.40gb": "gpu0-3g-40gb-at0"}
+	for profile, name := range want {
+		if next[profile] != name {
+			t.Fatalf("next cold %s: %q, want %q (all: %v)", profile, next[profile], name, next)
+		}
+	}
+	if _, ok := next["7g.80gb"]; ok {
+		t.Fatalf("a hidden 7g.80gb named next: %v", next)
+	}
+}

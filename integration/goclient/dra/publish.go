@@ -21,10 +21,11 @@ import (
 // and profiles again, and the release of claims that went away meanwhile.
 
 // Each time it rebuilds the model (every move of the revision, not only when it may publish) it
-// names to the sidecar, for each profile, the device a claim that finds no warm one gets next
-// (Model.NextCold) with KeepFree: the sidecar's background trim destroys the IDLE instances over
-// it, so that claim creates at once, and the slices republished after the trim list it free. A
-// sidecar that predates KeepFree is asked again only once it restarted.
+// names to the sidecar, for each profile claims asked for lately (Options.KeepFreeWithin), the
+// device a claim that finds no warm one gets next (Model.NextCold) with KeepFree: the sidecar's
+// background trim destroys the IDLE instances over it, so that claim creates at once, and the
+// slices republished after the trim list it free. A sidecar that predates KeepFree is asked again
+// only once it restarted.
 
 // Run's periods unless set in Options.
 const (
@@ -48,7 +49,7 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 		refreshed = time.Now()
 		built     bool   // the model was built at revision builtAt (not yet published, maybe)
 		builtAt   uint64 // that revision
-		keep      keepFree
+		keep      keepFreeState
 	)
 	tick := time.NewTicker(d.opts.Poll)
 	defer tick.Stop()
@@ -95,20 +96,20 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 	}
 }
 
-// keepFree is Run's state of KeepFree: a sidecar incarnation that answered Unimplemented.
-type keepFree struct {
+// keepFreeState is Run's state of KeepFree: a sidecar incarnation that answered Unimplemented.
+type keepFreeState struct {
 	unsupported string // boot ID and start of the sidecar that predates KeepFree
 }
 
 // send names the model's next cold devices to the sidecar (errors are logged; the next rebuild
 // names them again).
-func (k *keepFree) send(ctx context.Context, d *Driver, info migclient.Info) {
+func (k *keepFreeState) send(ctx context.Context, d *Driver, info migclient.Info) {
 	incarnation := info.BootID + "/" + info.StartedAt.String()
 	if k.unsupported == incarnation {
 		return
 	}
 	var next []migclient.NextPlacement
-	for _, dev := range d.Model().NextCold() {
+	for _, dev := range d.keepFree() {
 		next = append(next, migclient.NextPlacement{GPUUUID: dev.GPUUUID, Profile: dev.Profile, Placement: dev.Placement})
 	}
 	err := d.c.KeepFree(ctx, next)

@@ -32,6 +32,7 @@ const (
 	envOut     = "DRA_BENCH_OUT"     // where the results go, as JSON
 	envDestroy = "DRA_BENCH_DESTROY" // "1": the plugin destroys a claim's instances at unprepare
 	envSettle  = "DRA_BENCH_SETTLE"  // "0": no wait for the node to settle before an arrival
+	envKeep    = "DRA_BENCH_KEEP"    // "0": the plugin names nothing to keep free (KeepFree)
 	node       = "bench-node"
 	namespace  = "bench"
 	waitFor    = 2 * time.Minute // the longest a pod may take to be scheduled, a loaded machine's
@@ -54,6 +55,8 @@ type result struct {
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
 	ScheduleS float64 `json:"schedule_s"`          // claim and pod created to pod bound (or reported unschedulable)
 	PrepareS  float64 `json:"prepare_s,omitempty"` // NodePrepareResources
+	// PrepareError is the plugin's refusal of a claim the scheduler allocated (its pod never starts).
+	PrepareError string `json:"prepare_error,omitempty"`
 }
 
 type event struct {
@@ -88,8 +91,11 @@ func BenchmarkClaimTrace(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { _ = c.Close() }()
-	n := fakekubelet.Start(ctx, b, s, c, dra.Options{NodeName: node, RecoverSidecar: true,
-		DestroyAtUnprepare: os.Getenv(envDestroy) == "1"})
+	opts := dra.Options{NodeName: node, RecoverSidecar: true, DestroyAtUnprepare: os.Getenv(envDestroy) == "1"}
+	if os.Getenv(envKeep) == "0" {
+		opts.KeepFreeWithin = -1
+	}
+	n := fakekubelet.Start(ctx, b, s, c, opts)
 	kubeapi.ReadyNode(ctx, b, admin, node)
 
 	var events []event
@@ -240,7 +246,14 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 	start = time.Now()
 	answer, err := n.Prepare(ctx, allocated)
 	r.PrepareS = time.Since(start).Seconds()
-	if err != nil || answer.GetError() != "" || len(fakekubelet.CDIDevices(answer)) != 1 {
+	if err == nil && answer.GetError() != "" {
+		// Refused: the claim's pod would never start (DRA does not allocate a claim again). Counted,
+		// not fatal, so a run shows how often; the pod and the claim go as a stuck pod's would.
+		r.PrepareError = answer.GetError()
+		remove(ctx, b, admin, cl.UID)
+		return r, nil
+	}
+	if err != nil || len(fakekubelet.CDIDevices(answer)) != 1 {
 		b.Fatalf("prepare claim %s (%s on %s): %v %v", cl.UID, cl.Profile, r.Device, err, answer)
 	}
 	return r, allocated
