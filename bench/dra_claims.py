@@ -200,7 +200,8 @@ def report(rows: list[Row]) -> None:
         print(f"{r.name}: {', '.join(parts)}")
         for c in r.prepare_refused:
             print(
-                f"  {c['uid']} ({c['profile']} on {c['device']}) refused at prepare: {str(c['prepare_error'])[:240]}"
+                f"  {c['uid']} ({c['profile']} on {c['device']}) refused at prepare: "
+                f"{str(c['prepare_error'])[:240]}"
             )
 
 
