@@ -12,6 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
@@ -276,5 +278,39 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 	}
 	if _, ok := next["7g.80gb"]; ok {
 		t.Fatalf("a hidden 7g.80gb named next: %v", next)
+	}
+}
+
+// An instance in flight (CREATING, DELETING) or FAULTED, whatever its owner, hides every device
+// overlapping its placement until it is settled: an Allocate there is refused PLACEMENT_BUSY or
+// gets an instance the sidecar no longer hands out.
+func TestInstancesInFlightOrFaultedHideTheDevicesOverTheirPlacement(t *testing.T) {
+	claim := &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: &pb.ClaimRef{Uid: "c1"}}
+	for _, in := range []*pb.Instance{
+		{State: pb.InstanceState_CREATING, Profile: "1g.10gb", Owner: claim},
+		{State: pb.InstanceState_DELETING, Profile: "1g.10gb"},
+		{State: pb.InstanceState_IDLE, Profile: "1g.10gb", Health: pb.InstanceHealth_FAULTED},
+		{State: pb.InstanceState_ACTIVE, Profile: "1g.10gb", Owner: claim, Health: pb.InstanceHealth_FAULTED},
+	} {
+		in.Placement = &pb.Placement{Start: 2, Size: 1}
+		in.MigUuid = "MIG-x"
+		st := &pb.GetStateResponse{Gpus: []*pb.GpuState{{Gpu: &pb.Gpu{Uuid: "GPU-0"}, Instances: []*pb.Instance{in}}}}
+		m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, dra.ViewOf(st))
+		label := fmt.Sprintf("%s %s", in.GetState(), in.GetHealth())
+		// Over slice 2: the 1g.10gb (and +me) at 2, 1g.20gb and 2g.20gb at 2, 3g.40gb, 4g.40gb and 7g.80gb at 0.
+		for _, name := range []string{"gpu0-1g-10gb-at2", "gpu0-1g-10gb-me-at2", "gpu0-1g-20gb-at2", "gpu0-2g-20gb-at2",
+			"gpu0-3g-40gb-at0", "gpu0-4g-40gb-at0", "gpu0-7g-80gb-at0"} {
+			if m.Offered(name) {
+				t.Fatalf("%s at 2: %s offered", label, name)
+			}
+		}
+		for _, name := range []string{"gpu0-1g-10gb-at1", "gpu0-1g-10gb-at3", "gpu0-2g-20gb-at0", "gpu0-3g-40gb-at4"} {
+			if !m.Offered(name) {
+				t.Fatalf("%s at 2: %s, clear of it, hidden", label, name)
+			}
+		}
+		if _, warm := dra.ViewOf(st).Warm[dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 2, Size: 1}}]; warm {
+			t.Fatalf("%s: warm", label)
+		}
 	}
 }
