@@ -227,10 +227,12 @@ GO_E2E_TESTS = [
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
+    "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
 GO_E2E_KUBEAPI = {
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
+    "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
 }

@@ -248,7 +248,8 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 }
 
 // The device a claim that finds no warm one gets next, per profile, is its first published device
-// that is not warm: over IDLE instances when no free one is left, and never a hidden one.
+// that is not warm: over IDLE instances when no free one is left, never a hidden one, and never
+// one a claim holds.
 func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 	at := func(start, size uint32) migclient.Placement { return migclient.Placement{Start: start, Size: size} }
 	warm := map[dra.Placed]bool{
@@ -257,7 +258,10 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(4, 1)}: true,
 	}
 	v := view(warm)
-	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: "foreign GPU instance 9"}}}
+	// A claim holds 1g.10gb at 2: its device stays published (its counters), but is nobody's next.
+	held := dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(2, 1)}
+	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: "foreign GPU instance 9"},
+		{Placement: at(2, 1), Why: "claim c1", Keep: &held}}}
 	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, v)
 
 	next := map[string]string{}
@@ -267,17 +271,19 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 		}
 		next[d.Profile] = d.Name
 	}
-	// 1g.10gb: at2, the first free one. 2g.20gb: at2, free (at0 over two IDLE instances, at4 over
-	// one, at6 hidden by the foreign GI). 3g.40gb: at0 over two IDLE instances, at4 hidden by the
-	// foreign GI. 7g.80gb: hidden, so none.
-	want := map[string]string{"1g.10gb": "gpu0-1g-10gb-at2", "2g.20gb": "gpu0-2g-20gb-at2", "3g.40gb": "gpu0-3g-40gb-at0"}
+	// 1g.10gb: at3, the first free one the claim does not hold (at2). 2g.20gb: at4, over one IDLE
+	// instance (at0 over two, at2 under the claim). 3g.40gb: none (at0 under the claim, at4 under the
+	// foreign GI), nor 7g.80gb.
+	want := map[string]string{"1g.10gb": "gpu0-1g-10gb-at3", "2g.20gb": "gpu0-2g-20gb-at4"}
 	for profile, name := range want {
 		if next[profile] != name {
 			t.Fatalf("next cold %s: %q, want %q (all: %v)", profile, next[profile], name, next)
 		}
 	}
-	if _, ok := next["7g.80gb"]; ok {
-		t.Fatalf("a hidden 7g.80gb named next: %v", next)
+	for _, hidden := range []string{"3g.40gb", "7g.80gb"} {
+		if _, ok := next[hidden]; ok {
+			t.Fatalf("a hidden %s named next: %v", hidden, next)
+		}
 	}
 }
 

@@ -91,8 +91,10 @@ func BenchmarkClaimTrace(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { _ = c.Close() }()
+	settle, keepFree := os.Getenv(envSettle) != "0", os.Getenv(envKeep) != "0" && os.Getenv(envDestroy) != "1"
+	asked := map[string]bool{} // the profiles of the claims prepared so far, when the plugin keeps their next free
 	opts := dra.Options{NodeName: node, RecoverSidecar: true, DestroyAtUnprepare: os.Getenv(envDestroy) == "1"}
-	if os.Getenv(envKeep) == "0" {
+	if !keepFree {
 		opts.KeepFreeWithin = -1
 	}
 	n := fakekubelet.Start(ctx, b, s, c, opts)
@@ -102,7 +104,6 @@ func BenchmarkClaimTrace(b *testing.B) {
 	for i, cl := range trace {
 		events = append(events, event{cl.Arrive, true, i}, event{cl.Leave, false, i})
 	}
-	settle := os.Getenv(envSettle) != "0"
 	sort.SliceStable(events, func(i, j int) bool { return events[i].at < events[j].at })
 	results := make([]result, len(trace))
 	live := map[int]*resourceapi.ResourceClaim{}
@@ -119,7 +120,10 @@ func BenchmarkClaimTrace(b *testing.B) {
 			}
 			warm := published(ctx, b, n)
 			if settle {
-				warm = settled(ctx, b, n, c)
+				warm = settled(ctx, b, n, c, asked)
+			}
+			if keepFree {
+				asked[cl.Profile] = true
 			}
 			r, prepared := arrive(ctx, b, n, s, cl, warm)
 			results[e.claim] = r
@@ -144,11 +148,11 @@ func BenchmarkClaimTrace(b *testing.B) {
 
 // settled waits until the node is at rest, and returns the published devices' warmth by name:
 // the slices show as warm exactly the IDLE instances the sidecar reports, and the trim has freed
-// what the plugin asked it to keep free (each profile's first published device that is not warm
-// overlaps no IDLE instance). The trace's arrivals are tens of seconds apart in trace time, which
-// leaves the sidecar the second or two its background trim takes; the replay does not wait that
-// long between events by itself.
-func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client) map[string]bool {
+// what the plugin asked it to keep free: for each profile claims asked for (asked), its first
+// published device that is neither warm nor held by a claim overlaps no IDLE instance. The
+// trace's arrivals are tens of seconds apart in trace time, which leaves the sidecar the second or
+// two its background trim takes; the replay does not wait that long between events by itself.
+func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client, asked map[string]bool) map[string]bool {
 	b.Helper()
 	warm := map[string]bool{}
 	n.Devices(ctx, b, func(devices []resourceapi.Device) bool {
@@ -157,6 +161,14 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 			b.Fatal(err)
 		}
 		view := dra.ViewOf(st)
+		held := map[dra.Placed]bool{}
+		for _, blocks := range view.Blocked {
+			for _, block := range blocks {
+				if block.Keep != nil {
+					held[*block.Keep] = true
+				}
+			}
+		}
 		got := map[dra.Placed]bool{}
 		clear(warm)
 		cold := map[string]bool{} // profiles whose first cold device was seen
@@ -168,12 +180,13 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 				warm[d.Name] = true
 				continue
 			}
-			if !cold[p.Profile] {
-				cold[p.Profile] = true
-				free = free && !slices.ContainsFunc(view.Idle[p.GPUUUID], func(q migclient.Placement) bool {
-					return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
-				})
+			if !asked[p.Profile] || held[p] || cold[p.Profile] {
+				continue
 			}
+			cold[p.Profile] = true
+			free = free && !slices.ContainsFunc(view.Idle[p.GPUUUID], func(q migclient.Placement) bool {
+				return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
+			})
 		}
 		return len(devices) > 0 && maps.Equal(got, view.Warm) && free
 	})
