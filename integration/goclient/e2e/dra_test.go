@@ -264,7 +264,7 @@ func TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNot
 		}
 		p.forget(uid)
 	}
-	node := draNode(ctx, t, "node-tail", gpu, dra.Options{})
+	node := draNode(ctx, t, "node-tail", gpu, dra.Options{KeepFreeWithin: time.Hour})
 	pool := dra.PoolName(node.Name)
 	idle[2] = allocate(ctx, t, c, p, request("pod-2", dev(gpu, "1g.10gb", 2, 1))).Devices[0].MigUUID
 	// A claim for 2g.20gb on its one free placement (4): 2g.20gb is asked for now, and the plugin's
