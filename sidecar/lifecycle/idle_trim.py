@@ -53,10 +53,10 @@ import msgspec
 from sidecar.lifecycle import crashpoints, gpu_views
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.teardown import destroy
-from sidecar.model import placement
+from sidecar.lifecycle.validate import require_legal
 from sidecar.model.advice import GpuView
 from sidecar.model.domain import InstanceRef, Reservation, State
-from sidecar.model.errors import IllegalPlacement, SidecarError, nvml_errors
+from sidecar.model.errors import SidecarError, nvml_errors
 from sidecar.model.idle_policy import (
     Cause,
     IdleSettings,
@@ -80,19 +80,7 @@ def set_keep_free(
     UnknownGpu, UnknownProfile and IllegalPlacement as for an Allocate, and then nothing changes."""
     ctx.require_recovered()
     for want in placements:
-        profile = ctx.inventory.resolve_profile(want.gpu_uuid, want.profile)
-        if not placement.is_legal(profile, want.placement):
-            legal = ",".join(str(p) for p in profile.placements)
-            raise IllegalPlacement(
-                f"placement {want.placement} is not legal for {want.profile} on {want.gpu_uuid}"
-                f" (legal: {legal})",
-                {
-                    "gpu_uuid": want.gpu_uuid,
-                    "profile": want.profile,
-                    "placement": str(want.placement),
-                    "legal": legal,
-                },
-            )
+        require_legal(ctx.inventory.resolve_profile(want.gpu_uuid, want.profile), want)
     ctx.keep_free = KeepFree(tuple(placements), clock())
 
 
