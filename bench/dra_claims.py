@@ -17,10 +17,17 @@ fresh sidecar with the simulator's latency model of ``trace_workload.py`` (GI cr
   their flags: the reserve at ``auto``, which also creates instances in the background and trims
   IDLE ones in the scheduler's way; its creations count too).
 
+Every claim is plain: one request for a device of its profile by a CEL selector on the ``profile``
+attribute, no list of first available subrequests, so only the slice order brings it to a warm device.
 The Go half (``integration/goclient/internal/drabench``, run as a Go benchmark) starts the API server
 and kube-scheduler of ``make kube-binaries``, the plugin through the kubeletplugin helper, and calls
 NodePrepareResources and NodeUnprepareResources as kubelet does; its package comment says how the
-trace is replayed. GPU instances created per prepared claim are counted by the simulated hardware
+trace is replayed. Before each arrival it waits for the node to settle (the slices republished, the
+trim the plugin asked for done), as the trace's arrivals, tens of seconds apart, would let it;
+``--no-settle`` sends each arrival right after the last event instead, so the republishing's and the
+trim's lag count. A claim the plugin refuses at prepare is counted (``stuck``: its pod would never
+start) and its pod and claim deleted; ``--no-keep-free`` runs the plugin without naming placements to
+keep free, for comparison. GPU instances created per prepared claim are counted by the simulated hardware
 (``SimulatedHardware.call_counts``), exact; the prepare latencies are wall clock, so their ratios to
 the create-per-claim row of the same run are what compare. Results: ``bench/README.md``.
 """
@@ -61,7 +68,12 @@ class Row:
 
     @property
     def prepared(self) -> list[dict[str, object]]:
-        return [c for c in self.claims if not c["refused"]]
+        return [c for c in self.claims if not c["refused"] and not c.get("prepare_error")]
+
+    @property
+    def prepare_refused(self) -> list[dict[str, object]]:
+        """Claims the scheduler allocated and the plugin refused at prepare: pods that never start."""
+        return [c for c in self.claims if c.get("prepare_error")]
 
     def prepare_s(self) -> list[float]:
         return sorted(float(str(c["prepare_s"])) for c in self.prepared)
@@ -106,7 +118,16 @@ def variants() -> tuple[Variant, ...]:
     )
 
 
-def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base: Path) -> Row:
+def run_row(
+    v: Variant,
+    bench: Path,
+    trace_file: Path,
+    scale: float,
+    state_base: Path,
+    *,
+    settle: bool,
+    keep_free: bool,
+) -> Row:
     row = Row(v.name)
     root = Path(tempfile.mkdtemp(prefix="hmdra"))
     state_root = Path(tempfile.mkdtemp(prefix="hmdra", dir=state_base))
@@ -120,6 +141,8 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
             "DRA_BENCH_TRACE": str(trace_file),
             "DRA_BENCH_OUT": str(out),
             "DRA_BENCH_DESTROY": "1" if v.destroy else "0",
+            "DRA_BENCH_SETTLE": "1" if settle else "0",
+            "DRA_BENCH_KEEP": "1" if keep_free else "0",
         }
         started = time.perf_counter()
         done = subprocess.run(
@@ -143,7 +166,7 @@ def run_row(v: Variant, bench: Path, trace_file: Path, scale: float, state_base:
 def report(rows: list[Row]) -> None:
     base = rows[0]
     header = (
-        f"{'row':<26} {'claims':>6} {'refused':>7} {'GI/claim':>8} {'del/claim':>9} {'warm':>6} "
+        f"{'row':<26} {'claims':>6} {'refused':>7} {'stuck':>5} {'GI/claim':>8} {'del/claim':>9} {'warm':>6} "
         f"{'mean ms':>8} {'p50 ms':>8} "
         f"{'p99 ms':>8} {'sched p50':>9} {'mean/create':>11} {'p99/create':>10}"
     )
@@ -155,9 +178,10 @@ def report(rows: list[Row]) -> None:
         warm = sum(1 for c in prepared if c.get("warm")) / len(prepared)
         mean, p99 = statistics.fmean(lat), percentile(lat, 0.99)
         base_lat = base.prepare_s()
-        refused = len(r.claims) - len(prepared)
+        stuck = len(r.prepare_refused)
+        refused = len(r.claims) - len(prepared) - stuck
         print(
-            f"{r.name:<26} {len(prepared):>6} {refused:>7} {r.created / len(prepared):>8.3f} "
+            f"{r.name:<26} {len(prepared):>6} {refused:>7} {stuck:>5} {r.created / len(prepared):>8.3f} "
             f"{r.destroyed / len(prepared):>9.3f} {warm:>6.1%} {mean * 1e3:>8.1f} "
             f"{percentile(lat, 0.5) * 1e3:>8.1f} {p99 * 1e3:>8.1f} "
             f"{percentile(sched, 0.5) * 1e3:>7.1f}ms {mean / statistics.fmean(base_lat):>11.2f} "
@@ -174,6 +198,11 @@ def report(rows: list[Row]) -> None:
                     f"p50 {percentile(lat, 0.5) * 1e3:.1f}, p99 {percentile(lat, 0.99) * 1e3:.1f})"
                 )
         print(f"{r.name}: {', '.join(parts)}")
+        for c in r.prepare_refused:
+            print(
+                f"  {c['uid']} ({c['profile']} on {c['device']}) refused at prepare: "
+                f"{str(c['prepare_error'])[:240]}"
+            )
 
 
 def main() -> int:
@@ -185,6 +214,14 @@ def main() -> int:
     )
     parser.add_argument("--scale", type=float, default=1.0, help="latency model scale (default 1, real)")
     parser.add_argument("--disk", action="store_true", help="records and CDI specs on disk, not on /dev/shm")
+    parser.add_argument(
+        "--no-settle", action="store_true", help="no wait for the node to settle before each arrival"
+    )
+    parser.add_argument(
+        "--no-keep-free",
+        action="store_true",
+        help="the plugin names no placement to keep free (KeepFree): a cold claim waits for its destroys",
+    )
     args = parser.parse_args()
     missing = [b for b in BINARIES if find(b) is None]
     if missing:
@@ -207,11 +244,22 @@ def main() -> int:
             f"{args.claims} claims on {GPUS} simulated H100-80GB, seed {args.seed}, "
             f"mix {', '.join(f'{w:.0%} {p}' for p, w in MIX)}, load {args.load:.0%} of memory slices; "
             f"latency model scaled by {args.scale}; state on {'disk' if args.disk else 'tmpfs'} "
-            f"({state_base})"
+            f"({state_base}); {'no wait' if args.no_settle else 'a wait'} for the node to settle "
+            "before each arrival"
         )
         rows = []
         for v in variants():
-            rows.append(run_row(v, bench, trace_file, args.scale, state_base))
+            rows.append(
+                run_row(
+                    v,
+                    bench,
+                    trace_file,
+                    args.scale,
+                    state_base,
+                    settle=not args.no_settle,
+                    keep_free=not args.no_keep_free,
+                )
+            )
             print(f"  ran {v.name}: {rows[-1].wall:.0f} s", flush=True)
         print()
         report(rows)

@@ -230,11 +230,13 @@ GO_E2E_TESTS = [
     "TestTheDRAPluginsMetricsCountTheSidecarsAnswersToRealPrepares",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
+    "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
 GO_E2E_KUBEAPI = {
     "TestTheMockPluginRunsItsPodsThroughARealAPIServer",
     "TestTheDRAPluginsMetricsCountTheSidecarsAnswersToRealPrepares",
+    "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
 }

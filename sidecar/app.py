@@ -234,9 +234,8 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     ctx = LifecycleContext(port, records, cdi, boot_id, locks=Locks(liveness.waiting, liveness.clock))
     lifecycle = Lifecycle(ctx)
     recovery = Recoverer(ctx, adopt_existing=config.adopt_existing, hami_takeover=config.hami_takeover)
-    idle = None
-    if config.idle.enabled:
-        idle = IdleTrimmer(ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc())
+    # Always there: whatever the settings, a client's KeepFree placements are kept free.
+    idle = IdleTrimmer(ctx, config.idle, on_trim=lambda cause: metrics.idle_trims.labels(cause).inc())
     reconciler = Reconciler(lifecycle, interval_s=config.reconcile_interval_s, idle=idle, liveness=liveness)
     metrics.watch(
         lifecycle.instances, cdi.pending_removals, recovered=lambda: lifecycle.recovered, liveness=liveness

@@ -64,7 +64,7 @@ def _invalid(message: str, field: str) -> InvalidRequest:
     return InvalidRequest(message, {"field": field})
 
 
-def placement(message: pb.DeviceRequest | pb.ActiveAllocation, where: str) -> Placement:
+def placement(message: pb.DeviceRequest | pb.ActiveAllocation | pb.NextPlacement, where: str) -> Placement:
     if not message.HasField("placement"):
         raise _invalid(f"{where}: placement is missing", f"{where}.placement")
     given = message.placement
@@ -218,6 +218,28 @@ def active(messages: Sequence[pb.ActiveAllocation]) -> list[ActiveAllocation]:
             )
         decoded.append(ActiveAllocation(owner, reservation(message, where), identity))
     return decoded
+
+
+MAX_NEXT_PLACEMENTS = 256  # one per (GPU, profile): 8 GPUs of 19 profiles (an H100's) is 152
+
+
+def next_placements(values: Sequence[pb.NextPlacement]) -> list[Reservation]:
+    """A KeepFree's placements, each shaped as an Allocate's device and at most one per (GPU, profile)."""
+    require(
+        len(values) <= MAX_NEXT_PLACEMENTS,
+        f"next: {len(values)} placements, more than {MAX_NEXT_PLACEMENTS}",
+        field="next",
+    )
+    out: list[Reservation] = []
+    for position, message in enumerate(values):
+        where = f"next[{position}]"
+        gpu = gpu_uuid(message.gpu_uuid, where)
+        profile = profile_name(message.profile, where, f"{where}.profile")
+        at = placement(message, where)
+        if any(r.gpu_uuid == gpu and r.profile == profile for r in out):
+            raise _invalid(f"{where}: a second placement for {quote_clipped(profile)} on {gpu}", where)
+        out.append(Reservation(gpu, profile, at))
+    return out
 
 
 MAX_MIG_UUIDS = 64  # a GPU holds at most 7 MIG devices; more names than this is not a real request

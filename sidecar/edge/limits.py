@@ -84,6 +84,16 @@ def largest_requests() -> dict[str, Message]:
         "DiscoverProfiles": pb.DiscoverProfilesRequest(
             gpu_uuid=_GPU, allowed_profiles=["g" * decode.MAX_PROFILE_BYTES] * decode.MAX_ALLOWED_PROFILES
         ),
+        "KeepFree": pb.KeepFreeRequest(
+            next=[
+                pb.NextPlacement(
+                    gpu_uuid=_GPU,
+                    profile="g" * decode.MAX_PROFILE_BYTES,
+                    placement=pb.Placement(start=_U32, size=_U32),
+                )
+            ]
+            * decode.MAX_NEXT_PLACEMENTS
+        ),
         "ReclaimIdle": pb.ReclaimIdleRequest(
             gpu_uuid=_GPU, mig_uuids=[_MIG] * decode.MAX_MIG_UUIDS, force=True
         ),

@@ -383,6 +383,16 @@ class MigSidecarServicer:
 
         return await self._handle("UndoDevice", context, answer)
 
+    async def KeepFree(  # noqa: N802
+        self, request: pb.KeepFreeRequest, context: Context
+    ) -> pb.KeepFreeResponse:
+        def answer() -> pb.KeepFreeResponse:
+            self.lifecycle.keep_free(decode.next_placements(request.next))
+            self.on_change()  # the idle trim frees them now, not at its next interval
+            return pb.KeepFreeResponse()
+
+        return await self._handle("KeepFree", context, answer)
+
     async def ReclaimIdle(  # noqa: N802
         self, request: pb.ReclaimIdleRequest, context: Context
     ) -> pb.ReclaimIdleResponse:

@@ -16,7 +16,7 @@ from sidecar.lifecycle.inventory import Inventory, LayoutRecordingPort
 from sidecar.lifecycle.locks import Locks
 from sidecar.model.domain import ActiveAllocation, Owner, State
 from sidecar.model.errors import NotRecovered
-from sidecar.model.idle_policy import Choices
+from sidecar.model.idle_policy import Choices, KeepFree
 from sidecar.model.ownership import Origin, OwnershipRecord
 from sidecar.model.pending import PendingSet
 from sidecar.model.states import now_rfc3339, transition
@@ -42,6 +42,9 @@ class LifecycleContext:
     last_asked: dict[str, float] = field(default_factory=dict)
     # Where the scheduler placed the devices it asked for (``idle_policy.Choices``). Not durable.
     choices: Choices = field(default_factory=Choices)
+    # The placements a client's scheduler takes next, which the idle trim keeps free (``KeepFree``),
+    # replaced whole by each call. Not durable.
+    keep_free: KeepFree = field(default_factory=KeepFree)
     table: RecordTable = field(init=False)
     generations: Generations = field(init=False)
     inventory: Inventory = field(init=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sidecar.lifecycle import gpu_views, inventory, migmode, reclaim, release, teardown, undo
+from sidecar.lifecycle import gpu_views, idle_trim, inventory, migmode, reclaim, release, teardown, undo
 from sidecar.lifecycle.allocate import Allocator
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.inventory import StateSnapshot
@@ -25,6 +25,7 @@ from sidecar.model.domain import (
     AllocationKey,
     InstanceRef,
     OwnerKind,
+    Reservation,
 )
 from sidecar.model.ownership import OwnershipRecord
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
@@ -110,6 +111,11 @@ class Lifecycle:
     ) -> reclaim.Reclaimed:
         """Destroy IDLE instances of a GPU (the named ones; none named: all); the one way to ask for it."""
         return reclaim.reclaim_idle(self._ctx, gpu_uuid, mig_uuids, force=force)
+
+    def keep_free(self, placements: Sequence[Reservation]) -> None:
+        """The placements the client's scheduler takes next: the idle trim keeps them free
+        (``idle_trim.set_keep_free``)."""
+        idle_trim.set_keep_free(self._ctx, placements)
 
     def set_mig_mode(
         self, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False

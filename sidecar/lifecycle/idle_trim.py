@@ -31,6 +31,12 @@ GPUs whose profiles the inventory has read (no NVML call, no lock beyond the All
 trim for that cause is reported back (``Choices.cleared``), so an Allocate that lands where one was
 destroyed still counts as landing on an IDLE instance. Like ``last_asked`` it is memory only.
 
+The placements a client keeps free (``KeepFree``, cause ``next``) are trimmed for whatever the
+settings say, the reserve off included: the client asked, naming the placement its scheduler takes
+next. ``set_keep_free`` validates them as an Allocate's (a known GPU, a profile it has, a legal
+placement) and stamps them with the clock; like ``last_asked`` they are memory only, and the client
+names them again after a restart (it sees the sidecar's new incarnation).
+
 ``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
 move time instead of sleeping.
 """
@@ -40,21 +46,42 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from sidecar.lifecycle import crashpoints, gpu_views
 from sidecar.lifecycle.context import LifecycleContext
 from sidecar.lifecycle.teardown import destroy
+from sidecar.lifecycle.validate import require_legal
 from sidecar.model.advice import GpuView
-from sidecar.model.domain import InstanceRef, State
+from sidecar.model.domain import InstanceRef, Reservation, State
 from sidecar.model.errors import SidecarError, nvml_errors
-from sidecar.model.idle_policy import Cause, IdleSettings, Trim, in_the_way, node_reserve, trim
+from sidecar.model.idle_policy import (
+    Cause,
+    IdleSettings,
+    KeepFree,
+    Trim,
+    in_the_way,
+    keep_free,
+    node_reserve,
+    trim,
+)
 from sidecar.model.ownership import record_name
 from sidecar.nvml.port import NvmlError
 
 _log = logging.getLogger(__name__)
+
+
+def set_keep_free(
+    ctx: LifecycleContext, placements: Sequence[Reservation], *, clock: Callable[[], float] = time.time
+) -> None:
+    """Replace the placements the trim keeps free (``KeepFree``): NotRecovered before recovery,
+    UnknownGpu, UnknownProfile and IllegalPlacement as for an Allocate, and then nothing changes."""
+    ctx.require_recovered()
+    for want in placements:
+        require_legal(ctx.inventory.resolve_profile(want.gpu_uuid, want.profile), want)
+    ctx.keep_free = KeepFree(tuple(placements), clock())
 
 
 class Trimmed(msgspec.Struct, frozen=True):
@@ -104,7 +131,7 @@ class IdleTrimmer:
 
     def run_once(self) -> list[Trimmed]:
         """Trim what the policy chooses now, one instance at a time (logged and skipped on failure)."""
-        if not self.settings.enabled or not self.ctx.recovered:
+        if not (self.settings.enabled or self.ctx.keep_free.next) or not self.ctx.recovered:
             return []
         self._round_at = self.clock()  # every decision of this round reads the clock at or after it
         # A copy (one C call, under the GIL): an Allocate may add a profile while this reads.
@@ -179,8 +206,9 @@ class IdleTrimmer:
         return Trimmed(ref, str(chosen.cause))
 
     def _decide(self, gpus: list[str], busy: set[str], *, list_missing: bool = True) -> list[Trim]:
-        """What the policy trims now over ``gpus``: per GPU (ttl, cap, a per-GPU reserve) first,
-        then what is in a blind scheduler's way (``in_the_way``), then the node's reserve.
+        """What the policy trims now over ``gpus``: what is over the placements the client keeps free
+        (``keep_free``) first, then per GPU (ttl, cap, a per-GPU reserve), then what is in a blind
+        scheduler's way (``in_the_way``), then the node's reserve.
 
         Under a GPU lock ``list_missing`` is False: a GPU never listed raises ``NotListedError`` instead
         of taking its lock, which may sort before the one held (the deadlock this once was)."""
@@ -189,6 +217,8 @@ class IdleTrimmer:
             gpu_views.gpu_view(self.ctx, g, busy=busy, list_missing=list_missing) for g in gpus
         ]
         pending = gpu_views.pending_reservations(self.ctx)
+        if nxt := keep_free(views, self.ctx.keep_free, pending=pending):
+            return nxt
         reserve = {}
         if wanted := self._reserved:
             reserve = {

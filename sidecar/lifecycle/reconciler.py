@@ -13,9 +13,10 @@ ERROR with the new ``last_error``; the next round tries again. A round then list
 MIG-enabled GPU into the advice's layout view (``gpu_views.refresh_layout``) when ``interval_s`` has
 passed on ``clock`` since the last listing, so ``RankPlacements`` sees a GI created or destroyed
 outside the sidecar within one interval; the rounds an Allocate or a Release kicks in between make no
-listing (they would take every GPU lock beside the request path). With an idle policy configured, each
-round then trims IDLE instances (``idle_trim``). ``run_once`` is the whole algorithm; the thread only
-repeats it (every ``interval_s``, or at once after ``kick``), so tests call ``run_once`` directly.
+listing (they would take every GPU lock beside the request path). With an idle policy configured, or
+placements a client keeps free (``KeepFree``), each round then trims IDLE instances (``idle_trim``).
+``run_once`` is the whole algorithm; the thread only repeats it (every ``interval_s``, or at once
+after ``kick``), so tests call ``run_once`` directly.
 Each round of the thread is registered with ``liveness`` while it runs: a round whose own work (not
 its wait for a GPU lock) passes the threshold turns the health service NOT_SERVING. ``kicks`` and
 ``rounds`` count the wake-ups asked and the rounds run; an Allocate refused for bad input asks none.

@@ -14,6 +14,7 @@ from sidecar.model.domain import (
     DeviceRequest,
     Owner,
     PodRef,
+    Reservation,
 )
 from sidecar.model.errors import IllegalPlacement, InvalidRequest, UnknownProfile
 from sidecar.nvml.port import GpuInfo, GpuInstanceProfile
@@ -27,6 +28,21 @@ class Validated(msgspec.Struct, frozen=True):
     owner: Owner
     gpu: GpuInfo
     profile: GpuInstanceProfile
+
+
+def require_legal(profile: GpuInstanceProfile, res: Reservation) -> None:
+    """IllegalPlacement, naming the legal ones, unless ``res.placement`` is one of ``profile``'s."""
+    if not placement.is_legal(profile, res.placement):
+        legal = ",".join(str(p) for p in profile.placements)
+        raise IllegalPlacement(
+            f"placement {res.placement} is not legal for {res.profile} on {res.gpu_uuid} (legal: {legal})",
+            {
+                "gpu_uuid": res.gpu_uuid,
+                "profile": res.profile,
+                "placement": str(res.placement),
+                "legal": legal,
+            },
+        )
 
 
 def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
@@ -64,18 +80,7 @@ def validate(inventory: Inventory, request: AllocateRequest) -> list[Validated]:
             # the mode is read once, under the GPU lock, and only by a device that needs hardware.
             inventory.require_mig_enabled(res.gpu_uuid)
             raise
-        if not placement.is_legal(profile, res.placement):
-            legal = ",".join(str(p) for p in profile.placements)
-            raise IllegalPlacement(
-                f"placement {res.placement} is not legal for {res.profile} on {res.gpu_uuid}"
-                f" (legal: {legal})",
-                {
-                    "gpu_uuid": res.gpu_uuid,
-                    "profile": res.profile,
-                    "placement": str(res.placement),
-                    "legal": legal,
-                },
-            )
+        require_legal(profile, res)
         owner = request.owner(d)
         out.append(Validated(device=d, key=owner.key, owner=owner, gpu=gpu, profile=profile))
     clash = placement.first_overlap([(v.gpu.uuid, v.device.reservation.placement) for v in out])

@@ -34,6 +34,16 @@ With a reserve (named or ``auto``, once per node), one more cause comes before i
   default (the GPU policy kept) it lands on them when the policy's GPU has no free placement, and
   this engages for it as well.
 
+With or without any of them, one more the client asks for, first of all:
+
+* ``next`` — a client that publishes its devices in the order its scheduler takes them (the DRA
+  kubelet plugin) names, per profile, the placement a request that finds no IDLE instance of it gets
+  next (``KeepFree``: the placements as of a moment). The IDLE instances over one go, so that request
+  creates at once; an Allocate there would have destroyed them inline first. One that went IDLE after
+  the client named the placement stays: the client has not seen it, and its next naming decides.
+  Nothing goes when something else overlaps the placement too (destroying the IDLE ones would not
+  free it).
+
 Causes apply in that order, each seeing the instances the earlier ones chose as gone; an instance is
 trimmed at most once, under the first cause that chose it. Never trimmed: anything not IDLE (ACTIVE,
 ERROR, CREATING, DELETING), foreign GIs (never in ``owned``), an IDLE instance marked ``busy`` (a
@@ -60,6 +70,7 @@ class Cause(enum.StrEnum):
     MAX_IDLE = "max_idle"
     RESERVE = "reserve"
     IN_THE_WAY = "in_the_way"
+    NEXT = "next"
 
 
 class IdleSettings(msgspec.Struct, frozen=True):
@@ -92,6 +103,14 @@ class IdleSettings(msgspec.Struct, frozen=True):
         if window is None:
             return self.reserve
         return tuple(sorted(p for p, at in asked.items() if now - at <= window))
+
+
+class KeepFree(msgspec.Struct, frozen=True):
+    """The placements a client's scheduler takes next, each for its profile on its GPU, as the client
+    named them at ``at`` (the trimmer's clock: seconds since the epoch)."""
+
+    next: tuple[Reservation, ...] = ()
+    at: float = 0.0
 
 
 class Trim(msgspec.Struct, frozen=True):
@@ -204,6 +223,35 @@ def _trim_gpu(
         victims = _reserve_trims(left, profile, placements, protected)
         out += [Trim(view.gpu_uuid, i, Cause.RESERVE, profile) for i in victims]
         gone |= set(victims)
+    return out
+
+
+def keep_free(
+    views: Sequence[GpuView], keep: KeepFree, *, pending: Collection[Reservation] = ()
+) -> list[Trim]:
+    """The IDLE instances over the placements ``keep`` names (cause ``next``), in its order: for each,
+    when only IDLE instances that may be trimmed and that went IDLE before ``keep.at`` overlap it, all
+    of them; nothing for a placement already free or holding an IDLE copy of its profile, or one
+    something else overlaps as well."""
+    by_gpu = {v.gpu_uuid: v for v in views}
+    out: list[Trim] = []
+    gone: set[tuple[str, OwnedInstance]] = set()
+    for want in keep.next:
+        view = by_gpu.get(want.gpu_uuid)
+        if view is None:
+            continue
+        protected = _protected(view, pending)
+        left = replace(
+            view,
+            owned=tuple(i for i in view.owned if (view.gpu_uuid, i) not in gone),
+            pending=tuple(protected),
+        )
+        (ranked,) = rank_placements(want.profile, [want.placement], left)
+        victims = ranked.reclaim if ranked.cost is Cost.RECLAIM else ()
+        if not victims or not all(trimmable(left, i, protected) and i.last_used < keep.at for i in victims):
+            continue
+        out += [Trim(view.gpu_uuid, i, Cause.NEXT, want.profile) for i in victims]
+        gone |= {(view.gpu_uuid, i) for i in victims}
     return out
 
 

@@ -15,8 +15,10 @@ from sidecar.lifecycle.gpu_views import last_used
 from sidecar.lifecycle.idle_trim import IdleTrimmer
 from sidecar.lifecycle.reconciler import Reconciler
 from sidecar.model import errors
-from sidecar.model.domain import Identity, State
+from sidecar.model.advice import Cost
+from sidecar.model.domain import Identity, Reservation, State
 from sidecar.model.idle_policy import BLIND_MIN, IdleSettings
+from sidecar.nvml.port import Placement
 
 TTL = 600.0
 FAR_FUTURE = 1e12
@@ -346,3 +348,73 @@ class TestLockOrder:
         assert gone(world, blocker)
         assert world.ctx.inventory.foreign_view(first_uuid, world.ctx.table.on_gpu(first_uuid)) == ()
         world.assert_consistent()
+
+
+class TestKeepFree:
+    """The placements a client names with KeepFree: their IDLE instances go, whatever the settings."""
+
+    def test_the_idle_instances_over_the_named_placement_go_and_it_is_free(self, world: World) -> None:
+        first = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        second = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        other = idle_instance(world, "pod-c", (0, "1g.10gb", 2, 1))
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
+
+        trimmed = reconcile(world, IdleSettings(), FAR_FUTURE)  # every cause of the settings off
+
+        assert sorted(trimmed) == sorted([first.mig_uuid, second.mig_uuid])
+        assert gone(world, first)
+        assert gone(world, second)
+        assert states(world) == {other.mig_uuid: State.IDLE}
+        [ranked] = [
+            r for r in world.lifecycle.rank_placements(world.uuid(0), "2g.20gb") if r.placement.start == 0
+        ]
+        assert ranked.cost is Cost.FREE
+        # An Allocate there now creates and destroys nothing.
+        assert world.allocate_claim("claim-2g", (0, "2g.20gb", 0, 2)).reclaimed == ()
+        world.assert_consistent()
+
+    def test_the_reconciler_built_for_the_shipped_settings_trims_them_too(self, world: World) -> None:
+        idle = idle_instance(world, "pod-a", (0, "1g.10gb", 4, 1))
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "3g.40gb", Placement(4, 4))])
+        # The reserve off: the composition root builds the trimmer anyway.
+        trimmed = reconcile(world, IdleSettings(ttl_s=None, reserve=()), FAR_FUTURE)
+        assert trimmed == [idle.mig_uuid]
+
+    def test_an_instance_that_went_idle_after_the_naming_stays(self, world: World) -> None:
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
+        later = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == []
+        assert states(world) == {later.mig_uuid: State.IDLE}
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])  # named again
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == [later.mig_uuid]
+
+    def test_nothing_goes_when_something_else_holds_the_placement_too(self, world: World) -> None:
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        idle = idle_instance(world, "pod-b", (0, "1g.10gb", 1, 1))
+        copy = idle_instance(world, "pod-c", (0, "2g.20gb", 2, 2))
+        world.lifecycle.keep_free(
+            [
+                Reservation(
+                    world.uuid(0), "2g.20gb", Placement(0, 2)
+                ),  # ACTIVE at 0: destroying 1 frees nothing
+                Reservation(world.uuid(0), "2g.20gb", Placement(2, 2)),  # an IDLE copy of the profile
+            ]
+        )
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == []
+        assert {idle.mig_uuid, copy.mig_uuid} <= set(states(world))
+
+    def test_an_empty_naming_clears_the_last(self, world: World) -> None:
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
+        world.lifecycle.keep_free([])
+        idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == []
+
+    def test_a_placement_the_profile_does_not_have_is_refused_and_changes_nothing(self, world: World) -> None:
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
+        with pytest.raises(errors.IllegalPlacement):
+            world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(1, 2))])
+        with pytest.raises(errors.UnknownProfile):
+            world.lifecycle.keep_free([Reservation(world.uuid(0), "5g.99gb", Placement(0, 2))])
+        idle = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
+        assert reconcile(world, IdleSettings(), FAR_FUTURE) == [idle.mig_uuid]

@@ -238,6 +238,16 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
         pb.ReclaimIdleRequest,
         st.builds(pb.ReclaimIdleRequest, gpu_uuid=gpu_uuids(), mig_uuids=st.lists(MIG_UUIDS, max_size=3)),
     ),
+    "KeepFree": (
+        pb.KeepFreeRequest,
+        st.builds(
+            pb.KeepFreeRequest,
+            next=st.lists(
+                st.builds(pb.NextPlacement, gpu_uuid=gpu_uuids(), profile=PROFILES, placement=placements()),
+                max_size=3,
+            ),
+        ),
+    ),
     "RankPlacements": (
         pb.RankPlacementsRequest,
         st.builds(pb.RankPlacementsRequest, gpu_uuid=gpu_uuids(), profile=PROFILES),

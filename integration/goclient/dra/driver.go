@@ -44,6 +44,11 @@ type Options struct {
 	// RecoverSidecar: the plugin is the sidecar's only client and recovers it itself (Recover with
 	// no active pod) when it restarted. Without it the plugin waits for HAMi's device plugin to.
 	RecoverSidecar bool
+	// KeepFreeWithin is how long after the last claim for a profile the plugin still names its next
+	// cold device to the sidecar to keep free (KeepFree; DefaultKeepFreeWithin when 0): a profile
+	// no claim asks for would have its placement kept free at the cost of IDLE instances others
+	// reuse. Negative: never (a cold claim over IDLE instances waits for their destroys).
+	KeepFreeWithin time.Duration
 	// Poll, MinInterval and Refresh pace the republishing (Run); see DefaultPoll and the others.
 	Poll, MinInterval, Refresh time.Duration
 	// Fatal is called with an error the kubeletplugin helper cannot recover from (HandleError); the
@@ -72,7 +77,12 @@ type Driver struct {
 	mu    sync.Mutex
 	gpus  []GPU
 	model *Model
+	asked map[string]time.Time // profile -> the last prepare that asked for it
 }
+
+// DefaultKeepFreeWithin is Options.KeepFreeWithin unless set: an hour, as the sidecar's own
+// reserve of the profiles asked for (--idle-reserve-window).
+const DefaultKeepFreeWithin = time.Hour
 
 // New is a Driver over the sidecar client c and the API server kube (claims are read through it).
 func New(c *migclient.Client, kube kubernetes.Interface, opts Options) (*Driver, error) {
@@ -88,6 +98,9 @@ func New(c *migclient.Client, kube kubernetes.Interface, opts Options) (*Driver,
 	if opts.Refresh == 0 {
 		opts.Refresh = DefaultRefresh
 	}
+	if opts.KeepFreeWithin == 0 {
+		opts.KeepFreeWithin = DefaultKeepFreeWithin
+	}
 	if opts.Log == nil {
 		opts.Log = func(string, ...any) {}
 	}
@@ -95,7 +108,7 @@ func New(c *migclient.Client, kube kubernetes.Interface, opts Options) (*Driver,
 	if err != nil {
 		return nil, fmt.Errorf("dial %s for the health service: %w", c.Target(), err)
 	}
-	d := &Driver{c: c, conn: conn, kube: kube, opts: opts}
+	d := &Driver{c: c, conn: conn, kube: kube, opts: opts, asked: map[string]time.Time{}}
 	d.Health = NewHealth(pb.NewMigSidecarClient(conn), d.ResolveHealth, opts.Health)
 	return d, nil
 }
@@ -107,6 +120,24 @@ func (d *Driver) Close() error { return d.conn.Close() }
 // client (Options.RecoverSidecar): no pod holds an instance, so Recover gets an empty list, which
 // leaves every claim's instance as it is.
 func RecoverNoPods(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil }
+
+// keepFree are the devices the plugin names to the sidecar to keep free (Model.NextCold) of the
+// profiles prepares asked for within Options.KeepFreeWithin; none with DestroyAtUnprepare, which
+// keeps no IDLE instance.
+func (d *Driver) keepFree() []Device {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.opts.DestroyAtUnprepare || d.opts.KeepFreeWithin < 0 || d.model == nil {
+		return nil
+	}
+	var out []Device
+	for _, dev := range d.model.NextCold() {
+		if at, ok := d.asked[dev.Profile]; ok && time.Since(at) <= d.opts.KeepFreeWithin {
+			out = append(out, dev)
+		}
+	}
+	return out
+}
 
 // Model is the model as last built.
 func (d *Driver) Model() *Model {
@@ -266,6 +297,11 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	if len(results) == 0 {
 		return nil, nil
 	}
+	d.mu.Lock()
+	for _, dev := range req.Devices {
+		d.asked[dev.Profile] = time.Now()
+	}
+	d.mu.Unlock()
 	res, err := d.c.Allocate(ctx, req)
 	if err != nil {
 		return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)

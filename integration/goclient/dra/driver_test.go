@@ -10,6 +10,7 @@ import (
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	drahealth "k8s.io/kubelet/pkg/apis/dra-health/v1alpha1"
+	"k8s.io/utils/ptr"
 
 	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
 
@@ -320,5 +321,33 @@ func TestAPreparedClaimGivesEachContainerTheDriversCDIDeviceOnceBesideItsInstanc
 	again, err := node.Prepare(ctx, claim) // a repeat answers the same (ALREADY_ALLOCATED)
 	if err != nil || !slices.Equal(fakekubelet.ContainerCDIDevices(again, ""), fakekubelet.ContainerCDIDevices(got, "")) {
 		t.Fatalf("repeat: %+v %v", again, err)
+	}
+}
+
+// A claim allocated with adminAccess (the class's policy refuses one when it is written; an
+// allocation made before the policy, or with the policy removed, still reaches prepare) is
+// refused there with why, and no instance is created for it.
+func TestAClaimAllocatedWithAdminAccessIsRefusedAtPrepareWithItsReasonAndNothingCreated(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-admin", dra.Options{})
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool { return len(ds) == 2*13 })
+	claim := &resourceapi.ResourceClaim{
+		ObjectMeta: metav1.ObjectMeta{Namespace: "monitoring", Name: "watch", UID: "0b6e1a52-0d3e-4c1e-9b59-5b8c2f1d7a01"},
+		Status: resourceapi.ResourceClaimStatus{Allocation: &resourceapi.AllocationResult{Devices: resourceapi.DeviceAllocationResult{
+			Results: []resourceapi.DeviceRequestAllocationResult{{Request: "gpu", Driver: dra.DefaultDriverName,
+				Pool: dra.PoolName("node-admin"), Device: "gpu0-1g-10gb-at0", AdminAccess: ptr.To(true)}}}}},
+	}
+
+	got, err := node.Driver.PrepareResourceClaims(ctx, []*resourceapi.ResourceClaim{claim})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := got[claim.UID]
+	if res.Err == nil || len(res.Devices) != 0 || !strings.Contains(res.Err.Error(), "asks for adminAccess to gpu0-1g-10gb-at0, which a MIG device does not support") {
+		t.Fatalf("prepare of an adminAccess claim: %+v", res)
+	}
+	if len(fake.Instances()) != 0 {
+		t.Fatalf("an instance was created for the adminAccess claim: %+v", fake.Instances())
 	}
 }

@@ -98,6 +98,7 @@ type Model struct {
 	node    string
 	devices []Device // every device, in rank order (warm first); Offered says which are published
 	offered map[string]bool
+	held    map[string]bool          // devices a claim's ACTIVE instance holds (offered for its counters only)
 	sets    []resourceapi.CounterSet // one per GPU, by index
 	byName  map[string]Device
 	gpuByID map[string]uint32 // GPU UUID -> index
@@ -224,6 +225,16 @@ func placementOf(p *pb.Placement) migclient.Placement {
 	return migclient.Placement{Start: p.GetStart(), Size: p.GetSize()}
 }
 
+// holds reports whether a claim's ACTIVE instance holds d itself (Block.Keep).
+func (v View) holds(d Device) bool {
+	for _, b := range v.Blocked[d.GPUUUID] {
+		if b.Keep != nil && *b.Keep == (Placed{d.GPUUUID, d.Profile, d.Placement}) {
+			return true
+		}
+	}
+	return false
+}
+
 // offered reports whether the view lets d be published: its GPU readable, and no block over it.
 func (v View) offered(d Device) bool {
 	if _, lost := v.Unreadable[d.GPUUUID]; lost {
@@ -239,7 +250,7 @@ func (v View) offered(d Device) bool {
 
 // NewModel builds the node's pool of gpus with the view.
 func NewModel(node string, gpus []GPU, view View) *Model {
-	m := &Model{node: node, offered: map[string]bool{}, byName: map[string]Device{}, gpuByID: map[string]uint32{}}
+	m := &Model{node: node, offered: map[string]bool{}, held: map[string]bool{}, byName: map[string]Device{}, gpuByID: map[string]uint32{}}
 	pool := PoolName(node)
 	ranks := map[string]int{}
 	for _, g := range slices.SortedFunc(slices.Values(gpus), func(a, b GPU) int { return int(a.Index) - int(b.Index) }) {
@@ -263,6 +274,7 @@ func NewModel(node string, gpus []GPU, view View) *Model {
 				ranks[d.Name] = rank(d, view.Idle[g.UUID])
 				m.devices = append(m.devices, d)
 				m.offered[d.Name] = view.offered(d)
+				m.held[d.Name] = view.holds(d)
 				m.byName[d.Name] = d
 			}
 		}
@@ -300,6 +312,24 @@ func (m *Model) Resolve(gpuUUID, profile string, start uint32) (pool, device str
 		}
 	}
 	return "", "", false
+}
+
+// NextCold is, for each published profile, the device a claim for it that finds no warm one gets
+// next: its first offered device that is not warm and no claim holds, in rank order (the
+// allocator's first fit on a node without other claims in flight). The plugin names them to the sidecar (KeepFree), whose
+// background trim destroys the IDLE instances over one, so that claim creates at once instead of
+// waiting for those destroys; the slices republished then list it free (rank 1).
+func (m *Model) NextCold() []Device {
+	var out []Device
+	seen := map[string]bool{}
+	for _, d := range m.devices {
+		if d.Warm || !m.offered[d.Name] || m.held[d.Name] || seen[d.Profile] {
+			continue
+		}
+		seen[d.Profile] = true
+		out = append(out, d)
+	}
+	return out
 }
 
 // Resources is the model as the kubeletplugin helper publishes it: the node's pool, its counter

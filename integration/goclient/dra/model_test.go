@@ -12,6 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/utils/ptr"
 
+	pb "github.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1"
+
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
@@ -242,5 +244,79 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 	// 3g.40gb at 4 covers one IDLE instance (at 4), at 0 two (at 0 and 1).
 	if len(order) != 2 || order[0] != "gpu0-3g-40gb-at4" {
 		t.Fatalf("3g.40gb devices in order %v, want the one over one IDLE instance (at4) first", order)
+	}
+}
+
+// The device a claim that finds no warm one gets next, per profile, is its first published device
+// that is not warm: over IDLE instances when no free one is left, never a hidden one, and never
+// one a claim holds.
+func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
+	at := func(start, size uint32) migclient.Placement { return migclient.Placement{Start: start, Size: size} }
+	warm := map[dra.Placed]bool{
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(0, 1)}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(1, 1)}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(4, 1)}: true,
+	}
+	v := view(warm)
+	// A claim holds 1g.10gb at 2: its device stays published (its counters), but is nobody's next.
+	held := dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(2, 1)}
+	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: "foreign GPU instance 9"},
+		{Placement: at(2, 1), Why: "claim c1", Keep: &held}}}
+	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, v)
+
+	next := map[string]string{}
+	for _, d := range m.NextCold() {
+		if _, twice := next[d.Profile]; twice {
+			t.Fatalf("two devices for %s", d.Profile)
+		}
+		next[d.Profile] = d.Name
+	}
+	// 1g.10gb: at3, the first free one the claim does not hold (at2). 2g.20gb: at4, over one IDLE
+	// instance (at0 over two, at2 under the claim). 3g.40gb: none (at0 under the claim, at4 under the
+	// foreign GI), nor 7g.80gb.
+	want := map[string]string{"1g.10gb": "gpu0-1g-10gb-at3", "2g.20gb": "gpu0-2g-20gb-at4"}
+	for profile, name := range want {
+		if next[profile] != name {
+			t.Fatalf("next cold %s: %q, want %q (all: %v)", profile, next[profile], name, next)
+		}
+	}
+	for _, hidden := range []string{"3g.40gb", "7g.80gb"} {
+		if _, ok := next[hidden]; ok {
+			t.Fatalf("a hidden %s named next: %v", hidden, next)
+		}
+	}
+}
+
+// An instance in flight (CREATING, DELETING) or FAULTED, whatever its owner, hides every device
+// overlapping its placement until it is settled: an Allocate there is refused PLACEMENT_BUSY or
+// gets an instance the sidecar no longer hands out.
+func TestInstancesInFlightOrFaultedHideTheDevicesOverTheirPlacement(t *testing.T) {
+	claim := &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: &pb.ClaimRef{Uid: "c1"}}
+	for _, in := range []*pb.Instance{
+		{State: pb.InstanceState_CREATING, Profile: "1g.10gb", Owner: claim},
+		{State: pb.InstanceState_DELETING, Profile: "1g.10gb"},
+		{State: pb.InstanceState_IDLE, Profile: "1g.10gb", Health: pb.InstanceHealth_FAULTED},
+		{State: pb.InstanceState_ACTIVE, Profile: "1g.10gb", Owner: claim, Health: pb.InstanceHealth_FAULTED},
+	} {
+		in.Placement = &pb.Placement{Start: 2, Size: 1}
+		in.MigUuid = "MIG-x"
+		st := &pb.GetStateResponse{Gpus: []*pb.GpuState{{Gpu: &pb.Gpu{Uuid: "GPU-0"}, Instances: []*pb.Instance{in}}}}
+		m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, dra.ViewOf(st))
+		label := fmt.Sprintf("%s %s", in.GetState(), in.GetHealth())
+		// Over slice 2: the 1g.10gb (and +me) at 2, 1g.20gb and 2g.20gb at 2, 3g.40gb, 4g.40gb and 7g.80gb at 0.
+		for _, name := range []string{"gpu0-1g-10gb-at2", "gpu0-1g-10gb-me-at2", "gpu0-1g-20gb-at2", "gpu0-2g-20gb-at2",
+			"gpu0-3g-40gb-at0", "gpu0-4g-40gb-at0", "gpu0-7g-80gb-at0"} {
+			if m.Offered(name) {
+				t.Fatalf("%s at 2: %s offered", label, name)
+			}
+		}
+		for _, name := range []string{"gpu0-1g-10gb-at1", "gpu0-1g-10gb-at3", "gpu0-2g-20gb-at0", "gpu0-3g-40gb-at4"} {
+			if !m.Offered(name) {
+				t.Fatalf("%s at 2: %s, clear of it, hidden", label, name)
+			}
+		}
+		if _, warm := dra.ViewOf(st).Warm[dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 2, Size: 1}}]; warm {
+			t.Fatalf("%s: warm", label)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	apiequality "k8s.io/apimachinery/pkg/api/equality"
 	"k8s.io/dynamic-resource-allocation/resourceslice"
 
@@ -18,6 +19,13 @@ import (
 // MinInterval, so a burst of claims costs one update of the node's slices a second and a quiet
 // node none. A new incarnation (the sidecar restarted) first runs Sync: its recovery, the GPUs
 // and profiles again, and the release of claims that went away meanwhile.
+
+// Each time it rebuilds the model (every move of the revision, not only when it may publish) it
+// names to the sidecar, for each profile claims asked for lately (Options.KeepFreeWithin), the
+// device a claim that finds no warm one gets next (Model.NextCold) with KeepFree: the sidecar's
+// background trim destroys the IDLE instances over it, so that claim creates at once, and the
+// slices republished after the trim list it free. A sidecar that predates KeepFree is asked again
+// only once it restarted.
 
 // Run's periods unless set in Options.
 const (
@@ -39,6 +47,9 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 		dirty     bool      // a Sync rebuilt the GPUs: publish whatever the revision says
 		next      time.Time // no publish before it
 		refreshed = time.Now()
+		built     bool   // the model was built at revision builtAt (not yet published, maybe)
+		builtAt   uint64 // that revision
+		keep      keepFreeState
 	)
 	tick := time.NewTicker(d.opts.Poll)
 	defer tick.Stop()
@@ -57,12 +68,16 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 			}
 			seen.BootID, seen.StartedAt, dirty = info.BootID, info.StartedAt, true
 		case dirty || !known || info.Revision != seen.Revision || time.Since(refreshed) >= d.opts.Refresh:
-			if time.Now().Before(next) {
-				break
+			if !built || dirty || info.Revision != builtAt || time.Since(refreshed) >= d.opts.Refresh {
+				if err := d.refresh(ctx); err != nil {
+					d.opts.Log("republish: %v", err)
+					d.opts.Metrics.republishFailed(republishStageState)
+					break
+				}
+				built, builtAt = true, info.Revision
+				keep.send(ctx, d, info)
 			}
-			if err := d.refresh(ctx); err != nil {
-				d.opts.Log("republish: %v", err)
-				d.opts.Metrics.republishFailed(republishStageState)
+			if time.Now().Before(next) { // the slices wait for MinInterval; the trim did not
 				break
 			}
 			seen, known, dirty, refreshed = info, true, false, time.Now()
@@ -83,5 +98,31 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 			return
 		case <-tick.C:
 		}
+	}
+}
+
+// keepFreeState is Run's state of KeepFree: a sidecar incarnation that answered Unimplemented.
+type keepFreeState struct {
+	unsupported string // boot ID and start of the sidecar that predates KeepFree
+}
+
+// send names the model's next cold devices to the sidecar (errors are logged; the next rebuild
+// names them again).
+func (k *keepFreeState) send(ctx context.Context, d *Driver, info migclient.Info) {
+	incarnation := info.BootID + "/" + info.StartedAt.String()
+	if k.unsupported == incarnation {
+		return
+	}
+	var next []migclient.NextPlacement
+	for _, dev := range d.keepFree() {
+		next = append(next, migclient.NextPlacement{GPUUUID: dev.GPUUUID, Profile: dev.Profile, Placement: dev.Placement})
+	}
+	err := d.c.KeepFree(ctx, next)
+	switch {
+	case migclient.CodeOf(err) == codes.Unimplemented:
+		d.opts.Log("the sidecar predates KeepFree: a cold claim over IDLE instances waits for their destroys")
+		k.unsupported = incarnation
+	case err != nil:
+		d.opts.Log("keep free: %v", err)
 	}
 }

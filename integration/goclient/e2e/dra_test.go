@@ -5,6 +5,7 @@ package e2e
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"slices"
@@ -297,4 +298,59 @@ func TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstance
 	if _, gisAfter := hardware(t); !slices.Equal(gisAfter, gisBefore) {
 		t.Fatalf("GPU instances before the third claim %v, after %v: one was created", gisBefore, gisAfter)
 	}
+}
+
+// The tail, end to end: an IDLE instance in the way of the only cold device of a profile claims ask
+// for. The plugin names that device (its next cold one) to the sidecar, whose background trim
+// destroys the IDLE instance under it; the slices republished no longer offer that instance warm,
+// and a claim there is prepared with one GPU instance created and none destroyed. An IDLE instance
+// in no claim's way stays.
+func TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing(t *testing.T) {
+	ctx, c, p, gpus := setup(t)
+	gpu := gpus[0]
+	// 1g.10gb IDLE at 0 (under 2g.20gb at 0) and at 6 (under no 2g.20gb placement), and a pod's at 2
+	// (2g.20gb at 2 is not offered while it runs).
+	idle := map[uint32]string{}
+	for _, start := range []uint32{0, 6} {
+		uid := fmt.Sprintf("pod-%d", start)
+		idle[start] = allocate(ctx, t, c, p, request(uid, dev(gpu, "1g.10gb", start, 1))).Devices[0].MigUUID
+		if _, err := c.Release(ctx, uid); err != nil {
+			t.Fatal(err)
+		}
+		p.forget(uid)
+	}
+	node := draNode(ctx, t, "node-tail", gpu, dra.Options{KeepFreeWithin: time.Hour})
+	pool := dra.PoolName(node.Name)
+	idle[2] = allocate(ctx, t, c, p, request("pod-2", dev(gpu, "1g.10gb", 2, 1))).Devices[0].MigUUID
+	// A claim for 2g.20gb on its one free placement (4): 2g.20gb is asked for now, and the plugin's
+	// next cold 2g.20gb device is at 0, over the IDLE instance there.
+	prepared(ctx, t, node, node.Claim(ctx, t, "default", "first", [2]string{pool, "gpu0-2g-20gb-at4"}))
+
+	deadline := time.Now().Add(time.Minute)
+	for {
+		got := states(ctx, t, c)
+		if _, left := got[idle[0]]; !left && got[idle[6]] == pb.InstanceState_IDLE {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the IDLE instance under gpu0-2g-20gb-at0 (%s) was not trimmed, or the one at 6 was: %v", idle[0], got)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	node.Devices(ctx, t, func(ds []resourceapi.Device) bool {
+		var warm []string
+		for _, d := range ds {
+			if *d.Attributes[dra.AttrWarm].BoolValue {
+				warm = append(warm, d.Name)
+			}
+		}
+		return slices.Equal(warm, []string{"gpu0-1g-10gb-at6"})
+	})
+	_, before := hardware(t)
+	second := prepared(ctx, t, node, node.Claim(ctx, t, "default", "second", [2]string{pool, "gpu0-2g-20gb-at0"}))
+	if _, after := hardware(t); len(after) != len(before)+1 || slices.ContainsFunc(before, func(gi string) bool { return !slices.Contains(after, gi) }) {
+		t.Fatalf("GPU instances %v before the claim at the freed device, %v after: want one more, none destroyed", before, after)
+	}
+	wantStates(ctx, t, c, "after the second claim", map[string]pb.InstanceState{second: pb.InstanceState_ACTIVE,
+		idle[2]: pb.InstanceState_ACTIVE, idle[6]: pb.InstanceState_IDLE})
 }

@@ -101,3 +101,29 @@ func costFromPB(c pb.PlacementCost) PlacementCost {
 		return CostUnspecified
 	}
 }
+
+// NextPlacement is a placement the client's scheduler takes next for Profile on the GPU, for a
+// request that finds no IDLE instance of it.
+type NextPlacement struct {
+	GPUUUID   string
+	Profile   string
+	Placement Placement
+}
+
+// KeepFree names the placements the client's scheduler takes next, at most one per (GPU,
+// profile): the sidecar's background trim destroys the IDLE instances over them, so the request
+// that comes there creates without waiting for destroys. Each call replaces the last one's set;
+// the sidecar keeps it in memory only, so a client names it again after the sidecar restarted.
+// A sidecar that predates the call answers codes.Unimplemented.
+func (c *Client) KeepFree(ctx context.Context, next []NextPlacement) error {
+	const op = "KeepFree"
+	req := &pb.KeepFreeRequest{Next: make([]*pb.NextPlacement, 0, len(next))}
+	for _, n := range next {
+		req.Next = append(req.Next, &pb.NextPlacement{GpuUuid: n.GPUUUID, Profile: n.Profile,
+			Placement: &pb.Placement{Start: n.Placement.Start, Size: n.Placement.Size}})
+	}
+	return c.withRecovery(ctx, op, c.opts.CallTimeout, func(ctx context.Context) error {
+		_, err := c.rpc.KeepFree(ctx, req)
+		return err
+	})
+}

@@ -3378,6 +3378,147 @@ func (x *InstanceHealthUpdate) GetXid64() uint64 {
 	return 0
 }
 
+type KeepFreeRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Next          []*NextPlacement       `protobuf:"bytes,1,rep,name=next,proto3" json:"next,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeepFreeRequest) Reset() {
+	*x = KeepFreeRequest{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeepFreeRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeepFreeRequest) ProtoMessage() {}
+
+func (x *KeepFreeRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeepFreeRequest.ProtoReflect.Descriptor instead.
+func (*KeepFreeRequest) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *KeepFreeRequest) GetNext() []*NextPlacement {
+	if x != nil {
+		return x.Next
+	}
+	return nil
+}
+
+// A placement a client's scheduler takes next for profile on the GPU.
+type NextPlacement struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	GpuUuid       string                 `protobuf:"bytes,1,opt,name=gpu_uuid,json=gpuUuid,proto3" json:"gpu_uuid,omitempty"`
+	Profile       string                 `protobuf:"bytes,2,opt,name=profile,proto3" json:"profile,omitempty"`
+	Placement     *Placement             `protobuf:"bytes,3,opt,name=placement,proto3" json:"placement,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NextPlacement) Reset() {
+	*x = NextPlacement{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NextPlacement) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NextPlacement) ProtoMessage() {}
+
+func (x *NextPlacement) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NextPlacement.ProtoReflect.Descriptor instead.
+func (*NextPlacement) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *NextPlacement) GetGpuUuid() string {
+	if x != nil {
+		return x.GpuUuid
+	}
+	return ""
+}
+
+func (x *NextPlacement) GetProfile() string {
+	if x != nil {
+		return x.Profile
+	}
+	return ""
+}
+
+func (x *NextPlacement) GetPlacement() *Placement {
+	if x != nil {
+		return x.Placement
+	}
+	return nil
+}
+
+type KeepFreeResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeepFreeResponse) Reset() {
+	*x = KeepFreeResponse{}
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeepFreeResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeepFreeResponse) ProtoMessage() {}
+
+func (x *KeepFreeResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_hami_migsidecar_v1_migsidecar_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeepFreeResponse.ProtoReflect.Descriptor instead.
+func (*KeepFreeResponse) Descriptor() ([]byte, []int) {
+	return file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP(), []int{45}
+}
+
 var File_hami_migsidecar_v1_migsidecar_proto protoreflect.FileDescriptor
 
 const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
@@ -3630,7 +3771,14 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
 	"\acurrent\x18\t \x01(\bR\acurrent\x12\x14\n" +
 	"\x05xid64\x18\n" +
-	" \x01(\x04R\x05xid64*Q\n" +
+	" \x01(\x04R\x05xid64\"H\n" +
+	"\x0fKeepFreeRequest\x125\n" +
+	"\x04next\x18\x01 \x03(\v2!.hami.migsidecar.v1.NextPlacementR\x04next\"\x81\x01\n" +
+	"\rNextPlacement\x12\x19\n" +
+	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
+	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +
+	"\tplacement\x18\x03 \x01(\v2\x1d.hami.migsidecar.v1.PlacementR\tplacement\"\x12\n" +
+	"\x10KeepFreeResponse*Q\n" +
 	"\tOwnerKind\x12\x1a\n" +
 	"\x16OWNER_KIND_UNSPECIFIED\x10\x00\x12\x12\n" +
 	"\x0eOWNER_KIND_POD\x10\x01\x12\x14\n" +
@@ -3663,7 +3811,7 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x0eInstanceHealth\x12\x1f\n" +
 	"\x1bINSTANCE_HEALTH_UNSPECIFIED\x10\x00\x12\v\n" +
 	"\aHEALTHY\x10\x01\x12\v\n" +
-	"\aFAULTED\x10\x022\xa2\n" +
+	"\aFAULTED\x10\x022\xf9\n" +
 	"\n" +
 	"\n" +
 	"MigSidecar\x12R\n" +
@@ -3683,7 +3831,8 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x0eRankPlacements\x12).hami.migsidecar.v1.RankPlacementsRequest\x1a*.hami.migsidecar.v1.RankPlacementsResponse\x12[\n" +
 	"\n" +
 	"UndoDevice\x12%.hami.migsidecar.v1.UndoDeviceRequest\x1a&.hami.migsidecar.v1.UndoDeviceResponse\x12a\n" +
-	"\vWatchHealth\x12&.hami.migsidecar.v1.WatchHealthRequest\x1a(.hami.migsidecar.v1.InstanceHealthUpdate0\x01BNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
+	"\vWatchHealth\x12&.hami.migsidecar.v1.WatchHealthRequest\x1a(.hami.migsidecar.v1.InstanceHealthUpdate0\x01\x12U\n" +
+	"\bKeepFree\x12#.hami.migsidecar.v1.KeepFreeRequest\x1a$.hami.migsidecar.v1.KeepFreeResponseBNZLgithub.com/Project-HAMi/hami-mig-sidecar/api/hami/migsidecar/v1;migsidecarv1b\x06proto3"
 
 var (
 	file_hami_migsidecar_v1_migsidecar_proto_rawDescOnce sync.Once
@@ -3698,7 +3847,7 @@ func file_hami_migsidecar_v1_migsidecar_proto_rawDescGZIP() []byte {
 }
 
 var file_hami_migsidecar_v1_migsidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 6)
-var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 43)
+var file_hami_migsidecar_v1_migsidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 46)
 var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(OwnerKind)(0),                   // 0: hami.migsidecar.v1.OwnerKind
 	(Outcome)(0),                     // 1: hami.migsidecar.v1.Outcome
@@ -3749,7 +3898,10 @@ var file_hami_migsidecar_v1_migsidecar_proto_goTypes = []any{
 	(*UndoDeviceResponse)(nil),       // 46: hami.migsidecar.v1.UndoDeviceResponse
 	(*WatchHealthRequest)(nil),       // 47: hami.migsidecar.v1.WatchHealthRequest
 	(*InstanceHealthUpdate)(nil),     // 48: hami.migsidecar.v1.InstanceHealthUpdate
-	(*timestamppb.Timestamp)(nil),    // 49: google.protobuf.Timestamp
+	(*KeepFreeRequest)(nil),          // 49: hami.migsidecar.v1.KeepFreeRequest
+	(*NextPlacement)(nil),            // 50: hami.migsidecar.v1.NextPlacement
+	(*KeepFreeResponse)(nil),         // 51: hami.migsidecar.v1.KeepFreeResponse
+	(*timestamppb.Timestamp)(nil),    // 52: google.protobuf.Timestamp
 }
 var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
 	6,  // 0: hami.migsidecar.v1.DeviceRequest.placement:type_name -> hami.migsidecar.v1.Placement
@@ -3773,7 +3925,7 @@ var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
 	12, // 18: hami.migsidecar.v1.RecoverResponse.preserved_foreign:type_name -> hami.migsidecar.v1.InstanceRef
 	12, // 19: hami.migsidecar.v1.RecoverResponse.adopted_foreign:type_name -> hami.migsidecar.v1.InstanceRef
 	12, // 20: hami.migsidecar.v1.RecoverResponse.removed_orphan_gis:type_name -> hami.migsidecar.v1.InstanceRef
-	49, // 21: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
+	52, // 21: hami.migsidecar.v1.GetInfoResponse.started_at:type_name -> google.protobuf.Timestamp
 	23, // 22: hami.migsidecar.v1.Gpu.mig_mode:type_name -> hami.migsidecar.v1.MigMode
 	24, // 23: hami.migsidecar.v1.ListGpusResponse.gpus:type_name -> hami.migsidecar.v1.Gpu
 	6,  // 24: hami.migsidecar.v1.Profile.placements:type_name -> hami.migsidecar.v1.Placement
@@ -3784,7 +3936,7 @@ var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
 	6,  // 29: hami.migsidecar.v1.Instance.placement:type_name -> hami.migsidecar.v1.Placement
 	2,  // 30: hami.migsidecar.v1.Instance.state:type_name -> hami.migsidecar.v1.InstanceState
 	30, // 31: hami.migsidecar.v1.Instance.owner:type_name -> hami.migsidecar.v1.Owner
-	49, // 32: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
+	52, // 32: hami.migsidecar.v1.Instance.since:type_name -> google.protobuf.Timestamp
 	5,  // 33: hami.migsidecar.v1.Instance.health:type_name -> hami.migsidecar.v1.InstanceHealth
 	6,  // 34: hami.migsidecar.v1.ForeignInstance.placement:type_name -> hami.migsidecar.v1.Placement
 	24, // 35: hami.migsidecar.v1.GpuState.gpu:type_name -> hami.migsidecar.v1.Gpu
@@ -3805,39 +3957,43 @@ var file_hami_migsidecar_v1_migsidecar_proto_depIdxs = []int32{
 	4,  // 50: hami.migsidecar.v1.UndoDeviceResponse.skipped:type_name -> hami.migsidecar.v1.UndoSkip
 	6,  // 51: hami.migsidecar.v1.InstanceHealthUpdate.placement:type_name -> hami.migsidecar.v1.Placement
 	5,  // 52: hami.migsidecar.v1.InstanceHealthUpdate.health:type_name -> hami.migsidecar.v1.InstanceHealth
-	21, // 53: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
-	25, // 54: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
-	27, // 55: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
-	10, // 56: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
-	14, // 57: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
-	17, // 58: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
-	19, // 59: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
-	34, // 60: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
-	36, // 61: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
-	38, // 62: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
-	40, // 63: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
-	42, // 64: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
-	45, // 65: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
-	47, // 66: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
-	22, // 67: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
-	26, // 68: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
-	29, // 69: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
-	13, // 70: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
-	15, // 71: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
-	18, // 72: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
-	20, // 73: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
-	35, // 74: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
-	37, // 75: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
-	39, // 76: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
-	41, // 77: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
-	44, // 78: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
-	46, // 79: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
-	48, // 80: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
-	67, // [67:81] is the sub-list for method output_type
-	53, // [53:67] is the sub-list for method input_type
-	53, // [53:53] is the sub-list for extension type_name
-	53, // [53:53] is the sub-list for extension extendee
-	0,  // [0:53] is the sub-list for field type_name
+	50, // 53: hami.migsidecar.v1.KeepFreeRequest.next:type_name -> hami.migsidecar.v1.NextPlacement
+	6,  // 54: hami.migsidecar.v1.NextPlacement.placement:type_name -> hami.migsidecar.v1.Placement
+	21, // 55: hami.migsidecar.v1.MigSidecar.GetInfo:input_type -> hami.migsidecar.v1.GetInfoRequest
+	25, // 56: hami.migsidecar.v1.MigSidecar.ListGpus:input_type -> hami.migsidecar.v1.ListGpusRequest
+	27, // 57: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:input_type -> hami.migsidecar.v1.DiscoverProfilesRequest
+	10, // 58: hami.migsidecar.v1.MigSidecar.Allocate:input_type -> hami.migsidecar.v1.AllocateRequest
+	14, // 59: hami.migsidecar.v1.MigSidecar.Release:input_type -> hami.migsidecar.v1.ReleaseRequest
+	17, // 60: hami.migsidecar.v1.MigSidecar.SyncActive:input_type -> hami.migsidecar.v1.SyncActiveRequest
+	19, // 61: hami.migsidecar.v1.MigSidecar.Recover:input_type -> hami.migsidecar.v1.RecoverRequest
+	34, // 62: hami.migsidecar.v1.MigSidecar.GetState:input_type -> hami.migsidecar.v1.GetStateRequest
+	36, // 63: hami.migsidecar.v1.MigSidecar.SetMigMode:input_type -> hami.migsidecar.v1.SetMigModeRequest
+	38, // 64: hami.migsidecar.v1.MigSidecar.UndoAllocate:input_type -> hami.migsidecar.v1.UndoAllocateRequest
+	40, // 65: hami.migsidecar.v1.MigSidecar.ReclaimIdle:input_type -> hami.migsidecar.v1.ReclaimIdleRequest
+	42, // 66: hami.migsidecar.v1.MigSidecar.RankPlacements:input_type -> hami.migsidecar.v1.RankPlacementsRequest
+	45, // 67: hami.migsidecar.v1.MigSidecar.UndoDevice:input_type -> hami.migsidecar.v1.UndoDeviceRequest
+	47, // 68: hami.migsidecar.v1.MigSidecar.WatchHealth:input_type -> hami.migsidecar.v1.WatchHealthRequest
+	49, // 69: hami.migsidecar.v1.MigSidecar.KeepFree:input_type -> hami.migsidecar.v1.KeepFreeRequest
+	22, // 70: hami.migsidecar.v1.MigSidecar.GetInfo:output_type -> hami.migsidecar.v1.GetInfoResponse
+	26, // 71: hami.migsidecar.v1.MigSidecar.ListGpus:output_type -> hami.migsidecar.v1.ListGpusResponse
+	29, // 72: hami.migsidecar.v1.MigSidecar.DiscoverProfiles:output_type -> hami.migsidecar.v1.DiscoverProfilesResponse
+	13, // 73: hami.migsidecar.v1.MigSidecar.Allocate:output_type -> hami.migsidecar.v1.AllocateResponse
+	15, // 74: hami.migsidecar.v1.MigSidecar.Release:output_type -> hami.migsidecar.v1.ReleaseResponse
+	18, // 75: hami.migsidecar.v1.MigSidecar.SyncActive:output_type -> hami.migsidecar.v1.SyncActiveResponse
+	20, // 76: hami.migsidecar.v1.MigSidecar.Recover:output_type -> hami.migsidecar.v1.RecoverResponse
+	35, // 77: hami.migsidecar.v1.MigSidecar.GetState:output_type -> hami.migsidecar.v1.GetStateResponse
+	37, // 78: hami.migsidecar.v1.MigSidecar.SetMigMode:output_type -> hami.migsidecar.v1.SetMigModeResponse
+	39, // 79: hami.migsidecar.v1.MigSidecar.UndoAllocate:output_type -> hami.migsidecar.v1.UndoAllocateResponse
+	41, // 80: hami.migsidecar.v1.MigSidecar.ReclaimIdle:output_type -> hami.migsidecar.v1.ReclaimIdleResponse
+	44, // 81: hami.migsidecar.v1.MigSidecar.RankPlacements:output_type -> hami.migsidecar.v1.RankPlacementsResponse
+	46, // 82: hami.migsidecar.v1.MigSidecar.UndoDevice:output_type -> hami.migsidecar.v1.UndoDeviceResponse
+	48, // 83: hami.migsidecar.v1.MigSidecar.WatchHealth:output_type -> hami.migsidecar.v1.InstanceHealthUpdate
+	51, // 84: hami.migsidecar.v1.MigSidecar.KeepFree:output_type -> hami.migsidecar.v1.KeepFreeResponse
+	70, // [70:85] is the sub-list for method output_type
+	55, // [55:70] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_hami_migsidecar_v1_migsidecar_proto_init() }
@@ -3851,7 +4007,7 @@ func file_hami_migsidecar_v1_migsidecar_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_hami_migsidecar_v1_migsidecar_proto_rawDesc), len(file_hami_migsidecar_v1_migsidecar_proto_rawDesc)),
 			NumEnums:      6,
-			NumMessages:   43,
+			NumMessages:   46,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

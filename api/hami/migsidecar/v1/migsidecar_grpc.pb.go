@@ -46,6 +46,7 @@ const (
 	MigSidecar_RankPlacements_FullMethodName   = "/hami.migsidecar.v1.MigSidecar/RankPlacements"
 	MigSidecar_UndoDevice_FullMethodName       = "/hami.migsidecar.v1.MigSidecar/UndoDevice"
 	MigSidecar_WatchHealth_FullMethodName      = "/hami.migsidecar.v1.MigSidecar/WatchHealth"
+	MigSidecar_KeepFree_FullMethodName         = "/hami.migsidecar.v1.MigSidecar/KeepFree"
 )
 
 // MigSidecarClient is the client API for MigSidecar service.
@@ -85,6 +86,11 @@ type MigSidecarClient interface {
 	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
 	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
 	WatchHealth(ctx context.Context, in *WatchHealthRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[InstanceHealthUpdate], error)
+	// The placements the client's scheduler takes next for a request that finds no IDLE instance of
+	// its profile, at most one per (GPU, profile): the background trim destroys the IDLE instances
+	// over them, off the request's path, so that request creates without waiting for destroys. Each
+	// call replaces the set the last one gave (an empty one clears it); in memory only.
+	KeepFree(ctx context.Context, in *KeepFreeRequest, opts ...grpc.CallOption) (*KeepFreeResponse, error)
 }
 
 type migSidecarClient struct {
@@ -244,6 +250,16 @@ func (c *migSidecarClient) WatchHealth(ctx context.Context, in *WatchHealthReque
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type MigSidecar_WatchHealthClient = grpc.ServerStreamingClient[InstanceHealthUpdate]
 
+func (c *migSidecarClient) KeepFree(ctx context.Context, in *KeepFreeRequest, opts ...grpc.CallOption) (*KeepFreeResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(KeepFreeResponse)
+	err := c.cc.Invoke(ctx, MigSidecar_KeepFree_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // MigSidecarServer is the server API for MigSidecar service.
 // All implementations must embed UnimplementedMigSidecarServer
 // for forward compatibility.
@@ -281,6 +297,11 @@ type MigSidecarServer interface {
 	// (a critical Xid naming an instance or its GPU turns it FAULTED), until the call is cancelled or
 	// the sidecar stops. For the plugin to mark the kubelet device unhealthy. Read-only.
 	WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error
+	// The placements the client's scheduler takes next for a request that finds no IDLE instance of
+	// its profile, at most one per (GPU, profile): the background trim destroys the IDLE instances
+	// over them, off the request's path, so that request creates without waiting for destroys. Each
+	// call replaces the set the last one gave (an empty one clears it); in memory only.
+	KeepFree(context.Context, *KeepFreeRequest) (*KeepFreeResponse, error)
 	mustEmbedUnimplementedMigSidecarServer()
 }
 
@@ -332,6 +353,9 @@ func (UnimplementedMigSidecarServer) UndoDevice(context.Context, *UndoDeviceRequ
 }
 func (UnimplementedMigSidecarServer) WatchHealth(*WatchHealthRequest, grpc.ServerStreamingServer[InstanceHealthUpdate]) error {
 	return status.Error(codes.Unimplemented, "method WatchHealth not implemented")
+}
+func (UnimplementedMigSidecarServer) KeepFree(context.Context, *KeepFreeRequest) (*KeepFreeResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method KeepFree not implemented")
 }
 func (UnimplementedMigSidecarServer) mustEmbedUnimplementedMigSidecarServer() {}
 func (UnimplementedMigSidecarServer) testEmbeddedByValue()                    {}
@@ -599,6 +623,24 @@ func _MigSidecar_WatchHealth_Handler(srv interface{}, stream grpc.ServerStream) 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type MigSidecar_WatchHealthServer = grpc.ServerStreamingServer[InstanceHealthUpdate]
 
+func _MigSidecar_KeepFree_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(KeepFreeRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(MigSidecarServer).KeepFree(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: MigSidecar_KeepFree_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(MigSidecarServer).KeepFree(ctx, req.(*KeepFreeRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // MigSidecar_ServiceDesc is the grpc.ServiceDesc for MigSidecar service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -657,6 +699,10 @@ var MigSidecar_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "UndoDevice",
 			Handler:    _MigSidecar_UndoDevice_Handler,
+		},
+		{
+			MethodName: "KeepFree",
+			Handler:    _MigSidecar_KeepFree_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

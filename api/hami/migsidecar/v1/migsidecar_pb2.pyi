@@ -597,3 +597,23 @@ class InstanceHealthUpdate(_message.Message):
     current: bool
     xid64: int
     def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., current: _Optional[bool] = ..., xid64: _Optional[int] = ...) -> None: ...
+
+class KeepFreeRequest(_message.Message):
+    __slots__ = ("next",)
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    next: _containers.RepeatedCompositeFieldContainer[NextPlacement]
+    def __init__(self, next: _Optional[_Iterable[_Union[NextPlacement, _Mapping]]] = ...) -> None: ...
+
+class NextPlacement(_message.Message):
+    __slots__ = ("gpu_uuid", "profile", "placement")
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    gpu_uuid: str
+    profile: str
+    placement: Placement
+    def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ...) -> None: ...
+
+class KeepFreeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -104,6 +104,11 @@ class MigSidecarStub:
                 request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
                 response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
                 _registered_method=True)
+        self.KeepFree = channel.unary_unary(
+                '/hami.migsidecar.v1.MigSidecar/KeepFree',
+                request_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeRequest.SerializeToString,
+                response_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeResponse.FromString,
+                _registered_method=True)
 
 
 class MigSidecarServicer:
@@ -214,6 +219,16 @@ class MigSidecarServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepFree(self, request, context):
+        """The placements the client's scheduler takes next for a request that finds no IDLE instance of
+        its profile, at most one per (GPU, profile): the background trim destroys the IDLE instances
+        over them, off the request's path, so that request creates without waiting for destroys. Each
+        call replaces the set the last one gave (an empty one clears it); in memory only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MigSidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +301,11 @@ def add_MigSidecarServicer_to_server(servicer, server):
                     servicer.WatchHealth,
                     request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.FromString,
                     response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.SerializeToString,
+            ),
+            'KeepFree': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepFree,
+                    request_deserializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeRequest.FromString,
+                    response_serializer=hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -666,6 +686,33 @@ class MigSidecar:
             '/hami.migsidecar.v1.MigSidecar/WatchHealth',
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.WatchHealthRequest.SerializeToString,
             hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.InstanceHealthUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepFree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hami.migsidecar.v1.MigSidecar/KeepFree',
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeRequest.SerializeToString,
+            hami_dot_migsidecar_dot_v1_dot_migsidecar__pb2.KeepFreeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	gpus := fs.String("gpus", "", "comma-separated GPUs served, by UUID or the sidecar's index (default: every MIG-enabled GPU)")
 	profiles := fs.String("profiles", "", "comma-separated MIG profiles published, full names (default: all)")
 	minInterval := fs.Duration("republish-min-interval", dra.DefaultMinInterval, "least time between two updates of the node's slices")
+	keepFree := fs.Duration("keep-free-within", dra.DefaultKeepFreeWithin,
+		"how long after the last claim for a profile the sidecar is asked to keep its next cold device free of IDLE instances (negative: never)")
 	destroy := fs.Bool("destroy-at-unprepare", false, "destroy a claim's instances at unprepare instead of keeping them IDLE (create-per-claim)")
 	recoverSidecar := fs.Bool("recover-sidecar", false, "recover a restarted sidecar with no active pod: only when this plugin is the sidecar's only client")
 	allowSim := fs.Bool("allow-simulated-backend", false, "accept a sidecar on simulated GPUs (tests and demos)")
@@ -112,6 +114,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	}
 	d, err := dra.New(c, kube, dra.Options{
 		NodeName: *node, DriverName: *driver, GPUs: list(*gpus), Profiles: list(*profiles), MinInterval: *minInterval,
+		KeepFreeWithin:     *keepFree,
 		DestroyAtUnprepare: *destroy, RecoverSidecar: *recoverSidecar, Fatal: cancel, Log: logger.Printf, Metrics: metrics,
 	})
 	if err != nil {

@@ -31,6 +31,8 @@ const (
 	envTrace   = "DRA_BENCH_TRACE"   // the trace, a JSON list of claims
 	envOut     = "DRA_BENCH_OUT"     // where the results go, as JSON
 	envDestroy = "DRA_BENCH_DESTROY" // "1": the plugin destroys a claim's instances at unprepare
+	envSettle  = "DRA_BENCH_SETTLE"  // "0": no wait for the node to settle before an arrival
+	envKeep    = "DRA_BENCH_KEEP"    // "0": the plugin names nothing to keep free (KeepFree)
 	node       = "bench-node"
 	namespace  = "bench"
 	waitFor    = 2 * time.Minute // the longest a pod may take to be scheduled, a loaded machine's
@@ -53,6 +55,8 @@ type result struct {
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
 	ScheduleS float64 `json:"schedule_s"`          // claim and pod created to pod bound (or reported unschedulable)
 	PrepareS  float64 `json:"prepare_s,omitempty"` // NodePrepareResources
+	// PrepareError is the plugin's refusal of a claim the scheduler allocated (its pod never starts).
+	PrepareError string `json:"prepare_error,omitempty"`
 }
 
 type event struct {
@@ -87,8 +91,13 @@ func BenchmarkClaimTrace(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer func() { _ = c.Close() }()
-	n := fakekubelet.Start(ctx, b, s, c, dra.Options{NodeName: node, RecoverSidecar: true,
-		DestroyAtUnprepare: os.Getenv(envDestroy) == "1"})
+	settle, keepFree := os.Getenv(envSettle) != "0", os.Getenv(envKeep) != "0" && os.Getenv(envDestroy) != "1"
+	asked := map[string]bool{} // the profiles of the claims prepared so far, when the plugin keeps their next free
+	opts := dra.Options{NodeName: node, RecoverSidecar: true, DestroyAtUnprepare: os.Getenv(envDestroy) == "1"}
+	if !keepFree {
+		opts.KeepFreeWithin = -1
+	}
+	n := fakekubelet.Start(ctx, b, s, c, opts)
 	kubeapi.ReadyNode(ctx, b, admin, node)
 
 	var events []event
@@ -109,7 +118,13 @@ func BenchmarkClaimTrace(b *testing.B) {
 				}
 				continue
 			}
-			warm := settled(ctx, b, n, c)
+			warm := published(ctx, b, n)
+			if settle {
+				warm = settled(ctx, b, n, c, asked)
+			}
+			if keepFree {
+				asked[cl.Profile] = true
+			}
 			r, prepared := arrive(ctx, b, n, s, cl, warm)
 			results[e.claim] = r
 			if prepared != nil {
@@ -131,9 +146,13 @@ func BenchmarkClaimTrace(b *testing.B) {
 	}
 }
 
-// settled waits until the node's slices show as warm exactly the IDLE instances the sidecar
-// reports, and returns the published devices' warmth by name.
-func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client) map[string]bool {
+// settled waits until the node is at rest, and returns the published devices' warmth by name:
+// the slices show as warm exactly the IDLE instances the sidecar reports, and the trim has freed
+// what the plugin asked it to keep free: for each profile claims asked for (asked), its first
+// published device that is neither warm nor held by a claim overlaps no IDLE instance. The
+// trace's arrivals are tens of seconds apart in trace time, which leaves the sidecar the second or
+// two its background trim takes; the replay does not wait that long between events by itself.
+func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client, asked map[string]bool) map[string]bool {
 	b.Helper()
 	warm := map[string]bool{}
 	n.Devices(ctx, b, func(devices []resourceapi.Device) bool {
@@ -141,20 +160,58 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 		if err != nil {
 			b.Fatal(err)
 		}
-		want := dra.WarmFromState(st)
+		view := dra.ViewOf(st)
+		held := map[dra.Placed]bool{}
+		for _, blocks := range view.Blocked {
+			for _, block := range blocks {
+				if block.Keep != nil {
+					held[*block.Keep] = true
+				}
+			}
+		}
 		got := map[dra.Placed]bool{}
 		clear(warm)
+		cold := map[string]bool{} // profiles whose first cold device was seen
+		free := true
+		for _, d := range devices {
+			p := placed(d)
+			if a := d.Attributes[dra.AttrWarm].BoolValue; a != nil && *a {
+				got[p] = true
+				warm[d.Name] = true
+				continue
+			}
+			if !asked[p.Profile] || held[p] || cold[p.Profile] {
+				continue
+			}
+			cold[p.Profile] = true
+			free = free && !slices.ContainsFunc(view.Idle[p.GPUUUID], func(q migclient.Placement) bool {
+				return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
+			})
+		}
+		return len(devices) > 0 && maps.Equal(got, view.Warm) && free
+	})
+	return warm
+}
+
+// published is the warmth of the devices published now, by name, with no wait.
+func published(ctx context.Context, b *testing.B, n *fakekubelet.Node) map[string]bool {
+	b.Helper()
+	warm := map[string]bool{}
+	n.Devices(ctx, b, func(devices []resourceapi.Device) bool {
 		for _, d := range devices {
 			if a := d.Attributes[dra.AttrWarm].BoolValue; a != nil && *a {
-				start, size := d.Attributes[dra.AttrPlacementStart].IntValue, d.Attributes[dra.AttrPlacementSize].IntValue
-				got[dra.Placed{GPUUUID: *d.Attributes[dra.AttrGPUUUID].StringValue, Profile: *d.Attributes[dra.AttrProfile].StringValue,
-					Placement: migclient.Placement{Start: uint32(*start), Size: uint32(*size)}}] = true
 				warm[d.Name] = true
 			}
 		}
-		return len(devices) > 0 && maps.Equal(got, want)
+		return len(devices) > 0
 	})
 	return warm
+}
+
+func placed(d resourceapi.Device) dra.Placed {
+	start, size := d.Attributes[dra.AttrPlacementStart].IntValue, d.Attributes[dra.AttrPlacementSize].IntValue
+	return dra.Placed{GPUUUID: *d.Attributes[dra.AttrGPUUUID].StringValue, Profile: *d.Attributes[dra.AttrProfile].StringValue,
+		Placement: migclient.Placement{Start: uint32(*start), Size: uint32(*size)}}
 }
 
 // arrive creates cl's claim and pod, waits for the scheduler, and prepares the claim as kubelet
@@ -202,7 +259,14 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 	start = time.Now()
 	answer, err := n.Prepare(ctx, allocated)
 	r.PrepareS = time.Since(start).Seconds()
-	if err != nil || answer.GetError() != "" || len(fakekubelet.CDIDevices(answer)) != 1 {
+	if err == nil && answer.GetError() != "" {
+		// Refused: the claim's pod would never start (DRA does not allocate a claim again). Counted,
+		// not fatal, so a run shows how often; the pod and the claim go as a stuck pod's would.
+		r.PrepareError = answer.GetError()
+		remove(ctx, b, admin, cl.UID)
+		return r, nil
+	}
+	if err != nil || len(fakekubelet.CDIDevices(answer)) != 1 {
 		b.Fatalf("prepare claim %s (%s on %s): %v %v", cl.UID, cl.Profile, r.Device, err, answer)
 	}
 	return r, allocated

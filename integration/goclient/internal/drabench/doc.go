@@ -9,8 +9,10 @@
 // the claim is prepared and the time of NodePrepareResources is the claim-prepare latency. A pod
 // the scheduler reports unschedulable is deleted with its claim and counted as refused. Each
 // departure unprepares the claim and deletes the pod and the claim, as kubelet and
-// kube-controller-manager would. Events run in trace order, one at a time; before each arrival the
-// benchmark waits until the published slices show as warm exactly the IDLE instances the sidecar
-// reports, so a claim sees the cache as the plugin republished it and the result does not depend
-// on how fast the machine replays (a lag in republishing is not measured here).
+// kube-controller-manager would. Events run in trace order, one at a time. Unless
+// DRA_BENCH_SETTLE is "0", before each arrival the benchmark waits until the node settled: the
+// published slices show as warm exactly the IDLE instances the sidecar reports, and the sidecar's
+// trim freed the placements the plugin asked it to keep free, so a claim sees the cache as the
+// plugin republished it and the result does not depend on how fast the machine replays. With "0"
+// each arrival follows the last event at once: a lag in republishing or trimming is measured.
 package drabench

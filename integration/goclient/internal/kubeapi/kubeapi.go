@@ -65,6 +65,7 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+	"k8s.io/client-go/util/retry"
 )
 
 // The users of the token file. PluginUser is what the device plugin's ServiceAccount
@@ -504,21 +505,28 @@ func (s *Server) writeKubeconfig(user, path string) error {
 // reserved for a live pod is the controller's to keep.
 func DeleteClaim(ctx context.Context, client kubernetes.Interface, namespace, name string) error {
 	claims := client.ResourceV1().ResourceClaims(namespace)
-	claim, err := claims.Get(ctx, name, metav1.GetOptions{})
+	// The scheduler may still be writing the claim (one it just found no device for): read it again.
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		claim, err := claims.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if claim.Status.Allocation != nil || len(claim.Status.ReservedFor) > 0 {
+			claim.Status.Allocation, claim.Status.ReservedFor = nil, nil
+			if claim, err = claims.UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+				return err
+			}
+		}
+		if i := slices.Index(claim.Finalizers, resourcev1.Finalizer); i >= 0 {
+			claim.Finalizers = slices.Delete(claim.Finalizers, i, i+1)
+			if _, err := claims.Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
 	if err != nil {
 		return err
-	}
-	if claim.Status.Allocation != nil || len(claim.Status.ReservedFor) > 0 {
-		claim.Status.Allocation, claim.Status.ReservedFor = nil, nil
-		if claim, err = claims.UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
-			return err
-		}
-	}
-	if i := slices.Index(claim.Finalizers, resourcev1.Finalizer); i >= 0 {
-		claim.Finalizers = slices.Delete(claim.Finalizers, i, i+1)
-		if _, err := claims.Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
-			return err
-		}
 	}
 	return claims.Delete(ctx, name, metav1.DeleteOptions{})
 }
