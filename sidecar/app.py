@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import logging
 import os
 import signal
@@ -277,9 +278,16 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     servicer.on_recovered = app.on_recovered
     if watcher is not None:
         servicer.on_mig_enabled = watcher.include
-    if idle is not None:
-        servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
+    servicer.on_change = functools.partial(_kick_for_the_trim, config.idle.enabled, ctx, reconciler)
     return app
+
+
+def _kick_for_the_trim(policy: bool, ctx: LifecycleContext, reconciler: Reconciler) -> None:
+    """After an Allocate, Release, SyncActive or KeepFree: the idle trim runs right after, off the
+    request path, when there is one to run (an idle policy, or placements a client keeps free).
+    Without either, ERROR retries and CDI removals keep their interval, as they always had."""
+    if policy or ctx.keep_free.next:
+        reconciler.kick()
 
 
 def publish_driver_spec(config: ServeConfig, backend: nvml.Backend) -> tuple[str, ...]:
