@@ -255,8 +255,9 @@ def build(config: ServeConfig, backend: nvml.Backend, records: RecordStore, boot
     servicer.on_recovered = app.on_recovered
     if watcher is not None:
         servicer.on_mig_enabled = watcher.include
-    if idle is not None:
+    if config.idle.enabled:
         servicer.on_change = reconciler.kick  # the idle policy runs right after, off the request path
+    servicer.on_keep_free = reconciler.kick  # the named placements are freed now, whatever the policy
     return app
 
 

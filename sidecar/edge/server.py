@@ -140,6 +140,8 @@ class MigSidecarServicer:
         self.on_recovered = on_recovered
         # Called after an Allocate, Release or SyncActive (the composition root wakes the idle policy).
         self.on_change: Callable[[], None] = lambda: None
+        # Called after a KeepFree (the composition root wakes the idle trim).
+        self.on_keep_free: Callable[[], None] = lambda: None
         # Called with a GPU whose MIG mode a SetMigMode left enabled (the Xid watcher watches it too).
         self.on_mig_enabled: Callable[[str], None] = lambda _gpu_uuid: None
         self.health_feed = HealthFeed(lifecycle.instances)  # WatchHealth's streams
@@ -397,7 +399,7 @@ class MigSidecarServicer:
     ) -> pb.KeepFreeResponse:
         def answer() -> pb.KeepFreeResponse:
             self.lifecycle.keep_free(decode.next_placements(request.next))
-            self.on_change()  # the idle trim frees them now, not at its next interval
+            self.on_keep_free()
             return pb.KeepFreeResponse()
 
         return await self._handle("KeepFree", context, answer)
