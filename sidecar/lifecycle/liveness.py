@@ -192,17 +192,15 @@ class _Waiting:
 
     def __enter__(self) -> None:
         live = self._liveness
-        if self._lock is not None:
-            me = threading.get_ident()
-            with live._lock:
-                if me not in live._waits:
-                    live._waits[me] = (live._clock(), self._lock)
-                    self._kept = True
         mine = live._tokens_of_thread()
-        if not mine:
+        if self._lock is None and not mine:
             return
+        me = threading.get_ident()
         with live._lock:
             now = live._clock()
+            if self._lock is not None and me not in live._waits:
+                live._waits[me] = (now, self._lock)
+                self._kept = True
             for token in mine:
                 entry = live._running.get(token)
                 if entry is not None and entry.waiting_since is None:
@@ -211,13 +209,12 @@ class _Waiting:
 
     def __exit__(self, *exc: object) -> None:
         live = self._liveness
-        if self._kept:
-            with live._lock:
-                live._waits.pop(threading.get_ident(), None)
-            self._kept = False
-        if not self._paused:
+        if not self._kept and not self._paused:
             return
         with live._lock:
+            if self._kept:
+                live._waits.pop(threading.get_ident(), None)
+                self._kept = False
             now = live._clock()
             for entry in self._paused:
                 if entry.waiting_since is not None:

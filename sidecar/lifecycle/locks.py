@@ -117,35 +117,34 @@ class GpuLock:
     ``owner`` (the holding thread's ident) and ``changed`` (when it last changed hands) are read
     without a lock by ``Liveness``: a stale read only delays a stuck verdict by one probe."""
 
-    __slots__ = ("_depth", "_lock", "_locks", "changed", "owner", "uuid")
+    __slots__ = ("_lock", "_locks", "changed", "owner", "uuid")
 
     def __init__(self, uuid: str, locks: Locks) -> None:
         self.uuid = uuid
         self._lock = threading.RLock()
         self._locks = locks
-        self._depth = 0
         self.owner: int | None = None
         self.changed = locks._clock()
 
     def __enter__(self) -> None:
         held = self._locks.held()
-        if held and self.uuid not in held and max(held) > self.uuid:
+        first = self.uuid not in held  # not a re-entry: this thread takes the lock itself
+        if first and held and max(held) > self.uuid:
             raise LockOrderError(
                 f"GPU lock of {self.uuid} taken while holding that of {max(held)}, which sorts after it"
             )
         if not self._lock.acquire(blocking=False):
             with self._locks._waiting(self):
                 self._lock.acquire()
-        self._depth += 1
-        if self._depth == 1:
+        if first:
             self.owner = threading.get_ident()
             self.changed = self._locks._clock()
         held.append(self.uuid)
 
     def __exit__(self, *_: object) -> None:
-        self._locks.held().pop()
-        self._depth -= 1
-        if self._depth == 0:
+        held = self._locks.held()
+        held.pop()
+        if self.uuid not in held:  # the thread's outermost hold ends: the lock changes hands
             self.owner = None
             self.changed = self._locks._clock()
         self._lock.release()
