@@ -175,7 +175,7 @@ def report(rows: list[Row]) -> None:
     for r in rows:
         lat, prepared = r.prepare_s(), r.prepared
         sched = sorted(float(str(c["schedule_s"])) for c in prepared)
-        warm = sum(1 for c in prepared if c.get("warm")) / len(prepared)
+        warm = sum(1 for c in prepared if c.get("reused")) / len(prepared)
         mean, p99 = statistics.fmean(lat), percentile(lat, 0.99)
         base_lat = base.prepare_s()
         stuck = len(r.prepare_refused)
@@ -190,8 +190,8 @@ def report(rows: list[Row]) -> None:
     print()
     for r in rows:
         parts = []
-        for label, on_warm in (("a warm device", True), ("a cold one", False)):
-            lat = sorted(float(str(c["prepare_s"])) for c in r.prepared if bool(c.get("warm")) == on_warm)
+        for label, on_warm in (("an IDLE instance", True), ("a new one", False)):
+            lat = sorted(float(str(c["prepare_s"])) for c in r.prepared if bool(c.get("reused")) == on_warm)
             if lat:
                 parts.append(
                     f"{len(lat)} on {label} (mean {statistics.fmean(lat) * 1e3:.1f} ms, "

@@ -231,6 +231,7 @@ GO_E2E_TESTS = [
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
     "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
+    "TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
 GO_E2E_KUBEAPI = {
@@ -239,9 +240,13 @@ GO_E2E_KUBEAPI = {
     "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
+    "TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet",
 }
 # These also run the real kube-scheduler against it.
-GO_E2E_SCHEDULER = {"TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated"}
+GO_E2E_SCHEDULER = {
+    "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
+    "TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet",
+}
 # These assert that an ERROR instance is destroyed inside an Allocate; the fixture's reconciler
 # (every 0.2 s) would destroy it first, so their sidecar is restarted with a quiet one.
 GO_E2E_QUIET_RECONCILER = {

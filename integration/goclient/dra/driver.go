@@ -74,6 +74,8 @@ type Driver struct {
 	kube kubernetes.Interface
 	opts Options
 
+	changed chan struct{} // a prepare or unprepare ran: Run looks at the sidecar now, not at its next poll
+
 	mu    sync.Mutex
 	gpus  []GPU
 	model *Model
@@ -108,7 +110,7 @@ func New(c *migclient.Client, kube kubernetes.Interface, opts Options) (*Driver,
 	if err != nil {
 		return nil, fmt.Errorf("dial %s for the health service: %w", c.Target(), err)
 	}
-	d := &Driver{c: c, conn: conn, kube: kube, opts: opts, asked: map[string]time.Time{}}
+	d := &Driver{c: c, conn: conn, kube: kube, opts: opts, asked: map[string]time.Time{}, changed: make(chan struct{}, 1)}
 	d.Health = NewHealth(pb.NewMigSidecarClient(conn), d.ResolveHealth, opts.Health)
 	return d, nil
 }
@@ -242,9 +244,11 @@ func (d *Driver) refresh(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	view := ViewOf(st)
+	view.HeldGoIdle = !d.opts.DestroyAtUnprepare
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.model = NewModel(d.opts.NodeName, d.gpus, ViewOf(st))
+	d.model = NewModel(d.opts.NodeName, d.gpus, view)
 	return nil
 }
 
@@ -265,6 +269,7 @@ func (d *Driver) PrepareResourceClaims(ctx context.Context, claims []*resourceap
 		done(err)
 		out[claim.UID] = kubeletplugin.PrepareResult{Devices: devices, Err: err}
 	}
+	d.poke()
 	return out, nil
 }
 
@@ -324,6 +329,14 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	return devices, nil
 }
 
+// poke tells Run that the sidecar's instances may have changed.
+func (d *Driver) poke() {
+	select {
+	case d.changed <- struct{}{}:
+	default:
+	}
+}
+
 // UnprepareResourceClaims implements kubeletplugin.DRAPlugin: the claim's instances go IDLE (or,
 // with DestroyAtUnprepare, are destroyed). A claim that holds none answers success.
 func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
@@ -332,6 +345,7 @@ func (d *Driver) UnprepareResourceClaims(ctx context.Context, claims []kubeletpl
 		out[claim.UID] = d.release(ctx, string(claim.UID))
 		d.opts.Metrics.unprepared(out[claim.UID])
 	}
+	d.poke()
 	return out, nil
 }
 

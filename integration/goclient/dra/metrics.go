@@ -78,7 +78,7 @@ func NewMetrics(reg prometheus.Registerer) (*Metrics, error) {
 		slicePublishes: prometheus.NewCounter(prometheus.CounterOpts{Name: MetricSlicePublishes,
 			Help: "Updates of the node's ResourceSlices handed to the kubelet plugin helper, which writes them."}),
 		publishedDevices: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: MetricPublishedDevices,
-			Help: `Devices in the node's ResourceSlices as last published; warm="true": over an IDLE instance.`}, []string{"warm"}),
+			Help: `Devices in the node's ResourceSlices as last published; warm="true": over an IDLE instance, or a claim's that goes IDLE at its unprepare.`}, []string{"warm"}),
 		republishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: MetricRepublishErrors,
 			Help: "Failed republishing rounds, by stage: info, sync, state, publish."}, []string{"stage"}),
 	}

@@ -1,7 +1,9 @@
 package dra
 
 import (
+	"cmp"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 
@@ -37,19 +39,28 @@ import (
 // whose placements overlap can never both be allocated, which is exactly NVML's rule. At most
 // MaxDevicesPerSlice devices per slice, the server's limit for devices that consume counters.
 //
-// The slices offer only what prepare can do (View, from GetState). Not published: a device whose
-// placement overlaps anything not this plugin's to hand out, which the scheduler cannot see
-// through the counters: a foreign GPU instance, an instance of HAMi's path (owned by a pod), a
-// CREATING, DELETING or ERROR one, a FAULTED one; and every device of a GPU the sidecar could not
-// read (GpuState.unreadable: lost, or its listing failed). A claim's ACTIVE instance hides the
-// devices overlapping it but its own, which the claim holds (the scheduler counts its counters
-// through it). Each comes back once that is gone, at the next republish. The model keeps every
-// device for Lookup: a claim allocated before a device was hidden is still prepared (the sidecar
-// answers what it can).
+// Every device is published, always: a device a claim was allocated must stay in the slices, or the
+// allocator no longer counts the counters it consumes and hands its memory slices to the next
+// claim, whose prepare then finds them taken. A device prepare must refuse is tainted instead
+// (TaintKey, effect NoSchedule: the allocator gives it to no new claim that does not tolerate the
+// taint, and still counts it for the claims that hold it), with the reason as the taint's value:
+// a device whose placement overlaps anything not this plugin's to hand out, which the scheduler
+// cannot see through the counters: a foreign GPU instance, an instance of HAMi's path (owned by a
+// pod), an ERROR one, a FAULTED one no claim holds; and every device of a GPU the sidecar could not
+// read (GpuState.unreadable: lost, or its listing failed). The taint goes once that is gone, at the
+// next republish. Tainted devices come last. A claim's own instances taint nothing: the scheduler
+// counts them through the claim's allocation. Nor do instances the sidecar is creating or
+// destroying for its cache (CREATING, DELETING, no owner): it does so under the GPU's lock, which an
+// Allocate waits for.
 //
 // A device is warm when an IDLE, healthy instance of exactly its profile sits exactly at its
-// placement. A firstAvailable list whose first subrequest selects the attribute "warm" stays for
-// claims that want a warm device or none of the first choice.
+// placement, and, unless the plugin destroys at unprepare, when a claim's healthy instance does:
+// that instance goes IDLE at the claim's unprepare, and the allocator cannot give the device to
+// another claim before the claim's allocation is gone, by which time it is IDLE. So an unprepare
+// changes nothing in the slices, and a claim that follows a departure finds the departed claim's
+// instance warm and first without waiting for a republish. A firstAvailable list whose first
+// subrequest selects the attribute "warm" stays for claims that want a warm device or none of the
+// first choice.
 
 // MaxDevicesPerSlice is the API server's limit on counter-consuming devices in one ResourceSlice
 // (resource.k8s.io/v1 ResourceSliceMaxDevicesWithAdvancedFeatures).
@@ -96,10 +107,10 @@ type Placed struct {
 // and the lookup of an allocation result's (pool, device) pair.
 type Model struct {
 	node    string
-	devices []Device // every device, in rank order (warm first); Offered says which are published
-	offered map[string]bool
-	held    map[string]bool          // devices a claim's ACTIVE instance holds (offered for its counters only)
-	sets    []resourceapi.CounterSet // one per GPU, by index
+	devices []Device                         // every device, in rank order (warm first, tainted last)
+	tainted map[string]string                // device -> why it is tainted
+	held    map[string][]migclient.Placement // placements claims hold, by GPU UUID
+	sets    []resourceapi.CounterSet         // one per GPU, by index
 	byName  map[string]Device
 	gpuByID map[string]uint32 // GPU UUID -> index
 }
@@ -141,25 +152,41 @@ func instanceCounter(p migclient.Profile) string {
 
 func counterSetName(gpuIndex uint32) string { return fmt.Sprintf("gpu%d", gpuIndex) }
 
-// View is what GetState says of the GPUs beyond their profiles: the warm set, the IDLE
-// placements by GPU, what blocks a placement, and the GPUs that could not be read.
+// View is what GetState says of the GPUs beyond their profiles: the warm set, the instances a
+// claim holds, the IDLE placements by GPU, what blocks a placement, and the GPUs that could not
+// be read.
 type View struct {
 	Warm map[Placed]bool
+	// Held are the healthy instances claims hold (ACTIVE, or CREATING for a prepare in flight).
+	Held map[Placed]bool
 	// Idle are the placements of each GPU's IDLE, healthy instances (by GPU UUID).
 	Idle map[string][]migclient.Placement
-	// Blocked are the placements of each GPU no device overlapping may be offered for (by GPU UUID).
+	// Blocked are the placements of each GPU whose overlapping devices are tainted (by GPU UUID).
 	Blocked map[string][]Block
 	// Unreadable are the GPUs the sidecar could not read, with its reason (by GPU UUID).
 	Unreadable map[string]string
+	// HeldGoIdle: a claim's instances go IDLE at its unprepare (Options.DestroyAtUnprepare off), so
+	// a held device is published warm and its instance counts among the IDLE ones in the ranks.
+	HeldGoIdle bool
 }
 
-// Block is a placement no offered device may overlap, but for Keep's own device when set (a
-// claim's ACTIVE instance: its claim holds that device).
+// Block is a placement no new claim may be given a device over: Why is the taint's value (a label
+// value), Detail what the sidecar said of it, for the log.
 type Block struct {
 	Placement migclient.Placement
 	Why       string
-	Keep      *Placed
+	Detail    string
 }
+
+// The taint of a device prepare must refuse, and its values.
+const (
+	TaintKey             = DefaultDriverName + "/unavailable"
+	TaintForeign         = "foreign-gpu-instance"
+	TaintPodInstance     = "hami-pod-instance"
+	TaintErrorInstance   = "error-instance"
+	TaintFaultedInstance = "faulted-instance"
+	TaintGPUUnreadable   = "gpu-unreadable"
+)
 
 func overlap(a, b migclient.Placement) bool {
 	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
@@ -168,11 +195,14 @@ func overlap(a, b migclient.Placement) bool {
 // rank orders the devices by what preparing a claim on one costs the sidecar: 0 warm (a reuse,
 // no create), 1 cold on memory slices no IDLE instance holds (one create), then cold over n IDLE
 // instances, 1+n (the sidecar destroys each inline before it creates: the slowest prepares, and
-// the cache loses them). The order of RankPlacements' REUSE, FREE and RECLAIM, so that a claim
-// missing the cache takes a free placement while one is left, and else the one in the fewest
-// cached instances' way.
-func rank(d Device, idle []migclient.Placement) int {
-	if d.Warm {
+// the cache loses them); tainted devices after all of them. The order of RankPlacements' REUSE,
+// FREE and RECLAIM, so that a claim missing the cache takes a free placement while one is left,
+// and else the one in the fewest cached instances' way.
+func rank(d Device, idle []migclient.Placement, tainted bool) int {
+	switch {
+	case tainted:
+		return math.MaxInt
+	case d.Warm:
 		return 0
 	}
 	r := 1
@@ -187,34 +217,40 @@ func rank(d Device, idle []migclient.Placement) int {
 // WarmFromState is the warm set of a GetState answer: every IDLE, healthy instance.
 func WarmFromState(st *pb.GetStateResponse) map[Placed]bool { return ViewOf(st).Warm }
 
-// ViewOf reads a GetState answer: IDLE, healthy instances are warm; foreign GIs, instances owned
-// by a pod, CREATING, DELETING, ERROR and FAULTED ones block their placement; a claim's ACTIVE
-// instance blocks its placement but for its own device.
+// ViewOf reads a GetState answer: IDLE, healthy instances are warm; a claim's healthy instances
+// are held; foreign GIs, instances owned by a pod, ERROR ones and FAULTED ones no claim holds
+// block their placement. HeldGoIdle is the caller's to set.
 func ViewOf(st *pb.GetStateResponse) View {
-	v := View{Warm: map[Placed]bool{}, Idle: map[string][]migclient.Placement{}, Blocked: map[string][]Block{},
-		Unreadable: map[string]string{}}
+	v := View{Warm: map[Placed]bool{}, Held: map[Placed]bool{}, Idle: map[string][]migclient.Placement{},
+		Blocked: map[string][]Block{}, Unreadable: map[string]string{}}
 	for _, g := range st.GetGpus() {
 		gpu := g.GetGpu().GetUuid()
 		if why := g.GetUnreadable(); why != "" {
 			v.Unreadable[gpu] = why
 		}
 		for _, f := range g.GetForeign() {
-			v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: placementOf(f.GetPlacement()),
-				Why: fmt.Sprintf("foreign GPU instance %d", f.GetGpuInstanceId())})
+			v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: placementOf(f.GetPlacement()), Why: TaintForeign,
+				Detail: fmt.Sprintf("foreign GPU instance %d", f.GetGpuInstanceId())})
 		}
 		for _, in := range g.GetInstances() {
 			at := placementOf(in.GetPlacement())
 			healthy := in.GetHealth() != pb.InstanceHealth_FAULTED
+			kind := in.GetOwner().GetKind()
+			detail := fmt.Sprintf("%s instance %s (%s)", in.GetState(), in.GetMigUuid(), in.GetHealth())
 			switch {
-			case in.GetState() == pb.InstanceState_IDLE && healthy:
+			case kind == pb.OwnerKind_OWNER_KIND_CLAIM:
+				if healthy && (in.GetState() == pb.InstanceState_ACTIVE || in.GetState() == pb.InstanceState_CREATING) {
+					v.Held[Placed{gpu, in.GetProfile(), at}] = true
+				}
+			case in.GetOwner() != nil: // a pod's (an older sidecar leaves the kind unspecified)
+				v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: at, Why: TaintPodInstance, Detail: detail})
+			case in.GetState() == pb.InstanceState_ERROR:
+				v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: at, Why: TaintErrorInstance, Detail: detail})
+			case !healthy:
+				v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: at, Why: TaintFaultedInstance, Detail: detail})
+			case in.GetState() == pb.InstanceState_IDLE:
 				v.Warm[Placed{gpu, in.GetProfile(), at}] = true
 				v.Idle[gpu] = append(v.Idle[gpu], at)
-			case in.GetState() == pb.InstanceState_ACTIVE && healthy && in.GetOwner().GetKind() == pb.OwnerKind_OWNER_KIND_CLAIM:
-				v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: at, Why: "claim " + in.GetOwner().GetClaim().GetUid(),
-					Keep: &Placed{gpu, in.GetProfile(), at}})
-			default:
-				v.Blocked[gpu] = append(v.Blocked[gpu], Block{Placement: at,
-					Why: fmt.Sprintf("%s instance %s (%s)", in.GetState(), in.GetMigUuid(), in.GetHealth())})
 			}
 		}
 	}
@@ -225,44 +261,49 @@ func placementOf(p *pb.Placement) migclient.Placement {
 	return migclient.Placement{Start: p.GetStart(), Size: p.GetSize()}
 }
 
-// holds reports whether a claim's ACTIVE instance holds d itself (Block.Keep).
-func (v View) holds(d Device) bool {
+// taint is the reason d is tainted ("" when it is not): its GPU unreadable, or a block over it.
+func (v View) taint(d Device) string {
+	if _, lost := v.Unreadable[d.GPUUUID]; lost {
+		return TaintGPUUnreadable
+	}
 	for _, b := range v.Blocked[d.GPUUUID] {
-		if b.Keep != nil && *b.Keep == (Placed{d.GPUUUID, d.Profile, d.Placement}) {
-			return true
+		if overlap(d.Placement, b.Placement) {
+			return b.Why
 		}
 	}
-	return false
+	return ""
 }
 
-// offered reports whether the view lets d be published: its GPU readable, and no block over it.
-func (v View) offered(d Device) bool {
-	if _, lost := v.Unreadable[d.GPUUUID]; lost {
-		return false
+// heldPlacements are each GPU's placements claims hold.
+func (v View) heldPlacements() map[string][]migclient.Placement {
+	out := map[string][]migclient.Placement{}
+	for p := range v.Held {
+		out[p.GPUUUID] = append(out[p.GPUUUID], p.Placement)
 	}
-	for _, b := range v.Blocked[d.GPUUUID] {
-		if overlap(d.Placement, b.Placement) && (b.Keep == nil || *b.Keep != Placed{d.GPUUUID, d.Profile, d.Placement}) {
-			return false
-		}
-	}
-	return true
+	return out
 }
 
 // NewModel builds the node's pool of gpus with the view.
 func NewModel(node string, gpus []GPU, view View) *Model {
-	m := &Model{node: node, offered: map[string]bool{}, held: map[string]bool{}, byName: map[string]Device{}, gpuByID: map[string]uint32{}}
+	m := &Model{node: node, tainted: map[string]string{}, held: view.heldPlacements(), byName: map[string]Device{},
+		gpuByID: map[string]uint32{}}
 	pool := PoolName(node)
 	ranks := map[string]int{}
 	for _, g := range slices.SortedFunc(slices.Values(gpus), func(a, b GPU) int { return int(a.Index) - int(b.Index) }) {
 		set := resourceapi.CounterSet{Name: counterSetName(g.Index), Counters: map[string]resourceapi.Counter{}}
+		idle := view.Idle[g.UUID]
+		if view.HeldGoIdle {
+			idle = append(slices.Clone(idle), m.held[g.UUID]...)
+		}
 		for _, p := range g.Profiles {
 			instances := instanceCounter(p)
 			if instances != "" {
 				set.Counters[instances] = resourceapi.Counter{Value: *resource.NewQuantity(int64(p.InstanceCount), resource.DecimalSI)}
 			}
 			for _, pl := range p.Placements {
+				at := Placed{g.UUID, p.Name, pl}
 				d := Device{Pool: pool, Name: DeviceName(g.Index, p.Name, pl.Start), GPUIndex: g.Index, GPUUUID: g.UUID,
-					Profile: p.Name, Placement: pl, MemoryBytes: p.MemoryMB << 20, Warm: view.Warm[Placed{g.UUID, p.Name, pl}]}
+					Profile: p.Name, Placement: pl, MemoryBytes: p.MemoryMB << 20, Warm: view.Warm[at] || view.HeldGoIdle && view.Held[at]}
 				for k := pl.Start; k < pl.Start+pl.Size; k++ {
 					name := fmt.Sprintf("memory-slice-%d", k)
 					set.Counters[name] = resourceapi.Counter{Value: *resource.NewQuantity(1, resource.DecimalSI)}
@@ -271,10 +312,12 @@ func NewModel(node string, gpus []GPU, view View) *Model {
 				if instances != "" {
 					d.counters = append(d.counters, instances)
 				}
-				ranks[d.Name] = rank(d, view.Idle[g.UUID])
+				if why := view.taint(d); why != "" {
+					m.tainted[d.Name] = why
+					d.Warm = false
+				}
+				ranks[d.Name] = rank(d, idle, m.tainted[d.Name] != "")
 				m.devices = append(m.devices, d)
-				m.offered[d.Name] = view.offered(d)
-				m.held[d.Name] = view.holds(d)
 				m.byName[d.Name] = d
 			}
 		}
@@ -282,12 +325,12 @@ func NewModel(node string, gpus []GPU, view View) *Model {
 		m.gpuByID[g.UUID] = g.Index
 	}
 	// Stable: within a rank, by GPU index, then in DiscoverProfiles' order.
-	slices.SortStableFunc(m.devices, func(a, b Device) int { return ranks[a.Name] - ranks[b.Name] })
+	slices.SortStableFunc(m.devices, func(a, b Device) int { return cmp.Compare(ranks[a.Name], ranks[b.Name]) })
 	return m
 }
 
-// Offered reports whether the device is published now.
-func (m *Model) Offered(device string) bool { return m.offered[device] }
+// Taint is why the device is tainted, "" when a new claim may be given it.
+func (m *Model) Taint(device string) string { return m.tainted[device] }
 
 // Lookup finds the device an allocation result names, published now or not: in the node's pool,
 // or in the per-GPU pool of an earlier version that held it ("<node>-gpu<index>").
@@ -315,15 +358,17 @@ func (m *Model) Resolve(gpuUUID, profile string, start uint32) (pool, device str
 }
 
 // NextCold is, for each published profile, the device a claim for it that finds no warm one gets
-// next: its first offered device that is not warm and no claim holds, in rank order (the
-// allocator's first fit on a node without other claims in flight). The plugin names them to the sidecar (KeepFree), whose
+// next: its first device in rank order that is not warm, not tainted and clear of the instances
+// claims hold (whose counters their allocations consume): the allocator's first fit on a node
+// without other claims in flight. The plugin names them to the sidecar (KeepFree), whose
 // background trim destroys the IDLE instances over one, so that claim creates at once instead of
 // waiting for those destroys; the slices republished then list it free (rank 1).
 func (m *Model) NextCold() []Device {
 	var out []Device
 	seen := map[string]bool{}
 	for _, d := range m.devices {
-		if d.Warm || !m.offered[d.Name] || m.held[d.Name] || seen[d.Profile] {
+		if d.Warm || m.tainted[d.Name] != "" || seen[d.Profile] ||
+			slices.ContainsFunc(m.held[d.GPUUUID], func(p migclient.Placement) bool { return overlap(d.Placement, p) }) {
 			continue
 		}
 		seen[d.Profile] = true
@@ -333,36 +378,35 @@ func (m *Model) NextCold() []Device {
 }
 
 // Resources is the model as the kubeletplugin helper publishes it: the node's pool, its counter
-// slices (ResourceSliceMaxCounterSets sets each), then the offered devices in rank order,
-// MaxDevicesPerSlice each.
+// slices (ResourceSliceMaxCounterSets sets each), then every device in rank order,
+// MaxDevicesPerSlice each, the tainted ones with their taint.
 func (m *Model) Resources() resourceslice.DriverResources {
 	var p resourceslice.Pool
 	for sets := range slices.Chunk(m.sets, resourceapi.ResourceSliceMaxCounterSets) {
 		p.Slices = append(p.Slices, resourceslice.Slice{SharedCounters: sets})
 	}
-	var offered []Device
-	for _, d := range m.devices {
-		if m.offered[d.Name] {
-			offered = append(offered, d)
-		}
-	}
-	for chunk := range slices.Chunk(offered, MaxDevicesPerSlice) {
+	for chunk := range slices.Chunk(m.devices, MaxDevicesPerSlice) {
 		s := resourceslice.Slice{Devices: make([]resourceapi.Device, 0, len(chunk))}
 		for _, d := range chunk {
-			s.Devices = append(s.Devices, d.api(counterSetName(d.GPUIndex)))
+			s.Devices = append(s.Devices, d.api(counterSetName(d.GPUIndex), m.tainted[d.Name]))
 		}
 		p.Slices = append(p.Slices, s)
 	}
 	return resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{PoolName(m.node): p}}
 }
 
-func (d Device) api(counterSet string) resourceapi.Device {
+func (d Device) api(counterSet, taint string) resourceapi.Device {
 	counters := make(map[string]resourceapi.Counter, len(d.counters))
 	for _, c := range d.counters {
 		counters[c] = resourceapi.Counter{Value: *resource.NewQuantity(1, resource.DecimalSI)}
 	}
+	var taints []resourceapi.DeviceTaint
+	if taint != "" {
+		taints = []resourceapi.DeviceTaint{{Key: TaintKey, Value: taint, Effect: resourceapi.DeviceTaintEffectNoSchedule}}
+	}
 	return resourceapi.Device{
-		Name: d.Name,
+		Taints: taints,
+		Name:   d.Name,
 		Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
 			AttrProfile:        {StringValue: ptr.To(d.Profile)},
 			AttrGPUUUID:        {StringValue: ptr.To(d.GPUUUID)},

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"slices"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -88,10 +89,10 @@ func view(warm map[dra.Placed]bool) dra.View {
 	return v
 }
 
-// devicesOf are the devices of the node's pool in publishing order, across its device slices.
-func devicesOf(m *dra.Model, node string) []resourceapi.Device {
+// devicesOf are the devices of node-m's pool in publishing order, across its device slices.
+func devicesOf(m *dra.Model) []resourceapi.Device {
 	var out []resourceapi.Device
-	for _, s := range specs(m)[dra.PoolName(node)] {
+	for _, s := range specs(m)[dra.PoolName("node-m")] {
 		out = append(out, s.Devices...)
 	}
 	return out
@@ -202,7 +203,7 @@ func TestColdDevicesOnFreeMemorySlicesComeBeforeThoseOverAnIdleInstance(t *testi
 	warm := map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: idle}: true}
 	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, view(warm))
 
-	devices := devicesOf(m, "node-m")
+	devices := devicesOf(m)
 	if devices[0].Name != "gpu0-1g-10gb-at3" {
 		t.Fatalf("first %s, want the warm gpu0-1g-10gb-at3", devices[0].Name)
 	}
@@ -236,7 +237,7 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, view(warm))
 
 	var order []string
-	for _, d := range devicesOf(m, "node-m") {
+	for _, d := range devicesOf(m) {
 		if *d.Attributes[dra.AttrProfile].StringValue == "3g.40gb" {
 			order = append(order, d.Name)
 		}
@@ -247,10 +248,10 @@ func TestColdDevicesOverFewerIdleInstancesComeFirst(t *testing.T) {
 	}
 }
 
-// The device a claim that finds no warm one gets next, per profile, is its first published device
-// that is not warm: over IDLE instances when no free one is left, never a hidden one, and never
-// one a claim holds.
-func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
+// The device a claim that finds no warm one gets next, per profile, is its first device that is
+// not warm, not tainted and clear of the instances claims hold: over IDLE instances when no free
+// one is left.
+func TestNextColdIsEachProfilesFirstAllocatableDeviceThatIsNotWarm(t *testing.T) {
 	at := func(start, size uint32) migclient.Placement { return migclient.Placement{Start: start, Size: size} }
 	warm := map[dra.Placed]bool{
 		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(0, 1)}: true,
@@ -258,10 +259,11 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(4, 1)}: true,
 	}
 	v := view(warm)
-	// A claim holds 1g.10gb at 2: its device stays published (its counters), but is nobody's next.
-	held := dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(2, 1)}
-	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: "foreign GPU instance 9"},
-		{Placement: at(2, 1), Why: "claim c1", Keep: &held}}}
+	// A claim holds 1g.10gb at 2: its device is warm (its instance goes IDLE at the claim's
+	// unprepare) and the devices over it are the claim's counters', nobody's next.
+	v.Held = map[dra.Placed]bool{{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(2, 1)}: true}
+	v.HeldGoIdle = true
+	v.Blocked = map[string][]dra.Block{"GPU-0": {{Placement: at(6, 1), Why: dra.TaintForeign}}}
 	m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, v)
 
 	next := map[string]string{}
@@ -271,8 +273,8 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 		}
 		next[d.Profile] = d.Name
 	}
-	// 1g.10gb: at3, the first free one the claim does not hold (at2). 2g.20gb: at4, over one IDLE
-	// instance (at0 over two, at2 under the claim). 3g.40gb: none (at0 under the claim, at4 under the
+	// 1g.10gb: at3, the first free one (at2 is the claim's). 2g.20gb: at4, over one IDLE instance
+	// (at0 over two, at2 over the claim's). 3g.40gb: none (at0 over the claim's, at4 under the
 	// foreign GI), nor 7g.80gb.
 	want := map[string]string{"1g.10gb": "gpu0-1g-10gb-at3", "2g.20gb": "gpu0-2g-20gb-at4"}
 	for profile, name := range want {
@@ -280,43 +282,86 @@ func TestNextColdIsEachProfilesFirstPublishedDeviceThatIsNotWarm(t *testing.T) {
 			t.Fatalf("next cold %s: %q, want %q (all: %v)", profile, next[profile], name, next)
 		}
 	}
-	for _, hidden := range []string{"3g.40gb", "7g.80gb"} {
-		if _, ok := next[hidden]; ok {
-			t.Fatalf("a hidden %s named next: %v", hidden, next)
+	for _, none := range []string{"3g.40gb", "7g.80gb"} {
+		if _, ok := next[none]; ok {
+			t.Fatalf("%s named next, though none of its devices is free to allocate: %v", none, next)
 		}
+	}
+	if d := devicesOf(m); d[0].Name != "gpu0-1g-10gb-at0" || !slices.ContainsFunc(d[:4], func(d resourceapi.Device) bool {
+		return d.Name == "gpu0-1g-10gb-at2" && *d.Attributes[dra.AttrWarm].BoolValue
+	}) {
+		t.Fatalf("the claim's device is not among the first four, warm: %v", names(d[:4]))
 	}
 }
 
-// An instance in flight (CREATING, DELETING) or FAULTED, whatever its owner, hides every device
-// overlapping its placement until it is settled: an Allocate there is refused PLACEMENT_BUSY or
-// gets an instance the sidecar no longer hands out.
-func TestInstancesInFlightOrFaultedHideTheDevicesOverTheirPlacement(t *testing.T) {
+func names(ds []resourceapi.Device) []string {
+	var out []string
+	for _, d := range ds {
+		out = append(out, d.Name)
+	}
+	return out
+}
+
+// What the scheduler cannot see through the counters and prepare must refuse taints every device
+// over it, with the reason as the taint's value; a claim's own instance, in any state, and an
+// instance the sidecar creates or destroys for its cache taint nothing. Every device stays
+// published (a claim allocated one keeps its counters counted), the tainted ones last.
+func TestWhatPrepareMustRefuseTaintsTheDevicesOverItAndAClaimsOwnInstanceTaintsNone(t *testing.T) {
 	claim := &pb.Owner{Kind: pb.OwnerKind_OWNER_KIND_CLAIM, Claim: &pb.ClaimRef{Uid: "c1"}}
-	for _, in := range []*pb.Instance{
-		{State: pb.InstanceState_CREATING, Profile: "1g.10gb", Owner: claim},
-		{State: pb.InstanceState_DELETING, Profile: "1g.10gb"},
-		{State: pb.InstanceState_IDLE, Profile: "1g.10gb", Health: pb.InstanceHealth_FAULTED},
-		{State: pb.InstanceState_ACTIVE, Profile: "1g.10gb", Owner: claim, Health: pb.InstanceHealth_FAULTED},
+	pod := &pb.Owner{Pod: &pb.PodRef{Uid: "p1"}} // kind unspecified: an older sidecar's pod
+	for _, c := range []struct {
+		in   *pb.Instance
+		want string
+	}{
+		{&pb.Instance{State: pb.InstanceState_ACTIVE, Owner: pod}, dra.TaintPodInstance},
+		{&pb.Instance{State: pb.InstanceState_CREATING, Owner: pod}, dra.TaintPodInstance},
+		{&pb.Instance{State: pb.InstanceState_ERROR}, dra.TaintErrorInstance},
+		{&pb.Instance{State: pb.InstanceState_IDLE, Health: pb.InstanceHealth_FAULTED}, dra.TaintFaultedInstance},
+		{nil, dra.TaintForeign},
+		{&pb.Instance{State: pb.InstanceState_ACTIVE, Owner: claim}, ""},
+		{&pb.Instance{State: pb.InstanceState_ACTIVE, Owner: claim, Health: pb.InstanceHealth_FAULTED}, ""},
+		{&pb.Instance{State: pb.InstanceState_CREATING, Owner: claim}, ""},
+		{&pb.Instance{State: pb.InstanceState_CREATING}, ""},
+		{&pb.Instance{State: pb.InstanceState_DELETING}, ""},
 	} {
-		in.Placement = &pb.Placement{Start: 2, Size: 1}
-		in.MigUuid = "MIG-x"
-		st := &pb.GetStateResponse{Gpus: []*pb.GpuState{{Gpu: &pb.Gpu{Uuid: "GPU-0"}, Instances: []*pb.Instance{in}}}}
-		m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, dra.ViewOf(st))
-		label := fmt.Sprintf("%s %s", in.GetState(), in.GetHealth())
+		g := &pb.GpuState{Gpu: &pb.Gpu{Uuid: "GPU-0"}}
+		label := "foreign"
+		if c.in == nil {
+			g.Foreign = []*pb.ForeignInstance{{GpuInstanceId: 9, Placement: &pb.Placement{Start: 2, Size: 1}}}
+		} else {
+			c.in.Profile, c.in.MigUuid, c.in.Placement = "1g.10gb", "MIG-x", &pb.Placement{Start: 2, Size: 1}
+			g.Instances = []*pb.Instance{c.in}
+			label = fmt.Sprintf("%s %s owner %v", c.in.GetState(), c.in.GetHealth(), c.in.GetOwner().GetKind())
+		}
+		v := dra.ViewOf(&pb.GetStateResponse{Gpus: []*pb.GpuState{g}})
+		v.HeldGoIdle = true
+		m := dra.NewModel("node-m", []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}, v)
 		// Over slice 2: the 1g.10gb (and +me) at 2, 1g.20gb and 2g.20gb at 2, 3g.40gb, 4g.40gb and 7g.80gb at 0.
-		for _, name := range []string{"gpu0-1g-10gb-at2", "gpu0-1g-10gb-me-at2", "gpu0-1g-20gb-at2", "gpu0-2g-20gb-at2",
-			"gpu0-3g-40gb-at0", "gpu0-4g-40gb-at0", "gpu0-7g-80gb-at0"} {
-			if m.Offered(name) {
-				t.Fatalf("%s at 2: %s offered", label, name)
+		over := []string{"gpu0-1g-10gb-at2", "gpu0-1g-10gb-me-at2", "gpu0-1g-20gb-at2", "gpu0-2g-20gb-at2",
+			"gpu0-3g-40gb-at0", "gpu0-4g-40gb-at0", "gpu0-7g-80gb-at0"}
+		for _, name := range over {
+			if got := m.Taint(name); got != c.want {
+				t.Fatalf("%s at 2: %s tainted %q, want %q", label, name, got, c.want)
 			}
 		}
 		for _, name := range []string{"gpu0-1g-10gb-at1", "gpu0-1g-10gb-at3", "gpu0-2g-20gb-at0", "gpu0-3g-40gb-at4"} {
-			if !m.Offered(name) {
-				t.Fatalf("%s at 2: %s, clear of it, hidden", label, name)
+			if got := m.Taint(name); got != "" {
+				t.Fatalf("%s at 2: %s, clear of it, tainted %q", label, name, got)
 			}
 		}
-		if _, warm := dra.ViewOf(st).Warm[dra.Placed{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: migclient.Placement{Start: 2, Size: 1}}]; warm {
-			t.Fatalf("%s: warm", label)
+		devices := devicesOf(m)
+		if len(devices) != 25 {
+			t.Fatalf("%s at 2: %d devices published, want all 25 of the H100", label, len(devices))
+		}
+		if c.want == "" {
+			continue
+		}
+		for i, d := range devices {
+			tainted := len(d.Taints) == 1 && d.Taints[0] == resourceapi.DeviceTaint{Key: dra.TaintKey, Value: c.want,
+				Effect: resourceapi.DeviceTaintEffectNoSchedule}
+			if tainted != (i >= len(devices)-len(over)) || tainted != slices.Contains(over, d.Name) {
+				t.Fatalf("%s at 2: device %d %s taints %+v; want the %d over it last, tainted", label, i, d.Name, d.Taints, len(over))
+			}
 		}
 	}
 }

@@ -12,12 +12,15 @@ import (
 )
 
 // Republishing, as the HAMi adapter's idle-inventory Publisher does it: the plugin asks the
-// sidecar's GetInfo (answered from memory) every Poll and rebuilds the model from GetState only
-// when the revision (which every change of the owned instances moves: an Allocate, a release, a
-// trim, a reclaim, an Xid fault) or the sidecar's incarnation moved, or Refresh passed. It hands
-// the slices to the helper only when they differ from the last ones, and at most once per
-// MinInterval, so a burst of claims costs one update of the node's slices a second and a quiet
-// node none. A new incarnation (the sidecar restarted) first runs Sync: its recovery, the GPUs
+// sidecar's GetInfo (answered from memory) every Poll, and at once after each of its own prepares
+// and unprepares, and rebuilds the model from GetState only when the revision (which every change
+// of the owned instances moves: an Allocate, a release, a trim, a reclaim, an Xid fault) or the
+// sidecar's incarnation moved, or Refresh passed. It hands the slices to the helper only when they
+// differ from the last ones, and at most once per MinInterval; the helper's controller writes them
+// in the background and folds the updates that arrive while it writes into one. Most claims'
+// prepares and unprepares change nothing in the slices (a claim's instance is published warm from
+// its prepare on, see model.go): a create or a destroy does. A publish that failed is retried at
+// the next poll. A new incarnation (the sidecar restarted) first runs Sync: its recovery, the GPUs
 // and profiles again, and the release of claims that went away meanwhile.
 
 // Each time it rebuilds the model (every move of the revision, not only when it may publish) it
@@ -30,7 +33,7 @@ import (
 // Run's periods unless set in Options.
 const (
 	DefaultPoll        = 200 * time.Millisecond
-	DefaultMinInterval = time.Second
+	DefaultMinInterval = 250 * time.Millisecond
 	DefaultRefresh     = 30 * time.Second
 )
 
@@ -42,7 +45,7 @@ type PublishFunc func(ctx context.Context, resources resourceslice.DriverResourc
 func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 	var (
 		last      *resourceslice.DriverResources
-		seen      migclient.Info
+		seen      migclient.Info // the sidecar as last published (or found unchanged)
 		known     bool
 		dirty     bool      // a Sync rebuilt the GPUs: publish whatever the revision says
 		next      time.Time // no publish before it
@@ -50,6 +53,7 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 		built     bool   // the model was built at revision builtAt (not yet published, maybe)
 		builtAt   uint64 // that revision
 		keep      keepFreeState
+		deferred  <-chan time.Time // fires at next when a change waits for MinInterval
 	)
 	tick := time.NewTicker(d.opts.Poll)
 	defer tick.Stop()
@@ -77,26 +81,28 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 				built, builtAt = true, info.Revision
 				keep.send(ctx, d, info)
 			}
-			if time.Now().Before(next) { // the slices wait for MinInterval; the trim did not
+			if wait := time.Until(next); wait > 0 { // the slices wait for MinInterval; the trim did not
+				deferred = time.After(wait)
 				break
+			}
+			if res := d.Model().Resources(); last == nil || !apiequality.Semantic.DeepEqual(*last, res) {
+				if err := publish(ctx, res); err != nil {
+					d.opts.Log("publish: %v", err)
+					d.opts.Metrics.republishFailed(republishStagePublish)
+					break // seen stays: the next poll publishes again
+				}
+				d.opts.Metrics.published(res)
+				last, next = &res, time.Now().Add(d.opts.MinInterval)
 			}
 			seen, known, dirty, refreshed = info, true, false, time.Now()
-			res := d.Model().Resources()
-			if last != nil && apiequality.Semantic.DeepEqual(*last, res) {
-				break
-			}
-			if err := publish(ctx, res); err != nil {
-				d.opts.Log("publish: %v", err)
-				d.opts.Metrics.republishFailed(republishStagePublish)
-				break
-			}
-			d.opts.Metrics.published(res)
-			last, next = &res, time.Now().Add(d.opts.MinInterval)
 		}
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
+		case <-d.changed:
+		case <-deferred:
+			deferred = nil
 		}
 	}
 }

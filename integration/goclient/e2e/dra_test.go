@@ -302,14 +302,14 @@ func TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstance
 
 // The tail, end to end: an IDLE instance in the way of the only cold device of a profile claims ask
 // for. The plugin names that device (its next cold one) to the sidecar, whose background trim
-// destroys the IDLE instance under it; the slices republished no longer offer that instance warm,
+// destroys the IDLE instance under it; the slices republished no longer list that instance warm,
 // and a claim there is prepared with one GPU instance created and none destroyed. An IDLE instance
 // in no claim's way stays.
 func TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing(t *testing.T) {
 	ctx, c, p, gpus := setup(t)
 	gpu := gpus[0]
 	// 1g.10gb IDLE at 0 (under 2g.20gb at 0) and at 6 (under no 2g.20gb placement), and a pod's at 2
-	// (2g.20gb at 2 is not offered while it runs).
+	// (2g.20gb at 2 is tainted while it runs).
 	idle := map[uint32]string{}
 	for _, start := range []uint32{0, 6} {
 		uid := fmt.Sprintf("pod-%d", start)
@@ -344,7 +344,8 @@ func TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNot
 				warm = append(warm, d.Name)
 			}
 		}
-		return slices.Equal(warm, []string{"gpu0-1g-10gb-at6"})
+		// The IDLE instance at 6, and the first claim's (it goes IDLE at the claim's unprepare).
+		return slices.Equal(warm, []string{"gpu0-1g-10gb-at6", "gpu0-2g-20gb-at4"})
 	})
 	_, before := hardware(t)
 	second := prepared(ctx, t, node, node.Claim(ctx, t, "default", "second", [2]string{pool, "gpu0-2g-20gb-at0"}))

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -53,6 +54,7 @@ type result struct {
 	Refused   bool    `json:"refused"`             // the scheduler found no device for it
 	Device    string  `json:"device,omitempty"`    // the device the scheduler allocated
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
+	Reused    bool    `json:"reused,omitempty"`    // its prepare reused an IDLE instance (the plugin's warm hits moved)
 	ScheduleS float64 `json:"schedule_s"`          // claim and pod created to pod bound (or reported unschedulable)
 	PrepareS  float64 `json:"prepare_s,omitempty"` // NodePrepareResources
 	// PrepareError is the plugin's refusal of a claim the scheduler allocated (its pod never starts).
@@ -93,7 +95,12 @@ func BenchmarkClaimTrace(b *testing.B) {
 	defer func() { _ = c.Close() }()
 	settle, keepFree := os.Getenv(envSettle) != "0", os.Getenv(envKeep) != "0" && os.Getenv(envDestroy) != "1"
 	asked := map[string]bool{} // the profiles of the claims prepared so far, when the plugin keeps their next free
-	opts := dra.Options{NodeName: node, RecoverSidecar: true, DestroyAtUnprepare: os.Getenv(envDestroy) == "1"}
+	reg := prometheus.NewRegistry()
+	metrics, err := dra.NewMetrics(reg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	opts := dra.Options{NodeName: node, RecoverSidecar: true, DestroyAtUnprepare: os.Getenv(envDestroy) == "1", Metrics: metrics}
 	if !keepFree {
 		opts.KeepFreeWithin = -1
 	}
@@ -120,12 +127,14 @@ func BenchmarkClaimTrace(b *testing.B) {
 			}
 			warm := published(ctx, b, n)
 			if settle {
-				warm = settled(ctx, b, n, c, asked)
+				warm = settled(ctx, b, n, c, asked, opts.DestroyAtUnprepare)
 			}
 			if keepFree {
 				asked[cl.Profile] = true
 			}
+			hits := warmHits(b, reg)
 			r, prepared := arrive(ctx, b, n, s, cl, warm)
+			r.Reused = warmHits(b, reg) > hits
 			results[e.claim] = r
 			if prepared != nil {
 				live[e.claim] = prepared
@@ -146,13 +155,38 @@ func BenchmarkClaimTrace(b *testing.B) {
 	}
 }
 
+// warmHits is the plugin's count of devices prepared on an IDLE instance.
+func warmHits(b *testing.B, reg *prometheus.Registry) float64 {
+	b.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != dra.MetricPreparedDevices {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "warm" && l.GetValue() == "true" {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	b.Fatalf("no %s{warm=\"true\"} among the plugin's metrics", dra.MetricPreparedDevices)
+	return 0
+}
+
 // settled waits until the node is at rest, and returns the published devices' warmth by name:
-// the slices show as warm exactly the IDLE instances the sidecar reports, and the trim has freed
+// the slices show as warm exactly the IDLE instances the sidecar reports and the ones claims hold
+// (which go IDLE at their unprepare, unless the plugin destroys them then), and the trim has freed
 // what the plugin asked it to keep free: for each profile claims asked for (asked), its first
-// published device that is neither warm nor held by a claim overlaps no IDLE instance. The
-// trace's arrivals are tens of seconds apart in trace time, which leaves the sidecar the second or
-// two its background trim takes; the replay does not wait that long between events by itself.
-func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client, asked map[string]bool) map[string]bool {
+// published device that is neither warm, nor tainted, nor over an instance a claim holds overlaps
+// no IDLE instance. The trace's arrivals are tens of seconds apart in trace time, which leaves the
+// sidecar the second or two its background trim takes; the replay does not wait that long between
+// events by itself.
+func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client, asked map[string]bool, destroy bool) map[string]bool {
 	b.Helper()
 	warm := map[string]bool{}
 	n.Devices(ctx, b, func(devices []resourceapi.Device) bool {
@@ -161,13 +195,18 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 			b.Fatal(err)
 		}
 		view := dra.ViewOf(st)
-		held := map[dra.Placed]bool{}
-		for _, blocks := range view.Blocked {
-			for _, block := range blocks {
-				if block.Keep != nil {
-					held[*block.Keep] = true
-				}
-			}
+		want := maps.Clone(view.Warm)
+		if !destroy {
+			maps.Copy(want, view.Held)
+		}
+		overlaps := func(ps []migclient.Placement, p dra.Placed) bool {
+			return slices.ContainsFunc(ps, func(q migclient.Placement) bool {
+				return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
+			})
+		}
+		held := map[string][]migclient.Placement{}
+		for p := range view.Held {
+			held[p.GPUUUID] = append(held[p.GPUUUID], p.Placement)
 		}
 		got := map[dra.Placed]bool{}
 		clear(warm)
@@ -180,15 +219,13 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 				warm[d.Name] = true
 				continue
 			}
-			if !asked[p.Profile] || held[p] || cold[p.Profile] {
+			if !asked[p.Profile] || len(d.Taints) > 0 || overlaps(held[p.GPUUUID], p) || cold[p.Profile] {
 				continue
 			}
 			cold[p.Profile] = true
-			free = free && !slices.ContainsFunc(view.Idle[p.GPUUUID], func(q migclient.Placement) bool {
-				return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
-			})
+			free = free && !overlaps(view.Idle[p.GPUUUID], p)
 		}
-		return len(devices) > 0 && maps.Equal(got, view.Warm) && free
+		return len(devices) > 0 && maps.Equal(got, want) && free
 	})
 	return warm
 }

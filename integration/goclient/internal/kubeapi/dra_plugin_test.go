@@ -53,9 +53,19 @@ func pluginNode(t *testing.T, s *kubeapi.Server, gpus []string, setup func(*fake
 	return fake, node
 }
 
-// named is whether a device of that name is among ds.
-func named(ds []resourcev1.Device, name string) bool {
-	return slices.ContainsFunc(ds, func(d resourcev1.Device) bool { return d.Name == name })
+// taint is the value of the plugin's taint on device name among ds: "" when it is untainted,
+// "absent" when it is not published at all.
+func taint(ds []resourcev1.Device, name string) string {
+	i := slices.IndexFunc(ds, func(d resourcev1.Device) bool { return d.Name == name })
+	if i < 0 {
+		return "absent"
+	}
+	for _, tt := range ds[i].Taints {
+		if tt.Key == dra.TaintKey && tt.Effect == resourcev1.DeviceTaintEffectNoSchedule {
+			return tt.Value
+		}
+	}
+	return ""
 }
 
 // run creates a pod with a claim for request on the node, waits for the scheduler to bind it
@@ -83,11 +93,11 @@ func gpuIs(profile, uuid string) resourcev1.DeviceRequest {
 }
 
 // A GPU instance the sidecar does not own, an instance of HAMi's path (a pod's) and an ERROR one
-// are in the way of some placements: no device over them is offered, so the scheduler gives a
-// plain claim the first placement clear of them and a 7g.80gb none (the pod stays Pending, its
-// claim unallocated, rather than bound to a prepare that must fail), and once they are gone their
-// placements are offered again.
-func TestTheSlicesOfferNoPlacementPrepareMustRefuseAndOfferItAgainOnceFree(t *testing.T) {
+// are in the way of some placements: every device over them is published tainted, with the reason,
+// so the scheduler gives a plain claim the first placement clear of them and a 7g.80gb none (the
+// pod stays Pending, its claim unallocated, rather than bound to a prepare that must fail), and
+// once they are gone the taints go and their placements are given again.
+func TestTheSlicesTaintEveryPlacementPrepareMustRefuseAndUntaintItOnceFree(t *testing.T) {
 	s := kubeapi.GetWithScheduler(t)
 	ctx := context.Background()
 	var blockers []*fakesidecar.Instance
@@ -100,9 +110,11 @@ func TestTheSlicesOfferNoPlacementPrepareMustRefuseAndOfferItAgainOnceFree(t *te
 		}
 	})
 	devices := node.Devices(ctx, t, func([]resourcev1.Device) bool { return true })
-	for _, hidden := range []string{"gpu0-1g-10gb-at0", "gpu0-1g-10gb-at1", "gpu0-1g-10gb-at2", "gpu0-2g-20gb-at0", "gpu0-3g-40gb-at0", "gpu0-7g-80gb-at0"} {
-		if named(devices, hidden) {
-			t.Errorf("%s is published over an instance prepare cannot take", hidden)
+	for name, want := range map[string]string{"gpu0-1g-10gb-at0": dra.TaintForeign, "gpu0-1g-10gb-at1": dra.TaintPodInstance,
+		"gpu0-1g-10gb-at2": dra.TaintErrorInstance, "gpu0-2g-20gb-at0": dra.TaintForeign, "gpu0-3g-40gb-at0": dra.TaintForeign,
+		"gpu0-7g-80gb-at0": dra.TaintForeign, "gpu0-1g-10gb-at3": ""} {
+		if got := taint(devices, name); got != want {
+			t.Errorf("%s: taint %q, want %q", name, got, want)
 		}
 	}
 
@@ -117,23 +129,56 @@ func TestTheSlicesOfferNoPlacementPrepareMustRefuseAndOfferItAgainOnceFree(t *te
 	for _, in := range blockers {
 		fake.Destroy(in.MigUUID)
 	}
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return named(ds, "gpu0-1g-10gb-at0") })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu0-1g-10gb-at0") == "" })
 	if got := run(ctx, t, s, node, "again", claimFor("1g.10gb")); got != "gpu0-1g-10gb-at0" {
 		t.Fatalf("once free, a plain 1g.10gb claim got %s, want gpu0-1g-10gb-at0", got)
 	}
 }
 
+// A claim's allocated device keeps counting while a republish taints it: the 7g.80gb a claim was
+// allocated (not yet prepared) comes under a foreign GPU instance, and the next claim, for a
+// 1g.10gb clear of that instance, stays Pending (the 7g.80gb's counters hold every memory slice)
+// until the first claim is gone. A plugin that stopped publishing the device would let the
+// scheduler forget those counters and give the second claim a placement the first one's prepare
+// then finds taken.
+func TestADeviceAClaimWasAllocatedKeepsItsCountersWhenARepublishTaintsIt(t *testing.T) {
+	s := kubeapi.GetWithScheduler(t)
+	ctx := context.Background()
+	fake, node := pluginNode(t, s, []string{"GPU-0"}, nil)
+	kubeapi.PodWithClaim(t, node.Admin, node.Name, "whole", claimFor("7g.80gb"))
+	if got := s.Bound(t, node.Name, "whole", node.Name).Status.Allocation.Devices.Results[0].Device; got != "gpu0-7g-80gb-at0" {
+		t.Fatalf("the 7g.80gb claim got %s", got)
+	}
+	fake.Put(fakesidecar.Instance{GPU: "GPU-0", Profile: "1g.10gb", Start: 6, Size: 1, Foreign: true})
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu0-7g-80gb-at0") == dra.TaintForeign })
+
+	kubeapi.PodWithClaim(t, node.Admin, node.Name, "small", claimFor("1g.10gb"))
+	unschedulable(t, node.Admin, node.Name, "small")
+
+	if err := node.Admin.CoreV1().Pods(node.Name).Delete(ctx, "whole", *metav1.NewDeleteOptions(0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := kubeapi.DeleteClaim(ctx, node.Admin, node.Name, "whole"); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.Bound(t, node.Name, "small", node.Name).Status.Allocation.Devices.Results[0].Device; got != "gpu0-1g-10gb-at0" {
+		t.Fatalf("once the 7g.80gb claim is gone, the 1g.10gb claim got %s, want gpu0-1g-10gb-at0", got)
+	}
+}
+
 // A GPU the sidecar cannot read (lost: GetState answers it unreadable, the others as usual) costs
-// its own devices only: none of them is offered, so a claim for that GPU stays Pending with its
+// its own devices only: all of them are tainted, so a claim for that GPU stays Pending with its
 // claim unallocated, while the healthy GPU's slices still follow its IDLE set; once the GPU reads
-// again its devices are back.
+// again the taints go.
 func TestALostGPUCostsItsOwnDevicesOnlyAndTheOthersStillFollowTheirIdleSet(t *testing.T) {
 	s := kubeapi.GetWithScheduler(t)
 	ctx := context.Background()
 	fake, node := pluginNode(t, s, []string{"GPU-0", "GPU-1"}, nil)
 	fake.Unreadable("GPU-1", "read GPU GPU-1: NVML_ERROR: GPU is lost")
 	node.Devices(ctx, t, func(ds []resourcev1.Device) bool {
-		return named(ds, "gpu0-1g-10gb-at0") && !slices.ContainsFunc(ds, func(d resourcev1.Device) bool { return strings.HasPrefix(d.Name, "gpu1-") })
+		return taint(ds, "gpu0-1g-10gb-at0") == "" && !slices.ContainsFunc(ds, func(d resourcev1.Device) bool {
+			return strings.HasPrefix(d.Name, "gpu1-") && taint(ds, d.Name) != dra.TaintGPUUnreadable
+		})
 	})
 
 	kubeapi.PodWithClaim(t, node.Admin, node.Name, "on-lost", gpuIs("1g.10gb", "GPU-1"))
@@ -148,7 +193,7 @@ func TestALostGPUCostsItsOwnDevicesOnlyAndTheOthersStillFollowTheirIdleSet(t *te
 	t.Logf("the healthy GPU's IDLE instance published warm %v after it appeared, the other GPU lost", time.Since(put).Round(time.Millisecond))
 
 	fake.Unreadable("GPU-1", "")
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return named(ds, "gpu1-1g-10gb-at0") })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu1-1g-10gb-at0") == "" })
 	if got := s.Bound(t, node.Name, "on-lost", node.Name).Status.Allocation.Devices.Results[0].Device; got != "gpu1-1g-10gb-at0" {
 		t.Fatalf("once GPU-1 reads again, its claim got %s, want gpu1-1g-10gb-at0", got)
 	}
@@ -179,7 +224,9 @@ func TestAPlainClaimLandsWarmOnGPU3Of11AndColdOnGPU2NotGPU10(t *testing.T) {
 		fake.Put(fakesidecar.Instance{GPU: g, Profile: "7g.80gb", Start: 0, Size: 8, State: pb.InstanceState_ACTIVE,
 			Owner: &fakesidecar.Key{PodUID: "hami-" + g}})
 	}
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return !named(ds, "gpu0-1g-10gb-at0") })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool {
+		return taint(ds, "gpu0-1g-10gb-at0") == dra.TaintPodInstance && taint(ds, "gpu1-1g-10gb-at0") == dra.TaintPodInstance
+	})
 	if got := run(ctx, t, s, node, "cold", claimFor("1g.10gb")); got != "gpu2-1g-10gb-at0" {
 		t.Fatalf("a plain 1g.10gb claim with gpu0 and gpu1 full got %s, want gpu2-1g-10gb-at0", got)
 	}

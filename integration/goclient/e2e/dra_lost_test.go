@@ -1,0 +1,107 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	resourceapi "k8s.io/api/resource/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+)
+
+// taintOf is the plugin's taint on device name among ds ("" when it has none).
+func taintOf(ds []resourceapi.Device, name string) string {
+	i := slices.IndexFunc(ds, func(d resourceapi.Device) bool { return d.Name == name })
+	if i < 0 {
+		return "absent"
+	}
+	for _, taint := range ds[i].Taints {
+		if taint.Key == dra.TaintKey {
+			return taint.Value
+		}
+	}
+	return ""
+}
+
+// A GPU of the real sidecar falls off the bus (Xid 79, then every NVML call on it fails
+// GPU_IS_LOST): the sidecar's GetState answers it unreadable and the others as usual, so the
+// plugin taints that GPU's devices only. A claim for the lost GPU stays Pending, unallocated,
+// instead of being bound to a prepare that fails; the healthy GPU's slices still follow its IDLE
+// set, and a claim there is scheduled and prepared.
+func TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet(t *testing.T) {
+	ctx, c, p, gpus := setup(t)
+	s := kubeapi.GetWithScheduler(t)
+	healthy, lost := gpus[0], gpus[1]
+	n := fakekubelet.Start(ctx, t, s, c, dra.Options{NodeName: "node-lost", GPUs: []string{healthy.UUID, lost.UUID}})
+	kubeapi.ReadyNode(ctx, t, n.Admin, n.Name)
+	onLost := func(ds []resourceapi.Device, taint string) bool {
+		prefix := fmt.Sprintf("gpu%d-", lost.Index)
+		count := 0
+		for _, d := range ds {
+			if strings.HasPrefix(d.Name, prefix) {
+				count++
+				if taintOf(ds, d.Name) != taint {
+					return false
+				}
+			}
+		}
+		return count > 0
+	}
+	n.Devices(ctx, t, func(ds []resourceapi.Device) bool { return onLost(ds, "") })
+
+	sim(t, "xid", "--gpu", fmt.Sprint(lost.Index), "79")
+	sim(t, "lose", "--gpu", fmt.Sprint(lost.Index))
+	first := dra.DeviceName(healthy.Index, "1g.10gb", 0)
+	n.Devices(ctx, t, func(ds []resourceapi.Device) bool {
+		return onLost(ds, dra.TaintGPUUnreadable) && taintOf(ds, first) == ""
+	})
+
+	lostClaim := profileClaim("1g.10gb")
+	lostClaim.Exactly.Selectors[0].CEL.Expression += fmt.Sprintf(` && device.attributes[%q].%s == %q`, dra.DefaultDriverName,
+		dra.AttrGPUUUID, lost.UUID)
+	kubeapi.PodWithClaim(t, n.Admin, "default", "on-lost", lostClaim)
+	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, kubeapi.Settle, true, func(ctx context.Context) (bool, error) {
+		pod, err := n.Admin.CoreV1().Pods("default").Get(ctx, "on-lost", metav1.GetOptions{})
+		return err == nil && pod.Spec.NodeName == "" && slices.ContainsFunc(pod.Status.Conditions, func(c corev1.PodCondition) bool {
+			return c.Type == corev1.PodScheduled && c.Reason == corev1.PodReasonUnschedulable
+		}), err
+	})
+	if err != nil {
+		t.Fatalf("the pod of a claim for the lost GPU was not reported unschedulable: %v", err)
+	}
+	if claim, err := n.Admin.ResourceV1().ResourceClaims("default").Get(ctx, "on-lost", metav1.GetOptions{}); err != nil ||
+		claim.Status.Allocation != nil {
+		t.Fatalf("the claim for the lost GPU: %v, allocation %+v; want it unallocated", err, claim.Status.Allocation)
+	}
+
+	// HAMi's pod ends on the healthy GPU: its 2g.20gb at 4 goes IDLE, and the device turns warm and
+	// first in the slices while the other GPU stays lost.
+	allocate(ctx, t, c, p, request("pod-idle", dev(healthy, "2g.20gb", 4, 2)))
+	if _, err := c.Release(ctx, "pod-idle"); err != nil {
+		t.Fatal(err)
+	}
+	p.forget("pod-idle")
+	released := time.Now()
+	warm := dra.DeviceName(healthy.Index, "2g.20gb", 4)
+	n.Devices(ctx, t, func(ds []resourceapi.Device) bool {
+		return ds[0].Name == warm && *ds[0].Attributes[dra.AttrWarm].BoolValue && onLost(ds, dra.TaintGPUUnreadable)
+	})
+	t.Logf("the healthy GPU's IDLE instance published warm and first %v after its release, the other GPU lost",
+		time.Since(released).Round(time.Millisecond))
+
+	kubeapi.PodWithClaim(t, n.Admin, "default", "on-healthy", profileClaim("2g.20gb"))
+	claim := s.Bound(t, "default", "on-healthy", n.Name)
+	if got := claim.Status.Allocation.Devices.Results[0].Device; got != warm {
+		t.Fatalf("a plain 2g.20gb claim got %s, want the warm %s", got, warm)
+	}
+	prepared(ctx, t, n, claim)
+}
