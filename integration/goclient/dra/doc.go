@@ -9,7 +9,7 @@
 // What the plugin adds:
 //
 //   - the slices (model.go): one pool per node, counters for each GPU's memory slices, one device
-//     per (profile, placement), warm devices of every GPU first, none that prepare must refuse;
+//     per (profile, placement), warm devices of every GPU first, those prepare must refuse tainted;
 //   - prepare: one sidecar Allocate per claim, owned by the claim (OWNER_KIND_CLAIM, keyed by its
 //     UID), one device per allocation result of this driver; the answer is the CDI device the
 //     sidecar wrote. A repeat is ALREADY_ALLOCATED and answers the same. The allocation result
@@ -21,7 +21,9 @@
 //   - recovery (RecoverClaims), at start and after the sidecar restarted: a claim's ACTIVE
 //     instance whose claim is gone, replaced or no longer allocated on this node is released. No
 //     pod annotation is involved: the sidecar's records name the claim and the API server says
-//     whether it still stands;
+//     whether it still stands. Also when a prepare finds its placement held by another claim's
+//     instance (PLACEMENT_BUSY naming a claim): that claim may be gone without its unprepare, and
+//     the prepare tries once more after the recovery;
 //   - republishing (publish.go) when the sidecar's instances change, at a bounded rate.
 //
 // One sidecar, two clients. The sidecar's owner kinds keep HAMi's device plugin and this plugin

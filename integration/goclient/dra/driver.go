@@ -308,6 +308,18 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 	}
 	d.mu.Unlock()
 	res, err := d.c.Allocate(ctx, req)
+	if other := heldByAnotherClaim(err, string(claim.UID)); other != "" {
+		// The claim whose instance is in the way may be gone without its unprepare (its pod
+		// force-deleted, kubelet's state lost): the scheduler no longer counts it, and its
+		// instance is published warm. Release the instances of claims gone from the API server and
+		// try once more; a claim that still stands keeps its instance and this prepare fails.
+		d.opts.Log("claim %s/%s: the placement is held by claim %s: releasing the instances of claims gone or not allocated here",
+			claim.Namespace, claim.Name, other)
+		if rerr := d.RecoverClaims(ctx); rerr != nil {
+			d.opts.Log("claim %s/%s: %v", claim.Namespace, claim.Name, rerr)
+		}
+		res, err = d.c.Allocate(ctx, req)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("claim %s/%s: %w", claim.Namespace, claim.Name, err)
 	}
@@ -327,6 +339,16 @@ func (d *Driver) prepare(ctx context.Context, claim *resourceapi.ResourceClaim) 
 			CDIDeviceIDs: slices.Clone(res.DriverCDIDevices)})
 	}
 	return devices, nil
+}
+
+// heldByAnotherClaim is the UID of the claim whose instance err (an Allocate's) says blocks the
+// placement, "" when it is not such an error or names the preparing claim itself.
+func heldByAnotherClaim(err error, self string) string {
+	var e *migclient.Error
+	if !errors.As(err, &e) || e.Reason != migclient.ReasonPlacementBusy || e.Metadata["claim_uid"] == self {
+		return ""
+	}
+	return e.Metadata["claim_uid"]
 }
 
 // poke tells Run that the sidecar's instances may have changed.

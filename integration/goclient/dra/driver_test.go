@@ -351,3 +351,46 @@ func TestAClaimAllocatedWithAdminAccessIsRefusedAtPrepareWithItsReasonAndNothing
 		t.Fatalf("an instance was created for the adminAccess claim: %+v", fake.Instances())
 	}
 }
+
+// A claim deleted without its unprepare (its pod force-deleted, kubelet's state lost) leaves its
+// instance ACTIVE, published warm, and the scheduler, which no longer counts the claim, gives its
+// device to the next claim: that prepare finds the placement held by a claim gone from the API
+// server, releases it and reuses the instance. A claim that still stands keeps its instance.
+func TestAPrepareOverTheInstanceOfAClaimGoneWithoutUnprepareReleasesItAndReusesIt(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	fake, _, node := fakeNode(ctx, t, "node-gone", dra.Options{})
+	pool := dra.PoolName("node-gone")
+	at := [2]string{pool, "gpu0-2g-20gb-at4"}
+
+	gone := node.Claim(ctx, t, "default", "gone", at)
+	first, err := node.Prepare(ctx, gone)
+	if err != nil || first.GetError() != "" {
+		t.Fatalf("prepare: %+v %v", first, err)
+	}
+	mig := cdiMIG(t, fakekubelet.CDIDevices(first))
+	standing := node.Claim(ctx, t, "default", "standing", [2]string{pool, "gpu1-2g-20gb-at4"})
+	if got, err := node.Prepare(ctx, standing); err != nil || got.GetError() != "" {
+		t.Fatalf("prepare: %+v %v", got, err)
+	}
+
+	// Both claims' devices given to new claims; only the first claim is gone.
+	if err := node.Admin.ResourceV1().ResourceClaims("default").Delete(ctx, gone.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	next := node.Claim(ctx, t, "default", "next", at)
+	got, err := node.Prepare(ctx, next)
+	if err != nil || got.GetError() != "" || cdiMIG(t, fakekubelet.CDIDevices(got)) != mig {
+		t.Fatalf("prepare over the gone claim's instance %s: %+v %v", mig, got, err)
+	}
+	if in := instance(t, fake, mig); in.State != pb.InstanceState_ACTIVE || in.Owner == nil || in.Owner.ClaimUID != string(next.UID) {
+		t.Fatalf("the gone claim's instance: %+v, want the next claim's", in)
+	}
+	clash := node.Claim(ctx, t, "default", "clash", [2]string{pool, "gpu1-2g-20gb-at4"})
+	if got, err := node.Prepare(ctx, clash); err != nil || !strings.Contains(got.GetError(), "PLACEMENT_BUSY") {
+		t.Fatalf("prepare over a standing claim's instance: %+v %v, want PLACEMENT_BUSY", got, err)
+	}
+	if n := len(fake.Instances()); n != 2 {
+		t.Fatalf("%d instances, want the two claims' only: %+v", n, fake.Instances())
+	}
+}

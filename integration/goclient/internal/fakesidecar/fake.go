@@ -494,8 +494,14 @@ func (s *Server) Allocate(_ context.Context, req *pb.AllocateRequest) (*pb.Alloc
 					continue
 				}
 				if in.State != pb.InstanceState_IDLE {
-					return nil, fail(codes.FailedPrecondition, "PLACEMENT_BUSY", "placement busy",
-						map[string]string{"mig_uuid": in.MigUUID, "blocker": in.State.String()})
+					md := map[string]string{"mig_uuid": in.MigUUID, "blocker": in.State.String()}
+					switch {
+					case in.Owner != nil && in.Owner.ClaimUID != "":
+						md["claim_uid"] = in.Owner.ClaimUID
+					case in.Owner != nil:
+						md["pod_uid"] = in.Owner.PodUID
+					}
+					return nil, fail(codes.FailedPrecondition, "PLACEMENT_BUSY", "placement busy", md)
 				}
 				out.Reclaimed = append(out.Reclaimed, ref(in))
 				s.remove(in)
