@@ -25,9 +25,13 @@ NodePrepareResources and NodeUnprepareResources as kubelet does; its package com
 trace is replayed. Before each arrival it waits for the node to settle (the slices republished, the
 trim the plugin asked for done), as the trace's arrivals, tens of seconds apart, would let it;
 ``--no-settle`` sends each arrival right after the last event instead, so the republishing's and the
-trim's lag count. A claim the plugin refuses at prepare is counted (``stuck``: its pod would never
+trim's lag count. A pod the scheduler finds unschedulable is given five seconds to be tried again
+and bound, as the scheduler does when the claim or slice it waited for changes (``retried``: a
+departed claim's deletion it had not seen yet, a pool it saw half rewritten); still unschedulable,
+it is ``refused``. A claim the plugin refuses at prepare is counted (``stuck``: its pod would never
 start) and its pod and claim deleted; ``--no-keep-free`` runs the plugin without naming placements to
-keep free, for comparison. GPU instances created per prepared claim are counted by the simulated hardware
+keep free, for comparison. ``warm`` is the share of prepared claims whose prepare reused an IDLE
+instance (the plugin's warm-hit counter moved), whatever the slices said of the device. GPU instances created per prepared claim are counted by the simulated hardware
 (``SimulatedHardware.call_counts``), exact; the prepare latencies are wall clock, so their ratios to
 the create-per-claim row of the same run are what compare. Results: ``bench/README.md``.
 """
@@ -166,7 +170,8 @@ def run_row(
 def report(rows: list[Row]) -> None:
     base = rows[0]
     header = (
-        f"{'row':<26} {'claims':>6} {'refused':>7} {'stuck':>5} {'GI/claim':>8} {'del/claim':>9} {'warm':>6} "
+        f"{'row':<26} {'claims':>6} {'retried':>7} {'refused':>7} {'stuck':>5} {'GI/claim':>8} "
+        f"{'del/claim':>9} {'warm':>6} "
         f"{'mean ms':>8} {'p50 ms':>8} "
         f"{'p99 ms':>8} {'sched p50':>9} {'mean/create':>11} {'p99/create':>10}"
     )
@@ -180,8 +185,10 @@ def report(rows: list[Row]) -> None:
         base_lat = base.prepare_s()
         stuck = len(r.prepare_refused)
         refused = len(r.claims) - len(prepared) - stuck
+        retried = sum(1 for c in prepared if c.get("retried"))
         print(
-            f"{r.name:<26} {len(prepared):>6} {refused:>7} {stuck:>5} {r.created / len(prepared):>8.3f} "
+            f"{r.name:<26} {len(prepared):>6} {retried:>7} {refused:>7} {stuck:>5} "
+            f"{r.created / len(prepared):>8.3f} "
             f"{r.destroyed / len(prepared):>9.3f} {warm:>6.1%} {mean * 1e3:>8.1f} "
             f"{percentile(lat, 0.5) * 1e3:>8.1f} {p99 * 1e3:>8.1f} "
             f"{percentile(sched, 0.5) * 1e3:>7.1f}ms {mean / statistics.fmean(base_lat):>11.2f} "

@@ -1,61 +1,20 @@
 package e2e
 
 import (
-	"context"
-	"net/http"
 	"strings"
 	"testing"
 
 	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	resourceapi "k8s.io/api/resource/v1"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/scrape"
 )
 
-// scrapeDRA reads the plugin's /metrics at address as Prometheus parses them.
-func scrapeDRA(ctx context.Context, t *testing.T, address string) map[string]*dto.MetricFamily {
-	t.Helper()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+address+"/metrics", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("the scrape does not parse: %v", err)
-	}
-	return families
-}
-
-// sample is the value of family's series with exactly labels (a histogram's: its count); -1 when
-// there is none.
+// sample is the value of family's series with exactly labels; -1 when there is none.
 func sample(families map[string]*dto.MetricFamily, family string, labels map[string]string) float64 {
-	for _, m := range families[family].GetMetric() {
-		if len(m.GetLabel()) != len(labels) {
-			continue
-		}
-		match := true
-		for _, l := range m.GetLabel() {
-			if want, ok := labels[l.GetName()]; !ok || want != l.GetValue() {
-				match = false
-			}
-		}
-		switch {
-		case !match:
-		case m.Counter != nil:
-			return m.GetCounter().GetValue()
-		case m.Gauge != nil:
-			return m.GetGauge().GetValue()
-		case m.Histogram != nil:
-			return float64(m.GetHistogram().GetSampleCount())
-		}
+	if v, ok := scrape.Value(families, family, labels); ok {
+		return v
 	}
 	return -1
 }
@@ -91,7 +50,7 @@ func TestTheDRAPluginsMetricsCountTheSidecarsAnswersToRealPrepares(t *testing.T)
 		t.Fatalf("a claim on the placement claim b holds: %+v %v", resp, err)
 	}
 
-	families := scrapeDRA(ctx, t, address)
+	families := scrape.Page(ctx, t, address)
 	for _, w := range []struct {
 		family string
 		labels map[string]string

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -13,9 +12,6 @@ import (
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
 	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -24,6 +20,7 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakesidecar"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/scrape"
 )
 
 // operatorMetric is a metric of the plugin as the operator's files name it.
@@ -40,53 +37,6 @@ func freeAddress(t *testing.T) string {
 		t.Fatal(err)
 	}
 	return address
-}
-
-// scrape reads the plugin's /metrics as Prometheus parses it.
-func scrape(t *testing.T, address string) map[string]*dto.MetricFamily {
-	t.Helper()
-	resp, err := http.Get("http://" + address + "/metrics") //nolint:noctx // a test's one-shot scrape
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = resp.Body.Close() }()
-	parser := expfmt.NewTextParser(model.UTF8Validation)
-	families, err := parser.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		t.Fatalf("the scrape does not parse: %v", err)
-	}
-	return families
-}
-
-// value is the sample of family whose labels are exactly labels (a histogram's: its count).
-func value(families map[string]*dto.MetricFamily, family string, labels map[string]string) (float64, bool) {
-	f, ok := families[family]
-	if !ok {
-		return 0, false
-	}
-	for _, m := range f.GetMetric() {
-		if len(m.GetLabel()) != len(labels) {
-			continue
-		}
-		match := true
-		for _, l := range m.GetLabel() {
-			if want, ok := labels[l.GetName()]; !ok || want != l.GetValue() {
-				match = false
-			}
-		}
-		if !match {
-			continue
-		}
-		switch {
-		case m.Counter != nil:
-			return m.GetCounter().GetValue(), true
-		case m.Gauge != nil:
-			return m.GetGauge().GetValue(), true
-		case m.Histogram != nil:
-			return float64(m.GetHistogram().GetSampleCount()), true
-		}
-	}
-	return 0, false
 }
 
 // The command's --metrics-address serves the plugin's metrics, and after prepares and an unprepare
@@ -167,18 +117,18 @@ func TestTheCommandServesItsMetricsAfterRealPrepares(t *testing.T) {
 		{dra.MetricUnprepares, map[string]string{"result": "success", "reason": ""}, 1},
 		{dra.MetricRepublishErrors, map[string]string{"stage": "state"}, 0},
 	}
-	families := scrape(t, address)
+	families := scrape.Page(ctx, t, address)
 	for _, w := range want {
-		if got, ok := value(families, w.family, w.labels); !ok || got != w.value {
+		if got, ok := scrape.Value(families, w.family, w.labels); !ok || got != w.value {
 			t.Errorf("%s%v = %v (found %v), want %v", w.family, w.labels, got, ok, w.value)
 		}
 	}
 	// The slices were published at start, and again with the device warm while a was unprepared.
-	if got, ok := value(families, dra.MetricSlicePublishes, map[string]string{}); !ok || got < 1 {
+	if got, ok := scrape.Value(families, dra.MetricSlicePublishes, map[string]string{}); !ok || got < 1 {
 		t.Errorf("%s = %v (found %v), want at least 1", dra.MetricSlicePublishes, got, ok)
 	}
-	warm, _ := value(families, dra.MetricPublishedDevices, map[string]string{"warm": "true"})
-	cold, _ := value(families, dra.MetricPublishedDevices, map[string]string{"warm": "false"})
+	warm, _ := scrape.Value(families, dra.MetricPublishedDevices, map[string]string{"warm": "true"})
+	cold, _ := scrape.Value(families, dra.MetricPublishedDevices, map[string]string{"warm": "false"})
 	if int(warm+cold) != len(devices) {
 		t.Errorf("published devices: %v warm + %v not, want %d in all", warm, cold, len(devices))
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
+	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/scrape"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/migclient"
 )
 
@@ -37,6 +38,7 @@ const (
 	node       = "bench-node"
 	namespace  = "bench"
 	waitFor    = 2 * time.Minute // the longest a pod may take to be scheduled, a loaded machine's
+	retryWait  = 5 * time.Second // how long an unschedulable pod may take to be tried again and bound
 )
 
 // claim is one claim of the trace: it arrives and leaves at trace times (only their order matters).
@@ -52,6 +54,7 @@ type result struct {
 	UID       string  `json:"uid"`
 	Profile   string  `json:"profile"`
 	Refused   bool    `json:"refused"`             // the scheduler found no device for it
+	Retried   bool    `json:"retried,omitempty"`   // it was unschedulable at first, then tried again
 	Device    string  `json:"device,omitempty"`    // the device the scheduler allocated
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
 	Reused    bool    `json:"reused,omitempty"`    // its prepare reused an IDLE instance (the plugin's warm hits moved)
@@ -158,24 +161,11 @@ func BenchmarkClaimTrace(b *testing.B) {
 // warmHits is the plugin's count of devices prepared on an IDLE instance.
 func warmHits(b *testing.B, reg *prometheus.Registry) float64 {
 	b.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		b.Fatal(err)
+	hits, ok := scrape.Value(scrape.Gathered(b, reg), dra.MetricPreparedDevices, map[string]string{"warm": "true"})
+	if !ok {
+		b.Fatalf("no %s{warm=\"true\"} among the plugin's metrics", dra.MetricPreparedDevices)
 	}
-	for _, f := range families {
-		if f.GetName() != dra.MetricPreparedDevices {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "warm" && l.GetValue() == "true" {
-					return m.GetCounter().GetValue()
-				}
-			}
-		}
-	}
-	b.Fatalf("no %s{warm=\"true\"} among the plugin's metrics", dra.MetricPreparedDevices)
-	return 0
+	return hits
 }
 
 // settled waits until the node is at rest, and returns the published devices' warmth by name:
@@ -274,6 +264,18 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 			return c.Type == corev1.PodScheduled && c.Reason == corev1.PodReasonUnschedulable
 		}), nil
 	})
+	if err == nil && !bound {
+		// Unschedulable at one attempt: the scheduler tries the pod again when a claim or a slice
+		// it may fit after changes (a departed claim's deletion it had not seen yet, a pool it saw
+		// half rewritten), after its backoff. Refused only if it still does not fit once that
+		// could have happened, with no other event meanwhile.
+		r.Retried = true
+		_ = wait.PollUntilContextTimeout(ctx, 5*time.Millisecond, retryWait, true, func(ctx context.Context) (bool, error) {
+			got, err := admin.CoreV1().Pods(namespace).Get(ctx, cl.UID, metav1.GetOptions{})
+			bound = err == nil && got.Spec.NodeName != ""
+			return bound, err
+		})
+	}
 	r.ScheduleS = time.Since(start).Seconds()
 	if err != nil {
 		b.Fatalf("claim %s (%s): the scheduler neither bound nor refused its pod: %v; its log ends:\n%s", cl.UID, cl.Profile, err,
