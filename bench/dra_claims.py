@@ -31,7 +31,8 @@ departed claim's deletion it had not seen yet, a pool it saw half rewritten); st
 it is ``refused``. A claim the plugin refuses at prepare is counted (``stuck``: its pod would never
 start) and its pod and claim deleted; ``--no-keep-free`` runs the plugin without naming placements to
 keep free, for comparison. ``warm`` is the share of prepared claims whose prepare reused an IDLE
-instance (the plugin's warm-hit counter moved), whatever the slices said of the device. GPU instances created per prepared claim are counted by the simulated hardware
+instance (the plugin's warm-hit counter moved), whatever the slices said of the device. GPU
+instances created per prepared claim are counted by the simulated hardware
 (``SimulatedHardware.call_counts``), exact; the prepare latencies are wall clock, so their ratios to
 the create-per-claim row of the same run are what compare. Results: ``bench/README.md``.
 """
@@ -131,6 +132,7 @@ def run_row(
     *,
     settle: bool,
     keep_free: bool,
+    results: Path | None,
 ) -> Row:
     row = Row(v.name)
     root = Path(tempfile.mkdtemp(prefix="hmdra"))
@@ -158,6 +160,8 @@ def run_row(
             failed = f"{v.name}: the Go benchmark failed ({done.returncode})"
             raise SystemExit(f"{failed}:\n{done.stdout}\n{done.stderr}")
         row.claims = json.loads(out.read_text())
+        if results is not None:
+            shutil.copy(out, results / f"{v.name.replace(' ', '-').replace('/', '-')}.json")
         row.created = gi_calls(car.hw, "create-gi") - before[0]
         row.destroyed = gi_calls(car.hw, "destroy-gi") - before[1]
     finally:
@@ -204,6 +208,16 @@ def report(rows: list[Row]) -> None:
                     f"{len(lat)} on {label} (mean {statistics.fmean(lat) * 1e3:.1f} ms, "
                     f"p50 {percentile(lat, 0.5) * 1e3:.1f}, p99 {percentile(lat, 0.99) * 1e3:.1f})"
                 )
+        over = [c for c in r.prepared if not c.get("reused") and int(str(c.get("over_idle", 0))) > 0]
+        if over:
+            lat = sorted(float(str(c["prepare_s"])) for c in over)
+            destroys = statistics.fmean(int(str(c["over_idle"])) for c in over)
+            retried = sum(1 for c in over if c.get("retried"))
+            parts.append(
+                f"of the new ones {len(over)} over IDLE instances ({destroys:.1f} on average, "
+                f"{retried} retried; "
+                f"p50 {percentile(lat, 0.5) * 1e3:.1f} ms, p99 {percentile(lat, 0.99) * 1e3:.1f})"
+            )
         print(f"{r.name}: {', '.join(parts)}")
         for c in r.prepare_refused:
             print(
@@ -229,6 +243,7 @@ def main() -> int:
         action="store_true",
         help="the plugin names no placement to keep free (KeepFree): a cold claim waits for its destroys",
     )
+    parser.add_argument("--results", type=Path, help="a directory to keep each row's claims in, as JSON")
     args = parser.parse_args()
     missing = [b for b in BINARIES if find(b) is None]
     if missing:
@@ -265,6 +280,7 @@ def main() -> int:
                     state_base,
                     settle=not args.no_settle,
                     keep_free=not args.no_keep_free,
+                    results=args.results,
                 )
             )
             print(f"  ran {v.name}: {rows[-1].wall:.0f} s", flush=True)

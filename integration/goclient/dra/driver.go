@@ -79,6 +79,7 @@ type Driver struct {
 	mu    sync.Mutex
 	gpus  []GPU
 	model *Model
+	next  []Device             // the devices to keep free, of the model as last built
 	asked map[string]time.Time // profile -> the last prepare that asked for it
 }
 
@@ -123,17 +124,22 @@ func (d *Driver) Close() error { return d.conn.Close() }
 // leaves every claim's instance as it is.
 func RecoverNoPods(context.Context) ([]*pb.ActiveAllocation, error) { return nil, nil }
 
-// keepFree are the devices the plugin names to the sidecar to keep free (Model.NextCold) of the
-// profiles prepares asked for within Options.KeepFreeWithin; none with DestroyAtUnprepare, which
-// keeps no IDLE instance.
+// keepFree are the devices the plugin names to the sidecar to keep free, as of the last refresh.
 func (d *Driver) keepFree() []Device {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.opts.DestroyAtUnprepare || d.opts.KeepFreeWithin < 0 || d.model == nil {
+	return d.next
+}
+
+// nextCold are the devices of m to keep free (Model.NextCold) of the profiles prepares asked for
+// within Options.KeepFreeWithin; none with DestroyAtUnprepare, which keeps no IDLE instance. d.mu
+// is held.
+func (d *Driver) nextCold(m *Model) []Device {
+	if d.opts.DestroyAtUnprepare || d.opts.KeepFreeWithin < 0 {
 		return nil
 	}
 	var out []Device
-	for _, dev := range d.model.NextCold() {
+	for _, dev := range m.NextCold() {
 		if at, ok := d.asked[dev.Profile]; ok && time.Since(at) <= d.opts.KeepFreeWithin {
 			out = append(out, dev)
 		}
@@ -238,7 +244,10 @@ func findGPU(all []migclient.GPU, want string) int {
 	return -1
 }
 
-// refresh rebuilds the model from GetState's IDLE instances.
+// refresh rebuilds the model from GetState, and the devices to keep free. The model is published
+// as the sidecar's trim will leave it: the IDLE instances over a device named to keep free are
+// neither warm nor counted in the ranks (Trimmed), so no claim is steered onto an instance the trim
+// is about to destroy, to wait for that destroy and then create.
 func (d *Driver) refresh(ctx context.Context) error {
 	st, err := d.c.GetState(ctx)
 	if err != nil {
@@ -248,7 +257,11 @@ func (d *Driver) refresh(ctx context.Context) error {
 	view.HeldGoIdle = !d.opts.DestroyAtUnprepare
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	d.model = NewModel(d.opts.NodeName, d.gpus, view)
+	m := NewModel(d.opts.NodeName, d.gpus, view)
+	if d.next = d.nextCold(m); len(d.next) > 0 {
+		m = NewModel(d.opts.NodeName, d.gpus, view.Trimmed(d.next))
+	}
+	d.model = m
 	return nil
 }
 

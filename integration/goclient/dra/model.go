@@ -274,6 +274,29 @@ func (v View) taint(d Device) string {
 	return ""
 }
 
+// Trimmed is the view once the sidecar's trim has freed next (the devices named to keep free): the
+// IDLE instances overlapping one are gone from Warm and Idle.
+func (v View) Trimmed(next []Device) View {
+	doomed := func(gpu string, p migclient.Placement) bool {
+		return slices.ContainsFunc(next, func(d Device) bool { return d.GPUUUID == gpu && overlap(d.Placement, p) })
+	}
+	out := v
+	out.Warm, out.Idle = map[Placed]bool{}, map[string][]migclient.Placement{}
+	for p := range v.Warm {
+		if !doomed(p.GPUUUID, p.Placement) {
+			out.Warm[p] = true
+		}
+	}
+	for gpu, ps := range v.Idle {
+		for _, p := range ps {
+			if !doomed(gpu, p) {
+				out.Idle[gpu] = append(out.Idle[gpu], p)
+			}
+		}
+	}
+	return out
+}
+
 // heldPlacements are each GPU's placements claims hold.
 func (v View) heldPlacements() map[string][]migclient.Placement {
 	out := map[string][]migclient.Placement{}

@@ -365,3 +365,36 @@ func TestWhatPrepareMustRefuseTaintsTheDevicesOverItAndAClaimsOwnInstanceTaintsN
 		}
 	}
 }
+
+// The view the trim will leave once it freed the devices named to keep free: the IDLE instances
+// over one are neither warm nor in the way, so the slices steer no claim onto an instance being
+// destroyed, and the freed device comes with the free ones.
+func TestTheTrimmedViewDropsTheIdleInstancesOverTheDevicesToKeepFree(t *testing.T) {
+	at := func(start, size uint32) migclient.Placement { return migclient.Placement{Start: start, Size: size} }
+	v := view(map[dra.Placed]bool{
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(0, 1)}: true,
+		{GPUUUID: "GPU-0", Profile: "1g.10gb", Placement: at(6, 1)}: true,
+	})
+	gpus := []dra.GPU{{Index: 0, UUID: "GPU-0", Profiles: simProfiles(t, "h100-80gb")}}
+	var next []dra.Device
+	for _, d := range dra.NewModel("node-m", gpus, v).NextCold() {
+		if d.Profile == "7g.80gb" {
+			next = append(next, d)
+		}
+	}
+	if len(next) != 1 || next[0].Name != "gpu0-7g-80gb-at0" {
+		t.Fatalf("next cold 7g.80gb: %+v", next)
+	}
+	devices := devicesOf(dra.NewModel("node-m", gpus, v.Trimmed(next)))
+	for _, d := range devices {
+		if *d.Attributes[dra.AttrWarm].BoolValue {
+			t.Fatalf("%s warm in the trimmed view, which has no IDLE instance left", d.Name)
+		}
+	}
+	if devices[0].Name != "gpu0-1g-10gb-at0" {
+		t.Fatalf("first %s, want gpu0-1g-10gb-at0, free once trimmed", devices[0].Name)
+	}
+	if len(v.Warm) != 2 || len(v.Idle["GPU-0"]) != 2 {
+		t.Fatalf("Trimmed changed the view it was called on: %+v", v)
+	}
+}

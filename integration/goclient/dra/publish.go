@@ -23,12 +23,13 @@ import (
 // the next poll. A new incarnation (the sidecar restarted) first runs Sync: its recovery, the GPUs
 // and profiles again, and the release of claims that went away meanwhile.
 
-// Each time it rebuilds the model (every move of the revision, not only when it may publish) it
-// names to the sidecar, for each profile claims asked for lately (Options.KeepFreeWithin), the
-// device a claim that finds no warm one gets next (Model.NextCold) with KeepFree: the sidecar's
-// background trim destroys the IDLE instances over it, so that claim creates at once, and the
-// slices republished after the trim list it free. A sidecar that predates KeepFree is asked again
-// only once it restarted.
+// Each time it has published a model it rebuilt it names to the sidecar, for each profile claims
+// asked for lately (Options.KeepFreeWithin), the device a claim that finds no warm one gets next
+// (Model.NextCold) with KeepFree: the sidecar's background trim destroys the IDLE instances over
+// it, so that claim creates at once. The model already lists it free and those instances cold
+// (refresh), and the trim starts only after that publish: a claim steered onto an instance the trim
+// is destroying would wait for the destroy, then create. A sidecar that predates KeepFree is asked
+// again only once it restarted.
 
 // Run's periods unless set in Options.
 const (
@@ -52,6 +53,7 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 		refreshed = time.Now()
 		built     bool   // the model was built at revision builtAt (not yet published, maybe)
 		builtAt   uint64 // that revision
+		unsent    bool   // the devices to keep free of that model are not yet named to the sidecar
 		keep      keepFreeState
 		deferred  <-chan time.Time // fires at next when a change waits for MinInterval
 	)
@@ -78,10 +80,9 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 					d.opts.Metrics.republishFailed(republishStageState)
 					break
 				}
-				built, builtAt = true, info.Revision
-				keep.send(ctx, d, info)
+				built, builtAt, unsent = true, info.Revision, true
 			}
-			if wait := time.Until(next); wait > 0 { // the slices wait for MinInterval; the trim did not
+			if wait := time.Until(next); wait > 0 { // the slices wait for MinInterval
 				deferred = time.After(wait)
 				break
 			}
@@ -93,6 +94,10 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 				}
 				d.opts.Metrics.published(res)
 				last, next = &res, time.Now().Add(d.opts.MinInterval)
+			}
+			if unsent { // only once the slices no longer list its victims warm
+				keep.send(ctx, d, info)
+				unsent = false
 			}
 			seen, known, dirty, refreshed = info, true, false, time.Now()
 		}

@@ -18,20 +18,6 @@ import (
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
 )
 
-// taintOf is the plugin's taint on device name among ds ("" when it has none).
-func taintOf(ds []resourceapi.Device, name string) string {
-	i := slices.IndexFunc(ds, func(d resourceapi.Device) bool { return d.Name == name })
-	if i < 0 {
-		return "absent"
-	}
-	for _, taint := range ds[i].Taints {
-		if taint.Key == dra.TaintKey {
-			return taint.Value
-		}
-	}
-	return ""
-}
-
 // A GPU of the real sidecar falls off the bus (Xid 79, then every NVML call on it fails
 // GPU_IS_LOST): the sidecar's GetState answers it unreadable and the others as usual, so the
 // plugin taints that GPU's devices only. A claim for the lost GPU stays Pending, unallocated,
@@ -49,7 +35,7 @@ func TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsI
 		for _, d := range ds {
 			if strings.HasPrefix(d.Name, prefix) {
 				count++
-				if taintOf(ds, d.Name) != taint {
+				if fakekubelet.Taint(ds, d.Name) != taint {
 					return false
 				}
 			}
@@ -62,7 +48,7 @@ func TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsI
 	sim(t, "lose", "--gpu", fmt.Sprint(lost.Index))
 	first := dra.DeviceName(healthy.Index, "1g.10gb", 0)
 	n.Devices(ctx, t, func(ds []resourceapi.Device) bool {
-		return onLost(ds, dra.TaintGPUUnreadable) && taintOf(ds, first) == ""
+		return onLost(ds, dra.TaintGPUUnreadable) && fakekubelet.Taint(ds, first) == ""
 	})
 
 	lostClaim := profileClaim("1g.10gb")

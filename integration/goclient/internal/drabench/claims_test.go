@@ -55,6 +55,7 @@ type result struct {
 	Profile   string  `json:"profile"`
 	Refused   bool    `json:"refused"`             // the scheduler found no device for it
 	Retried   bool    `json:"retried,omitempty"`   // it was unschedulable at first, then tried again
+	OverIdle  int     `json:"over_idle"`           // IDLE instances overlapping (not at) its device before its prepare
 	Device    string  `json:"device,omitempty"`    // the device the scheduler allocated
 	Warm      bool    `json:"warm,omitempty"`      // that device was published warm
 	Reused    bool    `json:"reused,omitempty"`    // its prepare reused an IDLE instance (the plugin's warm hits moved)
@@ -136,7 +137,7 @@ func BenchmarkClaimTrace(b *testing.B) {
 				asked[cl.Profile] = true
 			}
 			hits := warmHits(b, reg)
-			r, prepared := arrive(ctx, b, n, s, cl, warm)
+			r, prepared := arrive(ctx, b, n, s, c, cl, warm)
 			r.Reused = warmHits(b, reg) > hits
 			results[e.claim] = r
 			if prepared != nil {
@@ -243,7 +244,9 @@ func placed(d resourceapi.Device) dra.Placed {
 
 // arrive creates cl's claim and pod, waits for the scheduler, and prepares the claim as kubelet
 // would; the claim is nil when the scheduler refused it (its pod and claim are deleted then).
-func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.Server, cl claim, warm map[string]bool) (result, *resourceapi.ResourceClaim) {
+func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.Server, c *migclient.Client, cl claim,
+	warm map[string]bool,
+) (result, *resourceapi.ResourceClaim) {
 	b.Helper()
 	r := result{UID: cl.UID, Profile: cl.Profile}
 	admin := n.Admin
@@ -295,6 +298,7 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 	}
 	r.Device = allocated.Status.Allocation.Devices.Results[0].Device
 	r.Warm = warm[r.Device]
+	r.OverIdle = overIdle(ctx, b, n, c, allocated.Status.Allocation.Devices.Results[0])
 	start = time.Now()
 	answer, err := n.Prepare(ctx, allocated)
 	r.PrepareS = time.Since(start).Seconds()
@@ -309,6 +313,27 @@ func arrive(ctx context.Context, b *testing.B, n *fakekubelet.Node, s *kubeapi.S
 		b.Fatalf("prepare claim %s (%s on %s): %v %v", cl.UID, cl.Profile, r.Device, err, answer)
 	}
 	return r, allocated
+}
+
+// overIdle counts the IDLE instances the sidecar reports overlapping the allocated device other
+// than one exactly at it: what its prepare destroys unless the trim does first.
+func overIdle(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclient.Client, r resourceapi.DeviceRequestAllocationResult) int {
+	b.Helper()
+	d, ok := n.Driver.Model().Lookup(r.Pool, r.Device)
+	if !ok {
+		b.Fatalf("device %s/%s is not the plugin's", r.Pool, r.Device)
+	}
+	st, err := c.GetState(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	view, count := dra.ViewOf(st), 0
+	for _, p := range view.Idle[d.GPUUUID] {
+		if p != d.Placement && p.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < p.Start+p.Size {
+			count++
+		}
+	}
+	return count
 }
 
 // leave unprepares a claim and deletes its pod and the claim.

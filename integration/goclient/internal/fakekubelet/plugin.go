@@ -134,3 +134,20 @@ func (n *Node) Claim(ctx context.Context, t testing.TB, namespace, name string, 
 	}
 	return claim
 }
+
+// Taint is the value of the plugin's taint (dra.TaintKey) on device name among devices: "" when it
+// has none, "absent" when no device has that name.
+func Taint(devices []resourceapi.Device, name string) string {
+	for _, d := range devices {
+		if d.Name != name {
+			continue
+		}
+		for _, taint := range d.Taints {
+			if taint.Key == dra.TaintKey {
+				return taint.Value
+			}
+		}
+		return ""
+	}
+	return "absent"
+}

@@ -53,21 +53,6 @@ func pluginNode(t *testing.T, s *kubeapi.Server, gpus []string, setup func(*fake
 	return fake, node
 }
 
-// taint is the value of the plugin's taint on device name among ds: "" when it is untainted,
-// "absent" when it is not published at all.
-func taint(ds []resourcev1.Device, name string) string {
-	i := slices.IndexFunc(ds, func(d resourcev1.Device) bool { return d.Name == name })
-	if i < 0 {
-		return "absent"
-	}
-	for _, tt := range ds[i].Taints {
-		if tt.Key == dra.TaintKey && tt.Effect == resourcev1.DeviceTaintEffectNoSchedule {
-			return tt.Value
-		}
-	}
-	return ""
-}
-
 // run creates a pod with a claim for request on the node, waits for the scheduler to bind it
 // there and for the fake kubelet to prepare it, and answers the device it got.
 func run(ctx context.Context, t *testing.T, s *kubeapi.Server, node *fakekubelet.Node, name string, request resourcev1.DeviceRequest) string {
@@ -113,7 +98,7 @@ func TestTheSlicesTaintEveryPlacementPrepareMustRefuseAndUntaintItOnceFree(t *te
 	for name, want := range map[string]string{"gpu0-1g-10gb-at0": dra.TaintForeign, "gpu0-1g-10gb-at1": dra.TaintPodInstance,
 		"gpu0-1g-10gb-at2": dra.TaintErrorInstance, "gpu0-2g-20gb-at0": dra.TaintForeign, "gpu0-3g-40gb-at0": dra.TaintForeign,
 		"gpu0-7g-80gb-at0": dra.TaintForeign, "gpu0-1g-10gb-at3": ""} {
-		if got := taint(devices, name); got != want {
+		if got := fakekubelet.Taint(devices, name); got != want {
 			t.Errorf("%s: taint %q, want %q", name, got, want)
 		}
 	}
@@ -129,7 +114,7 @@ func TestTheSlicesTaintEveryPlacementPrepareMustRefuseAndUntaintItOnceFree(t *te
 	for _, in := range blockers {
 		fake.Destroy(in.MigUUID)
 	}
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu0-1g-10gb-at0") == "" })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return fakekubelet.Taint(ds, "gpu0-1g-10gb-at0") == "" })
 	if got := run(ctx, t, s, node, "again", claimFor("1g.10gb")); got != "gpu0-1g-10gb-at0" {
 		t.Fatalf("once free, a plain 1g.10gb claim got %s, want gpu0-1g-10gb-at0", got)
 	}
@@ -150,7 +135,9 @@ func TestADeviceAClaimWasAllocatedKeepsItsCountersWhenARepublishTaintsIt(t *test
 		t.Fatalf("the 7g.80gb claim got %s", got)
 	}
 	fake.Put(fakesidecar.Instance{GPU: "GPU-0", Profile: "1g.10gb", Start: 6, Size: 1, Foreign: true})
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu0-7g-80gb-at0") == dra.TaintForeign })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool {
+		return fakekubelet.Taint(ds, "gpu0-7g-80gb-at0") == dra.TaintForeign
+	})
 
 	kubeapi.PodWithClaim(t, node.Admin, node.Name, "small", claimFor("1g.10gb"))
 	unschedulable(t, node.Admin, node.Name, "small")
@@ -176,8 +163,8 @@ func TestALostGPUCostsItsOwnDevicesOnlyAndTheOthersStillFollowTheirIdleSet(t *te
 	fake, node := pluginNode(t, s, []string{"GPU-0", "GPU-1"}, nil)
 	fake.Unreadable("GPU-1", "read GPU GPU-1: NVML_ERROR: GPU is lost")
 	node.Devices(ctx, t, func(ds []resourcev1.Device) bool {
-		return taint(ds, "gpu0-1g-10gb-at0") == "" && !slices.ContainsFunc(ds, func(d resourcev1.Device) bool {
-			return strings.HasPrefix(d.Name, "gpu1-") && taint(ds, d.Name) != dra.TaintGPUUnreadable
+		return fakekubelet.Taint(ds, "gpu0-1g-10gb-at0") == "" && !slices.ContainsFunc(ds, func(d resourcev1.Device) bool {
+			return strings.HasPrefix(d.Name, "gpu1-") && fakekubelet.Taint(ds, d.Name) != dra.TaintGPUUnreadable
 		})
 	})
 
@@ -193,7 +180,7 @@ func TestALostGPUCostsItsOwnDevicesOnlyAndTheOthersStillFollowTheirIdleSet(t *te
 	t.Logf("the healthy GPU's IDLE instance published warm %v after it appeared, the other GPU lost", time.Since(put).Round(time.Millisecond))
 
 	fake.Unreadable("GPU-1", "")
-	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return taint(ds, "gpu1-1g-10gb-at0") == "" })
+	node.Devices(ctx, t, func(ds []resourcev1.Device) bool { return fakekubelet.Taint(ds, "gpu1-1g-10gb-at0") == "" })
 	if got := s.Bound(t, node.Name, "on-lost", node.Name).Status.Allocation.Devices.Results[0].Device; got != "gpu1-1g-10gb-at0" {
 		t.Fatalf("once GPU-1 reads again, its claim got %s, want gpu1-1g-10gb-at0", got)
 	}
@@ -225,7 +212,7 @@ func TestAPlainClaimLandsWarmOnGPU3Of11AndColdOnGPU2NotGPU10(t *testing.T) {
 			Owner: &fakesidecar.Key{PodUID: "hami-" + g}})
 	}
 	node.Devices(ctx, t, func(ds []resourcev1.Device) bool {
-		return taint(ds, "gpu0-1g-10gb-at0") == dra.TaintPodInstance && taint(ds, "gpu1-1g-10gb-at0") == dra.TaintPodInstance
+		return fakekubelet.Taint(ds, "gpu0-1g-10gb-at0") == dra.TaintPodInstance && fakekubelet.Taint(ds, "gpu1-1g-10gb-at0") == dra.TaintPodInstance
 	})
 	if got := run(ctx, t, s, node, "cold", claimFor("1g.10gb")); got != "gpu2-1g-10gb-at0" {
 		t.Fatalf("a plain 1g.10gb claim with gpu0 and gpu1 full got %s, want gpu2-1g-10gb-at0", got)
