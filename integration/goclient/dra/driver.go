@@ -1,6 +1,7 @@
 package dra
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -76,11 +77,12 @@ type Driver struct {
 
 	changed chan struct{} // a prepare or unprepare ran: Run looks at the sidecar now, not at its next poll
 
-	mu    sync.Mutex
-	gpus  []GPU
-	model *Model
-	next  []Device             // the devices to keep free, of the model as last built
-	asked map[string]time.Time // profile -> the last prepare that asked for it
+	mu     sync.Mutex
+	gpus   []GPU
+	model  *Model
+	next   []Device             // the devices to keep free, of the model as last built
+	blocks string               // what taints devices, as last logged (View.blocks)
+	asked  map[string]time.Time // profile -> the last prepare that asked for it
 }
 
 // DefaultKeepFreeWithin is Options.KeepFreeWithin unless set: an hour, as the sidecar's own
@@ -257,6 +259,10 @@ func (d *Driver) refresh(ctx context.Context) error {
 	view.HeldGoIdle = !d.opts.DestroyAtUnprepare
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if blocks := view.blocks(); blocks != d.blocks {
+		d.opts.Log("devices tainted %s over: %s", TaintKey, cmp.Or(blocks, "none"))
+		d.blocks = blocks
+	}
 	m := NewModel(d.opts.NodeName, d.gpus, view)
 	if d.next = d.nextCold(m); len(d.next) > 0 {
 		m = NewModel(d.opts.NodeName, d.gpus, view.Trimmed(d.next))

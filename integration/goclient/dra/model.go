@@ -297,6 +297,22 @@ func (v View) Trimmed(next []Device) View {
 	return out
 }
 
+// blocks says what taints devices, a line for the log: each unreadable GPU and each block with
+// what the sidecar said of it, in a stable order; "" when nothing does.
+func (v View) blocks() string {
+	var parts []string
+	for gpu, why := range v.Unreadable {
+		parts = append(parts, fmt.Sprintf("%s: every device (%s)", gpu, why))
+	}
+	for gpu, blocks := range v.Blocked {
+		for _, b := range blocks {
+			parts = append(parts, fmt.Sprintf("%s at %d+%d: %s (%s)", gpu, b.Placement.Start, b.Placement.Size, b.Detail, b.Why))
+		}
+	}
+	slices.Sort(parts)
+	return strings.Join(parts, "; ")
+}
+
 // heldPlacements are each GPU's placements claims hold.
 func (v View) heldPlacements() map[string][]migclient.Placement {
 	out := map[string][]migclient.Placement{}
