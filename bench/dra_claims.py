@@ -10,12 +10,13 @@ fresh sidecar with the simulator's latency model of ``trace_workload.py`` (GI cr
 - ``create-per-claim``: the plugin destroys a claim's instances at unprepare (its
   ``DestroyAtUnprepare``), what NVIDIA's DRA driver does with dynamic MIG; the sidecar's background
   reserve off;
-- ``warm reuse``: the plugin releases them IDLE and lists warm devices first, so the scheduler,
-  which takes the first device that fits, brings a claim to a cached instance; the reserve off, so
-  only the plugin's own reuse counts;
-- ``warm reuse/shipped``: the same on the sidecar as the manifests ship it (``trace.py`` reads
-  their flags: the reserve at ``auto``, which also creates instances in the background and trims
-  IDLE ones in the scheduler's way; its creations count too).
+- ``warm reuse/shipped``: the plugin releases them IDLE and lists warm devices first, so the
+  scheduler, which takes the first device that fits, brings a claim to a cached instance; on the
+  sidecar as ``deploy/dra/daemonset.yaml`` ships it (the reserve off: the plugin's ``KeepFree``
+  keeps each asked profile's next placement free);
+- ``warm reuse/serve defaults``: the same on ``serve``'s defaults, as a sidecar shared with HAMi's
+  device plugin runs: the reserve at ``auto`` also trims IDLE instances on its own, some of them
+  listed warm in the slices.
 
 Every claim is plain: one request for a device of its profile by a CEL selector on the ``profile``
 attribute, no list of first available subrequests, so only the slice order brings it to a warm device.
@@ -50,7 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from trace import percentile, shipped_policy
+from trace import percentile, shipped_args
 
 from trace_run import Sidecar
 from trace_workload import GPUS, LOAD, MIX, make_trace
@@ -113,13 +114,15 @@ class Variant:
 
 
 def variants() -> tuple[Variant, ...]:
-    """The rows: create-per-claim and warm reuse with the background reserve off, then warm reuse on
-    the sidecar as the manifests ship it (``trace.py`` reads their flags)."""
-    shipped, flags = shipped_policy(ROOT)
+    """The rows: create-per-claim with the background reserve off; warm reuse on the sidecar as the
+    DRA path ships it (``deploy/dra/daemonset.yaml``'s flags, as ``trace.py`` reads a manifest's);
+    warm reuse on ``serve``'s defaults, which a sidecar the DRA plugin shares with HAMi's device
+    plugin runs (the reserve at ``auto``)."""
+    flags = shipped_args(ROOT / "deploy" / "dra" / "daemonset.yaml")
     return (
         Variant("create-per-claim", destroy=True, sidecar_args=NO_RESERVE),
-        Variant("warm reuse", destroy=False, sidecar_args=NO_RESERVE),
-        Variant(f"warm reuse/{shipped}", destroy=False, sidecar_args=flags),
+        Variant("warm reuse/shipped", destroy=False, sidecar_args=flags),
+        Variant("warm reuse/serve defaults", destroy=False, sidecar_args=()),
     )
 
 
