@@ -1,17 +1,12 @@
 package e2e
 
 import (
-	"context"
 	"fmt"
-	"slices"
 	"strings"
 	"testing"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	resourceapi "k8s.io/api/resource/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/dra"
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/fakekubelet"
@@ -55,19 +50,7 @@ func TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsI
 	lostClaim.Exactly.Selectors[0].CEL.Expression += fmt.Sprintf(` && device.attributes[%q].%s == %q`, dra.DefaultDriverName,
 		dra.AttrGPUUUID, lost.UUID)
 	kubeapi.PodWithClaim(t, n.Admin, "default", "on-lost", lostClaim)
-	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, kubeapi.Settle, true, func(ctx context.Context) (bool, error) {
-		pod, err := n.Admin.CoreV1().Pods("default").Get(ctx, "on-lost", metav1.GetOptions{})
-		return err == nil && pod.Spec.NodeName == "" && slices.ContainsFunc(pod.Status.Conditions, func(c corev1.PodCondition) bool {
-			return c.Type == corev1.PodScheduled && c.Reason == corev1.PodReasonUnschedulable
-		}), err
-	})
-	if err != nil {
-		t.Fatalf("the pod of a claim for the lost GPU was not reported unschedulable: %v", err)
-	}
-	if claim, err := n.Admin.ResourceV1().ResourceClaims("default").Get(ctx, "on-lost", metav1.GetOptions{}); err != nil ||
-		claim.Status.Allocation != nil {
-		t.Fatalf("the claim for the lost GPU: %v, allocation %+v; want it unallocated", err, claim.Status.Allocation)
-	}
+	kubeapi.Unschedulable(t, n.Admin, "default", "on-lost")
 
 	// HAMi's pod ends on the healthy GPU: its 2g.20gb at 4 goes IDLE, and the device turns warm and
 	// first in the slices while the other GPU stays lost.

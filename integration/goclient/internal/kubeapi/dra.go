@@ -108,3 +108,31 @@ func (s *Server) Bound(t testing.TB, ns, name, node string) *resourcev1.Resource
 	}
 	return claim
 }
+
+// Unschedulable waits (up to Settle) for the scheduler to report pod ns/name (of PodWithClaim) as
+// not fitting anywhere, and checks that it is unbound and Pending and its claim holds nothing.
+func Unschedulable(t testing.TB, admin kubernetes.Interface, ns, name string) {
+	t.Helper()
+	ctx := context.Background()
+	var pod *corev1.Pod
+	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, Settle, true, func(ctx context.Context) (bool, error) {
+		var err error
+		pod, err = admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
+		return err == nil && slices.ContainsFunc(pod.Status.Conditions, func(c corev1.PodCondition) bool {
+			return c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable
+		}), err
+	})
+	if err != nil {
+		t.Fatalf("pod %s never reported unschedulable: %v (status %+v)", name, err, pod.Status)
+	}
+	if pod.Spec.NodeName != "" || pod.Status.Phase != corev1.PodPending {
+		t.Fatalf("pod %s: node %q, phase %s; want unbound and Pending", name, pod.Spec.NodeName, pod.Status.Phase)
+	}
+	claim, err := admin.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if claim.Status.Allocation != nil {
+		t.Fatalf("claim of unschedulable pod %s is allocated: %+v", name, claim.Status.Allocation)
+	}
+}

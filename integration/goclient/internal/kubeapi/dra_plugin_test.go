@@ -107,7 +107,7 @@ func TestTheSlicesTaintEveryPlacementPrepareMustRefuseAndUntaintItOnceFree(t *te
 		t.Fatalf("a plain 1g.10gb claim got %s, want the first placement clear of them, gpu0-1g-10gb-at3", got)
 	}
 	kubeapi.PodWithClaim(t, node.Admin, node.Name, "whole", claimFor("7g.80gb"))
-	unschedulable(t, node.Admin, node.Name, "whole")
+	kubeapi.Unschedulable(t, node.Admin, node.Name, "whole")
 
 	// The foreign GI destroyed by its owner, the pod's instance released and reclaimed, the ERROR
 	// one destroyed by the reconciler.
@@ -140,7 +140,7 @@ func TestADeviceAClaimWasAllocatedKeepsItsCountersWhenARepublishTaintsIt(t *test
 	})
 
 	kubeapi.PodWithClaim(t, node.Admin, node.Name, "small", claimFor("1g.10gb"))
-	unschedulable(t, node.Admin, node.Name, "small")
+	kubeapi.Unschedulable(t, node.Admin, node.Name, "small")
 
 	if err := node.Admin.CoreV1().Pods(node.Name).Delete(ctx, "whole", *metav1.NewDeleteOptions(0)); err != nil {
 		t.Fatal(err)
@@ -169,7 +169,7 @@ func TestALostGPUCostsItsOwnDevicesOnlyAndTheOthersStillFollowTheirIdleSet(t *te
 	})
 
 	kubeapi.PodWithClaim(t, node.Admin, node.Name, "on-lost", gpuIs("1g.10gb", "GPU-1"))
-	unschedulable(t, node.Admin, node.Name, "on-lost")
+	kubeapi.Unschedulable(t, node.Admin, node.Name, "on-lost")
 
 	// An instance goes IDLE on the healthy GPU: its device turns warm and first.
 	put := time.Now()

@@ -6,13 +6,10 @@ import (
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	resourcev1 "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/Project-HAMi/hami-mig-sidecar/integration/goclient/internal/kubeapi"
@@ -156,34 +153,6 @@ func warmFirst(profile string) resourcev1.DeviceRequest {
 		{Name: "any", DeviceClassName: deviceClass, Selectors: profileIs(profile)}}}
 }
 
-// unschedulable waits for the scheduler to report pod name as not fitting anywhere, and checks that
-// its claim holds nothing.
-func unschedulable(t *testing.T, admin kubernetes.Interface, ns, name string) {
-	t.Helper()
-	ctx := context.Background()
-	var pod *corev1.Pod
-	err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, kubeapi.Settle, true, func(ctx context.Context) (bool, error) {
-		var err error
-		pod, err = admin.CoreV1().Pods(ns).Get(ctx, name, metav1.GetOptions{})
-		return err == nil && slices.ContainsFunc(pod.Status.Conditions, func(c corev1.PodCondition) bool {
-			return c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable
-		}), err
-	})
-	if err != nil {
-		t.Fatalf("pod %s never reported unschedulable: %v (status %+v)", name, err, pod.Status)
-	}
-	if pod.Spec.NodeName != "" || pod.Status.Phase != corev1.PodPending {
-		t.Fatalf("pod %s: node %q, phase %s; want unbound and Pending", name, pod.Spec.NodeName, pod.Status.Phase)
-	}
-	claim, err := admin.ResourceV1().ResourceClaims(ns).Get(ctx, name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if claim.Status.Allocation != nil {
-		t.Fatalf("claim of unschedulable pod %s is allocated: %+v", name, claim.Status.Allocation)
-	}
-}
-
 // device is the one device of results, checked to be this driver's in node's pool for GPU 0.
 func device(t *testing.T, node string, results []resourcev1.DeviceRequestAllocationResult) resourcev1.DeviceRequestAllocationResult {
 	t.Helper()
@@ -223,7 +192,7 @@ func TestSchedulerAllocatesMIGDevicesWithoutOverlappingMemorySlices(t *testing.T
 		t.Fatalf("memory slices used: %v", used)
 	}
 	kubeapi.PodWithClaim(t, admin, node, "no-fit", claimFor("1g.10gb"))
-	unschedulable(t, admin, node, "no-fit")
+	kubeapi.Unschedulable(t, admin, node, "no-fit")
 
 	ctx := context.Background()
 	if err := admin.CoreV1().Pods(node).Delete(ctx, "fits-1", *metav1.NewDeleteOptions(0)); err != nil {
