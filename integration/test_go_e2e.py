@@ -232,6 +232,7 @@ GO_E2E_TESTS = [
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
     "TestThePluginsNextColdDeviceIsFreedInTheBackgroundAndAClaimThereDestroysNothing",
     "TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet",
+    "TestTheSidecarsReserveLeavesTheDRAPluginsGPUToThePlugin",
 ]
 # These also start a real API server (integration/goclient/internal/kubeapi).
 GO_E2E_KUBEAPI = {
@@ -241,6 +242,7 @@ GO_E2E_KUBEAPI = {
     "TestHAMisDevicePluginAndTheDRAPluginOnOneSidecarNeverReleaseEachOthersInstances",
     "TestAClaimScheduledByTheRealSchedulerGetsAWarmInstanceBackWithNoGPUInstanceCreated",
     "TestALostGPUOfTheRealSidecarTaintsItsOwnDevicesOnlyAndTheOtherStillFollowsItsIdleSet",
+    "TestTheSidecarsReserveLeavesTheDRAPluginsGPUToThePlugin",
 }
 # These also run the real kube-scheduler against it.
 GO_E2E_SCHEDULER = {
@@ -257,6 +259,9 @@ GO_E2E_QUIET_RECONCILER = {
 # Its sidecar trims an instance idle longer than 8 s (the test's idleTTL), one of the changes the
 # idle annotation must follow.
 GO_E2E_IDLE_TTL = {"TestTheIdleAnnotationFollowsEveryChange": ["--idle-ttl", "8"]}
+
+# Its sidecar keeps a 3g.40gb placement ready on the node (the reserve, which the fixture turns off).
+GO_E2E_RESERVE = {"TestTheSidecarsReserveLeavesTheDRAPluginsGPUToThePlugin": ["--idle-reserve", "3g.40gb"]}
 
 # Their sidecar writes the driver's CDI spec (hami-mig-driver-cdi over the simulated node's driver
 # root), whose device the DRA plugin's prepare must hand out beside each instance's.
@@ -278,6 +283,8 @@ class TestGoEndToEndSuite:
             go_runner.car.restart(extra_args=["--reconcile-interval", "3600"])
         if name in GO_E2E_IDLE_TTL:
             go_runner.car.restart(extra_args=GO_E2E_IDLE_TTL[name])
+        if name in GO_E2E_RESERVE:
+            go_runner.car.restart(extra_args=GO_E2E_RESERVE[name])
         if name in GO_E2E_DRIVER_CDI:
             driver: go_harness.DriverCdiBinaries = request.getfixturevalue("driver_cdi_binaries")
             go_runner.car.restart(extra_args=["--driver-cdi-command", str(driver.command)])

@@ -242,6 +242,22 @@ def next_placements(values: Sequence[pb.NextPlacement]) -> list[Reservation]:
     return out
 
 
+MAX_GPUS = 64  # more GPUs than a node has; more names than this is not a real request
+
+
+def gpu_uuids(values: Sequence[str]) -> list[str]:
+    """GPUs a request names (KeepFree's), each checked for shape and named once (whether it exists
+    is the lifecycle's)."""
+    count = len(values)
+    require(count <= MAX_GPUS, f"gpu_uuids: {count} GPUs, more than {MAX_GPUS}", field="gpu_uuids")
+    for position, value in enumerate(values):
+        where = f"gpu_uuids[{position}]"
+        gpu_uuid(value, where)
+        if value in values[:position]:
+            raise _invalid(f"{where}: {quote_clipped(value)} named twice", where)
+    return list(values)
+
+
 MAX_MIG_UUIDS = 64  # a GPU holds at most 7 MIG devices; more names than this is not a real request
 
 

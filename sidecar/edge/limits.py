@@ -92,7 +92,8 @@ def largest_requests() -> dict[str, Message]:
                     placement=pb.Placement(start=_U32, size=_U32),
                 )
             ]
-            * decode.MAX_NEXT_PLACEMENTS
+            * decode.MAX_NEXT_PLACEMENTS,
+            gpu_uuids=[_GPU] * decode.MAX_GPUS,
         ),
         "ReclaimIdle": pb.ReclaimIdleRequest(
             gpu_uuid=_GPU, mig_uuids=[_MIG] * decode.MAX_MIG_UUIDS, force=True

@@ -387,7 +387,8 @@ class MigSidecarServicer:
         self, request: pb.KeepFreeRequest, context: Context
     ) -> pb.KeepFreeResponse:
         def answer() -> pb.KeepFreeResponse:
-            self.lifecycle.keep_free(decode.next_placements(request.next))
+            next_ = decode.next_placements(request.next)
+            self.lifecycle.keep_free(next_, decode.gpu_uuids(request.gpu_uuids))
             self.on_change()  # the idle trim frees them now, not at its next interval
             return pb.KeepFreeResponse()
 

@@ -112,10 +112,10 @@ class Lifecycle:
         """Destroy IDLE instances of a GPU (the named ones; none named: all); the one way to ask for it."""
         return reclaim.reclaim_idle(self._ctx, gpu_uuid, mig_uuids, force=force)
 
-    def keep_free(self, placements: Sequence[Reservation]) -> None:
-        """The placements the client's scheduler takes next: the idle trim keeps them free
-        (``idle_trim.set_keep_free``)."""
-        idle_trim.set_keep_free(self._ctx, placements)
+    def keep_free(self, placements: Sequence[Reservation], gpus: Sequence[str] = ()) -> None:
+        """The placements the client's scheduler takes next, on the GPUs it allocates: the idle trim
+        keeps them free (``idle_trim.set_keep_free``)."""
+        idle_trim.set_keep_free(self._ctx, placements, gpus)
 
     def set_mig_mode(
         self, gpu_uuid: str, enabled: bool, *, reclaim_idle: bool = False, force: bool = False

@@ -33,9 +33,13 @@ destroyed still counts as landing on an IDLE instance. Like ``last_asked`` it is
 
 The placements a client keeps free (``KeepFree``, cause ``next``) are trimmed for whatever the
 settings say, the reserve off included: the client asked, naming the placement its scheduler takes
-next. ``set_keep_free`` validates them as an Allocate's (a known GPU, a profile it has, a legal
-placement) and stamps them with the clock; like ``last_asked`` they are memory only, and the client
-names them again after a restart (it sees the sidecar's new incarnation).
+next. The GPUs that client names as its scheduler's are its own: the reserve and ``in_the_way``,
+guesses of what a scheduler takes next, leave them alone (the client lists their IDLE instances to
+its scheduler as warm, and a request steered onto one being destroyed waits, then creates); the TTL
+and the per-GPU cap, the operator's limits, still apply. ``set_keep_free`` validates them as an
+Allocate's (a known GPU, a profile it has, a legal placement) and stamps them with the clock; like
+``last_asked`` they are memory only, and the client names them again after a restart (it sees the
+sidecar's new incarnation).
 
 ``clock`` is injected (seconds since the epoch, the scale of the records' ``since`` stamps), so tests
 move time instead of sleeping.
@@ -74,14 +78,21 @@ _log = logging.getLogger(__name__)
 
 
 def set_keep_free(
-    ctx: LifecycleContext, placements: Sequence[Reservation], *, clock: Callable[[], float] = time.time
+    ctx: LifecycleContext,
+    placements: Sequence[Reservation],
+    gpus: Sequence[str] = (),
+    *,
+    clock: Callable[[], float] = time.time,
 ) -> None:
-    """Replace the placements the trim keeps free (``KeepFree``): NotRecovered before recovery,
-    UnknownGpu, UnknownProfile and IllegalPlacement as for an Allocate, and then nothing changes."""
+    """Replace the placements the trim keeps free and the GPUs the client allocates (``KeepFree``):
+    NotRecovered before recovery, UnknownGpu, UnknownProfile and IllegalPlacement as for an
+    Allocate, and then nothing changes."""
     ctx.require_recovered()
     for want in placements:
         require_legal(ctx.inventory.resolve_profile(want.gpu_uuid, want.profile), want)
-    ctx.keep_free = KeepFree(tuple(placements), clock())
+    for gpu in gpus:
+        ctx.inventory.gpu_info(gpu)
+    ctx.keep_free = KeepFree(tuple(placements), clock(), frozenset(gpus))
 
 
 class Trimmed(msgspec.Struct, frozen=True):
@@ -219,11 +230,16 @@ class IdleTrimmer:
         pending = gpu_views.pending_reservations(self.ctx)
         if nxt := keep_free(views, self.ctx.keep_free, pending=pending):
             return nxt
+        # The GPUs a KeepFree client allocates are its own: the reserve and in_the_way guess what a
+        # scheduler takes next, and would destroy IDLE instances that client's scheduler is about to
+        # be given (its slices list them warm).
+        client = self.ctx.keep_free.gpus
         reserve = {}
         if wanted := self._reserved:
             reserve = {
                 g: {p.name: p.placements for p in self.ctx.inventory.profiles(g) if p.name in wanted}
                 for g in gpus
+                if g not in client
             }
         per_gpu = trim(
             views,
@@ -235,8 +251,9 @@ class IdleTrimmer:
         )
         if per_gpu or not reserve or s.reserve_per_gpu:
             return per_gpu
-        return in_the_way(views, self.ctx.choices, reserve, pending=pending) or node_reserve(
-            views, reserve, pending=pending
+        guessed = [v for v in views if v.gpu_uuid not in client]
+        return in_the_way(guessed, self.ctx.choices, reserve, pending=pending) or node_reserve(
+            guessed, reserve, pending=pending
         )
 
     def _runs_processes(self, mig_uuid: str | None) -> bool:

@@ -107,10 +107,12 @@ class IdleSettings(msgspec.Struct, frozen=True):
 
 class KeepFree(msgspec.Struct, frozen=True):
     """The placements a client's scheduler takes next, each for its profile on its GPU, as the client
-    named them at ``at`` (the trimmer's clock: seconds since the epoch)."""
+    named them at ``at`` (the trimmer's clock: seconds since the epoch), and the GPUs that scheduler
+    allocates (``gpus``), whose IDLE instances are the client's to keep or free."""
 
     next: tuple[Reservation, ...] = ()
     at: float = 0.0
+    gpus: frozenset[str] = frozenset()
 
 
 class Trim(msgspec.Struct, frozen=True):

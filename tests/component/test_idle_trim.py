@@ -418,3 +418,29 @@ class TestKeepFree:
         idle = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
         world.lifecycle.keep_free([Reservation(world.uuid(0), "2g.20gb", Placement(0, 2))])
         assert reconcile(world, IdleSettings(), FAR_FUTURE) == [idle.mig_uuid]
+
+    def test_the_reserve_leaves_the_gpus_a_client_allocates_to_that_client(self, world: World) -> None:
+        """The node's 3g.40gb reserve would destroy the IDLE 2g.20gb in its way on GPU 0 (GPU 1 is full
+        of 1g): not while a KeepFree client names GPU 0 as one its scheduler allocates (it lists that
+        instance to its scheduler as warm); once the client no longer does, it goes."""
+        world.allocate("pod-a", (0, "1g.10gb", 0, 1))
+        blocker = idle_instance(world, "pod-c", (0, "2g.20gb", 4, 2))
+        world.allocate("pod-d", (1, "1g.10gb", 0, 1))
+        world.allocate("pod-e", (1, "1g.10gb", 4, 1))
+        node = IdleSettings(reserve=("3g.40gb",))
+        world.lifecycle.keep_free([], [world.uuid(0)])
+
+        assert reconcile(world, node, FAR_FUTURE) == []
+        assert states(world)[blocker.mig_uuid] is State.IDLE
+        with pytest.raises(errors.UnknownGpu):
+            world.lifecycle.keep_free([], [world.uuid(0), "GPU-00000000-0000-0000-0000-000000000000"])
+        assert reconcile(world, node, FAR_FUTURE) == []  # the refused call changed nothing
+
+        world.lifecycle.keep_free([])
+        assert reconcile(world, node, FAR_FUTURE) == [blocker.mig_uuid]
+        world.assert_consistent()
+
+    def test_the_ttl_still_applies_on_a_clients_gpus(self, world: World) -> None:
+        idle = idle_instance(world, "pod-a", (0, "1g.10gb", 0, 1))
+        world.lifecycle.keep_free([], [world.uuid(0)])
+        assert reconcile(world, IdleSettings(ttl_s=60.0), went_idle_at(world, idle) + 61.0) == [idle.mig_uuid]

@@ -246,6 +246,7 @@ RPCS: dict[str, tuple[Callable[..., Any], st.SearchStrategy[Any]]] = {
                 st.builds(pb.NextPlacement, gpu_uuid=gpu_uuids(), profile=PROFILES, placement=placements()),
                 max_size=3,
             ),
+            gpu_uuids=st.lists(gpu_uuids(), max_size=3),
         ),
     ),
     "RankPlacements": (

@@ -78,4 +78,12 @@ def test_bad_requests_name_their_reason_and_change_nothing(sidecar: Sidecar) -> 
         grpc.StatusCode.INVALID_ARGUMENT,
         "INVALID_REQUEST",
     )
+    unknown = "GPU-00000000-0000-0000-0000-000000000000"
+    for gpus, code, reason in (
+        (["not-a-gpu"], grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
+        ([gpu, gpu], grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST"),
+        ([gpu, unknown], grpc.StatusCode.NOT_FOUND, "UNKNOWN_GPU"),
+    ):
+        request = pb.KeepFreeRequest(gpu_uuids=gpus)
+        assert failure(lambda r=request: sidecar.stub.KeepFree(r, timeout=CALL_TIMEOUT_S))[:2] == (code, reason)
     assert (snapshot_dir(sidecar.state_dir), sidecar.hardware()) == before

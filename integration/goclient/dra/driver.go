@@ -133,6 +133,19 @@ func (d *Driver) keepFree() []Device {
 	return d.next
 }
 
+// servedGPUs are the UUIDs of the GPUs the plugin serves, which it names to the sidecar as its own
+// with KeepFree: the sidecar's reserve then leaves their IDLE instances, which the slices list
+// warm, to the plugin.
+func (d *Driver) servedGPUs() []string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]string, 0, len(d.gpus))
+	for _, g := range d.gpus {
+		out = append(out, g.UUID)
+	}
+	return out
+}
+
 // nextCold are the devices of m to keep free (Model.NextCold) of the profiles prepares asked for
 // within Options.KeepFreeWithin; none with DestroyAtUnprepare, which keeps no IDLE instance. d.mu
 // is held.

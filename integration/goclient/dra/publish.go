@@ -28,8 +28,10 @@ import (
 // (Model.NextCold) with KeepFree: the sidecar's background trim destroys the IDLE instances over
 // it, so that claim creates at once. The model already lists it free and those instances cold
 // (refresh), and the trim starts only after that publish: a claim steered onto an instance the trim
-// is destroying would wait for the destroy, then create. A sidecar that predates KeepFree is asked
-// again only once it restarted.
+// is destroying would wait for the destroy, then create. It names the GPUs it serves with them: the
+// sidecar's own reserve (--idle-reserve, on a sidecar shared with HAMi's device plugin) then leaves
+// their IDLE instances, which the slices list warm, to the plugin. A sidecar that predates KeepFree
+// is asked again only once it restarted.
 
 // Run's periods unless set in Options.
 const (
@@ -128,7 +130,7 @@ func (k *keepFreeState) send(ctx context.Context, d *Driver, info migclient.Info
 	for _, dev := range d.keepFree() {
 		next = append(next, migclient.NextPlacement{GPUUUID: dev.GPUUUID, Profile: dev.Profile, Placement: dev.Placement})
 	}
-	err := d.c.KeepFree(ctx, next)
+	err := d.c.KeepFree(ctx, next, d.servedGPUs()...)
 	switch {
 	case migclient.CodeOf(err) == codes.Unimplemented:
 		d.opts.Log("the sidecar predates KeepFree: a cold claim over IDLE instances waits for their destroys")

@@ -115,9 +115,13 @@ type NextPlacement struct {
 // that comes there creates without waiting for destroys. Each call replaces the last one's set;
 // the sidecar keeps it in memory only, so a client names it again after the sidecar restarted.
 // A sidecar that predates the call answers codes.Unimplemented.
-func (c *Client) KeepFree(ctx context.Context, next []NextPlacement) error {
+//
+// gpus are the GPUs the client's scheduler allocates: their IDLE instances are the client's to
+// keep or free through next, and the sidecar's own reserve (--idle-reserve) trims nothing there. A
+// sidecar that predates them ignores them.
+func (c *Client) KeepFree(ctx context.Context, next []NextPlacement, gpus ...string) error {
 	const op = "KeepFree"
-	req := &pb.KeepFreeRequest{Next: make([]*pb.NextPlacement, 0, len(next))}
+	req := &pb.KeepFreeRequest{Next: make([]*pb.NextPlacement, 0, len(next)), GpuUuids: gpus}
 	for _, n := range next {
 		req.Next = append(req.Next, &pb.NextPlacement{GpuUuid: n.GPUUUID, Profile: n.Profile,
 			Placement: &pb.Placement{Start: n.Placement.Start, Size: n.Placement.Size}})

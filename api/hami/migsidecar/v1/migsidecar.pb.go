@@ -3379,8 +3379,14 @@ func (x *InstanceHealthUpdate) GetXid64() uint64 {
 }
 
 type KeepFreeRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Next          []*NextPlacement       `protobuf:"bytes,1,rep,name=next,proto3" json:"next,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Next  []*NextPlacement       `protobuf:"bytes,1,rep,name=next,proto3" json:"next,omitempty"`
+	// The GPUs the client's scheduler allocates, each at most once: their IDLE instances are the
+	// client's to keep or free through next. The sidecar's own guesses of what a scheduler takes
+	// next (the reserve of --idle-reserve, and the trim of what is in a blind scheduler's way)
+	// leave them alone while this set stands; the TTL and the per-GPU cap still apply. Empty: none
+	// (a client that predates the field). Replaced with next by each call.
+	GpuUuids      []string `protobuf:"bytes,2,rep,name=gpu_uuids,json=gpuUuids,proto3" json:"gpu_uuids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -3418,6 +3424,13 @@ func (*KeepFreeRequest) Descriptor() ([]byte, []int) {
 func (x *KeepFreeRequest) GetNext() []*NextPlacement {
 	if x != nil {
 		return x.Next
+	}
+	return nil
+}
+
+func (x *KeepFreeRequest) GetGpuUuids() []string {
+	if x != nil {
+		return x.GpuUuids
 	}
 	return nil
 }
@@ -3771,9 +3784,10 @@ const file_hami_migsidecar_v1_migsidecar_proto_rawDesc = "" +
 	"\x03xid\x18\b \x01(\rR\x03xid\x12\x18\n" +
 	"\acurrent\x18\t \x01(\bR\acurrent\x12\x14\n" +
 	"\x05xid64\x18\n" +
-	" \x01(\x04R\x05xid64\"H\n" +
+	" \x01(\x04R\x05xid64\"e\n" +
 	"\x0fKeepFreeRequest\x125\n" +
-	"\x04next\x18\x01 \x03(\v2!.hami.migsidecar.v1.NextPlacementR\x04next\"\x81\x01\n" +
+	"\x04next\x18\x01 \x03(\v2!.hami.migsidecar.v1.NextPlacementR\x04next\x12\x1b\n" +
+	"\tgpu_uuids\x18\x02 \x03(\tR\bgpuUuids\"\x81\x01\n" +
 	"\rNextPlacement\x12\x19\n" +
 	"\bgpu_uuid\x18\x01 \x01(\tR\agpuUuid\x12\x18\n" +
 	"\aprofile\x18\x02 \x01(\tR\aprofile\x12;\n" +

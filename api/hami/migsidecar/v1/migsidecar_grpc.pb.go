@@ -89,7 +89,8 @@ type MigSidecarClient interface {
 	// The placements the client's scheduler takes next for a request that finds no IDLE instance of
 	// its profile, at most one per (GPU, profile): the background trim destroys the IDLE instances
 	// over them, off the request's path, so that request creates without waiting for destroys. Each
-	// call replaces the set the last one gave (an empty one clears it); in memory only.
+	// call replaces the set the last one gave (an empty one clears it); in memory only. The GPUs it
+	// names (gpu_uuids) are the client's: the sidecar's reserve trims nothing there.
 	KeepFree(ctx context.Context, in *KeepFreeRequest, opts ...grpc.CallOption) (*KeepFreeResponse, error)
 }
 
@@ -300,7 +301,8 @@ type MigSidecarServer interface {
 	// The placements the client's scheduler takes next for a request that finds no IDLE instance of
 	// its profile, at most one per (GPU, profile): the background trim destroys the IDLE instances
 	// over them, off the request's path, so that request creates without waiting for destroys. Each
-	// call replaces the set the last one gave (an empty one clears it); in memory only.
+	// call replaces the set the last one gave (an empty one clears it); in memory only. The GPUs it
+	// names (gpu_uuids) are the client's: the sidecar's reserve trims nothing there.
 	KeepFree(context.Context, *KeepFreeRequest) (*KeepFreeResponse, error)
 	mustEmbedUnimplementedMigSidecarServer()
 }

@@ -599,10 +599,12 @@ class InstanceHealthUpdate(_message.Message):
     def __init__(self, gpu_uuid: _Optional[str] = ..., profile: _Optional[str] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., mig_uuid: _Optional[str] = ..., gpu_instance_id: _Optional[int] = ..., compute_instance_id: _Optional[int] = ..., health: _Optional[_Union[InstanceHealth, str]] = ..., xid: _Optional[int] = ..., current: _Optional[bool] = ..., xid64: _Optional[int] = ...) -> None: ...
 
 class KeepFreeRequest(_message.Message):
-    __slots__ = ("next",)
+    __slots__ = ("next", "gpu_uuids")
     NEXT_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     next: _containers.RepeatedCompositeFieldContainer[NextPlacement]
-    def __init__(self, next: _Optional[_Iterable[_Union[NextPlacement, _Mapping]]] = ...) -> None: ...
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, next: _Optional[_Iterable[_Union[NextPlacement, _Mapping]]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NextPlacement(_message.Message):
     __slots__ = ("gpu_uuid", "profile", "placement")
