@@ -85,5 +85,6 @@ def test_bad_requests_name_their_reason_and_change_nothing(sidecar: Sidecar) -> 
         ([gpu, unknown], grpc.StatusCode.NOT_FOUND, "UNKNOWN_GPU"),
     ):
         request = pb.KeepFreeRequest(gpu_uuids=gpus)
-        assert failure(lambda r=request: sidecar.stub.KeepFree(r, timeout=CALL_TIMEOUT_S))[:2] == (code, reason)
+        refused = failure(lambda r=request: sidecar.stub.KeepFree(r, timeout=CALL_TIMEOUT_S))
+        assert refused[:2] == (code, reason)
     assert (snapshot_dir(sidecar.state_dir), sidecar.hardware()) == before
