@@ -188,10 +188,6 @@ const (
 	TaintGPUUnreadable   = "gpu-unreadable"
 )
 
-func overlap(a, b migclient.Placement) bool {
-	return a.Start < b.Start+b.Size && b.Start < a.Start+a.Size
-}
-
 // rank orders the devices by what preparing a claim on one costs the sidecar: 0 warm (a reuse,
 // no create), 1 cold on memory slices no IDLE instance holds (one create), then cold over n IDLE
 // instances, 1+n (the sidecar destroys each inline before it creates: the slowest prepares, and
@@ -207,15 +203,12 @@ func rank(d Device, idle []migclient.Placement, tainted bool) int {
 	}
 	r := 1
 	for _, p := range idle {
-		if overlap(d.Placement, p) {
+		if d.Placement.Overlaps(p) {
 			r++
 		}
 	}
 	return r
 }
-
-// WarmFromState is the warm set of a GetState answer: every IDLE, healthy instance.
-func WarmFromState(st *pb.GetStateResponse) map[Placed]bool { return ViewOf(st).Warm }
 
 // ViewOf reads a GetState answer: IDLE, healthy instances are warm; a claim's healthy instances
 // are held; foreign GIs, instances owned by a pod, ERROR ones and FAULTED ones no claim holds
@@ -267,7 +260,7 @@ func (v View) taint(d Device) string {
 		return TaintGPUUnreadable
 	}
 	for _, b := range v.Blocked[d.GPUUUID] {
-		if overlap(d.Placement, b.Placement) {
+		if d.Placement.Overlaps(b.Placement) {
 			return b.Why
 		}
 	}
@@ -278,7 +271,7 @@ func (v View) taint(d Device) string {
 // IDLE instances overlapping one are gone from Warm and Idle.
 func (v View) Trimmed(next []Device) View {
 	doomed := func(gpu string, p migclient.Placement) bool {
-		return slices.ContainsFunc(next, func(d Device) bool { return d.GPUUUID == gpu && overlap(d.Placement, p) })
+		return slices.ContainsFunc(next, func(d Device) bool { return d.GPUUUID == gpu && d.Placement.Overlaps(p) })
 	}
 	out := v
 	out.Warm, out.Idle = map[Placed]bool{}, map[string][]migclient.Placement{}
@@ -407,7 +400,7 @@ func (m *Model) NextCold() []Device {
 	seen := map[string]bool{}
 	for _, d := range m.devices {
 		if d.Warm || m.tainted[d.Name] != "" || seen[d.Profile] ||
-			slices.ContainsFunc(m.held[d.GPUUUID], func(p migclient.Placement) bool { return overlap(d.Placement, p) }) {
+			slices.ContainsFunc(m.held[d.GPUUUID], d.Placement.Overlaps) {
 			continue
 		}
 		seen[d.Profile] = true

@@ -15,6 +15,11 @@ type Placement struct {
 
 func (p Placement) String() string { return fmt.Sprintf("%d:%d", p.Start, p.Size) }
 
+// Overlaps reports whether p and q share a memory slice (two GPU instances never may).
+func (p Placement) Overlaps(q Placement) bool {
+	return p.Start < q.Start+q.Size && q.Start < p.Start+p.Size
+}
+
 // PodRef names the pod that holds an allocation.
 type PodRef struct {
 	UID       string

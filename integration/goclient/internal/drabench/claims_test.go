@@ -191,9 +191,7 @@ func settled(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclien
 			maps.Copy(want, view.Held)
 		}
 		overlaps := func(ps []migclient.Placement, p dra.Placed) bool {
-			return slices.ContainsFunc(ps, func(q migclient.Placement) bool {
-				return q.Start < p.Placement.Start+p.Placement.Size && p.Placement.Start < q.Start+q.Size
-			})
+			return slices.ContainsFunc(ps, p.Placement.Overlaps)
 		}
 		held := map[string][]migclient.Placement{}
 		for p := range view.Held {
@@ -329,7 +327,7 @@ func overIdle(ctx context.Context, b *testing.B, n *fakekubelet.Node, c *migclie
 	}
 	view, count := dra.ViewOf(st), 0
 	for _, p := range view.Idle[d.GPUUUID] {
-		if p != d.Placement && p.Start < d.Placement.Start+d.Placement.Size && d.Placement.Start < p.Start+p.Size {
+		if p != d.Placement && p.Overlaps(d.Placement) {
 			count++
 		}
 	}
