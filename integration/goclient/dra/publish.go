@@ -85,7 +85,9 @@ func (d *Driver) Run(ctx context.Context, publish PublishFunc) {
 				built, builtAt, unsent = true, info.Revision, true
 			}
 			if wait := time.Until(next); wait > 0 { // the slices wait for MinInterval
-				deferred = time.After(wait)
+				if deferred == nil {
+					deferred = time.After(wait)
+				}
 				break
 			}
 			if res := d.Model().Resources(); last == nil || !apiequality.Semantic.DeepEqual(*last, res) {
